@@ -1,0 +1,1 @@
+"""CTA-pipelining: dependent kernels spread over the GPUs of one NVLink domain."""

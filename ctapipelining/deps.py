@@ -1,0 +1,363 @@
+"""The dependency structure of CTA-pipelining: tile grids, dependency arrays, counters,
+tile orders, policies and epochs. Pure Python/NumPy; the same objects drive the Triton
+kernels, the CPU reference executor (:mod:`ctapipelining.refexec`) and the simulator.
+
+The protocol
+------------
+A chain of *stages* runs concurrently, one per device. Stage ``s`` writes an output matrix
+``[M, N_s]`` tile by tile (``BLOCK_M x BLOCK_N`` per tile) straight into the memory of stage
+``s + 1``. Between two consecutive stages we build:
+
+* the **dependency array**: for each consumer tile, the producer tiles it reads. A *rule*
+  decides it from row and column ranges. In a GEMM chain (:class:`GemmRule`) consumer rows
+  ``[r0, r1)`` read the producer's rows ``[r0, r1)`` across all of its columns (its K), so
+  they need every producer tile whose rows overlap ``[r0, r1)``, whatever the two BLOCK_M
+  are and whether or not M divides them. In an element-wise stage (:class:`ElementwiseRule`)
+  a consumer tile needs the producer tiles that overlap it in rows *and* columns.
+* **counters** (the scoreboard): consumer tiles with identical dependency sets share one
+  counter; in a GEMM chain that is one counter per consumer row-block. ``need[c]`` is the
+  number of producer tiles that bump counter ``c``.
+* the **signal lists**: for each producer tile, the counters it bumps (CSR, int32).
+* the **push lists**: for each counter, the consumer tiles that become ready when it fills
+  (CSR, int32). Under the ``workqueue`` policy the producer whose bump fills a counter pushes
+  them into the consumer's ring.
+
+Epochs
+------
+Counters only grow. In run (epoch) ``e = 1, 2, ...`` counter ``c`` is full when
+``count >= e * need[c]``, so back-to-back runs need no reset and a run can be captured in a
+CUDA graph. The work-queue grows the same way:
+
+* ``tail``: producers ``fetch_add`` it; after epoch ``e`` it is exactly ``e * T`` (``T``
+  consumer tiles a run). Slot ``pos`` of the ring (capacity ``T``) holds the tagged value
+  ``lap * T + tile`` with ``lap = pos // T + 1`` (== the epoch), so a consumer knows a slot is
+  filled *for this run* when its value is ``>= e * T``; values in a slot only grow.
+* ``head``: consumer CTAs ``fetch_add`` it to claim a position. Each of the ``P`` consumer
+  CTAs claims until it gets a position past the run's ``T`` tiles, so a run moves the head by
+  exactly ``T + P``: run ``e`` numbers its claims from ``(e - 1) * (T + P)``.
+
+Everything is int32 on the device; :func:`epoch_limit` says how many runs fit before the
+owner must reset (zero) the counters and queue and restart at epoch 1.
+
+Policies and orders are separate
+--------------------------------
+A *tile order* is a permutation of tile ids (row-major ids ``pm * num_n + pn``): the order a
+persistent kernel's CTA loop visits positions ``pid, pid + P, ...``. A *policy* says how a
+consumer decides what to run next: ``static`` runs tiles in the order and waits on each one's
+counter (cuSync-style); ``workqueue`` runs them in the order they became ready (the paper's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+
+# --------------------------------------------------------------------------- tile grids
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """The output tiles of one stage: an ``[M, N]`` matrix in ``BLOCK_M x BLOCK_N`` tiles.
+
+    Tile ids are row-major: ``tile = pm * num_n + pn``. Edge tiles are smaller when the sizes
+    do not divide the blocks.
+    """
+
+    M: int
+    N: int
+    block_m: int
+    block_n: int
+
+    def __post_init__(self):
+        for name in ("M", "N", "block_m", "block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"TileGrid.{name} must be a positive int, got {v!r}")
+
+    @property
+    def num_m(self) -> int:
+        return -(-self.M // self.block_m)
+
+    @property
+    def num_n(self) -> int:
+        return -(-self.N // self.block_n)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_m * self.num_n
+
+    def coords(self, tile: int) -> tuple[int, int]:
+        """``(pm, pn)`` of a row-major tile id."""
+        if not 0 <= tile < self.num_tiles:
+            raise IndexError(f"tile {tile} outside grid of {self.num_tiles} tiles")
+        return divmod(int(tile), self.num_n)
+
+    def rows(self, pm: int) -> tuple[int, int]:
+        """Half-open row range of row-block ``pm``."""
+        return pm * self.block_m, min((pm + 1) * self.block_m, self.M)
+
+    def cols(self, pn: int) -> tuple[int, int]:
+        """Half-open column range of column-block ``pn``."""
+        return pn * self.block_n, min((pn + 1) * self.block_n, self.N)
+
+    def tile_slices(self, tile: int) -> tuple[slice, slice]:
+        pm, pn = self.coords(tile)
+        return slice(*self.rows(pm)), slice(*self.cols(pn))
+
+
+def _blocks_covering(lo: int, hi: int, block: int) -> range:
+    """Indices of the blocks of size ``block`` that overlap ``[lo, hi)``."""
+    return range(lo // block, (hi - 1) // block + 1)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class GemmRule:
+    """Consumer ``out = in @ W``: consumer rows ``[r0, r1)`` read every column of the producer's
+    rows ``[r0, r1)``, so they need all producer tiles overlapping those rows."""
+
+    name: str = "gemm"
+
+    def check(self, producer: TileGrid, consumer: TileGrid, consumer_k: int | None = None) -> None:
+        if producer.M != consumer.M:
+            raise ValueError(f"gemm rule: producer M={producer.M} != consumer M={consumer.M}")
+        if consumer_k is not None and consumer_k != producer.N:
+            raise ValueError(f"gemm rule: consumer K={consumer_k} != producer N={producer.N}")
+
+    def needs(self, producer: TileGrid, consumer: TileGrid, tile: int) -> tuple[range, range]:
+        """``(producer row-blocks, producer column-blocks)`` the consumer tile reads."""
+        cm, _ = consumer.coords(tile)
+        return _blocks_covering(*consumer.rows(cm), producer.block_m), range(producer.num_n)
+
+
+@dataclass(frozen=True)
+class ElementwiseRule:
+    """Consumer ``out = f(in)`` tile by tile: a consumer tile needs the producer tiles that
+    overlap it in rows and columns (the same tile when both grids agree)."""
+
+    name: str = "elementwise"
+
+    def check(self, producer: TileGrid, consumer: TileGrid, consumer_k: int | None = None) -> None:
+        if (producer.M, producer.N) != (consumer.M, consumer.N):
+            raise ValueError(
+                f"elementwise rule: producer [{producer.M}, {producer.N}] != consumer [{consumer.M}, {consumer.N}]"
+            )
+
+    def needs(self, producer: TileGrid, consumer: TileGrid, tile: int) -> tuple[range, range]:
+        cm, cn = consumer.coords(tile)
+        return (
+            _blocks_covering(*consumer.rows(cm), producer.block_m),
+            _blocks_covering(*consumer.cols(cn), producer.block_n),
+        )
+
+
+Rule = GemmRule | ElementwiseRule
+RULES: dict[str, Rule] = {"gemm": GemmRule(), "elementwise": ElementwiseRule()}
+
+
+# --------------------------------------------------------------------------- dependency
+
+
+def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(lists) + 1, dtype=np.int32)
+    ptr[1:] = np.cumsum([len(x) for x in lists], dtype=np.int64)
+    flat = np.fromiter((v for x in lists for v in x), dtype=np.int32, count=int(ptr[-1]))
+    return ptr, flat
+
+
+@dataclass(frozen=True, eq=False)
+class Dependency:
+    """Dependency arrays, counters and CSR lists between one producer and one consumer stage.
+
+    Attributes (all int32 NumPy arrays, ready to copy to a GPU)
+    ----------
+    counter_of_tile : ``[consumer.num_tiles]`` the counter each consumer tile waits on.
+    need : ``[num_counters]`` producer tiles that bump each counter.
+    signal_ptr, signal_counters : CSR, producer tile ``p`` bumps
+        ``signal_counters[signal_ptr[p]:signal_ptr[p + 1]]``.
+    push_ptr, push_tiles : CSR, counter ``c`` readies consumer tiles
+        ``push_tiles[push_ptr[c]:push_ptr[c + 1]]`` (ascending ids).
+    """
+
+    producer: TileGrid
+    consumer: TileGrid
+    rule: Rule
+    counter_of_tile: np.ndarray
+    need: np.ndarray
+    signal_ptr: np.ndarray
+    signal_counters: np.ndarray
+    push_ptr: np.ndarray
+    push_tiles: np.ndarray
+    _needs: tuple[tuple[int, ...], ...] = field(repr=False)
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.need)
+
+    def needs(self, consumer_tile: int) -> tuple[int, ...]:
+        """Producer tile ids (ascending) that consumer tile ``consumer_tile`` reads."""
+        return self._needs[self.counter_of_tile[consumer_tile]]
+
+    def signals(self, producer_tile: int) -> np.ndarray:
+        return self.signal_counters[self.signal_ptr[producer_tile] : self.signal_ptr[producer_tile + 1]]
+
+    def pushes(self, counter: int) -> np.ndarray:
+        return self.push_tiles[self.push_ptr[counter] : self.push_ptr[counter + 1]]
+
+    @cached_property
+    def max_need(self) -> int:
+        return int(self.need.max())
+
+
+def build_dependency(
+    producer: TileGrid, consumer: TileGrid, rule: Rule | str = "gemm", consumer_k: int | None = None
+) -> Dependency:
+    """Dependency arrays from ``producer`` tiles to ``consumer`` tiles under ``rule``.
+
+    Consumer tiles whose dependency sets are identical share one counter; counters are
+    numbered in order of their first consumer tile (so a GEMM chain gets one counter per
+    consumer row-block, counter ``c`` == row-block ``c``).
+    """
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}; choose from {sorted(RULES)}")
+        rule = RULES[rule]
+    rule.check(producer, consumer, consumer_k)
+    counter_of_key: dict[tuple, int] = {}
+    counter_of_tile = np.empty(consumer.num_tiles, dtype=np.int32)
+    needs: list[tuple[int, ...]] = []
+    push: list[list[int]] = []
+    for t in range(consumer.num_tiles):
+        rows, cols = rule.needs(producer, consumer, t)
+        key = (rows.start, rows.stop, cols.start, cols.stop)
+        c = counter_of_key.get(key)
+        if c is None:
+            c = counter_of_key[key] = len(needs)
+            needs.append(tuple(pm * producer.num_n + pn for pm in rows for pn in cols))
+            push.append([])
+        counter_of_tile[t] = c
+        push[c].append(t)
+    signal: list[list[int]] = [[] for _ in range(producer.num_tiles)]
+    for c, tiles in enumerate(needs):
+        for p in tiles:
+            signal[p].append(c)
+    signal_ptr, signal_counters = _csr(signal)
+    push_ptr, push_tiles = _csr(push)
+    return Dependency(
+        producer=producer,
+        consumer=consumer,
+        rule=rule,
+        counter_of_tile=counter_of_tile,
+        need=np.array([len(x) for x in needs], dtype=np.int32),
+        signal_ptr=signal_ptr,
+        signal_counters=signal_counters,
+        push_ptr=push_ptr,
+        push_tiles=push_tiles,
+        _needs=tuple(needs),
+    )
+
+
+# --------------------------------------------------------------------------- tile orders
+
+
+def grouped_tile(pos: int, num_m: int, num_n: int, group_m: int) -> int:
+    """Row-major tile id visited at position ``pos`` of the grouped order.
+
+    The same arithmetic as the kernels' ``_tile_coords`` (Triton's persistent-matmul
+    tutorial): groups of ``group_m`` row-blocks, column-major inside a group. ``group_m = 1``
+    is plain row-major.
+    """
+    per_group = group_m * num_n
+    group = pos // per_group
+    first_m = group * group_m
+    size_m = min(num_m - first_m, group_m)
+    pm = first_m + (pos % per_group) % size_m
+    pn = (pos % per_group) // size_m
+    return pm * num_n + pn
+
+
+def tile_order(grid: TileGrid, group_m: int = 1) -> np.ndarray:
+    """Permutation ``order[pos] = tile`` of the grouped order (``group_m = 1``: row-major).
+
+    Why it matters for pipelining: a GEMM-chain counter fills only when a whole producer
+    row-block is written. Row-major (``group_m = 1``) completes row-blocks one after another,
+    so consumers start after about ``num_n / P`` of a wave; a group of ``g`` row-blocks is
+    finished only when the whole group is, so consumers wait ``g * num_n`` tiles. Larger
+    groups reuse the weight in L2 better; pick the smallest group that keeps the GEMM fast.
+    """
+    if group_m < 1:
+        raise ValueError(f"group_m must be >= 1, got {group_m}")
+    return np.array([grouped_tile(p, grid.num_m, grid.num_n, group_m) for p in range(grid.num_tiles)], dtype=np.int32)
+
+
+# --------------------------------------------------------------------------- policies
+
+PolicyName = Literal["workqueue", "static"]
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """Consumer CTA ``pid`` of ``P`` runs ``order[pid::P]`` and waits on each tile's counter."""
+
+    name: str = "static"
+    uses_queue: bool = False
+
+    def tiles_of_cta(self, order: np.ndarray, pid: int, num_ctas: int) -> np.ndarray:
+        return order[pid::num_ctas]
+
+
+@dataclass(frozen=True)
+class WorkQueuePolicy:
+    """Consumer CTAs claim queue positions from the head and run tiles in readiness order;
+    the producer that fills a counter pushes that counter's tiles."""
+
+    name: str = "workqueue"
+    uses_queue: bool = True
+
+
+Policy = StaticPolicy | WorkQueuePolicy
+POLICIES: dict[str, Policy] = {"static": StaticPolicy(), "workqueue": WorkQueuePolicy()}
+
+
+def get_policy(policy: Policy | str) -> Policy:
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+        return POLICIES[policy]
+    return policy
+
+
+def wait_target(dep: Dependency, tile: int, epoch: int) -> tuple[int, int]:
+    """``(counter, value)``: consumer tile ``tile`` may run in ``epoch`` once
+    ``counter >= value``."""
+    c = int(dep.counter_of_tile[tile])
+    return c, epoch * int(dep.need[c])
+
+
+def fills(dep: Dependency, counter: int, old: int, epoch: int) -> bool:
+    """Whether the bump that read ``old`` is the one that fills ``counter`` in ``epoch``."""
+    return old + 1 == epoch * int(dep.need[counter])
+
+
+def slot_value(pos: int, num_tiles: int, tile: int) -> int:
+    """Tagged ring value for queue position ``pos``: ``lap * T + tile``, ``lap = pos // T + 1``."""
+    return (pos // num_tiles + 1) * num_tiles + tile
+
+
+def head_base(epoch: int, num_tiles: int, num_ctas: int) -> int:
+    """First head value of ``epoch``: each run moves the head by ``T + P``."""
+    return (epoch - 1) * (num_tiles + num_ctas)
+
+
+def epoch_limit(dep: Dependency, num_ctas: int) -> int:
+    """Largest epoch whose counters, tail, slots and head all stay within int32."""
+    t = dep.consumer.num_tiles
+    per_epoch = max(dep.max_need, t, t + num_ctas)
+    return (INT32_MAX - t) // per_epoch

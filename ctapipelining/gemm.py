@@ -1,0 +1,184 @@
+"""Host wrapper of the persistent GEMM (:mod:`ctapipelining.kernels.gemm`).
+
+:func:`matmul` is the plain GEMM (both hooks off). :func:`launch_gemm` is what a pipeline
+stage calls, with a :class:`WaitHook` (its own scoreboard) and/or a :class:`SignalHook` (the
+next stage's). Inputs are checked here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .kernels.gemm import GemmConfig, gemm_kernel
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few CTAs, run one after another
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class WaitHook:
+    """This stage's scoreboard (in its own memory): wait on counters, or on the ring."""
+
+    counters: torch.Tensor
+    counter_of_tile: torch.Tensor
+    need: torch.Tensor
+    slots: torch.Tensor
+    head: torch.Tensor
+    queue: bool
+
+
+@dataclass
+class SignalHook:
+    """The next stage's scoreboard (in its memory) and this stage's CSR lists (in ours)."""
+
+    counters: torch.Tensor
+    signal_ptr: torch.Tensor
+    signal_counters: torch.Tensor
+    need: torch.Tensor
+    push_ptr: torch.Tensor
+    push_tiles: torch.Tensor
+    slots: torch.Tensor
+    tail: torch.Tensor
+    consumer_tiles: int
+    push_block: int
+    queue: bool
+
+
+def check_tensor(t: torch.Tensor, name: str) -> None:
+    """Raise a clear error for a matrix the TMA GEMM cannot read."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major)")
+    if t.shape[1] * t.element_size() % 16:
+        raise ValueError(
+            f"{name}: rows of {t.shape[1]} elements are not a multiple of 16 bytes (TMA needs it); "
+            f"pad the last dimension to a multiple of {16 // t.element_size()}"
+        )
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {t.device}; the GEMM runs on CUDA devices (or under TRITON_INTERPRET=1)")
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
+    """Raise a clear error for operands the TMA GEMM cannot take."""
+    check_tensor(a, f"{what}: A")
+    check_tensor(b, f"{what}: B")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{what}: A is {a.dtype} but B is {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{what}: A is on {a.device} but B is on {b.device}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
+
+
+def launch_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    config: GemmConfig,
+    num_ctas: int,
+    *,
+    wait: WaitHook | None = None,
+    signal: SignalHook | None = None,
+    epoch: torch.Tensor | None = None,
+    err: torch.Tensor | None = None,
+    stage: int = 0,
+    timeout_ns: int = 1_000_000_000,
+) -> None:
+    """Launch the GEMM on ``a.device``'s current stream (operands already checked).
+
+    ``c`` ([M, N], row-major, rows may be padded) may live on another GPU with peer access.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    cfg = config
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
+    dummy = epoch if epoch is not None else torch.zeros(1, dtype=torch.int32, device=a.device)
+    w = wait or WaitHook(dummy, dummy, dummy, dummy, dummy, False)
+    s = signal or SignalHook(dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, 1, 1, False)
+    if wait is not None and signal is not None and wait.queue != signal.queue:
+        raise ValueError("a stage's input and output links must use the same policy")
+    queue = wait.queue if wait is not None else s.queue
+    gemm_kernel[(num_ctas,)](
+        a_desc,
+        b_desc,
+        c,
+        w.counters,
+        w.counter_of_tile,
+        w.need,
+        w.slots,
+        w.head,
+        s.counters,
+        s.signal_ptr,
+        s.signal_counters,
+        s.need,
+        s.push_ptr,
+        s.push_tiles,
+        s.slots,
+        s.tail,
+        dummy if epoch is None else epoch,
+        dummy if err is None else err,
+        M,
+        N,
+        triton.cdiv(K, cfg.block_k),
+        c.stride(0),
+        s.consumer_tiles,
+        stage,
+        timeout_ns,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_CTAS=num_ctas,
+        WAIT_INPUT=wait is not None,
+        SIGNAL_OUTPUT=signal is not None,
+        QUEUE=queue,
+        PUSH_BLOCK=s.push_block,
+        INTERPRET=interpreting(),
+        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+
+
+def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
+    """Persistent grid: one CTA per SM, fewer when there are fewer tiles."""
+    return max(1, min(num_sms(device), triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)))
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """Plain persistent GEMM ``a @ b`` (both hooks off). ``out`` may be on a peer GPU."""
+    check_operands(a, b)
+    cfg = config or GemmConfig()
+    M, N = a.shape[0], b.shape[1]
+    if out is None:
+        out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != a.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-major [{M}, {N}] {a.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    if M == 0 or N == 0:
+        return out
+    with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
+        launch_gemm(a, b, out, cfg, grid_size(M, N, cfg, a.device))
+    return out

@@ -1,0 +1,192 @@
+"""Device-side synchronisation of CTA-pipelining: signal, bounded wait, queue claim/push, fences.
+
+These ``@triton.jit`` functions are the only code a kernel needs beyond its compute body:
+a *prologue* (:func:`wait_counter` or :func:`claim` + :func:`wait_slot`, then
+:func:`fence_proxy_async`) and an *epilogue* (:func:`signal_tile`). The data structures are
+those of :mod:`ctapipelining.deps`; the reference executor runs the same logic on the CPU.
+
+Memory-ordering argument
+------------------------
+Producer (stage ``s`` on GPU ``p``), after computing a tile:
+
+1. every thread stores its part of the tile with ordinary stores straight into the consumer
+   GPU's memory (generic proxy; no TMA store, so there is no asynchronous write to wait for);
+2. ``debug_barrier`` (bar.sync): all those stores happen-before what thread 0 does next;
+3. thread 0 bumps each counter with ``atom.add.acq_rel.sys`` (release at system scope is
+   cumulative: it publishes every store ordered before it, the other threads' included);
+4. if that bump filled the counter (``old + 1 == epoch * need``) and the policy is
+   ``workqueue``, thread 0 has also *acquired* every earlier producer's release on that
+   counter; it claims ring positions with ``fetch_add(tail)`` and the CTA writes the tagged
+   tile ids with ``atom.exch.release.sys`` (ordered after thread 0's acquire by the barrier
+   that broadcasts the claim), so the consumer that acquires a slot sees the data of *all*
+   producer tiles behind the counter.
+
+Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
+
+1. every thread spins with ``ld.acquire.sys`` on the counter (``static``) or on the ring slot
+   (``workqueue``), so each thread is ordered after the producers' releases without a
+   block-wide barrier per poll; the loop is in one inline-PTX block bounded by a
+   ``%globaltimer`` deadline;
+2. ``fence.proxy.async.global``: the data was written through the generic proxy and is read
+   by TMA (the async proxy); the proxy fence orders the acquire before those reads;
+3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
+   the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
+
+Under the Triton interpreter (``INTERPRET``), where inline PTX does not run, the waits poll a
+bounded number of times with Triton atomics instead; grid programs run one after another
+there, so a wait either holds at once (the producer ran first) or times out.
+"""
+
+import triton
+import triton.language as tl
+
+# Error word layout: int32[len(ERR_FIELDS)] per stage, on the stage's device.
+ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
+ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CTA = (tl.constexpr(i) for i in range(8))
+KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
+KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
+INTERPRET_POLLS = tl.constexpr(64)
+
+# One thread polls ld.acquire.sys until the value reaches the target or the deadline passes.
+# Labels live inside { } so the block can be inlined many times.
+_SPIN_PTX = """
+{
+  .reg .pred %wp<2>;
+  .reg .u64 %wt<2>;
+  mov.u64 %wt0, %globaltimer;
+  add.u64 %wt0, %wt0, $3;
+WAIT_LOOP:
+  ld.acquire.sys.global.b32 $0, [$1];
+  setp.ge.s32 %wp0, $0, $2;
+  @%wp0 bra WAIT_DONE;
+  mov.u64 %wt1, %globaltimer;
+  setp.lt.u64 %wp1, %wt1, %wt0;
+  @%wp1 bra WAIT_LOOP;
+WAIT_DONE:
+}
+"""
+
+
+@triton.jit
+def globaltimer():
+    """Nanoseconds of the GPU's global timer (coarse: it ticks every ~1 us on Hopper)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_proxy_async(INTERPRET: tl.constexpr):
+    """Order this thread's generic-proxy acquire before its later TMA (async-proxy) reads."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
+    """Spin until ``*ptr >= target`` (int32) with acquire at system scope, at most
+    ``timeout_ns``. Returns the last value seen: ``< target`` means the wait timed out."""
+    if INTERPRET:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        polls = 0
+        while (seen < target) & (polls < INTERPRET_POLLS):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            polls += 1
+    else:
+        seen = tl.inline_asm_elementwise(
+            _SPIN_PTX, "=r,l,r,l", [ptr, target, timeout_ns.to(tl.uint64)], dtype=tl.int32, is_pure=False, pack=1
+        )
+    return seen
+
+
+@triton.jit
+def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
+    """Record the first timeout of this stage in its error word (later ones are dropped)."""
+    first = tl.atomic_cas(err_ptr + ERR_FLAG, 0, 1, sem="relaxed", scope="gpu") == 0
+    if first:
+        tl.store(err_ptr + ERR_STAGE, stage)
+        tl.store(err_ptr + ERR_TILE, tile)
+        tl.store(err_ptr + ERR_KIND, kind)
+        tl.store(err_ptr + ERR_INDEX, index)
+        tl.store(err_ptr + ERR_SEEN, seen)
+        tl.store(err_ptr + ERR_TARGET, target)
+        tl.store(err_ptr + ERR_CTA, tl.program_id(0))
+
+
+@triton.jit
+def wait_counter(counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
+    """``static`` policy prologue: wait until the counter of ``tile`` reaches ``epoch * need``.
+    Returns True when the tile may run."""
+    c = tl.load(counter_of_tile + tile)
+    target = epoch * tl.load(need + c)
+    seen = wait_geq(counters + c, target, timeout_ns, INTERPRET)
+    if seen < target:
+        report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
+    return seen >= target
+
+
+@triton.jit
+def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
+    """``workqueue`` policy: claim the next ring position of this run (``>= num_tiles``: done).
+    Each run moves the head by ``num_tiles + NUM_CTAS`` (every CTA claims once past the end)."""
+    base = (epoch - 1) * (num_tiles + NUM_CTAS)
+    return tl.atomic_add(head, 1, sem="relaxed", scope="gpu") - base
+
+
+@triton.jit
+def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
+    """``workqueue`` policy prologue: wait for ring position ``pos`` of run ``epoch`` to be
+    filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile``."""
+    q = (epoch - 1) * num_tiles + pos
+    target = epoch * num_tiles
+    seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
+    if seen < target:
+        report_timeout(err_ptr, stage, -1, KIND_SLOT, q, seen, target)
+    return seen - target, seen >= target
+
+
+@triton.jit
+def signal_tile(
+    tile,
+    epoch,
+    counters,
+    signal_ptr,
+    signal_counters,
+    need,
+    push_ptr,
+    push_tiles,
+    slots,
+    tail,
+    consumer_tiles,
+    QUEUE: tl.constexpr,
+    PUSH_BLOCK: tl.constexpr,
+):
+    """Epilogue: publish ``tile`` (already stored by every thread) to the consumer.
+
+    Bumps each counter the tile feeds; under ``QUEUE`` the bump that fills a counter pushes
+    that counter's consumer tiles (at most ``PUSH_BLOCK``) into the consumer's ring.
+    """
+    tl.debug_barrier()  # all threads' tile stores before thread 0's release
+    i = tl.load(signal_ptr + tile)
+    end = tl.load(signal_ptr + tile + 1)
+    while i < end:
+        c = tl.load(signal_counters + i)
+        if QUEUE:
+            old = tl.atomic_add(counters + c, 1, sem="acq_rel", scope="sys")
+            if old + 1 == epoch * tl.load(need + c):
+                first = tl.load(push_ptr + c)
+                n = tl.load(push_ptr + c + 1) - first
+                pos = tl.atomic_add(tail, n, sem="relaxed", scope="sys")
+                k = tl.arange(0, PUSH_BLOCK)
+                ts = tl.load(push_tiles + first + k, mask=k < n, other=0)
+                q = pos + k
+                tl.atomic_xchg(
+                    slots + q % consumer_tiles,
+                    (q // consumer_tiles + 1) * consumer_tiles + ts,
+                    mask=k < n,
+                    sem="release",
+                    scope="sys",
+                )
+        else:
+            tl.atomic_add(counters + c, 1, sem="release", scope="sys")
+        i += 1

@@ -1,0 +1,316 @@
+"""A chain of GEMM stages across devices, CTA-pipelined.
+
+``Pipeline([A, B, ...])`` puts stage ``s`` (``y_s = y_{s-1} @ W_s``) on the device of ``W_s``.
+A call launches every stage at once, each on its own stream; stage ``s`` writes its tiles into
+stage ``s + 1``'s input buffer on the next GPU and signals them there, and stage ``s + 1``'s
+persistent CTAs start each tile as soon as its input rows have landed.
+
+State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
+each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
+back-to-back calls need no reset, and a call can be captured in a CUDA graph (pass ``out=``,
+``check=False``). After a call, :meth:`Pipeline.check_errors` reads the error words: a
+timed-out wait raises :class:`PipelineTimeout` naming device, stage and tile, after which the
+state is reset so the next call works.
+
+Ordering between calls: every stage's stream first waits for the caller's stream, and the
+caller's stream then waits for every stage, so a producer of call ``i + 1`` never overwrites a
+buffer that a consumer of call ``i`` still reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import deps, fabric
+from .gemm import DTYPES, SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
+from .kernels.gemm import GemmConfig
+from .kernels.sync import ERR_FIELDS
+
+
+class PipelineTimeout(RuntimeError):
+    """A stage waited past its deadline for an input that never came."""
+
+
+@dataclass
+class Link:
+    """Scoreboard and ring of stage ``s`` (consumer memory) and stage ``s - 1``'s CSR lists
+    (producer memory), for one ``M``."""
+
+    dep: deps.Dependency
+    counters: torch.Tensor
+    counter_of_tile: torch.Tensor
+    need_consumer: torch.Tensor
+    slots: torch.Tensor
+    head: torch.Tensor
+    tail: torch.Tensor
+    signal_ptr: torch.Tensor
+    signal_counters: torch.Tensor
+    need_producer: torch.Tensor
+    push_ptr: torch.Tensor
+    push_tiles: torch.Tensor
+
+    @classmethod
+    def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
+        i32 = dict(dtype=torch.int32)
+        on = lambda arr, dev: torch.as_tensor(arr, **i32).to(dev)  # noqa: E731
+        return cls(
+            dep=dep,
+            counters=torch.zeros(dep.num_counters, device=consumer, **i32),
+            counter_of_tile=on(dep.counter_of_tile, consumer),
+            need_consumer=on(dep.need, consumer),
+            slots=torch.zeros(dep.consumer.num_tiles, device=consumer, **i32),
+            head=torch.zeros(1, device=consumer, **i32),
+            tail=torch.zeros(1, device=consumer, **i32),
+            signal_ptr=on(dep.signal_ptr, producer),
+            signal_counters=on(dep.signal_counters, producer),
+            need_producer=on(dep.need, producer),
+            push_ptr=on(dep.push_ptr, producer),
+            push_tiles=on(dep.push_tiles, producer),
+        )
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors that only grow (zeroed by a reset)."""
+        return [self.counters, self.slots, self.head, self.tail]
+
+    def wait_hook(self, queue: bool) -> WaitHook:
+        return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
+
+    def signal_hook(self, queue: bool) -> SignalHook:
+        push_len = int((self.dep.push_ptr[1:] - self.dep.push_ptr[:-1]).max())
+        return SignalHook(
+            self.counters,
+            self.signal_ptr,
+            self.signal_counters,
+            self.need_producer,
+            self.push_ptr,
+            self.push_tiles,
+            self.slots,
+            self.tail,
+            self.dep.consumer.num_tiles,
+            triton.next_power_of_2(push_len),
+            queue,
+        )
+
+
+@dataclass
+class Plan:
+    """Everything one input height ``M`` needs, allocated once and reused by every call."""
+
+    M: int
+    inputs: list[torch.Tensor | None]  # inputs[s]: stage s's A operand (None for stage 0: the caller's x)
+    links: list[Link]  # links[s - 1]: stage s-1 -> stage s
+    epochs: list[torch.Tensor]
+    errors: list[torch.Tensor]
+    num_ctas: list[int]
+    epoch_limit: int
+    epoch: int = 0
+
+    def state(self) -> list[torch.Tensor]:
+        return [t for link in self.links for t in link.state()] + self.epochs + self.errors
+
+
+class Pipeline:
+    """A chain ``x @ W_0 @ W_1 @ ...`` with stage ``s`` on ``W_s``'s device.
+
+    Parameters
+    ----------
+    weights : list of ``[K_s, N_s]`` tensors, bf16 or fp16, row-major, ``N_s == K_{s+1}``,
+        each on its own CUDA device (consecutive devices need peer access). Under the Triton
+        interpreter they may all be CPU tensors; stages then run one after another.
+    policy : ``"workqueue"`` (consumers run tiles in readiness order) or ``"static"``.
+    config : tile configuration of every stage (:class:`GemmConfig`).
+    timeout_s : how long a CTA waits for an input before it gives up and reports.
+    """
+
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        policy: str = "workqueue",
+        config: GemmConfig | None = None,
+        timeout_s: float = 1.0,
+    ):
+        if not isinstance(weights, (list, tuple)) or not weights:
+            raise ValueError("Pipeline needs a non-empty list of weight matrices")
+        self.policy = deps.get_policy(policy)
+        self.config = config or GemmConfig()
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.weights = list(weights)
+        for s, w in enumerate(self.weights):
+            check_tensor(w, f"stage {s} weight")
+        for s in range(1, len(self.weights)):
+            if self.weights[s].shape[0] != self.weights[s - 1].shape[1]:
+                raise ValueError(
+                    f"stage {s} weight is {tuple(self.weights[s].shape)} but stage {s - 1} outputs "
+                    f"{self.weights[s - 1].shape[1]} columns"
+                )
+            if self.weights[s].dtype != self.weights[0].dtype:
+                raise TypeError(f"stage {s} weight is {self.weights[s].dtype}, stage 0 is {self.weights[0].dtype}")
+        self.devices = [w.device for w in self.weights]
+        self.on_gpu = self.devices[0].type == "cuda"
+        if self.on_gpu:
+            idx = [d.index for d in self.devices]
+            if len(set(idx)) != len(idx):
+                raise ValueError(
+                    f"each stage needs its own GPU, got stages on {[str(d) for d in self.devices]}: "
+                    "a consumer's persistent CTAs would occupy the SMs its producer needs"
+                )
+            fabric.enable_peer_access(idx)
+            self.streams = [torch.cuda.Stream(d) for d in self.devices]
+        self._plans: dict[int, Plan] = {}
+
+    @classmethod
+    def on_devices(cls, weights: list[torch.Tensor], devices: list[int] | None = None, **kw) -> Pipeline:
+        """Place ``weights[s]`` on ``devices[s]`` (default ``0, 1, ...``) and build the chain."""
+        n = len(weights)
+        devices = list(range(n)) if devices is None else list(devices)
+        if len(devices) != n:
+            raise ValueError(f"{n} stages but {len(devices)} devices")
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if max(devices) >= have:
+            raise RuntimeError(
+                f"a chain of {n} stages on devices {devices} needs {max(devices) + 1} GPUs; found {have}"
+            )
+        return cls([w.to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
+
+    # -- state -------------------------------------------------------------------------------
+    def plan(self, M: int) -> Plan:
+        """The buffers and scoreboards for inputs of ``M`` rows (built on first use)."""
+        if M in self._plans:
+            return self._plans[M]
+        cfg, ws, devs = self.config, self.weights, self.devices
+        grids = [deps.TileGrid(M, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
+        links, inputs = [], [None]
+        for s in range(1, len(ws)):
+            dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0])
+            links.append(Link.create(dep, devs[s - 1], devs[s]))
+            inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
+        num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
+        limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
+        plan = Plan(
+            M=M,
+            inputs=inputs,
+            links=links,
+            epochs=[torch.zeros(1, dtype=torch.int32, device=d) for d in devs],
+            errors=[torch.zeros(len(ERR_FIELDS), dtype=torch.int32, device=d) for d in devs],
+            num_ctas=num_ctas,
+            epoch_limit=limit,
+        )
+        self._plans[M] = plan
+        return plan
+
+    def reset(self, plan: Plan | None = None) -> None:
+        """Wait for every device, then zero counters, rings, epochs and error words."""
+        self._sync()
+        for p in [plan] if plan else self._plans.values():
+            for t in p.state():
+                t.zero_()
+            p.epoch = 0
+        self._sync()
+
+    def _sync(self):
+        if self.on_gpu:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+
+    # -- running -----------------------------------------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        w0 = self.weights[0]
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a 2-D tensor [M, {w0.shape[0]}], got {getattr(x, 'shape', type(x))}")
+        if x.dtype != w0.dtype:
+            raise TypeError(f"x is {x.dtype}; the chain's weights are {w0.dtype}")
+        if x.device != self.devices[0]:
+            raise ValueError(f"x is on {x.device}; stage 0 runs on {self.devices[0]}")
+        if x.shape[1] != w0.shape[0]:
+            raise ValueError(f"x is {tuple(x.shape)}; stage 0 weight is {tuple(w0.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError("x has no rows")
+        check_operands(x, w0, "pipeline input")
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+        """Run the chain on ``x`` ([M, K_0] on stage 0's device); returns ``[M, N_last]`` on the
+        last stage's device. ``check=False`` skips the (synchronising) error-word check, for
+        CUDA-graph capture and timing; call :meth:`check_errors` later."""
+        self.check_input(x)
+        M, last = x.shape[0], self.weights[-1]
+        if out is None:
+            out = torch.empty(M, last.shape[1], dtype=last.dtype, device=self.devices[-1])
+        elif out.shape != (M, last.shape[1]) or out.dtype != last.dtype or out.device != self.devices[-1]:
+            raise ValueError(f"out must be [{M}, {last.shape[1]}] {last.dtype} on {self.devices[-1]}")
+        plan = self.plan(M)
+        self._launch(plan, x, out)
+        if check and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
+            self.check_errors(plan)
+        return out
+
+    def _launch(self, plan: Plan, x, out, only: list[int] | None = None, delay_cycles: dict[int, int] | None = None):
+        """Launch the stages (``only``: a subset, for tests) of one call."""
+        if plan.epoch >= plan.epoch_limit:
+            self.reset(plan)
+        plan.epoch += 1
+        n = len(self.weights)
+        queue = self.policy.uses_queue
+        caller = torch.cuda.current_stream(self.devices[0]) if self.on_gpu else None
+        start = caller.record_event() if caller is not None else None
+        for s in range(n):
+            a = x if s == 0 else plan.inputs[s]
+            c = out if s == n - 1 else plan.inputs[s + 1]
+            with self._on_stream(s, start):
+                plan.epochs[s].add_(1)
+                if only is not None and s not in only:
+                    continue
+                if delay_cycles and s in delay_cycles:
+                    torch.cuda._sleep(delay_cycles[s])
+                launch_gemm(
+                    a,
+                    self.weights[s],
+                    c,
+                    self.config,
+                    plan.num_ctas[s],
+                    wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
+                    signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
+                    epoch=plan.epochs[s],
+                    err=plan.errors[s],
+                    stage=s,
+                    timeout_ns=self.timeout_ns,
+                )
+        if caller is not None:
+            for st in self.streams:
+                caller.wait_stream(st)
+
+    @contextlib.contextmanager
+    def _on_stream(self, s: int, start):
+        if not self.on_gpu:
+            yield
+            return
+        st = self.streams[s]
+        with torch.cuda.device(self.devices[s]), torch.cuda.stream(st):
+            st.wait_event(start)
+            yield
+
+    def check_errors(self, plan: Plan | None = None) -> None:
+        """Read every stage's error word (synchronises); on a timeout, reset and raise."""
+        plans = [plan] if plan else list(self._plans.values())
+        for p in plans:
+            words = [e.cpu().tolist() for e in p.errors]
+            bad = [(s, dict(zip(ERR_FIELDS, w))) for s, w in enumerate(words) if w[0]]
+            if bad:
+                self.reset(p)
+                msgs = []
+                for s, e in bad:
+                    what = f"counter {e['index']}" if e["kind"] == 1 else f"work-queue position {e['index']}"
+                    tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
+                    msgs.append(
+                        f"stage {s} on {self.devices[s]}: CTA {e['cta']} timed out waiting for {tile} "
+                        f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
+                    )
+                raise PipelineTimeout("; ".join(msgs) + ". State reset; the next call starts clean.")
+
+
+__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link", "DTYPES"]

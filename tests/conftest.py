@@ -1,0 +1,23 @@
+"""Markers: ``gpu`` needs one CUDA GPU, ``gpu2`` two with peer access; both skip cleanly
+without them. Without any GPU the Triton kernels run under the interpreter, so the
+interpreter must be switched on before anything imports them."""
+
+import os
+
+import pytest
+import torch
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if NGPU == 0:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu2" in item.keywords and NGPU < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {NGPU}"))
+        elif "gpu" in item.keywords and NGPU < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+        elif "interpreter" in item.keywords and not INTERPRET:
+            item.add_marker(pytest.mark.skip(reason="runs only under TRITON_INTERPRET=1 (the GPU tests cover the GPU)"))

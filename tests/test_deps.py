@@ -1,0 +1,90 @@
+"""Hand-checked small cases for every function of ctapipelining.deps."""
+
+import numpy as np
+import pytest
+
+from ctapipelining import deps
+
+
+def test_tile_grid_edges():
+    g = deps.TileGrid(M=10, N=7, block_m=4, block_n=3)
+    assert (g.num_m, g.num_n, g.num_tiles) == (3, 3, 9)
+    assert g.coords(5) == (1, 2)
+    assert g.rows(2) == (8, 10)
+    assert g.cols(2) == (6, 7)
+    assert g.tile_slices(8) == (slice(8, 10), slice(6, 7))
+    with pytest.raises(IndexError):
+        g.coords(9)
+    with pytest.raises(ValueError, match="block_m"):
+        deps.TileGrid(10, 7, 0, 3)
+
+
+def test_gemm_rule_same_blocks_one_counter_per_row_block():
+    p = deps.TileGrid(M=8, N=6, block_m=4, block_n=3)  # 2 x 2 tiles
+    c = deps.TileGrid(M=8, N=4, block_m=4, block_n=2)  # 2 x 2 tiles
+    d = deps.build_dependency(p, c, "gemm", consumer_k=6)
+    assert d.counter_of_tile.tolist() == [0, 0, 1, 1]
+    assert d.need.tolist() == [2, 2]
+    assert d.needs(0) == (0, 1) and d.needs(3) == (2, 3)
+    assert [d.signals(t).tolist() for t in range(4)] == [[0], [0], [1], [1]]
+    assert [d.pushes(k).tolist() for k in range(2)] == [[0, 1], [2, 3]]
+    assert d.signal_ptr.dtype == np.int32 and d.push_tiles.dtype == np.int32
+
+
+def test_gemm_rule_mismatched_block_m_and_ragged_m():
+    # producer row-blocks [0,4) [4,8) [8,10); consumer row-blocks [0,3) [3,6) [6,9) [9,10)
+    p = deps.TileGrid(M=10, N=5, block_m=4, block_n=5)
+    c = deps.TileGrid(M=10, N=2, block_m=3, block_n=2)
+    d = deps.build_dependency(p, c, "gemm")
+    assert [d.needs(t) for t in range(4)] == [(0,), (0, 1), (1, 2), (2,)]
+    assert d.need.tolist() == [1, 2, 2, 1]
+    # producer tile 1 (rows 4..8) is read by consumer row-blocks 1 and 2
+    assert d.signals(1).tolist() == [1, 2]
+
+
+def test_elementwise_rule_shares_nothing_across_columns():
+    p = deps.TileGrid(M=4, N=6, block_m=2, block_n=3)
+    c = deps.TileGrid(M=4, N=6, block_m=4, block_n=2)
+    d = deps.build_dependency(p, c, "elementwise")
+    # consumer tile 1 covers rows 0..4, cols 2..4: producer col-blocks 0 and 1, row-blocks 0 and 1
+    assert d.needs(1) == (0, 1, 2, 3)
+    assert d.needs(0) == (0, 2) and d.needs(2) == (1, 3)
+    assert d.num_counters == 3
+
+
+def test_rule_shape_checks():
+    p = deps.TileGrid(8, 6, 4, 3)
+    with pytest.raises(ValueError, match="producer M=8 != consumer M=9"):
+        deps.build_dependency(p, deps.TileGrid(9, 4, 4, 2), "gemm")
+    with pytest.raises(ValueError, match="consumer K=7"):
+        deps.build_dependency(p, deps.TileGrid(8, 4, 4, 2), "gemm", consumer_k=7)
+    with pytest.raises(ValueError, match="elementwise"):
+        deps.build_dependency(p, deps.TileGrid(8, 4, 4, 2), "elementwise")
+    with pytest.raises(ValueError, match="unknown rule"):
+        deps.build_dependency(p, p, "conv")
+
+
+def test_tile_orders():
+    g = deps.TileGrid(M=6, N=4, block_m=2, block_n=2)  # 3 x 2 tiles
+    assert deps.tile_order(g, 1).tolist() == [0, 1, 2, 3, 4, 5]
+    # groups of 2 row-blocks, column-major inside: (0,0) (1,0) (0,1) (1,1), then the last row-block
+    assert deps.tile_order(g, 2).tolist() == [0, 2, 1, 3, 4, 5]
+    assert sorted(deps.tile_order(g, 3).tolist()) == list(range(6))
+    with pytest.raises(ValueError):
+        deps.tile_order(g, 0)
+
+
+def test_policies_and_epoch_arithmetic():
+    p = deps.TileGrid(8, 6, 4, 3)
+    d = deps.build_dependency(p, deps.TileGrid(8, 4, 4, 2), "gemm")
+    assert deps.wait_target(d, 3, epoch=5) == (1, 10)
+    assert deps.fills(d, 1, old=9, epoch=5) and not deps.fills(d, 1, old=8, epoch=5)
+    assert deps.get_policy("static").tiles_of_cta(np.arange(7), 1, 3).tolist() == [1, 4]
+    assert deps.get_policy("workqueue").uses_queue
+    with pytest.raises(ValueError, match="unknown policy"):
+        deps.get_policy("fifo")
+    # 4 consumer tiles: position 5 is lap 2 (epoch 2), so it holds 2*4 + tile
+    assert deps.slot_value(5, 4, 3) == 11
+    assert deps.head_base(3, num_tiles=4, num_ctas=2) == 12
+    lim = deps.epoch_limit(d, num_ctas=2)
+    assert lim * (4 + 2) <= deps.INT32_MAX - 4 < (lim + 1) * (4 + 2)  # head moves T + P a run

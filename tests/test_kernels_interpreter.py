@@ -1,0 +1,122 @@
+"""The real Triton kernels on the CPU under TRITON_INTERPRET=1 (fp16: the interpreter's
+bf16 tl.dot is wrong). Grid programs run one after another there, so stages run in order."""
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from ctapipelining import deps
+from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import GemmConfig, get_configs, tile_of_position
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+
+pytestmark = pytest.mark.interpreter
+
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
+TOLERANCES = {torch.float16: 2e-3}
+
+
+def rel_err(y, ref):
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def chain_ref(x, ws):
+    y = x.double()
+    for w in ws:
+        y = y @ w.double()
+    return y
+
+
+@triton.jit
+def _positions_kernel(out, num_m, num_n, total, GROUP_M: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.arange(0, BLOCK)
+    q = tl.minimum(p, total - 1)  # positions past the grid are masked; keep them valid anyway
+    tl.store(out + p, tile_of_position(q, num_m, num_n, GROUP_M), mask=p < total)
+
+
+@pytest.mark.parametrize("num_m,num_n,group_m", [(5, 3, 1), (5, 3, 2), (7, 4, 3), (1, 6, 8)])
+def test_kernel_tile_order_matches_deps(num_m, num_n, group_m):
+    total = num_m * num_n
+    out = torch.full((total,), -1, dtype=torch.int32)
+    _positions_kernel[(1,)](out, num_m, num_n, total, GROUP_M=group_m, BLOCK=triton.next_power_of_2(total))
+    grid = deps.TileGrid(num_m * 4, num_n * 4, 4, 4)
+    assert out.tolist() == deps.tile_order(grid, group_m).tolist()
+
+
+@pytest.mark.parametrize("M,K,N", [(32, 32, 32), (37, 24, 40), (1, 16, 8), (50, 72, 24)])
+def test_matmul(M, K, N):
+    a, b = torch.randn(M, K).half(), torch.randn(K, N).half()
+    out = torch.full((M, N), float("nan"), dtype=torch.float16)
+    matmul(a, b, out=out, config=SMALL)
+    assert not out.isnan().any()
+    assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize("dims", [[24, 32], [24, 40, 16], [16, 24, 32, 8], [24]])
+@pytest.mark.parametrize("M", [33, 8])
+def test_pipeline_epochs_poisoned(policy, dims, M):
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in zip([16] + dims, dims)]
+    pipe = Pipeline(ws, policy=policy, config=SMALL)
+    for epoch in range(1, 4):
+        x = torch.randn(M, 16).half()
+        plan = pipe.plan(M)
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        assert not y.isnan().any()
+        assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
+        for link in plan.links:
+            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+            if policy == "workqueue":
+                assert int(link.tail) == epoch * link.dep.consumer.num_tiles
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_lone_consumer_times_out_and_recovers(policy):
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, policy=policy, config=SMALL, timeout_s=0.05)
+    x = torch.randn(20, 16).half()
+    pipe(x)
+    plan = pipe.plan(20)
+    pipe._launch(plan, x, torch.empty(20, 16).half(), only=[1])
+    with pytest.raises(PipelineTimeout, match="stage 1 on cpu: CTA 0 timed out waiting"):
+        pipe.check_errors(plan)
+    assert plan.epoch == 0 and all(int(e.abs().sum()) == 0 for e in plan.errors)
+    y = pipe(x)
+    assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
+
+
+def test_bad_inputs_raise_before_launch():
+    a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
+    with pytest.raises(ValueError, match="stage 1 weight is"):
+        Pipeline([a, torch.randn(24, 16).half()])
+    with pytest.raises(TypeError, match="float32"):
+        Pipeline([a.float(), b.float()])
+    with pytest.raises(TypeError, match="stage 1 weight is torch.bfloat16"):
+        Pipeline([a, b.bfloat16()])
+    with pytest.raises(ValueError, match="16 bytes"):
+        Pipeline([torch.randn(16, 12).half()])
+    with pytest.raises(ValueError, match="non-empty"):
+        Pipeline([])
+    with pytest.raises(ValueError, match="policy"):
+        Pipeline([a, b], policy="fifo")
+    pipe = Pipeline([a, b], config=SMALL)
+    with pytest.raises(TypeError, match="float32"):
+        pipe(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"x is \(8, 24\)"):
+        pipe(torch.randn(8, 24).half())
+    with pytest.raises(ValueError, match="2-D"):
+        pipe(torch.randn(8).half())
+    with pytest.raises(ValueError, match="out must be"):
+        pipe(torch.randn(8, 16).half(), out=torch.empty(8, 17).half())
+    with pytest.raises(ValueError, match="inner dimensions"):
+        matmul(a, a)
+    assert pipe._plans == {}  # nothing was built or launched for the bad calls
+
+
+def test_configs_fit_shared_memory():
+    assert get_configs() and all(c.smem_bytes() <= 227 * 1024 for c in get_configs())
+    assert np.all([c.block_m % 16 == 0 for c in get_configs()])

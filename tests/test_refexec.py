@@ -1,0 +1,106 @@
+"""The reference executor: fixed cases, fault injection, and hypothesis fuzzing."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctapipelining import deps, refexec
+from ctapipelining.refexec import Chain, Stage
+
+
+def two_gemms(policy_ctas=3):
+    return Chain(M=50, K0=20, stages=[Stage("gemm", 30, 16, 8, 4), Stage("gemm", 12, 8, 8, policy_ctas)])
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize("schedule", refexec.SCHEDULES)
+def test_two_gemm_chain(policy, schedule):
+    r = refexec.run_chain(two_gemms(), policy, schedule, epochs=3, seed=7)
+    assert r.max_error < 1e-5
+    assert len(r.outputs) == 3
+
+
+def test_consumers_first_runs_in_readiness_order():
+    """Under the workqueue policy, consumer tiles run in the order they became ready."""
+    ch = two_gemms(policy_ctas=1)
+    r = refexec.run_chain(ch, "workqueue", "consumers_first", seed=3)
+    assert r.order(1, "run") == r.order(1, "ready")
+
+
+def test_static_policy_runs_in_tile_order():
+    ch = two_gemms(policy_ctas=1)
+    r = refexec.run_chain(ch, "static", "random", seed=3)
+    assert r.order(1, "run") == ch.orders[1].tolist()
+
+
+def test_schedules_interleave_differently():
+    ch = two_gemms()
+    orders = {s: refexec.run_chain(ch, "workqueue", s, seed=11).order(1, "run") for s in refexec.SCHEDULES}
+    assert len({tuple(v) for v in orders.values()}) > 1
+
+
+def test_early_push_is_caught(monkeypatch):
+    """A protocol bug (pushing before a counter is full) must be detected."""
+    monkeypatch.setattr(deps, "fills", lambda dep, c, old, epoch: old + 2 == epoch * int(dep.need[c]))
+    with pytest.raises(refexec.ProtocolViolation):
+        for seed in range(20):
+            refexec.run_chain(two_gemms(), "workqueue", "consumers_first", seed=seed)
+
+
+def test_wrong_wait_target_is_caught(monkeypatch):
+    monkeypatch.setattr(deps, "wait_target", lambda dep, t, e: (int(dep.counter_of_tile[t]), 0))
+    with pytest.raises(refexec.ProtocolViolation, match="before producer tiles"):
+        refexec.run_chain(two_gemms(), "static", "consumers_first", seed=0)
+
+
+def test_missing_signal_deadlocks_and_says_so(monkeypatch):
+    monkeypatch.setattr(deps.Dependency, "signals", lambda self, p: self.signal_counters[:0])
+    with pytest.raises(refexec.DeadlockError, match="none can run"):
+        refexec.run_chain(two_gemms(), "static", "random", seed=0)
+
+
+def test_bad_input_shape():
+    ex = refexec.Executor(two_gemms())
+    with pytest.raises(ValueError, match="shape"):
+        ex.run(np.zeros((3, 3), np.float32), two_gemms().make_weights(np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="schedule"):
+        refexec.Executor(two_gemms(), schedule="lifo")
+    with pytest.raises(ValueError, match="elementwise"):
+        Chain(M=4, K0=5, stages=[Stage("elementwise", 6, 2, 2, 1)])
+
+
+@st.composite
+def chains(draw):
+    m = draw(st.integers(1, 40))
+    k0 = k = draw(st.integers(1, 24))
+    stages = []
+    for i in range(draw(st.integers(1, 8))):
+        kind = "gemm" if i == 0 or draw(st.booleans()) else "elementwise"
+        n = draw(st.integers(1, 24)) if kind == "gemm" else k
+        stages.append(
+            Stage(
+                kind,
+                n,
+                block_m=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+                block_n=draw(st.sampled_from([1, 3, 4, 8, 16])),
+                num_ctas=draw(st.integers(1, 5)),
+                group_m=draw(st.integers(1, 3)),
+            )
+        )
+        k = n
+    return Chain(M=m, K0=k0, stages=stages)
+
+
+@settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=chains(),
+    policy=st.sampled_from(["workqueue", "static"]),
+    schedule=st.sampled_from(refexec.SCHEDULES),
+    epochs=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_protocol(chain, policy, schedule, epochs, seed):
+    r = refexec.run_chain(chain, policy, schedule, epochs=epochs, seed=seed)
+    # run_chain checks exactly-once, never-early, output, no deadlock and counters == E x need
+    assert r.epochs == epochs and r.max_error < 1e-4
