@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-interpreter", action="store_true", help="skip the Triton interpreter part")
     d.set_defaults(fn=demo)
+    from . import bench
+
+    b = sub.add_parser("bench", help="time every method in one run (2 GPUs), or re-plot recorded results")
+    bench.add_arguments(b)
+    b.set_defaults(fn=bench.run)
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs"):
         v = getattr(args, name, None)

@@ -104,8 +104,9 @@ def launch_gemm(
     err: torch.Tensor | None = None,
     stage: int = 0,
     timeout_ns: int = 1_000_000_000,
-) -> None:
-    """Launch the GEMM on ``a.device``'s current stream (operands already checked).
+):
+    """Launch the GEMM on ``a.device``'s current stream (operands already checked); returns
+    Triton's compiled-kernel handle (PTX, register and spill counts for inspection).
 
     ``c`` ([M, N], row-major, rows may be padded) may live on another GPU with peer access.
     """
@@ -120,7 +121,7 @@ def launch_gemm(
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
     queue = wait.queue if wait is not None else s.queue
-    gemm_kernel[(num_ctas,)](
+    return gemm_kernel[(num_ctas,)](
         a_desc,
         b_desc,
         c,

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything measured on the GPU machine, in one call: environment, GPU tests, kernel
+# inspection, benchmark. Run from the repository root on nvidia-h200-x2:
+#   bash benchmarks/device_run.sh [extra args for `ctapipelining bench`]
+# Writes under $OUT (default ./device-out): env.txt, gpu-tests.log, bench.log, results.json,
+# results.csv, fig4/fig5 PNGs, consumer_workqueue.ptx.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-device-out}"
+mkdir -p "$OUT"
+{
+  date -u; nvidia-smi; nvidia-smi topo -m
+  python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'gpus', torch.cuda.device_count())"
+  echo "== kernel inspection"
+  timeout 240 python3 benchmarks/inspect_kernels.py "$OUT" 2>&1
+} > "$OUT/env.txt" 2>&1
+tail -30 "$OUT/env.txt"
+echo "== GPU tests"
+timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+echo "== bench"
+timeout 420 python3 -m ctapipelining.cli bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '\r' | tail -60

@@ -1,0 +1,70 @@
+"""Micro-batching: the input split along M into chunks, each GPU one layer, chunk ``i`` of
+layer ``s + 1`` overlapping chunk ``i + 1`` of layer ``s``.
+
+Each device has a compute stream and a copy stream. PyTorch's cross-device ``copy_``
+synchronises the *current* streams of both devices, so every copy runs with the two copy
+streams current: no compute stream is ever chained behind another GPU's copies. The whole
+schedule is captured in one CUDA graph (as the paper does) when ``graph=True``; if the capture
+fails the schedule runs eagerly and :attr:`graphed` says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MicroBatch:
+    """Chunked pipeline of ``torch.matmul`` over ``weights`` (``W_s`` on its own device)."""
+
+    def __init__(self, weights: list[torch.Tensor], M: int, chunk: int, graph: bool = True):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.weights, self.M, self.chunk = weights, M, chunk
+        devs = [w.device for w in weights]
+        self.x = torch.empty(M, weights[0].shape[0], dtype=weights[0].dtype, device=devs[0])
+        self.outs = [torch.empty(M, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+        self.ins = [self.x] + [torch.empty(M, w.shape[0], dtype=w.dtype, device=w.device) for w in weights[1:]]
+        self.compute = [torch.cuda.Stream(d) for d in devs]
+        self.copy = [torch.cuda.Stream(d) for d in devs]
+        self.rows = [slice(i, min(i + chunk, M)) for i in range(0, M, chunk)]
+        self._schedule()  # warm-up: cuBLAS handles and workspaces exist before any capture
+        torch.cuda.synchronize(devs[0])
+        self.graph, self.graphed, self.graph_error = None, False, ""
+        if graph:
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.device(devs[0]), torch.cuda.graph(g):
+                    self._schedule()
+                self.graph, self.graphed = g, True
+            except Exception as e:  # record why, run eagerly
+                self.graph_error = f"{type(e).__name__}: {e}"
+                for d in devs:
+                    torch.cuda.synchronize(d)
+
+    def _schedule(self) -> None:
+        n = len(self.weights)
+        caller = torch.cuda.current_stream(self.weights[0].device)
+        start = caller.record_event()
+        for st in self.compute + self.copy:
+            st.wait_event(start)
+        for r in self.rows:
+            for s, w in enumerate(self.weights):
+                comp = self.compute[s]
+                with torch.cuda.device(w.device), torch.cuda.stream(comp):
+                    if s:
+                        comp.wait_stream(self.copy[s])
+                    torch.matmul(self.ins[s][r], w, out=self.outs[s][r])
+                if s + 1 < n:
+                    src, dst = self.copy[s], self.copy[s + 1]
+                    src.wait_stream(comp)
+                    with torch.cuda.stream(src), torch.cuda.stream(dst):
+                        self.ins[s + 1][r].copy_(self.outs[s][r], non_blocking=True)
+        for st in self.compute + self.copy:
+            caller.wait_stream(st)
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._schedule()
+        return self.outs[-1]

@@ -1,0 +1,447 @@
+"""One benchmark harness for every method: ``ctapipelining bench``.
+
+Every method is timed by :func:`time_method` in the same process and run: an untimed
+``prepare`` (a fresh input set, rotated so caches do not flatter), then all devices
+synchronised, host clock, the method, all devices synchronised again. Warm-up first; median,
+min, max and the 10th/90th percentiles of ``reps`` runs. Results go to JSON (raw times, device,
+versions, the exact command) and CSV; :func:`plot` draws the paper's Figures 4 and 5 from a
+results file, so tables and plots are reproducible (and tested) without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
+
+
+@dataclass
+class Row:
+    method: str
+    seq: int
+    ms: list[float] = field(repr=False)
+    chunk: int | None = None
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ms)
+
+    def summary(self) -> dict:
+        q = statistics.quantiles(self.ms, n=10) if len(self.ms) > 1 else [self.ms[0]] * 9
+        return dict(
+            method=self.method,
+            seq=self.seq,
+            chunk=self.chunk,
+            median_ms=round(self.median, 4),
+            min_ms=round(min(self.ms), 4),
+            max_ms=round(max(self.ms), 4),
+            p10_ms=round(q[0], 4),
+            p90_ms=round(q[-1], 4),
+            n=len(self.ms),
+            note=self.note,
+        )
+
+
+def time_method(
+    run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int
+) -> list[float]:
+    """Milliseconds of ``reps`` runs of ``run`` (host clock, all ``devices`` synchronised)."""
+    import torch
+
+    def sync():
+        for d in devices:
+            torch.cuda.synchronize(d)
+
+    for i in range(warmup):
+        prepare(i)
+        run()
+    sync()
+    out = []
+    for i in range(reps):
+        prepare(i)
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        env={
+            k: os.environ.get(k)
+            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        },
+    )
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        env["p2p"] = {
+            f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j
+        }
+    return env
+
+
+# --------------------------------------------------------------------------- GPU measurements
+
+
+class Rotation:
+    """Input sets used in turn: ``select(i)`` (untimed) picks set ``i``, ``x`` is the current one."""
+
+    def __init__(self, xs):
+        self.xs, self.x = xs, xs[0]
+
+    def get(self, i):
+        return self.xs[i % len(self.xs)]
+
+    def select(self, i):
+        self.x = self.get(i)
+
+
+def _bench_seq(M: int, K: int, chunks: list[int], reps: int, warmup: int, nsets: int, progress) -> list[Row]:
+    import torch
+
+    from .baselines import MicroBatch, Sequential, TensorParallel
+    from .gemm import matmul
+    from .pipeline import Pipeline
+
+    devs = [0, 1]
+    torch.manual_seed(M)
+    A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+    B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+    xs = [torch.randn(M, K, device="cuda:0").bfloat16() for _ in range(nsets)]
+    rows: list[Row] = []
+
+    def add(method, run, prepare=lambda i: None, chunk=None, note=""):
+        progress(f"M={M} {method}" + (f" chunk={chunk}" if chunk else ""))
+        rows.append(Row(method, M, time_method(run, prepare, devs, reps, warmup), chunk, note))
+
+    rot = Rotation(xs)
+    x_of = rot.get
+    c0 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
+    add("floor_cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select)
+    add("floor_triton", lambda: matmul(rot.x, A, out=c0), rot.select)
+    peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+    add("triton_remote_write", lambda: matmul(rot.x, A, out=peer), rot.select)
+
+    seq = Sequential([A, B], M)
+    add("sequential", seq, lambda i: seq.x.copy_(x_of(i)))
+    for c in [c for c in chunks if c <= M]:
+        mb = MicroBatch([A, B], M, c)
+        add(
+            "microbatch",
+            mb,
+            lambda i, mb=mb: mb.x.copy_(x_of(i)),
+            chunk=c,
+            note="graph" if mb.graphed else f"eager ({mb.graph_error[:80]})",
+        )
+        del mb
+    tp = TensorParallel(A, B.to("cuda:0"), devs, M)
+
+    def tp_prep(i):
+        for xg in tp.x:
+            xg.copy_(x_of(i))
+
+    add("tp", tp, tp_prep)
+    add("tp_compute", lambda: tp(all_reduce=False), tp_prep)
+    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+    for policy in ("workqueue", "static"):
+        pipe = Pipeline([A, B], policy=policy)
+        add(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select)
+        pipe.check_errors()
+        ref = matmul(matmul(xs[0], A).to("cuda:1"), B)
+        if not torch.equal(pipe(xs[0]), ref):
+            raise AssertionError(f"cta_{policy}: output differs from the sequential Triton GEMMs at M={M}")
+    return rows
+
+
+def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
+    """Each hook in isolation (Triton GEMM at [M, K] x [K, K]): signal cost, prologue cost,
+    cross-GPU visibility latency."""
+    import torch
+
+    from .gemm import launch_gemm, matmul
+    from .kernels.probe import pingpong_kernel
+    from .pipeline import Pipeline
+
+    devs = [0, 1]
+    A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+    B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+    x = torch.randn(M, K, device="cuda:0").bfloat16()
+    rows: list[Row] = []
+    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+    for policy in ("workqueue", "static"):
+        pipe = Pipeline([A, B], policy=policy)
+        plan = pipe.plan(M)
+        pipe(x)
+        progress(f"hooks {policy}: producer with signal")
+        # producer alone (the consumer never runs): the remote writes plus the signal epilogue
+        producer = lambda pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[0])  # noqa: E731
+        ms = time_method(producer, lambda i: None, devs, reps, warmup)
+        rows.append(Row(f"producer_signal_{policy}", M, ms))
+        pipe.reset()
+        # consumer alone with its whole input already signalled: the prologue (wait/pop) cost
+        progress(f"hooks {policy}: consumer prologue")
+        queue = policy == "workqueue"
+        consumer_ms = []
+        for i in range(warmup + reps):
+            pipe._launch(plan, x, out, only=[0])
+            for d in devs:
+                torch.cuda.synchronize(d)
+            t0 = time.perf_counter()
+            with torch.cuda.device(1):
+                launch_gemm(
+                    plan.inputs[1],
+                    B,
+                    out,
+                    pipe.config,
+                    plan.num_ctas[1],
+                    wait=plan.links[0].wait_hook(queue),
+                    epoch=plan.epochs[1],
+                    err=plan.errors[1],
+                    stage=1,
+                    timeout_ns=pipe.timeout_ns,
+                )
+            torch.cuda.synchronize(1)
+            if i >= warmup:
+                consumer_ms.append((time.perf_counter() - t0) * 1e3)
+        pipe.check_errors(plan)
+        rows.append(Row(f"consumer_prologue_{policy}", M, consumer_ms))
+        pipe.reset()
+    progress("hooks: plain consumer GEMM on GPU1")
+    x1 = x.to("cuda:1")
+    rows.append(
+        Row("floor_triton_gpu1", M, time_method(lambda: matmul(x1, B, out=out), lambda i: None, devs, reps, warmup))
+    )
+    # cross-GPU visibility: flag ping-pong
+    progress("hooks: cross-GPU ping-pong")
+    flags = [torch.zeros(1, dtype=torch.int32, device=f"cuda:{d}") for d in devs]
+    res = [torch.zeros(2, dtype=torch.int64, device=f"cuda:{d}") for d in devs]
+    rounds, lat = 2000, []
+    for _ in range(5):
+        for f in flags:
+            f.zero_()
+        for d in devs:
+            torch.cuda.synchronize(d)
+        with torch.cuda.device(1):
+            pingpong_kernel[(1,)](flags[1], flags[0], res[1], rounds, 2_000_000_000, SERVE=False, num_warps=1)
+        with torch.cuda.device(0):
+            pingpong_kernel[(1,)](flags[0], flags[1], res[0], rounds, 2_000_000_000, SERVE=True, num_warps=1)
+        for d in devs:
+            torch.cuda.synchronize(d)
+        ns, done = res[0].tolist()
+        if done != rounds:
+            raise RuntimeError(f"ping-pong completed {done} of {rounds} rounds")
+        lat.append(ns / (2 * rounds) / 1e6)  # ms, one way
+    rows.append(Row("visibility_one_way", M, lat, note=f"{rounds} round trips per sample, %globaltimer"))
+    return rows
+
+
+# --------------------------------------------------------------------------- tables and plots
+
+
+def table(summaries: list[dict]) -> str:
+    """Fixed-width table with each method's median as a ratio to the Triton floor."""
+    floors = {s["seq"]: s["median_ms"] for s in summaries if s["method"] == "floor_triton"}
+    lines = [f"{'method':28s} {'seq':>6s} {'chunk':>6s} {'median':>9s} {'min':>8s} {'max':>8s} {'/floor':>7s}"]
+    for s in summaries:
+        f = floors.get(s["seq"])
+        ratio = f"{s['median_ms'] / f:7.3f}" if f else " " * 7
+        chunk = str(s["chunk"]) if s["chunk"] else "-"
+        lines.append(
+            f"{s['method']:28s} {s['seq']:6d} {chunk:>6s} "
+            f"{s['median_ms']:9.4f} {s['min_ms']:8.4f} {s['max_ms']:8.4f} {ratio}"
+        )
+    return "\n".join(lines)
+
+
+def headline(summaries: list[dict]) -> list[dict]:
+    """Per sequence length: CTA-pipelining (best policy) over best micro-batching, TP and the floor."""
+    out = []
+    for seq in sorted({s["seq"] for s in summaries}):
+        by = {}
+        for s in summaries:
+            if s["seq"] == seq:
+                by.setdefault(s["method"], []).append(s)
+        need = ("cta_workqueue", "cta_static", "microbatch", "tp", "floor_triton")
+        if not all(k in by for k in need):
+            continue
+        cta = min(by["cta_workqueue"][0]["median_ms"], by["cta_static"][0]["median_ms"])
+        best_mb = min(by["microbatch"], key=lambda s: s["median_ms"])
+        floor = min(by["floor_triton"][0]["median_ms"], by.get("floor_cublas", [{"median_ms": 1e9}])[0]["median_ms"])
+        out.append(
+            dict(
+                seq=seq,
+                cta_ms=cta,
+                best_microbatch_ms=best_mb["median_ms"],
+                best_chunk=best_mb["chunk"],
+                tp_ms=by["tp"][0]["median_ms"],
+                floor_ms=floor,
+                cta_over_microbatch=round(cta / best_mb["median_ms"], 4),
+                cta_over_tp=round(cta / by["tp"][0]["median_ms"], 4),
+                cta_over_floor=round(cta / floor, 4),
+            )
+        )
+    return out
+
+
+def plot(results: dict, out_dir: Path) -> list[Path]:
+    """Figure 4 (reduction vs micro-batching per chunk) and Figure 5 (latency vs sequence)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sums = results["summaries"]
+    paths = []
+    seqs = sorted({s["seq"] for s in sums if s["method"] == "microbatch"})
+    if seqs:
+        seq = max(seqs)
+        cta = min(s["median_ms"] for s in sums if s["seq"] == seq and s["method"].startswith("cta_"))
+        mb = sorted((s for s in sums if s["seq"] == seq and s["method"] == "microbatch"), key=lambda s: s["chunk"])
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        red = [100 * (1 - cta / s["median_ms"]) for s in mb]
+        ax.bar([str(s["chunk"]) for s in mb], red, color="tab:blue")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xlabel("micro-batching chunk size (rows)")
+        ax.set_ylabel("latency reduction of CTA-pipelining (%)")
+        ax.set_title(f"Fig. 4: 2 GPUs, X[{seq},K] @ A @ B")
+        for i, r in enumerate(red):
+            ax.text(i, r, f"{r:.1f}", ha="center", va="bottom" if r >= 0 else "top", fontsize=8)
+        fig.tight_layout()
+        p = out_dir / "fig4_reduction_vs_microbatch.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    heads = headline(sums)
+    if heads:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        xs = [h["seq"] for h in heads]
+        for key, label in (
+            ("cta_ms", "CTA-pipelining"),
+            ("best_microbatch_ms", "micro-batching (best chunk)"),
+            ("tp_ms", "tensor parallel (NCCL)"),
+        ):
+            ax.plot(xs, [h[key] for h in heads], marker="o", label=label)
+        seq_ms = [next(s["median_ms"] for s in sums if s["seq"] == x and s["method"] == "sequential") for x in xs]
+        ax.plot(xs, seq_ms, marker="o", label="sequential")
+        ax.plot(xs, [h["floor_ms"] for h in heads], ls="--", color="gray", label="one layer (floor)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (rows of X)")
+        ax.set_ylabel("latency (ms)")
+        ax.set_title("Fig. 5: 2-layer MLP on 2 GPUs")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out_dir / "fig5_latency_vs_seq.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not v or min(v) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="rows of X (comma-separated)")
+    p.add_argument("--k", type=int, default=8192, help="hidden size: A and B are [k, k]")
+    p.add_argument("--chunks", type=_ints, default=[512, 1024, 2048, 4096, 8192], help="micro-batching chunk sizes")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sets", type=int, default=3, help="input sets rotated between runs")
+    p.add_argument("--hooks-seq", type=int, default=16384, help="M of the hook-cost measurements (0: skip)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON, CSV, PNG")
+    p.add_argument("--plot-only", type=Path, default=None, help="re-draw tables and plots from a results JSON")
+
+
+def run(args) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        results = json.loads(args.plot_only.read_text())
+        print(table(results["summaries"]))
+        for p in plot(results, args.out):
+            print("wrote", p)
+        return 0
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        print(f"bench needs 2 GPUs with peer access; found {n}. Nothing timed.")
+        print("Without GPUs: `ctapipelining demo` runs the protocol on the CPU; `--plot-only FILE` re-draws results.")
+        return 2
+    if args.reps < 3 or args.warmup < 0 or args.sets < 1:
+        raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is optional
+        tqdm = None
+    total = len(args.seq) * (6 + len(args.chunks)) + (7 if args.hooks_seq else 0)
+    bar = tqdm(total=total, file=sys.stderr, mininterval=2) if tqdm else None
+
+    def progress(msg):
+        if bar:
+            bar.set_description(msg[:40])
+            bar.update(1)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    rows: list[Row] = []
+    for M in args.seq:
+        rows += _bench_seq(M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress)
+        torch.cuda.empty_cache()
+    if args.hooks_seq:
+        rows += _bench_hooks(args.hooks_seq, args.k, args.reps, args.warmup, progress)
+    if bar:
+        bar.close()
+    sums = [r.summary() for r in rows]
+    results = dict(
+        environment=environment(),
+        k=args.k,
+        summaries=sums,
+        headline=headline(sums),
+        raw=[dict(asdict(r)) for r in rows],
+    )
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    with open(args.out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(sums[0]))
+        w.writeheader()
+        w.writerows(sums)
+    print(table(sums))
+    print("\nheadline (CTA-pipelining = best of both policies):")
+    for h in results["headline"]:
+        print("  " + json.dumps(h))
+    for p in plot(results, args.out):
+        print("wrote", p)
+    return 0

@@ -1,0 +1,159 @@
+"""GPU tests (run on nvidia-h200-x2; outcomes recorded under benchmarks/results/).
+
+``gpu``: one GPU (the plain GEMM). ``gpu2``: two GPUs with peer access (the pipeline).
+"""
+
+import time
+
+import pytest
+import torch
+
+from ctapipelining.gemm import matmul
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+
+BF16_TOL = 2e-2  # relative Frobenius error of a bf16 chain vs an fp32 reference
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def rand(*shape, device, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).bfloat16()
+
+
+def weights(dims, devices):
+    return [rand(k, n, device=d, scale=k**-0.5) for (k, n), d in zip(zip(dims, dims[1:]), devices)]
+
+
+def fp32_chain(x, ws):
+    y = x.float()
+    for w in ws:
+        y = y.to(w.device) @ w.float()
+    return y
+
+
+def sequential_triton(x, ws, config):
+    """The same Triton GEMMs run one after another (no pipelining)."""
+    y = x
+    for w in ws:
+        y = matmul(y.to(w.device), w, config=config)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4096, 4096, 4096), (3000, 5000, 7000), (128, 8192, 8192), (1, 64, 64)])
+def test_plain_matmul(M, K, N):
+    a, b = rand(M, K, device="cuda:0"), rand(K, N, device="cuda:0", scale=K**-0.5)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    matmul(a, b, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out, a.float() @ b.float()) < BF16_TOL
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize(
+    "M,dims",
+    [(4096, [4096, 4096, 4096]), (3000, [5000, 7000, 5000]), (128, [8192, 8192, 8192]), (16384, [8192, 8192, 8192])],
+)
+def test_pipeline_matches_sequential_bitwise(policy, M, dims):
+    ws = weights(dims, ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy)
+    plan = pipe.plan(M)
+    for _ in range(2):
+        x = rand(M, dims[0], device="cuda:0")
+        plan.inputs[1].fill_(float("nan"))
+        out = torch.full((M, dims[-1]), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+        y = pipe(x, out=out)
+        assert not y.isnan().any()
+        assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+        assert rel_err(y, fp32_chain(x, ws)) < BF16_TOL
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_delayed_producer(policy):
+    ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy)
+    x = rand(4096, 4096, device="cuda:0")
+    plan = pipe.plan(4096)
+    plan.inputs[1].fill_(float("nan"))
+    out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda:1")
+    pipe._launch(plan, x, out, delay_cycles={0: 200_000_000})  # ~0.1 s before the producer starts
+    pipe.check_errors(plan)
+    assert torch.equal(out, sequential_triton(x, ws, pipe.config))
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_200_back_to_back_calls(policy):
+    ws = weights([2048, 2048, 1024], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy)
+    xs = [rand(2048, 2048, device="cuda:0") for _ in range(200)]
+    ys = [pipe(x, check=False) for x in xs]
+    pipe.check_errors()
+    assert pipe.plan(2048).epoch == 200
+    for x, y in zip(xs, ys):
+        assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+    link = pipe.plan(2048).links[0]
+    assert torch.equal(link.counters.cpu(), 200 * torch.as_tensor(link.dep.need))
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_lone_consumer_times_out_within_deadline(policy):
+    ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy, timeout_s=0.2)
+    x = rand(2048, 2048, device="cuda:0")
+    plan = pipe.plan(2048)
+    out = torch.empty(2048, 2048, dtype=torch.bfloat16, device="cuda:1")
+    t0 = time.perf_counter()
+    pipe._launch(plan, x, out, only=[1])
+    with pytest.raises(PipelineTimeout, match="stage 1 on cuda:1: CTA .* timed out"):
+        pipe.check_errors(plan)
+    assert time.perf_counter() - t0 < 2.0
+    y = pipe(x)  # the next call works
+    assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+
+
+@pytest.mark.gpu2
+def test_cuda_graph_capture_and_replay():
+    ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy="workqueue")
+    x = rand(4096, 4096, device="cuda:0")
+    out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda:1")
+    pipe(x, out=out)  # warm-up: compile and build the plan outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pipe(x, out=out, check=False)
+    for _ in range(5):
+        x.copy_(rand(4096, 4096, device="cuda:0"))
+        g.replay()
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        assert torch.equal(out, sequential_triton(x, ws, pipe.config))
+    pipe.check_errors()
+
+
+@pytest.mark.gpu2
+def test_single_stage_is_the_plain_gemm():
+    (w,) = weights([2048, 1024], ["cuda:0"])
+    x = rand(1000, 2048, device="cuda:0")
+    assert torch.equal(Pipeline([w])(x), matmul(x, w))
+
+
+@pytest.mark.gpu2
+def test_bad_placement_raises_before_launch():
+    a, b = rand(256, 256, device="cuda:0"), rand(256, 256, device="cuda:0")
+    with pytest.raises(ValueError, match="each stage needs its own GPU"):
+        Pipeline([a, b])
+    pipe = Pipeline([a, b.to("cuda:1")])
+    with pytest.raises(ValueError, match="x is on cuda:1; stage 0 runs on cuda:0"):
+        pipe(rand(64, 256, device="cuda:1"))
+    with pytest.raises(TypeError, match="float32"):
+        pipe(torch.randn(64, 256, device="cuda:0"))
+    n = torch.cuda.device_count()
+    with pytest.raises(RuntimeError, match=f"needs {n + 1} GPUs; found {n}"):
+        Pipeline.on_devices([a.cpu()] * (n + 1))
+    assert pipe._plans == {}
