@@ -49,7 +49,7 @@ INTERPRET_POLLS = tl.constexpr(64)
 
 # One thread polls ld.acquire.sys until the value reaches the target or the deadline passes.
 # Labels live inside { } so the block can be inlined many times.
-_SPIN_PTX = """
+_SPIN_PTX = tl.constexpr("""
 {
   .reg .pred %wp<2>;
   .reg .u64 %wt<2>;
@@ -64,7 +64,7 @@ WAIT_LOOP:
   @%wp1 bra WAIT_LOOP;
 WAIT_DONE:
 }
-"""
+""")
 
 
 @triton.jit

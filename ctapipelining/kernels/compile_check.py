@@ -1,0 +1,80 @@
+"""Compile the GEMM's hook variants for Hopper (sm_90) without a GPU and count, in the PTX,
+what each hook adds. ``python -m ctapipelining.kernels.compile_check`` prints a JSON report.
+
+Used by the CPU tests (run with ``TRITON_INTERPRET`` unset: the interpreter replaces jit
+functions) to show that with both hooks off the kernel has none of the protocol's
+instructions, and by the device script next to the registers and spills the GPU reports.
+"""
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from .gemm import gemm_kernel
+
+PATTERNS = {
+    "wgmma": r"wgmma\.mma_async",
+    "tma_load": r"cp\.async\.bulk\.tensor",
+    "ld_acquire_sys": r"ld\.acquire\.sys",
+    "atom_sys": r"atom\.[a-z_.]*sys",
+    "globaltimer": r"%globaltimer",
+    "fence_proxy_async": r"fence\.proxy\.async",
+    "bar_sync": r"\bbar\.sync|\bbarrier\.sync",
+}
+VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
+    "plain": (False, False, False),
+    "wait_static": (True, False, False),
+    "wait_workqueue": (True, False, True),
+    "signal_static": (False, True, False),
+    "signal_workqueue": (False, True, True),
+    "wait_signal_workqueue": (True, True, True),
+}
+
+
+def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3):
+    bm, bn, bk = block
+    sig = {}
+    for n in gemm_kernel.arg_names:
+        if n == "a_desc":
+            sig[n] = f"tensordesc<bf16[{bm}, {bk}]>"
+        elif n == "b_desc":
+            sig[n] = f"tensordesc<bf16[{bk}, {bn}]>"
+        elif n == "c_ptr":
+            sig[n] = "*bf16"
+        elif n in ("M", "N", "k_tiles", "stride_cm", "consumer_tiles", "stage", "timeout_ns"):
+            sig[n] = "i32"
+        elif n.isupper():
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "*i32"
+    const = dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=1,
+        NUM_CTAS=132,
+        WAIT_INPUT=wait,
+        SIGNAL_OUTPUT=signal,
+        QUEUE=queue,
+        PUSH_BLOCK=32,
+        INTERPRET=False,
+    )
+    src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+def report() -> dict:
+    out = {}
+    for name, flags in VARIANTS.items():
+        k = compile_variant(*flags)
+        ptx = k.asm["ptx"]
+        out[name] = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()} | {"smem": k.metadata.shared}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(report(), indent=1))

@@ -1,0 +1,44 @@
+"""The kernels compiled for Hopper (sm_90) on the CPU, without a GPU: each hook adds its
+protocol instructions and nothing else; with both hooks off the kernel has none of them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-m", "ctapipelining.kernels.compile_check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_every_variant_is_a_tma_wgmma_gemm(report):
+    for name, r in report.items():
+        assert r["wgmma"] > 0 and r["tma_load"] > 0, name
+        assert r["smem"] == report["plain"]["smem"], f"{name}: a hook changed the shared-memory footprint"
+
+
+def test_plain_has_no_protocol_instructions(report):
+    p = report["plain"]
+    assert p["ld_acquire_sys"] == 0 and p["atom_sys"] == 0 and p["globaltimer"] == 0
+
+
+def test_hooks_add_exactly_their_instructions(report):
+    for name in ("wait_static", "wait_workqueue"):
+        assert report[name]["ld_acquire_sys"] == 1 and report[name]["globaltimer"] == 2, name  # one bounded spin
+        assert report[name]["atom_sys"] == 0, name
+    assert report["signal_static"]["atom_sys"] == 1 and report["signal_static"]["ld_acquire_sys"] == 0
+    # counter bump, tail claim, slot release
+    assert report["signal_workqueue"]["atom_sys"] == 3
+    assert report["wait_signal_workqueue"]["atom_sys"] == 3 and report["wait_signal_workqueue"]["ld_acquire_sys"] == 1
