@@ -15,6 +15,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import fabric
 from .kernels.gemm import GemmConfig, gemm_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -170,7 +171,8 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 def matmul(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
-    """Plain persistent GEMM ``a @ b`` (both hooks off). ``out`` may be on a peer GPU."""
+    """Plain persistent GEMM ``a @ b`` (both hooks off). ``out`` may be on a peer GPU (peer
+    access is enabled here, or a :class:`~ctapipelining.fabric.PeerAccessError` says why not)."""
     check_operands(a, b)
     cfg = config or GemmConfig()
     M, N = a.shape[0], b.shape[1]
@@ -180,6 +182,10 @@ def matmul(
         raise ValueError(f"out must be a row-major [{M}, {N}] {a.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     if M == 0 or N == 0:
         return out
+    if out.device != a.device:
+        if out.device.type != "cuda" or a.device.type != "cuda":
+            raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
+        fabric.enable_peer_access([a.device.index, out.device.index])
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
         launch_gemm(a, b, out, cfg, grid_size(M, N, cfg, a.device))
     return out
