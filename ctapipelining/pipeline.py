@@ -12,9 +12,11 @@ back-to-back calls need no reset, and a call can be captured in a CUDA graph (pa
 timed-out wait raises :class:`PipelineTimeout` naming device, stage and tile, after which the
 state is reset so the next call works.
 
-Ordering between calls: every stage's stream first waits for the caller's stream, and the
-caller's stream then waits for every stage, so a producer of call ``i + 1`` never overwrites a
-buffer that a consumer of call ``i`` still reads.
+Ordering with the caller: every stage's stream first waits for the current stream of every
+stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
+result are ordered with whatever the caller does on any of the devices (the caching allocator
+included), and a producer of call ``i + 1`` never overwrites a buffer that a consumer of call
+``i`` still reads.
 """
 
 from __future__ import annotations
@@ -256,12 +258,12 @@ class Pipeline:
         plan.epoch += 1
         n = len(self.weights)
         queue = self.policy.uses_queue
-        caller = torch.cuda.current_stream(self.devices[0]) if self.on_gpu else None
-        start = caller.record_event() if caller is not None else None
+        callers = self._caller_streams()
+        starts = [c.record_event() for c in callers]
         for s in range(n):
             a = x if s == 0 else plan.inputs[s]
             c = out if s == n - 1 else plan.inputs[s + 1]
-            with self._on_stream(s, start):
+            with self._on_stream(s, starts):
                 plan.epochs[s].add_(1)
                 if only is not None and s not in only:
                     continue
@@ -280,18 +282,30 @@ class Pipeline:
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )
-        if caller is not None:
-            for st in self.streams:
+        for caller in callers:
+            for st in self.streams if self.on_gpu else []:
                 caller.wait_stream(st)
 
+    def _caller_streams(self) -> list:
+        """The streams a call forks from and joins back to: the current stream of every stage's
+        device, so that tensors the caller allocated or reads on any of them (``x``, ``out``,
+        the result) are ordered with the stages. Under CUDA-graph capture only the capturing
+        stream (stage 0's device) may be used; the graph's replay then orders everything."""
+        if not self.on_gpu:
+            return []
+        if torch.cuda.is_current_stream_capturing():
+            return [torch.cuda.current_stream(self.devices[0])]
+        return [torch.cuda.current_stream(d) for d in self.devices]
+
     @contextlib.contextmanager
-    def _on_stream(self, s: int, start):
+    def _on_stream(self, s: int, starts):
         if not self.on_gpu:
             yield
             return
         st = self.streams[s]
         with torch.cuda.device(self.devices[s]), torch.cuda.stream(st):
-            st.wait_event(start)
+            for ev in starts:
+                st.wait_event(ev)
             yield
 
     def check_errors(self, plan: Plan | None = None) -> None:

@@ -118,6 +118,28 @@ def test_lone_consumer_times_out_within_deadline(policy):
 
 
 @pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_result_is_ordered_on_every_device_current_stream(policy):
+    """No synchronisation by the caller: work it queues on cuda:1's current stream right after
+    the call (reading the result, reusing freed memory) must see the finished result."""
+    ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy)
+    x = rand(4096, 4096, device="cuda:0")
+    ref = sequential_triton(x, ws, pipe.config)
+    plan = pipe.plan(4096)
+    out = torch.full((4096, 4096), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+    pipe._launch(plan, x, out, delay_cycles={0: 200_000_000})  # a slow producer: ~0.1 s
+    snapshot = out.clone()  # queued on cuda:1's current stream, no sync in between
+    for _ in range(5):
+        y = pipe(x, check=False)
+        again = y.clone()
+        del y  # freed on cuda:1's current stream: the next call may reuse the block
+        assert torch.equal(again, ref)
+    pipe.check_errors()
+    assert torch.equal(snapshot, ref)
+
+
+@pytest.mark.gpu2
 def test_cuda_graph_capture_and_replay():
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, policy="workqueue")
