@@ -58,6 +58,7 @@ class SignalHook:
     tail: torch.Tensor
     consumer_tiles: int
     push_block: int
+    max_signals: int
     queue: bool
 
 
@@ -116,15 +117,18 @@ def launch_gemm(
     cfg = config
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
+    tma_store = cfg.tma_store and c.is_contiguous()
+    c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if tma_store else b_desc
     dummy = epoch if epoch is not None else torch.zeros(1, dtype=torch.int32, device=a.device)
     w = wait or WaitHook(dummy, dummy, dummy, dummy, dummy, False)
-    s = signal or SignalHook(dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, 1, 1, False)
+    s = signal or SignalHook(dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, 1, 1, 1, False)
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
     queue = wait.queue if wait is not None else s.queue
     return gemm_kernel[(num_ctas,)](
         a_desc,
         b_desc,
+        c_desc,
         c,
         w.counters,
         w.counter_of_tile,
@@ -157,6 +161,10 @@ def launch_gemm(
         SIGNAL_OUTPUT=signal is not None,
         QUEUE=queue,
         PUSH_BLOCK=s.push_block,
+        MAX_SIGNALS=s.max_signals,
+        TMA_STORE=tma_store,
+        FLATTEN=cfg.flatten and signal is None,  # Triton cannot flatten the signalling loop
+        WARP_SPECIALIZE=cfg.warp_specialize,
         INTERPRET=interpreting(),
         num_stages=cfg.num_stages,
         num_warps=cfg.num_warps,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
@@ -82,7 +83,8 @@ class Link:
         return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
 
     def signal_hook(self, queue: bool) -> SignalHook:
-        push_len = int((self.dep.push_ptr[1:] - self.dep.push_ptr[:-1]).max())
+        push_len = int(np.diff(self.dep.push_ptr).max())
+        signals = int(np.diff(self.dep.signal_ptr).max())
         return SignalHook(
             self.counters,
             self.signal_ptr,
@@ -94,6 +96,7 @@ class Link:
             self.tail,
             self.dep.consumer.num_tiles,
             triton.next_power_of_2(push_len),
+            signals,
             queue,
         )
 

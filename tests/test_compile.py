@@ -26,7 +26,16 @@ def report():
 def test_every_variant_is_a_tma_wgmma_gemm(report):
     for name, r in report.items():
         assert r["wgmma"] > 0 and r["tma_load"] > 0, name
-        assert r["smem"] == report["plain"]["smem"], f"{name}: a hook changed the shared-memory footprint"
+        base = report["plain+tma_store" if name.endswith("+tma_store") else "plain"]
+        assert r["smem"] <= base["smem"], f"{name}: a hook added shared memory"
+
+
+def test_tma_store_producer_waits_for_completed_writes_before_signalling(report):
+    assert report["plain+tma_store"]["tma_store"] == 1 and report["plain+tma_store"]["bulk_wait_complete"] == 0
+    for name in ("signal_static+tma_store", "signal_workqueue+tma_store"):
+        # one wait_group 1 after each store, one wait_group 0 after the loop (not the .read flavour)
+        assert report[name]["bulk_wait_complete"] == 2, name
+    assert report["plain"]["tma_store"] == 0 and report["signal_static"]["bulk_wait_complete"] == 0
 
 
 def test_plain_has_no_protocol_instructions(report):

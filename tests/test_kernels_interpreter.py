@@ -1,6 +1,8 @@
 """The real Triton kernels on the CPU under TRITON_INTERPRET=1 (fp16: the interpreter's
 bf16 tl.dot is wrong). Grid programs run one after another there, so stages run in order."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -54,12 +56,13 @@ def test_matmul(M, K, N):
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
 
 
+@pytest.mark.parametrize("tma_store", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 @pytest.mark.parametrize("dims", [[24, 32], [24, 40, 16], [16, 24, 32, 8], [24]])
 @pytest.mark.parametrize("M", [33, 8])
-def test_pipeline_epochs_poisoned(policy, dims, M):
+def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in zip([16] + dims, dims)]
-    pipe = Pipeline(ws, policy=policy, config=SMALL)
+    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, tma_store=tma_store))
     for epoch in range(1, 4):
         x = torch.randn(M, 16).half()
         plan = pipe.plan(M)

@@ -22,6 +22,8 @@ PATTERNS = {
     "globaltimer": r"%globaltimer",
     "fence_proxy_async": r"fence\.proxy\.async",
     "bar_sync": r"\bbar\.sync|\bbarrier\.sync",
+    "tma_store": r"cp\.async\.bulk\.tensor\.[0-9]d\.global\.shared",
+    "bulk_wait_complete": r"cp\.async\.bulk\.wait_group [0-9]",
 }
 VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "plain": (False, False, False),
@@ -31,13 +33,16 @@ VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "signal_workqueue": (False, True, True),
     "wait_signal_workqueue": (True, True, True),
 }
+TMA_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_workqueue")
 
 
-def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3):
+def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, **options):
     bm, bn, bk = block
     sig = {}
     for n in gemm_kernel.arg_names:
-        if n == "a_desc":
+        if n == "c_desc":
+            sig[n] = f"tensordesc<bf16[{bm}, {bn}]>"
+        elif n == "a_desc":
             sig[n] = f"tensordesc<bf16[{bm}, {bk}]>"
         elif n == "b_desc":
             sig[n] = f"tensordesc<bf16[{bk}, {bn}]>"
@@ -59,8 +64,12 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         SIGNAL_OUTPUT=signal,
         QUEUE=queue,
         PUSH_BLOCK=32,
+        MAX_SIGNALS=1,
         INTERPRET=False,
-    )
+        TMA_STORE=False,
+        FLATTEN=False,
+        WARP_SPECIALIZE=False,
+    ) | {k.upper(): v for k, v in options.items()}
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
@@ -69,8 +78,10 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
 
 def report() -> dict:
     out = {}
-    for name, flags in VARIANTS.items():
-        k = compile_variant(*flags)
+    builds = [(name, flags, {}) for name, flags in VARIANTS.items()]
+    builds += [(name + "+tma_store", VARIANTS[name], {"tma_store": True}) for name in TMA_STORE_VARIANTS]
+    for name, flags, options in builds:
+        k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]
         out[name] = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()} | {"smem": k.metadata.shared}
     return out

@@ -23,13 +23,22 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .sync import claim, fence_proxy_async, signal_tile, wait_counter, wait_slot
+from .sync import bulk_store_wait, claim, fence_proxy_async, signal_tile, wait_counter, wait_slot
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One tile configuration (``num_stages``: TMA pipeline depth; ``group_m``: row-blocks
-    per group of the tile order, 1 = row-major)."""
+    """One tile configuration.
+
+    ``group_m``: row-blocks per group of the tile order (1 = row-major; see
+    :func:`ctapipelining.deps.tile_order` for why it matters to a producer). ``num_stages``:
+    TMA pipeline depth. ``flatten`` / ``warp_specialize``: Triton's options for the persistent
+    ``for`` loop (plain and ``static`` kernels; the ``workqueue`` consumer loop is dynamic;
+    Triton 3.6 cannot flatten a loop whose body signals, so producers ignore ``flatten``).
+    ``tma_store``: write each tile with an asynchronous TMA store. A producer then signals a
+    tile one tile later, once its bulk store has completed, so its remote write drains over
+    NVLink while the next tile computes (see :func:`ctapipelining.kernels.gemm._epilogue`).
+    """
 
     block_m: int = 128
     block_n: int = 256
@@ -37,19 +46,23 @@ class GemmConfig:
     group_m: int = 1
     num_stages: int = 3
     num_warps: int = 8
+    flatten: bool = False
+    warp_specialize: bool = False
+    tma_store: bool = False
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
-        return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+        loads = self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+        return loads + (self.block_m * self.block_n * elem_bytes if self.tma_store else 0)
 
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
 
 CONFIGS = [
     GemmConfig(128, 256, 64, 1, 3, 8),
-    GemmConfig(128, 256, 64, 4, 3, 8),
     GemmConfig(128, 256, 64, 8, 3, 8),
-    GemmConfig(128, 128, 64, 1, 4, 8),
-    GemmConfig(128, 128, 64, 8, 4, 4),
+    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, warp_specialize=True),
+    GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(64, 128, 64, 1, 4, 4),
 ]
 
@@ -89,10 +102,71 @@ def _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOC
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _compute_store(
+    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
+):  # fmt: skip
+    """The unchanged compute body for one tile, then its store (TMA: asynchronous)."""
+    pm = tile // num_n
+    pn = tile % num_n
+    acc = _mma_tile(a_desc, b_desc, pm, pn, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
+    if TMA_STORE:
+        c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
+    else:
+        _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(
+    tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr,
+    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Signal-output hook after ``tile``'s store; returns the tile still to signal (-1: none).
+
+    Ordinary stores are complete once issued: signal ``tile`` now. A TMA store is still in
+    flight: signal the *previous* tile instead, once every bulk store but the newest has
+    completed, so the remote write drains while the next tile computes.
+    """
+    if SIGNAL_OUTPUT:
+        if TMA_STORE:
+            bulk_store_wait(1, INTERPRET)
+            if pending >= 0:
+                signal_tile(
+                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                    consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+                )  # fmt: skip
+            pending = tile
+        else:
+            signal_tile(
+                tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+            )  # fmt: skip
+    return pending
+
+
+@triton.jit
+def _flush(
+    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr,
+    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """After the loop: wait for the last TMA store and signal its tile."""
+    if SIGNAL_OUTPUT and TMA_STORE:
+        bulk_store_wait(0, INTERPRET)
+        if pending >= 0:
+            signal_tile(
+                pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+            )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
 def gemm_kernel(
     a_desc,
     b_desc,
+    c_desc,
     c_ptr,
     # wait-for-input hook: this stage's scoreboard and ring (local memory)
     in_counters,
@@ -127,6 +201,10 @@ def gemm_kernel(
     SIGNAL_OUTPUT: tl.constexpr,
     QUEUE: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
@@ -135,46 +213,58 @@ def gemm_kernel(
     epoch = 0
     if WAIT_INPUT or SIGNAL_OUTPUT:
         epoch = tl.load(epoch_ptr)
+    pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled (TMA store)
     if WAIT_INPUT and QUEUE:
+        # workqueue: claim ring positions until past this run's tiles; tiles in readiness order
         pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
-    else:
-        pos = tl.program_id(0)
-    while pos < num_tiles:
-        ok = True
-        if WAIT_INPUT and QUEUE:
+        while pos < num_tiles:
             tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
-        else:
-            tile = tile_of_position(pos, num_m, num_n, GROUP_M)
-            if WAIT_INPUT:
-                ok = wait_counter(
-                    in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
-                )
-        if ok:
-            if WAIT_INPUT:
+            if ok:
                 fence_proxy_async(INTERPRET)
-            pm = tile // num_n
-            pn = tile % num_n
-            acc = _mma_tile(a_desc, b_desc, pm, pn, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
-            _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N)
-            if SIGNAL_OUTPUT:
-                signal_tile(
-                    tile,
-                    epoch,
-                    out_counters,
-                    out_signal_ptr,
-                    out_signal_counters,
-                    out_need,
-                    out_push_ptr,
-                    out_push_tiles,
-                    out_slots,
-                    out_tail,
-                    consumer_tiles,
-                    QUEUE,
-                    PUSH_BLOCK,
-                )
-            if WAIT_INPUT and QUEUE:
+                _compute_store(
+                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
+                    BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
+                )  # fmt: skip
+                pending = _epilogue(
+                    tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
+                    out_push_tiles, out_slots, out_tail, consumer_tiles,
+                    SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
-                pos += NUM_CTAS
-        else:
-            pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
+                pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
+    else:
+        # plain or static: walk the tile order; under WAIT_INPUT wait on each tile's counter
+        alive = tl.program_id(0) >= 0
+        for pos in tl.range(tl.program_id(0), num_tiles, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            tile = tile_of_position(pos, num_m, num_n, GROUP_M)
+            if WAIT_INPUT:
+                if alive:  # after a timeout the CTA skips its remaining tiles
+                    alive = wait_counter(
+                        in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
+                    )
+                if alive:
+                    fence_proxy_async(INTERPRET)
+                    _compute_store(
+                        a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
+                        BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
+                    )  # fmt: skip
+                    pending = _epilogue(
+                        tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
+                        out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
+                        SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                    )  # fmt: skip
+            else:
+                _compute_store(
+                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
+                    BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
+                )  # fmt: skip
+                pending = _epilogue(
+                    tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
+                    out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
+                    SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                )  # fmt: skip
+    _flush(
+        pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
+        out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+    )  # fmt: skip

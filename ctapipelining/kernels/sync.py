@@ -9,8 +9,11 @@ Memory-ordering argument
 ------------------------
 Producer (stage ``s`` on GPU ``p``), after computing a tile:
 
-1. every thread stores its part of the tile with ordinary stores straight into the consumer
-   GPU's memory (generic proxy; no TMA store, so there is no asynchronous write to wait for);
+1. the tile goes straight into the consumer GPU's memory, either with ordinary stores by every
+   thread (complete once issued), or with an asynchronous TMA store: then the tile is
+   signalled one tile later, after ``cp.async.bulk.wait_group 1`` in the issuing thread says
+   its writes are complete and ``fence.proxy.async`` orders those async-proxy writes before
+   the generic-proxy release (:func:`bulk_store_wait`);
 2. ``debug_barrier`` (bar.sync): all those stores happen-before what thread 0 does next;
 3. thread 0 bumps each counter with ``atom.add.acq_rel.sys`` (release at system scope is
    cumulative: it publishes every store ordered before it, the other threads' included);
@@ -80,6 +83,19 @@ def fence_proxy_async(INTERPRET: tl.constexpr):
         tl.inline_asm_elementwise(
             "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
         )
+
+
+@triton.jit
+def bulk_store_wait(PENDING: tl.constexpr, INTERPRET: tl.constexpr):
+    """Wait until at most ``PENDING`` of this thread's TMA (bulk) stores are in flight, their
+    writes *complete* (not only their shared-memory reads), then order those async-proxy
+    writes before this thread's later generic-proxy release."""
+    if not INTERPRET:
+        if PENDING == 0:
+            asm: tl.constexpr = "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;"
+        else:
+            asm: tl.constexpr = "cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.u32 $0, 0;"
+        tl.inline_asm_elementwise(asm, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -160,33 +176,36 @@ def signal_tile(
     consumer_tiles,
     QUEUE: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr,
 ):
     """Epilogue: publish ``tile`` (already stored by every thread) to the consumer.
 
-    Bumps each counter the tile feeds; under ``QUEUE`` the bump that fills a counter pushes
-    that counter's consumer tiles (at most ``PUSH_BLOCK``) into the consumer's ring.
+    Bumps each counter the tile feeds (at most ``MAX_SIGNALS``: a static loop, so the
+    persistent loop around it stays a simple ``for`` Triton can flatten); under ``QUEUE`` the
+    bump that fills a counter pushes that counter's consumer tiles (at most ``PUSH_BLOCK``)
+    into the consumer's ring.
     """
     tl.debug_barrier()  # all threads' tile stores before thread 0's release
-    i = tl.load(signal_ptr + tile)
-    end = tl.load(signal_ptr + tile + 1)
-    while i < end:
-        c = tl.load(signal_counters + i)
-        if QUEUE:
-            old = tl.atomic_add(counters + c, 1, sem="acq_rel", scope="sys")
-            if old + 1 == epoch * tl.load(need + c):
-                first = tl.load(push_ptr + c)
-                n = tl.load(push_ptr + c + 1) - first
-                pos = tl.atomic_add(tail, n, sem="relaxed", scope="sys")
-                k = tl.arange(0, PUSH_BLOCK)
-                ts = tl.load(push_tiles + first + k, mask=k < n, other=0)
-                q = pos + k
-                tl.atomic_xchg(
-                    slots + q % consumer_tiles,
-                    (q // consumer_tiles + 1) * consumer_tiles + ts,
-                    mask=k < n,
-                    sem="release",
-                    scope="sys",
-                )
-        else:
-            tl.atomic_add(counters + c, 1, sem="release", scope="sys")
-        i += 1
+    first_signal = tl.load(signal_ptr + tile)
+    num_signals = tl.load(signal_ptr + tile + 1) - first_signal
+    for j in tl.static_range(MAX_SIGNALS):
+        if j < num_signals:
+            c = tl.load(signal_counters + first_signal + j)
+            if QUEUE:
+                old = tl.atomic_add(counters + c, 1, sem="acq_rel", scope="sys")
+                if old + 1 == epoch * tl.load(need + c):
+                    first = tl.load(push_ptr + c)
+                    n = tl.load(push_ptr + c + 1) - first
+                    pos = tl.atomic_add(tail, n, sem="relaxed", scope="sys")
+                    k = tl.arange(0, PUSH_BLOCK)
+                    ts = tl.load(push_tiles + first + k, mask=k < n, other=0)
+                    q = pos + k
+                    tl.atomic_xchg(
+                        slots + q % consumer_tiles,
+                        (q // consumer_tiles + 1) * consumer_tiles + ts,
+                        mask=k < n,
+                        sem="release",
+                        scope="sys",
+                    )
+            else:
+                tl.atomic_add(counters + c, 1, sem="release", scope="sys")
