@@ -52,6 +52,9 @@ for fence in (False, True):
                         blocks[rb] = blocks.get(rb, 0) + 1
             pipe.check_errors()
             t.sort()
-            print(f"fence_each_thread={fence!s:5} {policy:9s} poison={poison!s:5} M={M}: {bad}/{CALLS} wrong, "
-                  f"{nan_calls} with NaN, row-blocks {dict(sorted(blocks.items())[:12])} "
-                  f"median {t[len(t) // 2]:.3f} ms", flush=True)
+            print(
+                f"fence_each_thread={fence!s:5} {policy:9s} poison={poison!s:5} M={M}: {bad}/{CALLS} wrong, "
+                f"{nan_calls} with NaN, row-blocks {dict(sorted(blocks.items())[:12])} "
+                f"median {t[len(t) // 2]:.3f} ms",
+                flush=True,
+            )

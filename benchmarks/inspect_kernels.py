@@ -32,8 +32,10 @@ PATTERNS = {
 def report(name, k):
     ptx = k.asm["ptx"]
     counts = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()}
-    print(f"{name:28s} regs={k.n_regs:4d} spills={k.n_spills:3d} smem={k.metadata.shared:6d} " +
-          " ".join(f"{p}={c}" for p, c in counts.items()))
+    print(
+        f"{name:28s} regs={k.n_regs:4d} spills={k.n_spills:3d} smem={k.metadata.shared:6d} "
+        + " ".join(f"{p}={c}" for p, c in counts.items())
+    )
     return ptx
 
 
@@ -44,8 +46,16 @@ for policy in ("workqueue", "static"):
     queue = policy == "workqueue"
     with torch.cuda.device(0):
         plain = launch_gemm(x, A, plan.inputs[1], pipe.config, plan.num_ctas[0])
-        prod = launch_gemm(x, A, plan.inputs[1], pipe.config, plan.num_ctas[0], signal=plan.links[0].signal_hook(queue),
-                           epoch=plan.epochs[0], err=plan.errors[0])
+        prod = launch_gemm(
+            x,
+            A,
+            plan.inputs[1],
+            pipe.config,
+            plan.num_ctas[0],
+            signal=plan.links[0].signal_hook(queue),
+            epoch=plan.epochs[0],
+            err=plan.errors[0],
+        )
     if policy == "workqueue":
         report("plain (both hooks off)", plain)
     report(f"producer SIGNAL {policy}", prod)
@@ -56,12 +66,20 @@ for policy in ("workqueue", "static"):
     # the consumer kernel as the pipeline compiled it: look it up in Triton's cache via a no-op launch
     pipe._launch(plan, x, torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1"), only=[0])
     with torch.cuda.device(1):
-        cons = launch_gemm(plan.inputs[1], B, torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1"), pipe.config,
-                           plan.num_ctas[1], wait=plan.links[0].wait_hook(queue), epoch=plan.epochs[1],
-                           err=plan.errors[1], stage=1)
+        cons = launch_gemm(
+            plan.inputs[1],
+            B,
+            torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1"),
+            pipe.config,
+            plan.num_ctas[1],
+            wait=plan.links[0].wait_hook(queue),
+            epoch=plan.epochs[1],
+            err=plan.errors[1],
+            stage=1,
+        )
     ptx = report(f"consumer WAIT {policy}", cons)
     pipe.check_errors()
     if policy == "workqueue":
         (out_dir / "consumer_workqueue.ptx").write_text(ptx)
-        loop = ptx[ptx.find("WAIT_LOOP") - 200: ptx.find("WAIT_DONE") + 40]
+        loop = ptx[ptx.find("WAIT_LOOP") - 200 : ptx.find("WAIT_DONE") + 40]
         print("spin loop as compiled:\n" + loop)

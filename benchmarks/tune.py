@@ -44,30 +44,35 @@ def add(name, run, cfg=None, note=""):
 
 
 add("cublas", lambda: torch.matmul(rot.x, A, out=c0))
-for g in (1, 8):
-    for opts in ({}, {"flatten": True}, {"warp_specialize": True}, {"tma_store": True},
-                 {"flatten": True, "tma_store": True}, {"warp_specialize": True, "tma_store": True}):
-        cfg = GemmConfig(group_m=g, **opts)
-        add(f"plain g{g} {opts}", lambda cfg=cfg: matmul(rot.x, A, out=c0, config=cfg), cfg)
-cfg128 = GemmConfig(128, 128, 64, 8, 4, 8)
-add("plain 128x128 g8 st4", lambda: matmul(rot.x, A, out=c0, config=cfg128), cfg128)
-add("plain g8 remote write", lambda: matmul(rot.x, A, out=out, config=GemmConfig(group_m=8)))
+PLAIN = [dict(group_m=8, flatten=True, tma_store=True), dict(group_m=8, tma_store=True), dict(group_m=8)]
+for opts in PLAIN:
+    cfg = GemmConfig(**opts)
+    add(f"plain {opts}", lambda cfg=cfg: matmul(rot.x, A, out=c0, config=cfg), cfg)
+for tma in (False, True):
+    cfg = GemmConfig(group_m=8, tma_store=tma)
+    add(f"plain remote write tma_store={tma}", lambda cfg=cfg: matmul(rot.x, A, out=out, config=cfg), cfg)
 refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
+VARIANTS = [
+    dict(group_m=g, tma_store=t, warp_specialize=w) for t in (True, False) for g in (4, 8) for w in (False, True)
+]
 for policy in ("workqueue", "static"):
-    for g in (1, 4, 8):
-        for ws in (False, True):
-            cfg = GemmConfig(group_m=g, warp_specialize=ws, tma_store=True)
-            name = f"pipeline {policy} g{g} ws{int(ws)}"
-            try:
-                pipe = Pipeline([A, B], policy=policy, config=cfg)
-                ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
-            except Exception as e:
-                print(f"{name:60s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-                continue
-            add(name, lambda pipe=pipe: pipe(rot.x, out=out, check=False), cfg, note="bitwise OK" if ok else "WRONG")
-            pipe.check_errors()
-            if g == 8 and not ws:
-                plan = pipe.plan(M)
-                add(f"producer alone {policy} g{g}", lambda pipe=pipe, plan=plan: pipe._launch(plan, rot.x, out, only=[0]), cfg)
-                pipe.reset()
+    for opts in VARIANTS:
+        cfg = GemmConfig(**opts)
+        name = f"pipeline {policy} {opts}"
+        try:
+            pipe = Pipeline([A, B], policy=policy, config=cfg)
+            ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
+        except Exception as e:
+            print(f"{name:60s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        add(name, lambda pipe=pipe: pipe(rot.x, out=out, check=False), cfg, note="bitwise OK" if ok else "WRONG")
+        pipe.check_errors()
+        if not opts["warp_specialize"] and opts["group_m"] == 8:
+            plan = pipe.plan(M)
+            add(
+                f"producer alone {policy} {opts}",
+                lambda pipe=pipe, plan=plan: pipe._launch(plan, rot.x, out, only=[0]),
+                cfg,
+            )
+            pipe.reset()
 (out_dir / "tune.json").write_text(json.dumps(dict(environment=environment(), M=M, K=K, rows=rows), indent=1))

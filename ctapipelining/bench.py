@@ -54,10 +54,21 @@ class Row:
         )
 
 
-def time_method(
-    run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int
-) -> list[float]:
-    """Milliseconds of ``reps`` runs of ``run`` (host clock, all ``devices`` synchronised)."""
+@dataclass
+class Method:
+    """One timed thing: ``prepare(i)`` (untimed: pick input set ``i``) then ``run()``."""
+
+    name: str
+    run: Callable[[], object]
+    prepare: Callable[[int], object] = lambda i: None
+    chunk: int | None = None
+    note: str = ""
+
+
+def time_interleaved(methods: list[Method], devices, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Milliseconds of ``reps`` runs of every method (host clock, all ``devices`` synchronised
+    around each run). Methods take turns within each repetition, so a drift of the GPUs'
+    clocks during the run affects all of them alike and their ratios stay fair."""
     import torch
 
     def sync():
@@ -65,18 +76,25 @@ def time_method(
             torch.cuda.synchronize(d)
 
     for i in range(warmup):
-        prepare(i)
-        run()
+        for m in methods:
+            m.prepare(i)
+            m.run()
     sync()
-    out = []
+    out: dict[str, list[float]] = {m.name: [] for m in methods}
     for i in range(reps):
-        prepare(i)
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3)
+        for m in methods:
+            m.prepare(i)
+            sync()
+            t0 = time.perf_counter()
+            m.run()
+            sync()
+            out[m.name].append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def time_method(run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int):
+    """Milliseconds of ``reps`` runs of one method (see :func:`time_interleaved`)."""
+    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup)["m"]
 
 
 def environment() -> dict:
@@ -131,49 +149,40 @@ def _bench_seq(M: int, K: int, chunks: list[int], reps: int, warmup: int, nsets:
     A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
     B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
     xs = [torch.randn(M, K, device="cuda:0").bfloat16() for _ in range(nsets)]
-    rows: list[Row] = []
-
-    def add(method, run, prepare=lambda i: None, chunk=None, note=""):
-        progress(f"M={M} {method}" + (f" chunk={chunk}" if chunk else ""))
-        rows.append(Row(method, M, time_method(run, prepare, devs, reps, warmup), chunk, note))
-
     rot = Rotation(xs)
-    x_of = rot.get
     c0 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
-    add("floor_cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select)
-    add("floor_triton", lambda: matmul(rot.x, A, out=c0), rot.select)
     peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
-    add("triton_remote_write", lambda: matmul(rot.x, A, out=peer), rot.select)
-
+    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
     seq = Sequential([A, B], M)
-    add("sequential", seq, lambda i: seq.x.copy_(x_of(i)))
-    for c in [c for c in chunks if c <= M]:
-        mb = MicroBatch([A, B], M, c)
-        add(
-            "microbatch",
-            mb,
-            lambda i, mb=mb: mb.x.copy_(x_of(i)),
-            chunk=c,
-            note="graph" if mb.graphed else f"eager ({mb.graph_error[:80]})",
-        )
-        del mb
     tp = TensorParallel(A, B.to("cuda:0"), devs, M)
 
     def tp_prep(i):
         for xg in tp.x:
-            xg.copy_(x_of(i))
+            xg.copy_(rot.get(i))
 
-    add("tp", tp, tp_prep)
-    add("tp_compute", lambda: tp(all_reduce=False), tp_prep)
-    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
-    for policy in ("workqueue", "static"):
-        pipe = Pipeline([A, B], policy=policy)
-        add(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select)
+    methods = [
+        Method("floor_cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select),
+        Method("floor_triton", lambda: matmul(rot.x, A, out=c0), rot.select),
+        Method("triton_remote_write", lambda: matmul(rot.x, A, out=peer), rot.select),
+        Method("sequential", seq, lambda i: seq.x.copy_(rot.get(i))),
+        Method("tp", tp, tp_prep),
+        Method("tp_compute", lambda: tp(all_reduce=False), tp_prep),
+    ]
+    for c in [c for c in chunks if c <= M]:
+        mb = MicroBatch([A, B], M, c)
+        note = "cuda graph" if mb.graphed else f"eager ({mb.graph_error[:80]})"
+        methods.append(Method(f"microbatch/{c}", mb, lambda i, mb=mb: mb.x.copy_(rot.get(i)), c, note))
+    pipes = {policy: Pipeline([A, B], policy=policy) for policy in ("workqueue", "static")}
+    for policy, pipe in pipes.items():
+        methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
+    progress(f"M={M}: {len(methods)} methods, interleaved")
+    times = time_interleaved(methods, devs, reps, warmup)
+    ref = matmul(matmul(xs[0], A).to("cuda:1"), B)
+    for policy, pipe in pipes.items():
         pipe.check_errors()
-        ref = matmul(matmul(xs[0], A).to("cuda:1"), B)
         if not torch.equal(pipe(xs[0]), ref):
             raise AssertionError(f"cta_{policy}: output differs from the sequential Triton GEMMs at M={M}")
-    return rows
+    return [Row(m.name.split("/")[0], M, times[m.name], m.chunk, m.note) for m in methods]
 
 
 def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
@@ -407,7 +416,7 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:  # progress is optional
         tqdm = None
-    total = len(args.seq) * (6 + len(args.chunks)) + (7 if args.hooks_seq else 0)
+    total = len(args.seq) + (7 if args.hooks_seq else 0)
     bar = tqdm(total=total, file=sys.stderr, mininterval=2) if tqdm else None
 
     def progress(msg):

@@ -16,7 +16,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import fabric
-from .kernels.gemm import GemmConfig, gemm_kernel
+from .kernels.gemm import PLAIN_CONFIG, GemmConfig, gemm_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -182,7 +182,7 @@ def matmul(
     """Plain persistent GEMM ``a @ b`` (both hooks off). ``out`` may be on a peer GPU (peer
     access is enabled here, or a :class:`~ctapipelining.fabric.PeerAccessError` says why not)."""
     check_operands(a, b)
-    cfg = config or GemmConfig()
+    cfg = config or PLAIN_CONFIG
     M, N = a.shape[0], b.shape[1]
     if out is None:
         out = torch.empty(M, N, dtype=a.dtype, device=a.device)

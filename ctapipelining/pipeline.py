@@ -30,7 +30,7 @@ import triton
 
 from . import deps, fabric
 from .gemm import DTYPES, SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
-from .kernels.gemm import GemmConfig
+from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
 
@@ -141,7 +141,7 @@ class Pipeline:
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
         self.policy = deps.get_policy(policy)
-        self.config = config or GemmConfig()
+        self.config = config or PIPELINE_CONFIG
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)

@@ -57,10 +57,21 @@ class GemmConfig:
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
 
+# Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192]
+# (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json):
+# - plain GEMM: grouped order (B reused in L2) + TMA-store epilogue: 2.99 ms = cuBLAS 2.99 ms
+#   in tune1 (row-major with register stores: 3.22 ms).
+# - pipeline: groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so each wave
+#   completes consumer row-blocks) and ordinary stores into the peer: best of 24 variants in
+#   tune1 (static 3.52 ms vs 3.91 ms with groups of 8); the TMA-store producer with deferred
+#   signal measured no better in tune2 (producer alone 3.82 vs 3.78 ms).
+PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True)
+PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8)
+
 CONFIGS = [
-    GemmConfig(128, 256, 64, 1, 3, 8),
-    GemmConfig(128, 256, 64, 8, 3, 8),
-    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True),
+    PLAIN_CONFIG,
+    PIPELINE_CONFIG,
+    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, tma_store=True),
     GemmConfig(128, 256, 64, 8, 3, 8, warp_specialize=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(64, 128, 64, 1, 4, 4),
