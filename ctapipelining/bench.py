@@ -216,8 +216,8 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
     import torch
 
     from .gemm import launch_gemm, matmul
-    from .kernels.probe import pingpong_kernel
     from .pipeline import Pipeline
+    from .trace import clock_offset
 
     devs = [0, 1]
     A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
@@ -268,27 +268,10 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
     rows.append(
         Row("floor_triton_gpu1", M, time_method(lambda: matmul(x1, B, out=out), lambda i: None, devs, reps, warmup))
     )
-    # cross-GPU visibility: flag ping-pong
+    # cross-GPU visibility: flag ping-pong (one way), five samples
     progress("hooks: cross-GPU ping-pong")
-    flags = [torch.zeros(1, dtype=torch.int32, device=f"cuda:{d}") for d in devs]
-    res = [torch.zeros(2, dtype=torch.int64, device=f"cuda:{d}") for d in devs]
-    rounds, lat = 2000, []
-    for _ in range(5):
-        for f in flags:
-            f.zero_()
-        for d in devs:
-            torch.cuda.synchronize(d)
-        with torch.cuda.device(1):
-            pingpong_kernel[(1,)](flags[1], flags[0], res[1], rounds, 2_000_000_000, SERVE=False, num_warps=1)
-        with torch.cuda.device(0):
-            pingpong_kernel[(1,)](flags[0], flags[1], res[0], rounds, 2_000_000_000, SERVE=True, num_warps=1)
-        for d in devs:
-            torch.cuda.synchronize(d)
-        ns, done = res[0].tolist()
-        if done != rounds:
-            raise RuntimeError(f"ping-pong completed {done} of {rounds} rounds")
-        lat.append(ns / (2 * rounds) / 1e6)  # ms, one way
-    rows.append(Row("visibility_one_way", M, lat, note=f"{rounds} round trips per sample, %globaltimer"))
+    links = [clock_offset(0, 1, rounds=2000, samples=1) for _ in range(5)]
+    rows.append(Row("visibility_one_way", M, [lk.one_way_ns / 1e6 for lk in links], note="2000 round trips per sample"))
     return rows
 
 

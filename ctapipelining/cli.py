@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="time every method in one run (2 GPUs), or re-plot recorded results")
     bench.add_arguments(b)
     b.set_defaults(fn=bench.run)
+    from . import trace
+
+    t = sub.add_parser("trace", help="one traced call on 2 GPUs: timeline PNG and the costs T1, T2, T3")
+    trace.add_arguments(t)
+    t.set_defaults(fn=trace.run)
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs"):
         v = getattr(args, name, None)

@@ -104,6 +104,7 @@ def launch_gemm(
     signal: SignalHook | None = None,
     epoch: torch.Tensor | None = None,
     err: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
     stage: int = 0,
     timeout_ns: int = 1_000_000_000,
 ):
@@ -111,7 +112,10 @@ def launch_gemm(
     Triton's compiled-kernel handle (PTX, register and spill counts for inspection).
 
     ``c`` ([M, N], row-major, rows may be padded) may live on another GPU with peer access.
+    ``trace``: int64 ``[num_tiles, 5]`` to receive per-tile ``%globaltimer`` stamps (GPU only).
     """
+    if trace is not None and interpreting():
+        raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
     M, K = a.shape
     N = b.shape[1]
     cfg = config
@@ -145,6 +149,7 @@ def launch_gemm(
         s.tail,
         dummy if epoch is None else epoch,
         dummy if err is None else err,
+        dummy if trace is None else trace,
         M,
         N,
         triton.cdiv(K, cfg.block_k),
@@ -165,6 +170,7 @@ def launch_gemm(
         TMA_STORE=tma_store,
         FLATTEN=cfg.flatten and signal is None,  # Triton cannot flatten the signalling loop
         WARP_SPECIALIZE=cfg.warp_specialize,
+        TRACE=trace is not None,
         INTERPRET=interpreting(),
         num_stages=cfg.num_stages,
         num_warps=cfg.num_warps,

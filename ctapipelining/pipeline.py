@@ -110,6 +110,7 @@ class Plan:
     links: list[Link]  # links[s - 1]: stage s-1 -> stage s
     epochs: list[torch.Tensor]
     errors: list[torch.Tensor]
+    traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
     num_ctas: list[int]
     epoch_limit: int
     epoch: int = 0
@@ -129,6 +130,8 @@ class Pipeline:
     policy : ``"workqueue"`` (consumers run tiles in readiness order) or ``"static"``.
     config : tile configuration of every stage (:class:`GemmConfig`).
     timeout_s : how long a CTA waits for an input before it gives up and reports.
+    trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
+        :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class Pipeline:
         policy: str = "workqueue",
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
+        trace: bool = False,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -145,6 +149,7 @@ class Pipeline:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
+        self.trace = trace
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_tensor(w, f"stage {s} weight")
@@ -203,6 +208,10 @@ class Pipeline:
             links=links,
             epochs=[torch.zeros(1, dtype=torch.int32, device=d) for d in devs],
             errors=[torch.zeros(len(ERR_FIELDS), dtype=torch.int32, device=d) for d in devs],
+            traces=[
+                torch.full((g.num_tiles, 5), -1, dtype=torch.int64, device=d) if self.trace else None
+                for g, d in zip(grids, devs)
+            ],
             num_ctas=num_ctas,
             epoch_limit=limit,
         )
@@ -282,6 +291,7 @@ class Pipeline:
                     signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
                     epoch=plan.epochs[s],
                     err=plan.errors[s],
+                    trace=plan.traces[s],
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )
@@ -310,6 +320,14 @@ class Pipeline:
             for ev in starts:
                 st.wait_event(ev)
             yield
+
+    def traces(self, M: int) -> list[np.ndarray]:
+        """The stamps of the last call with ``M`` rows, per stage ``[tiles, 5]`` (ns; see
+        :mod:`ctapipelining.trace`)."""
+        if not self.trace:
+            raise RuntimeError("this pipeline was built without trace=True")
+        self._sync()
+        return [t.cpu().numpy() for t in self.plan(M).traces]
 
     def check_errors(self, plan: Plan | None = None) -> None:
         """Read every stage's error word (synchronises); on a timeout, reset and raise."""

@@ -51,3 +51,9 @@ def test_hooks_add_exactly_their_instructions(report):
     # counter bump, tail claim, slot release
     assert report["signal_workqueue"]["atom_sys"] == 3
     assert report["wait_signal_workqueue"]["atom_sys"] == 3 and report["wait_signal_workqueue"]["ld_acquire_sys"] == 1
+
+
+def test_trace_mode_is_free_when_off(report):
+    # stamps: 4 reads of %globaltimer per tile in the plain kernel, none without TRACE
+    assert report["plain+trace"]["globaltimer"] > 0 and report["plain"]["globaltimer"] == 0
+    assert report["wait_workqueue+trace"]["globaltimer"] > report["wait_workqueue"]["globaltimer"]

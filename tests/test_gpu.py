@@ -159,6 +159,25 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_trace_mode(policy):
+    from ctapipelining import trace
+
+    ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy, trace=True)
+    x = rand(4096, 4096, device="cuda:0")
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe.config))
+    stamps = pipe.traces(4096)
+    for t in stamps:
+        assert (t[:, :4] > 0).all(), "a tile was not stamped"
+        assert (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all() and (t[:, 2] <= t[:, 3]).all()
+    link = trace.clock_offset(0, 1, rounds=200)
+    s = trace.summarize(stamps, [lk.dep for lk in pipe.plan(4096).links], [0.0, link.offset_ns])
+    assert 0 < s["T1_signal"]["median_us"] < 100
+    assert 0 < link.one_way_ns < 20_000
+
+
+@pytest.mark.gpu2
 def test_single_stage_is_the_plain_gemm():
     (w,) = weights([2048, 1024], ["cuda:0"])
     x = rand(1000, 2048, device="cuda:0")

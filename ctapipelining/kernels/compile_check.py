@@ -34,6 +34,7 @@ VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "wait_signal_workqueue": (True, True, True),
 }
 TMA_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_workqueue")
+TRACE_VARIANTS = ("plain", "wait_workqueue")
 
 
 def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, **options):
@@ -48,6 +49,8 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
             sig[n] = f"tensordesc<bf16[{bk}, {bn}]>"
         elif n == "c_ptr":
             sig[n] = "*bf16"
+        elif n == "trace_ptr":
+            sig[n] = "*i64"
         elif n in ("M", "N", "k_tiles", "stride_cm", "consumer_tiles", "stage", "timeout_ns"):
             sig[n] = "i32"
         elif n.isupper():
@@ -69,6 +72,7 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         TMA_STORE=False,
         FLATTEN=False,
         WARP_SPECIALIZE=False,
+        TRACE=False,
     ) | {k.upper(): v for k, v in options.items()}
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
     return triton.compile(
@@ -80,6 +84,7 @@ def report() -> dict:
     out = {}
     builds = [(name, flags, {}) for name, flags in VARIANTS.items()]
     builds += [(name + "+tma_store", VARIANTS[name], {"tma_store": True}) for name in TMA_STORE_VARIANTS]
+    builds += [(name + "+trace", VARIANTS[name], {"trace": True}) for name in TRACE_VARIANTS]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .sync import bulk_store_wait, claim, fence_proxy_async, signal_tile, wait_counter, wait_slot
+from .sync import bulk_store_wait, claim, fence_proxy_async, globaltimer, signal_tile, wait_counter, wait_slot
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class GemmConfig:
 
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
+TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
 
 # Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192]
 # (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json):
@@ -173,6 +174,27 @@ def _flush(
             )  # fmt: skip
 
 
+@triton.jit
+def _now(TRACE: tl.constexpr):
+    """``%globaltimer`` when tracing, else nothing (the stamp compiles away)."""
+    if TRACE:
+        return globaltimer()
+    else:
+        return 0
+
+
+@triton.jit
+def _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE: tl.constexpr):
+    """Trace row of ``tile``: wait begun, compute begun, stored, epilogue done, CTA."""
+    if TRACE:
+        row = trace_ptr + tile.to(tl.int64) * TRACE_FIELDS
+        tl.store(row + 0, t_wait)
+        tl.store(row + 1, t_start)
+        tl.store(row + 2, t_stored)
+        tl.store(row + 3, globaltimer())
+        tl.store(row + 4, tl.program_id(0).to(tl.int64))
+
+
 @triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
 def gemm_kernel(
     a_desc,
@@ -196,6 +218,7 @@ def gemm_kernel(
     out_tail,
     epoch_ptr,
     err_ptr,
+    trace_ptr,
     M,
     N,
     k_tiles,
@@ -216,6 +239,7 @@ def gemm_kernel(
     TMA_STORE: tl.constexpr,
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    TRACE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
@@ -229,18 +253,22 @@ def gemm_kernel(
         # workqueue: claim ring positions until past this run's tiles; tiles in readiness order
         pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
         while pos < num_tiles:
+            t_wait = _now(TRACE)
             tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:
                 fence_proxy_async(INTERPRET)
+                t_start = _now(TRACE)
                 _compute_store(
                     a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
                     BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
                 )  # fmt: skip
+                t_stored = _now(TRACE)
                 pending = _epilogue(
                     tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
                     out_push_tiles, out_slots, out_tail, consumer_tiles,
                     SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
+                _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
                 pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
@@ -249,6 +277,7 @@ def gemm_kernel(
         alive = tl.program_id(0) >= 0
         for pos in tl.range(tl.program_id(0), num_tiles, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             tile = tile_of_position(pos, num_m, num_n, GROUP_M)
+            t_wait = _now(TRACE)
             if WAIT_INPUT:
                 if alive:  # after a timeout the CTA skips its remaining tiles
                     alive = wait_counter(
@@ -256,25 +285,30 @@ def gemm_kernel(
                     )
                 if alive:
                     fence_proxy_async(INTERPRET)
+                    t_start = _now(TRACE)
                     _compute_store(
                         a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
                         BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
                     )  # fmt: skip
+                    t_stored = _now(TRACE)
                     pending = _epilogue(
                         tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
                         out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
                         SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                     )  # fmt: skip
+                    _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
             else:
                 _compute_store(
                     a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
                     BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
                 )  # fmt: skip
+                t_stored = _now(TRACE)
                 pending = _epilogue(
                     tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
                     out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
                     SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
+                _record(trace_ptr, tile, t_wait, t_wait, t_stored, TRACE)
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
         out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
