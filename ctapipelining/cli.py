@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--epochs", type=int, default=3, help="back-to-back runs without reset")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-interpreter", action="store_true", help="skip the Triton interpreter part")
+    d.add_argument("--gpu-m", type=int, default=8192, help="rows of X on GPUs")
+    d.add_argument("--gpu-k", type=int, default=8192, help="hidden size on GPUs")
     d.set_defaults(fn=demo)
     from . import bench
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_arguments(t)
     t.set_defaults(fn=trace.run)
     args = ap.parse_args(argv)
-    for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs"):
+    for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs", "gpu_m", "gpu_k"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
