@@ -92,8 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("trace", help="one traced call on 2 GPUs: timeline PNG and the costs T1, T2, T3")
     trace.add_arguments(t)
     t.set_defaults(fn=trace.run)
+    from . import sim
+
+    m = sub.add_parser("sim", help="the calibrated model: validation, Figures 4 and 7 at 2/4/8 GPUs (CPU)")
+    sim.add_arguments(m)
+    m.set_defaults(fn=sim.run)
+    pl = sub.add_parser("plan", help="fastest layout (stages x TP, policy, or no pipelining) for a chain (CPU)")
+    sim.add_arguments(pl, plan_args=True)
+    pl.set_defaults(fn=sim.run_plan)
     args = ap.parse_args(argv)
-    for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs", "gpu_m", "gpu_k"):
+    for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs", "gpu_m", "gpu_k", "gpus"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")

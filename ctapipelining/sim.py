@@ -1,0 +1,484 @@
+"""Discrete-event model of every method on 1 to N GPUs, calibrated on measured device runs.
+
+What is modelled
+----------------
+* **Our GEMM**: persistent CTAs (one per SM) walking the tile order; a tile of ``BM x BN``
+  over ``K`` takes ``K * tile_ns_per_k`` (plus ``epilogue_ns``); a producer writing into the
+  peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal.
+* **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
+  become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
+  each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
+  whichever CTA is free first. The same :mod:`ctapipelining.deps` structures as the kernels.
+* **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
+  scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
+  timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
+  it is optimistic for GEMMs of a single wave.
+* **Copies** over NVLink at ``p2p_gbps`` on a copy engine (one per direction, in order);
+  **all-reduce** ``alpha + 2 (g - 1) / g * bytes / busbw`` (ring).
+* **Launch**: each kernel of a replayed CUDA graph starts ``launch_ns`` after the previous one
+  on its stream.
+
+Methods: sequential, micro-batching (one chunk size, or the best of a sweep), tensor
+parallelism, CTA-pipelining (both policies) and CTA-pipelining combined with TP (stages x
+TP degree: each shard pair is a pipelined chain, then an all-reduce inside the last stage).
+:func:`simulate_cta` can also return the per-tile timeline in the trace mode's format, so
+predicted and measured timelines can be drawn with :func:`ctapipelining.trace.plot_timeline`.
+
+Calibration (:meth:`Calibration.from_results`) reads a ``bench`` results file and a ``trace``
+summary of the same machine; :attr:`Calibration.source` says which.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import deps
+
+DEFAULT_RESULTS = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Machine parameters of the model (times in ns)."""
+
+    num_sms: int = 132
+    block_m: int = 128
+    block_n: int = 256
+    group_m: int = 4
+    tile_ns_per_k: float = 11.8  # one 128x256 tile, per unit of K
+    epilogue_ns: float = 0.0
+    remote_factor: float = 1.06
+    t1_ns: float = 3_840.0
+    t2_ns: float = 1_290.0
+    t3_ns: float = 770.0
+    cublas_a_ns: float = 30_000.0
+    cublas_b_ns: float = 186.0  # per row of X at the calibrated K x N
+    cublas_kn: int = 8192 * 8192
+    tp_factor: float = 1.0  # TP's half-width GEMMs relative to the cuBLAS model
+    p2p_gbps: float = 380.0
+    allreduce_alpha_ns: float = 20_000.0
+    allreduce_busbw_gbps: float = 300.0
+    launch_ns: float = 5_000.0
+    eager_overhead_ns: float = 100_000.0  # Python launch cost of one eager call of our kernels
+    source: str = "defaults"
+
+    # -- the pieces ---------------------------------------------------------------------------
+    def tile_ns(self, K: int) -> float:
+        return K * self.tile_ns_per_k + self.epilogue_ns
+
+    def cublas_ns(self, M: int, K: int, N: int, eager: bool = False) -> float:
+        """GPU time of ``torch.matmul``; ``eager`` adds the fixed cost of one timed eager call
+        (the intercept of the fit: launch and synchronisation), which graph replay avoids."""
+        return (self.cublas_a_ns if eager else 0.0) + self.cublas_b_ns * M * (K * N / self.cublas_kn)
+
+    def copy_ns(self, nbytes: float) -> float:
+        return nbytes / self.p2p_gbps
+
+    def allreduce_ns(self, nbytes: float, g: int) -> float:
+        if g <= 1:
+            return 0.0
+        return self.allreduce_alpha_ns + 2 * (g - 1) / g * nbytes / self.allreduce_busbw_gbps
+
+    # -- calibration ------------------------------------------------------------------------
+    @classmethod
+    def from_results(cls, results: Path | str | None = None, trace: Path | str | None = None) -> Calibration:
+        """Fit the parameters on a ``bench`` results JSON (and a ``trace`` JSON for T1..T3).
+
+        Only single-method measurements are fitted: the Triton and cuBLAS floors, the
+        sequential chain (copy bandwidth), TP compute and TP (all-reduce), the producer with
+        its signal (remote factor). Micro-batching and CTA-pipelining are not used, so the
+        model's predictions for them can be checked against measurement.
+        """
+        results = Path(results) if results else DEFAULT_RESULTS / "run3/results.json"
+        trace = Path(trace) if trace else DEFAULT_RESULTS / "trace/timeline_static_16384.json"
+        r = json.loads(Path(results).read_text())
+        K = int(r.get("k", 8192))
+        med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] * 1e6 for s in r["summaries"]}
+        seqs = sorted({s["seq"] for s in r["summaries"] if s["method"] == "floor_triton"})
+        base = cls()
+        # Triton floor = eager overhead + waves * tile time (a least-squares line in waves)
+        waves = [math.ceil(math.ceil(m / base.block_m) * math.ceil(K / base.block_n) / base.num_sms) for m in seqs]
+        t_tr = [med[("floor_triton", m, None)] for m in seqs]
+        slope, icpt = np.polyfit(waves, t_tr, 1)
+        # cuBLAS line in M
+        b, a = np.polyfit(seqs, [med[("floor_cublas", m, None)] for m in seqs], 1)
+        big = max(seqs)
+        nbytes = big * K * 2
+        copy = med[("sequential", big, None)] - 2 * med[("floor_cublas", big, None)]
+        tp_factor = med[("tp_compute", big, None)] / (2 * (a + b * big / 2))  # two eager half-width GEMMs
+        ar = [(m * K * 2, med[("tp", m, None)] - med[("tp_compute", m, None)]) for m in seqs]
+        ar_slope, ar_icpt = np.polyfit([x for x, _ in ar], [y for _, y in ar], 1)
+        t = json.loads(Path(trace).read_text()) if Path(trace).exists() else {}
+        t1 = t.get("T1_signal", {}).get("median_us", base.t1_ns / 1e3) * 1e3
+        # remote factor: the producer alone (remote writes + signals, an eager call) over the
+        # plain GEMM (eager), both without the eager overhead, less the signals' own share
+        prod = med.get(("producer_signal_static", big, None))
+        remote = base.remote_factor
+        if prod:
+            gpu_floor = med[("floor_triton", big, None)] - icpt
+            remote = (prod - icpt - waves[seqs.index(big)] * t1) / gpu_floor
+        return cls(
+            tile_ns_per_k=float(slope) / K,
+            remote_factor=float(remote),
+            t1_ns=t1,
+            t2_ns=t.get("T2_pingpong_one_way_us", base.t2_ns / 1e3) * 1e3,
+            t3_ns=t.get("T3_fetch_when_ready", {}).get("median_us", base.t3_ns / 1e3) * 1e3,
+            cublas_a_ns=float(max(a, 0.0)),
+            cublas_b_ns=float(b),
+            cublas_kn=K * K,
+            tp_factor=float(tp_factor),
+            p2p_gbps=nbytes / copy if copy > 0 else base.p2p_gbps,
+            allreduce_alpha_ns=float(max(ar_icpt, 0.0)),
+            allreduce_busbw_gbps=1.0 / ar_slope if ar_slope > 0 else base.allreduce_busbw_gbps,
+            eager_overhead_ns=float(max(icpt, 0.0)),
+            source=f"{Path(results).as_posix()} + {Path(trace).as_posix()}",
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass
+class CtaResult:
+    total_ns: float
+    producer_end_ns: list[float]  # per stage: when its last tile finished
+    trace: list[np.ndarray] = field(repr=False, default_factory=list)  # trace-mode rows per stage
+
+
+def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray | None, policy: str,
+                start_ns: float, remote: bool, signals: bool):  # fmt: skip
+    """Run one persistent GEMM stage; ``ready[tile]`` = when its input is visible (or None).
+    Returns per-tile rows ``[wait, start, stored, done, cta]`` (ns)."""
+    T = grid.num_tiles
+    P = min(cal.num_sms, T)
+    t_tile = cal.tile_ns(K) * (cal.remote_factor if remote else 1.0)
+    post = cal.t1_ns if signals else 0.0
+    fetch = cal.t3_ns if ready is not None else 0.0
+    rows = np.zeros((T, 5))
+    if ready is not None and policy == "workqueue":
+        order = np.argsort(ready, kind="stable")
+        free = [(start_ns, pid) for pid in range(P)]
+        heapq.heapify(free)
+        for tile in order:
+            t_free, pid = heapq.heappop(free)
+            begin = max(t_free, ready[tile]) + fetch
+            rows[tile] = (t_free, begin, begin + t_tile, begin + t_tile + post, pid)
+            heapq.heappush(free, (begin + t_tile + post, pid))
+        return rows
+    order = deps.tile_order(grid, cal.group_m)
+    for pid in range(P):
+        t = start_ns
+        for tile in order[pid::P]:
+            begin = (max(t, ready[tile]) + fetch) if ready is not None else t
+            rows[tile] = (t, begin, begin + t_tile, begin + t_tile + post, pid)
+            t = begin + t_tile + post
+    return rows
+
+
+def simulate_cta(M: int, dims: list[int], cal: Calibration, policy: str = "static") -> CtaResult:
+    """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU."""
+    grids = [deps.TileGrid(M, n, cal.block_m, cal.block_n) for n in dims[1:]]
+    ready = None
+    traces, ends = [], []
+    for s, grid in enumerate(grids):
+        last = s == len(grids) - 1
+        rows = _gemm_stage(grid, dims[s], cal, ready, policy, s * cal.launch_ns, remote=not last, signals=not last)
+        traces.append(rows)
+        ends.append(float(rows[:, 3].max()))
+        if not last:
+            dep = deps.build_dependency(grid, grids[s + 1], "gemm")
+            fill = np.array([rows[list(dep.needs(c)), 3].max() for c in range(grids[s + 1].num_tiles)])
+            ready = fill + cal.t2_ns
+    return CtaResult(ends[-1] + cal.launch_ns, ends, traces)
+
+
+def simulate_gemm(M: int, K: int, N: int, cal: Calibration) -> float:
+    """Our persistent GEMM alone (GPU time)."""
+    rows = _gemm_stage(deps.TileGrid(M, N, cal.block_m, cal.block_n), K, cal, None, "static", 0.0, False, False)
+    return float(rows[:, 3].max()) + cal.launch_ns
+
+
+def simulate_sequential(M: int, dims: list[int], cal: Calibration, eager: bool = True) -> float:
+    """GEMM, copy, GEMM, ... one after another (the bench runs it eagerly)."""
+    t = 0.0
+    for s in range(len(dims) - 1):
+        if s:
+            t += cal.copy_ns(M * dims[s] * 2) + cal.launch_ns
+        t += cal.cublas_ns(M, dims[s], dims[s + 1], eager)
+    return t
+
+
+def simulate_microbatch(M: int, dims: list[int], chunk: int, cal: Calibration) -> float:
+    """Chunks along M, stage ``s`` on GPU ``s``, copies on copy engines, one graph replay."""
+    stages = len(dims) - 1
+    chunks = [min(chunk, M - i) for i in range(0, M, chunk)]
+    free = [0.0] * stages
+    copy_free = [0.0] * stages
+    arrive = [0.0] * len(chunks)
+    for i, c in enumerate(chunks):
+        for s in range(stages):
+            begin = max(free[s], arrive[i] if s else 0.0) + cal.launch_ns
+            free[s] = begin + cal.cublas_ns(c, dims[s], dims[s + 1])
+            if s + 1 < stages:
+                cbeg = max(free[s], copy_free[s])
+                copy_free[s] = cbeg + cal.copy_ns(c * dims[s + 1] * 2)
+                arrive[i] = copy_free[s]
+    return free[-1]
+
+
+def best_microbatch(M: int, dims: list[int], cal: Calibration, chunks=(512, 1024, 2048, 4096, 8192)):
+    """``(ms, chunk)`` of the best chunk size."""
+    cands = [(simulate_microbatch(M, dims, c, cal), c) for c in chunks if c <= M] or [
+        (simulate_microbatch(M, dims, M, cal), M)
+    ]
+    return min(cands)
+
+
+def simulate_tp(M: int, K: int, N: int, g: int, cal: Calibration, eager: bool = True) -> dict:
+    """Megatron MLP ``X @ A[K, N] @ B[N, K]`` on ``g`` GPUs: compute and all-reduce (the bench
+    runs it eagerly)."""
+    compute = cal.tp_factor * (cal.cublas_ns(M, K, N // g, eager) + cal.cublas_ns(M, N // g, K, eager))
+    comm = cal.allreduce_ns(M * K * 2, g)
+    return dict(total_ns=compute + comm, compute_ns=compute, comm_ns=comm)
+
+
+def simulate_hybrid(M: int, K: int, N: int, tp: int, cal: Calibration, policy: str = "static") -> dict:
+    """2 stages x TP ``tp`` (``2 * tp`` GPUs): shard ``j`` of ``X @ A[:, j]`` is pipelined into
+    GPU ``j`` of stage 2 (``@ B[j, :]``), then an all-reduce inside stage 2's group."""
+    r = simulate_cta(M, [K, N // tp, K], cal, policy)
+    comm = cal.allreduce_ns(M * K * 2, tp)
+    return dict(total_ns=r.total_ns + comm, compute_ns=r.total_ns, comm_ns=comm)
+
+
+# --------------------------------------------------------------------------- planner
+
+
+@dataclass(frozen=True)
+class Layout:
+    method: str  # "single", "sequential", "microbatch", "cta", "tp", "cta+tp"
+    stages: int
+    tp: int
+    detail: str
+    predicted_ms: float
+
+
+def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> list[Layout]:
+    """Every layout of the chain ``dims`` that fits on ``gpus`` GPUs, fastest first.
+
+    ``single`` (no pipelining: the chain on one GPU) wins when the chain is too small to
+    overlap; TP layouts are offered for 2-layer MLP blocks (``dims[0] == dims[2]``).
+    """
+    if gpus < 1 or len(dims) < 2 or M < 1:
+        raise ValueError("plan needs M >= 1, at least one layer (two dims) and at least one GPU")
+    cal = cal or Calibration.from_results()
+    layers = len(dims) - 1
+    out = [
+        Layout(
+            "single",
+            1,
+            1,
+            "all layers on one GPU",
+            sum(simulate_gemm(M, dims[s], dims[s + 1], cal) for s in range(layers)) / 1e6,
+        )
+    ]  # noqa: E501
+    if gpus >= layers > 1:
+        ms, chunk = best_microbatch(M, dims, cal)
+        if chunk >= M:  # one chunk: the layers one after another, nothing overlaps
+            out.append(Layout("sequential", layers, 1, "one GEMM per GPU, copies between", ms / 1e6))
+        else:
+            out.append(Layout("microbatch", layers, 1, f"chunk {chunk}", ms / 1e6))
+        for policy in ("static", "workqueue"):
+            out.append(Layout("cta", layers, 1, f"policy {policy}", simulate_cta(M, dims, cal, policy).total_ns / 1e6))
+    if layers == 2 and dims[0] == dims[2]:
+        K, N = dims[0], dims[1]
+        for g in range(2, gpus + 1):
+            if N % g == 0:
+                out.append(Layout("tp", 1, g, f"TP {g}", simulate_tp(M, K, N, g, cal)["total_ns"] / 1e6))
+        for t in range(2, gpus // 2 + 1):
+            if N % t == 0:
+                ms = simulate_hybrid(M, K, N, t, cal)["total_ns"] / 1e6
+                out.append(Layout("cta+tp", 2, t, f"2 stages x TP {t}", ms))
+    return sorted(out, key=lambda lay: lay.predicted_ms)
+
+
+def predict_2gpu(M: int, K: int, cal: Calibration) -> dict[str, float]:
+    """The bench's methods at ``X[M, K] @ [K, K] @ [K, K]`` on 2 GPUs (ms), named as in the
+    bench's results: GPU time, plus the eager launch overhead for ``floor_triton`` (the bench
+    calls it eagerly; the CTA lines compared are the graph-replayed ones)."""
+    dims = [K, K, K]
+    mb = {c: simulate_microbatch(M, dims, c, cal) / 1e6 for c in (512, 1024, 2048, 4096, 8192) if c <= M}
+    return dict(
+        floor_triton=(simulate_gemm(M, K, K, cal) + cal.eager_overhead_ns) / 1e6,
+        floor_cublas=cal.cublas_ns(M, K, K, eager=True) / 1e6,
+        sequential=simulate_sequential(M, dims, cal) / 1e6,
+        tp=simulate_tp(M, K, K, 2, cal)["total_ns"] / 1e6,
+        microbatch_best=min(mb.values()),
+        cta_static_graph=simulate_cta(M, dims, cal, "static").total_ns / 1e6,
+        cta_workqueue_graph=simulate_cta(M, dims, cal, "workqueue").total_ns / 1e6,
+        **{f"microbatch/{c}": v for c, v in mb.items()},
+    )
+
+
+# --------------------------------------------------------------------------- reports and CLI
+
+PAPER_REDUCTION_VS_MICROBATCH = {2: 31.8, 4: 30.0, 8: 23.4}  # %, the paper's Figure 4 (B200/H200, CUTLASS)
+PAPER_REDUCTION_VS_TP = 29.6
+
+
+def validate(cal: Calibration, results: Path, seqs=(2048, 8192, 16384), K: int = 8192) -> list[dict]:
+    """Predicted vs measured for every method the results file has, at ``seqs``."""
+    r = json.loads(Path(results).read_text())
+    med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] for s in r["summaries"]}
+    rows = []
+    for M in seqs:
+        p = predict_2gpu(M, K, cal)
+        meas = {k: med.get((k, M, None)) for k in ("floor_triton", "floor_cublas", "sequential", "tp")}
+        meas["microbatch_best"] = min((v for (m, q, _), v in med.items() if m == "microbatch" and q == M), default=None)
+        for k in ("cta_static_graph", "cta_workqueue_graph"):
+            meas[k] = med.get((k, M, None))
+        for c in (512, 1024, 2048, 4096, 8192):
+            meas[f"microbatch/{c}"] = med.get(("microbatch", M, c))
+        for k, v in meas.items():
+            if v is not None and k in p:
+                rows.append(dict(seq=M, method=k, predicted_ms=round(p[k], 4), measured_ms=v,
+                                 error_pct=round(100 * (p[k] / v - 1), 2)))  # fmt: skip
+    return rows
+
+
+def figure4(cal: Calibration, M: int = 16384, K: int = 8192, gpus=(2, 4, 8)) -> list[dict]:
+    """N-layer chain on N GPUs: predicted CTA-pipelining vs micro-batching (each chunk)."""
+    out = []
+    for g in gpus:
+        dims = [K] * (g + 1)
+        cta = min(simulate_cta(M, dims, cal, p).total_ns for p in ("static", "workqueue")) / 1e6
+        mb = {c: simulate_microbatch(M, dims, c, cal) / 1e6 for c in (512, 1024, 2048, 4096, 8192)}
+        best = min(mb.values())
+        out.append(dict(gpus=g, cta_ms=round(cta, 4), microbatch_ms={c: round(v, 4) for c, v in mb.items()},
+                        reduction_vs_best_pct=round(100 * (1 - cta / best), 2),
+                        paper_reduction_pct=PAPER_REDUCTION_VS_MICROBATCH.get(g)))  # fmt: skip
+    return out
+
+
+def figure7(cal: Calibration, M: int = 16384, K: int = 8192, gpus=(4, 8)) -> list[dict]:
+    """2-layer MLP on ``g`` GPUs: pure TP ``g`` vs 2 stages x TP ``g/2`` vs TP ``g/2`` alone
+    (the referee's ablation: is the gain the pipelining or just a smaller TP degree?)."""
+    out = []
+    for g in gpus:
+        rows = {"tp": simulate_tp(M, K, K, g, cal), "tp_half": simulate_tp(M, K, K, g // 2, cal),
+                "hybrid": simulate_hybrid(M, K, K, g // 2, cal)}  # fmt: skip
+        out.append(dict(gpus=g, **{k: {n: round(v / 1e6, 4) for n, v in r.items()} for k, r in rows.items()}))
+    return out
+
+
+def plot_figures(fig4: list[dict], fig7: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = np.arange(len(fig4))
+    ax.bar(xs - 0.2, [f["reduction_vs_best_pct"] for f in fig4], 0.4, label="model (calibrated on 2x H200)")
+    ax.bar(xs + 0.2, [f["paper_reduction_pct"] or 0 for f in fig4], 0.4, label="paper (CUTLASS, 8-GPU systems)")
+    ax.set_xticks(xs, [f"{f['gpus']} GPUs" for f in fig4])
+    ax.set_ylabel("latency reduction vs best micro-batching (%)")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.legend(fontsize=8)
+    ax.set_title("Fig. 4 predicted: N-layer chain on N GPUs")
+    fig.tight_layout()
+    paths.append(out_dir / "sim_fig4.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels, comp, comm = [], [], []
+    for f in fig7:
+        g = f["gpus"]
+        for key, name in (("tp", f"TP{g}"), ("tp_half", f"TP{g // 2}"), ("hybrid", f"2x TP{g // 2}")):
+            labels.append(name)
+            comp.append(f[key]["compute_ns"])
+            comm.append(f[key]["comm_ns"])
+    ax.bar(labels, comp, label="compute (incl. pipelining)")
+    ax.bar(labels, comm, bottom=comp, label="all-reduce")
+    ax.set_ylabel("ms")
+    ax.set_title("Fig. 7 predicted: 2-layer MLP, TP vs CTA-pipelining x TP")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "sim_fig7.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def run(args) -> int:
+    """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
+    from .trace import plot_timeline
+
+    cal = Calibration.from_results(args.results, args.trace)
+    print(f"calibrated on {cal.source}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal))
+    for path in args.validate:
+        rows = validate(cal, path)
+        report["validation"][str(path)] = rows
+        worst = max(rows, key=lambda r: abs(r["error_pct"]))
+        print(f"\nvalidation against {path}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})")
+        for r in rows:
+            if "/" not in r["method"]:
+                print(
+                    f"  {r['seq']:6d} {r['method']:22s} predicted {r['predicted_ms']:8.4f}  "
+                    f"measured {r['measured_ms']:8.4f}  {r['error_pct']:+6.1f}%"
+                )
+    print("\nFigure 4 (N-layer chain on N GPUs, M=16384): reduction vs best micro-batching")
+    for f in report["figure4"]:
+        print(f"  {f['gpus']} GPUs: model {f['reduction_vs_best_pct']:+.1f}%   paper {f['paper_reduction_pct']}%")
+    print("\nFigure 7 (2-layer MLP, M=16384), ms total (compute + all-reduce):")
+    for f in report["figure7"]:
+        print("  " + "  ".join(f"{k}: {f[k]['total_ns']:.3f} ({f[k]['compute_ns']:.3f}+{f[k]['comm_ns']:.3f})"
+                               for k in ("tp", "tp_half", "hybrid")) + f"   [{f['gpus']} GPUs]")  # fmt: skip
+    (args.out / "sim.json").write_text(json.dumps(report, indent=1))
+    for p in plot_figures(report["figure4"], report["figure7"], args.out):
+        print("wrote", p)
+    r = simulate_cta(args.seq, [args.k] * 3, cal, "static")
+    p = plot_timeline([t.astype(np.int64) for t in r.trace], [0.0, 0.0], args.out / "sim_timeline_static.png",
+                      f"model: X[{args.seq},{args.k}] @ A @ B, static")  # fmt: skip
+    print("wrote", p)
+    return 0
+
+
+def run_plan(args) -> int:
+    """``ctapipelining plan``: the fastest layout of a chain on a number of GPUs."""
+    cal = Calibration.from_results(args.results, args.trace)
+    layouts = plan(args.m, args.dims, args.gpus, cal)
+    print(f"chain X[{args.m},{args.dims[0]}] through {len(args.dims) - 1} layers {args.dims} on {args.gpus} GPUs "
+          f"(model calibrated on {Path(cal.source.split(' + ')[0]).parent.name})")  # fmt: skip
+    for i, lay in enumerate(layouts):
+        mark = "->" if i == 0 else "  "
+        print(f" {mark} {lay.predicted_ms:8.3f} ms  {lay.method:10s} stages={lay.stages} tp={lay.tp}  {lay.detail}")
+    return 0
+
+
+def add_arguments(p, plan_args: bool = False) -> None:
+    p.add_argument("--results", type=Path, default=None, help="bench results JSON to calibrate on")
+    p.add_argument("--trace", type=Path, default=None, help="trace summary JSON (T1, T2, T3)")
+    if plan_args:
+        from .bench import _ints
+
+        p.add_argument("--m", type=int, required=True, help="rows of X")
+        p.add_argument("--dims", type=_ints, required=True, help="K0,N0,N1,...: the chain's widths")
+        p.add_argument("--gpus", type=int, required=True)
+    else:
+        p.add_argument("--validate", type=Path, nargs="*", default=[DEFAULT_RESULTS / "run2/results.json",
+                                                                   DEFAULT_RESULTS / "run3/results.json"])  # fmt: skip
+        p.add_argument("--seq", type=int, default=16384)
+        p.add_argument("--k", type=int, default=8192)
+        p.add_argument("--out", type=Path, default=Path("sim-out"))

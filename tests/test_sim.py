@@ -1,0 +1,83 @@
+"""The simulator and planner: properties, calibration, and validation against the committed
+2x H200 runs (the issue asks for every method within 10% at 2048, 8192 and 16384)."""
+
+import numpy as np
+import pytest
+
+from ctapipelining import sim
+
+CAL = sim.Calibration.from_results()
+RUNS = [sim.DEFAULT_RESULTS / "run2/results.json", sim.DEFAULT_RESULTS / "run3/results.json"]
+
+
+def test_calibration_names_its_source_and_reads_the_trace():
+    assert "run3/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
+    assert CAL.t1_ns == pytest.approx(3840.0) and CAL.t3_ns == pytest.approx(768.0)
+    assert 1.0 < CAL.remote_factor < 1.2 and 100 < CAL.p2p_gbps < 1000
+
+
+@pytest.mark.parametrize("results", RUNS, ids=["run2", "run3"])
+def test_predictions_within_10_percent_of_measured(results):
+    rows = sim.validate(CAL, results)
+    assert {r["method"] for r in rows} >= {"floor_triton", "sequential", "tp", "microbatch_best"}
+    bad = [r for r in rows if abs(r["error_pct"]) > 10]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("M", [512, 2048, 8192])
+def test_single_stage_is_one_kernel(M):
+    assert sim.simulate_cta(M, [4096, 4096], CAL).total_ns == pytest.approx(sim.simulate_gemm(M, 4096, 4096, CAL))
+
+
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+@pytest.mark.parametrize("M", [128, 1024, 4096, 16384])
+def test_pipelining_never_beats_one_kernel_nor_loses_to_sequential(policy, M):
+    dims = [8192, 8192, 8192]
+    t = sim.simulate_cta(M, dims, CAL, policy).total_ns
+    assert t >= sim.simulate_gemm(M, 8192, 8192, CAL)
+    one_after_other = 2 * sim.simulate_gemm(M, 8192, 8192, CAL) + CAL.copy_ns(M * 8192 * 2)
+    assert t <= one_after_other * CAL.remote_factor + 2 * CAL.t1_ns * 40
+
+
+def test_monotonic_in_work():
+    for f in (
+        lambda m: sim.simulate_gemm(m, 4096, 4096, CAL),
+        lambda m: sim.simulate_cta(m, [4096, 4096, 4096], CAL).total_ns,
+        lambda m: sim.best_microbatch(m, [4096, 4096, 4096], CAL)[0],
+        lambda m: sim.simulate_tp(m, 4096, 4096, 2, CAL)["total_ns"],
+    ):
+        ts = [f(m) for m in (256, 1024, 4096, 8192)]
+        assert ts == sorted(ts)
+
+
+def test_microbatch_with_one_chunk_is_sequential_plus_launches():
+    dims = [4096, 4096, 4096]
+    one = sim.simulate_microbatch(4096, dims, 4096, CAL)
+    assert one == pytest.approx(sim.simulate_sequential(4096, dims, CAL, eager=False) + CAL.launch_ns, rel=1e-6)
+
+
+def test_timeline_has_trace_format():
+    r = sim.simulate_cta(1024, [2048, 2048, 2048], CAL, "workqueue")
+    for rows in r.trace:
+        assert rows.shape[1] == 5
+        assert (np.diff(rows[:, :4], axis=1) >= 0).all()
+    assert r.total_ns >= max(r.producer_end_ns)
+
+
+def test_planner_ranks_layouts_and_knows_when_not_to_pipeline():
+    tiny = sim.plan(128, [1024, 1024, 1024], 2, CAL)
+    assert tiny[0].method in ("single", "sequential", "tp")  # one wave: nothing to pipeline
+    big = sim.plan(16384, [8192, 8192, 8192], 4, CAL)
+    assert [lay.predicted_ms for lay in big] == sorted(lay.predicted_ms for lay in big)
+    assert {lay.method for lay in big} >= {"single", "microbatch", "cta", "tp", "cta+tp"}
+    assert "sequential" not in {lay.method for lay in big}
+    assert all(lay.stages * lay.tp <= 4 for lay in big)
+    with pytest.raises(ValueError):
+        sim.plan(0, [8, 8], 1, CAL)
+
+
+def test_figures_shapes():
+    f4 = sim.figure4(CAL, M=2048, K=2048, gpus=(2, 4))
+    assert [f["gpus"] for f in f4] == [2, 4] and f4[0]["paper_reduction_pct"] == 31.8
+    f7 = sim.figure7(CAL, M=2048, K=2048, gpus=(4,))
+    assert f7[0]["hybrid"]["comm_ns"] == pytest.approx(f7[0]["tp_half"]["comm_ns"])
