@@ -43,6 +43,14 @@ from . import deps
 DEFAULT_RESULTS = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2"
 
 
+def _rel(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (for reports that get committed)."""
+    try:
+        return Path(path).resolve().relative_to(DEFAULT_RESULTS.parents[2].resolve()).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Machine parameters of the model (times in ns)."""
@@ -137,7 +145,7 @@ class Calibration:
             allreduce_alpha_ns=float(max(ar_icpt, 0.0)),
             allreduce_busbw_gbps=1.0 / ar_slope if ar_slope > 0 else base.allreduce_busbw_gbps,
             eager_overhead_ns=float(max(icpt, 0.0)),
-            source=f"{Path(results).as_posix()} + {Path(trace).as_posix()}",
+            source=f"{_rel(results)} + {_rel(trace)}",
         )
 
     def to_dict(self) -> dict:
@@ -429,9 +437,9 @@ def run(args) -> int:
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal))
     for path in args.validate:
         rows = validate(cal, path)
-        report["validation"][str(path)] = rows
+        report["validation"][_rel(path)] = rows
         worst = max(rows, key=lambda r: abs(r["error_pct"]))
-        print(f"\nvalidation against {path}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})")
+        print(f"\nvalidation against {_rel(path)}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})")
         for r in rows:
             if "/" not in r["method"]:
                 print(
