@@ -439,7 +439,9 @@ def run(args) -> int:
         rows = validate(cal, path)
         report["validation"][_rel(path)] = rows
         worst = max(rows, key=lambda r: abs(r["error_pct"]))
-        print(f"\nvalidation against {_rel(path)}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})")
+        print(
+            f"\nvalidation against {_rel(path)}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})"
+        )
         for r in rows:
             if "/" not in r["method"]:
                 print(
