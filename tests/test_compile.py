@@ -51,6 +51,7 @@ def test_hooks_add_exactly_their_instructions(report):
     # counter bump, tail claim, slot release
     assert report["signal_workqueue"]["atom_sys"] == 3
     assert report["wait_signal_workqueue"]["atom_sys"] == 3 and report["wait_signal_workqueue"]["ld_acquire_sys"] == 1
+    assert report["wait_signal_static"]["atom_sys"] == 1 and report["wait_signal_static"]["ld_acquire_sys"] == 1
 
 
 def test_trace_mode_is_free_when_off(report):

@@ -32,6 +32,7 @@ VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "signal_static": (False, True, False),
     "signal_workqueue": (False, True, True),
     "wait_signal_workqueue": (True, True, True),
+    "wait_signal_static": (True, True, False),  # a middle stage of a chain of 3 or more
 }
 TMA_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_workqueue")
 TRACE_VARIANTS = ("plain", "wait_workqueue")
