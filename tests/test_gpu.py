@@ -177,6 +177,7 @@ def test_trace_mode(policy):
     assert 0 < link.one_way_ns < 20_000
 
 
+@pytest.mark.gpu2
 @pytest.mark.parametrize("n", [3, 4, 8])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_chain_of_n_stages_on_n_gpus(n, policy):
