@@ -203,6 +203,45 @@ def _bench_seq(
     return [Row(m.name.split("/")[0], M, times[m.name], m.chunk, m.note) for m in methods]
 
 
+def _bench_fig7(M: int, K: int, gpus: int, reps: int, warmup: int, nsets: int, progress) -> list[Row]:
+    """The 2-layer MLP ``X[M, K] @ A[K, K] @ B[K, K]`` on ``gpus`` GPUs, Figure 7 and the
+    referee's ablation: TP over all GPUs, TP over half of them, and 2 stages x TP over half
+    (CTA-pipelined shard chains + all-reduce in stage 2), each also without its all-reduce."""
+    import torch
+
+    from .baselines import TensorParallel
+    from .hybrid import HybridMLP
+
+    devs, half = list(range(gpus)), max(1, gpus // 2)
+    torch.manual_seed(M + 7)
+    A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+    B = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+    xs = [torch.randn(M, K, device="cuda:0").bfloat16() for _ in range(nsets)]
+    methods = []
+    for name, group in ((f"fig7_tp{gpus}", devs), (f"fig7_tp{half}", devs[:half])):
+        tp = TensorParallel(A, B, group, M)
+
+        def prep(i, tp=tp):
+            for xg in tp.x:
+                xg.copy_(xs[i % nsets])
+
+        methods += [Method(name, tp, prep), Method(name + "_compute", lambda tp=tp: tp(all_reduce=False), prep)]
+    if gpus >= 2:
+        for policy in ("static", "workqueue"):
+            mlp = HybridMLP(A, B, devs[:half], devs[half : 2 * half], policy=policy)
+            reps_x = [[x.to(d) for d in mlp.stage1] for x in xs]
+            cur = {"x": reps_x[0]}
+            pick = lambda i, cur=cur, reps_x=reps_x: cur.update(x=reps_x[i % nsets])  # noqa: E731
+            name = f"fig7_hybrid2x{half}_{policy}"
+            methods += [
+                Method(name, lambda m=mlp, c=cur: m(c["x"], check=False), pick),
+                Method(name + "_compute", lambda m=mlp, c=cur: m(c["x"], all_reduce=False, check=False), pick),
+            ]
+    progress(f"fig7 M={M}: {len(methods)} methods, interleaved")
+    times = time_interleaved(methods, devs, reps, warmup)
+    return [Row(m.name, M, times[m.name]) for m in methods]
+
+
 def _capture(fn, devices):
     """Warm ``fn`` up, then capture it in a CUDA graph on cuda:0's stream."""
     import torch
@@ -409,8 +448,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated between runs")
     p.add_argument("--hooks-seq", type=int, default=16384, help="M of the hook-cost measurements (0: skip)")
+    p.add_argument("--fig7-seq", type=int, default=0, help="M of the TP vs CTA x TP comparison (0: skip)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON, CSV, PNG")
     p.add_argument("--plot-only", type=Path, default=None, help="re-draw tables and plots from a results JSON")
+
+
+def _print_predictions(seqs: list[int], K: int) -> None:
+    """What the calibrated model (:mod:`ctapipelining.sim`) predicts for this bench: no GPU needed."""
+    from . import sim
+
+    cal = sim.Calibration.from_results()
+    print(f"\nModel predictions instead (NOT measured; model calibrated on {cal.source.split(' + ')[0]}), ms:")
+    keys = ("floor_cublas", "sequential", "tp", "microbatch_best", "cta_static_graph", "cta_workqueue_graph")
+    print(f"{'seq':>6s} " + " ".join(f"{k:>20s}" for k in keys))
+    for M in seqs:
+        p = sim.predict_2gpu(M, K, cal)
+        print(f"{M:6d} " + " ".join(f"{p[k]:20.3f}" for k in keys))
 
 
 def run(args) -> int:
@@ -426,7 +479,9 @@ def run(args) -> int:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < max(2, args.gpus):
         print(f"bench needs {max(2, args.gpus)} GPUs with peer access; found {n}. Nothing timed.")
-        print("Without GPUs: `ctapipelining demo` runs the protocol on the CPU; `--plot-only FILE` re-draws results.")
+        if args.gpus == 2:
+            _print_predictions(args.seq, args.k)
+        print("\n`ctapipelining demo` runs the protocol on the CPU; `--plot-only FILE` re-draws recorded results.")
         return 2
     if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2:
         raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2")
@@ -450,6 +505,8 @@ def run(args) -> int:
         torch.cuda.empty_cache()
     if args.hooks_seq:
         rows += _bench_hooks(args.hooks_seq, args.k, args.reps, args.warmup, progress)
+    if args.fig7_seq:
+        rows += _bench_fig7(args.fig7_seq, args.k, args.gpus, args.reps, args.warmup, args.sets, progress)
     if bar:
         bar.close()
     sums = [r.summary() for r in rows]

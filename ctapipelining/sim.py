@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +74,20 @@ class Calibration:
     allreduce_busbw_gbps: float = 300.0
     launch_ns: float = 5_000.0
     eager_overhead_ns: float = 100_000.0  # Python launch cost of one eager call of our kernels
+    # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
+    # to the calibrated 128x256 tile), measured in a tuning run
+    tile_shapes: tuple = ((128, 128, 1.13),)
     source: str = "defaults"
 
     # -- the pieces ---------------------------------------------------------------------------
     def tile_ns(self, K: int) -> float:
         return K * self.tile_ns_per_k + self.epilogue_ns
+
+    def with_tile(self, block_m: int, block_n: int, relative_cost: float) -> Calibration:
+        """The same machine running tiles of ``block_m x block_n`` (``relative_cost``: time per
+        unit of work relative to the calibrated tile)."""
+        area = (block_m * block_n) / (self.block_m * self.block_n)
+        return replace(self, block_m=block_m, block_n=block_n, tile_ns_per_k=self.tile_ns_per_k * area * relative_cost)
 
     def cublas_ns(self, M: int, K: int, N: int, eager: bool = False) -> float:
         """GPU time of ``torch.matmul``; ``eager`` adds the fixed cost of one timed eager call
@@ -95,7 +104,9 @@ class Calibration:
 
     # -- calibration ------------------------------------------------------------------------
     @classmethod
-    def from_results(cls, results: Path | str | None = None, trace: Path | str | None = None) -> Calibration:
+    def from_results(
+        cls, results: Path | str | None = None, trace: Path | str | None = None, tune: Path | str | None = None
+    ) -> Calibration:
         """Fit the parameters on a ``bench`` results JSON (and a ``trace`` JSON for T1..T3).
 
         Only single-method measurements are fitted: the Triton and cuBLAS floors, the
@@ -105,6 +116,7 @@ class Calibration:
         """
         results = Path(results) if results else DEFAULT_RESULTS / "run3/results.json"
         trace = Path(trace) if trace else DEFAULT_RESULTS / "trace/timeline_static_16384.json"
+        tune = Path(tune) if tune else DEFAULT_RESULTS / "tune1.json"
         r = json.loads(Path(results).read_text())
         K = int(r.get("k", 8192))
         med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] * 1e6 for s in r["summaries"]}
@@ -131,7 +143,13 @@ class Calibration:
         if prod:
             gpu_floor = med[("floor_triton", big, None)] - icpt
             remote = (prod - icpt - waves[seqs.index(big)] * t1) / gpu_floor
+        shapes = base.tile_shapes
+        if tune.exists():  # 128x128 vs 128x256, both grouped by 8, same run
+            tr = {row["method"]: row["median_ms"] for row in json.loads(tune.read_text())["rows"]}
+            if "plain 128x128 g8 st4" in tr and "plain g8 {}" in tr:
+                shapes = ((128, 128, tr["plain 128x128 g8 st4"] / tr["plain g8 {}"]),)
         return cls(
+            tile_shapes=shapes,
             tile_ns_per_k=float(slope) / K,
             remote_factor=float(remote),
             t1_ns=t1,
@@ -145,7 +163,7 @@ class Calibration:
             allreduce_alpha_ns=float(max(ar_icpt, 0.0)),
             allreduce_busbw_gbps=1.0 / ar_slope if ar_slope > 0 else base.allreduce_busbw_gbps,
             eager_overhead_ns=float(max(icpt, 0.0)),
-            source=f"{_rel(results)} + {_rel(trace)}",
+            source=f"{_rel(results)} + {_rel(trace)}" + (f" + {_rel(tune)}" if tune.exists() else ""),
         )
 
     def to_dict(self) -> dict:
@@ -304,8 +322,13 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
             out.append(Layout("sequential", layers, 1, "one GEMM per GPU, copies between", ms / 1e6))
         else:
             out.append(Layout("microbatch", layers, 1, f"chunk {chunk}", ms / 1e6))
-        for policy in ("static", "workqueue"):
-            out.append(Layout("cta", layers, 1, f"policy {policy}", simulate_cta(M, dims, cal, policy).total_ns / 1e6))
+        shapes = [(cal.block_m, cal.block_n, cal)] + [
+            (bm, bn, cal.with_tile(bm, bn, c)) for bm, bn, c in cal.tile_shapes
+        ]
+        for bm, bn, c in shapes:
+            for policy in ("static", "workqueue"):
+                ms = simulate_cta(M, dims, c, policy).total_ns / 1e6
+                out.append(Layout("cta", layers, 1, f"policy {policy}, tile {bm}x{bn}", ms))
     if layers == 2 and dims[0] == dims[2]:
         K, N = dims[0], dims[1]
         for g in range(2, gpus + 1):

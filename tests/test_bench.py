@@ -40,9 +40,11 @@ def test_plots_and_plot_only_cli(results, tmp_path, capsys):
     assert "cta_workqueue" in capsys.readouterr().out
 
 
-def test_bench_without_gpus_says_so(tmp_path, capsys):
-    assert cli.main(["bench", "--out", str(tmp_path)]) == 2
-    assert "needs 2 GPUs" in capsys.readouterr().out
+def test_bench_without_gpus_says_so_and_shows_the_model(tmp_path, capsys):
+    assert cli.main(["bench", "--seq", "2048", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "needs 2 GPUs" in out and "Nothing timed" in out
+    assert "NOT measured" in out and "\n  2048 " in out
 
 
 def test_bad_arguments(capsys):

@@ -71,6 +71,7 @@ def test_planner_ranks_layouts_and_knows_when_not_to_pipeline():
     assert [lay.predicted_ms for lay in big] == sorted(lay.predicted_ms for lay in big)
     assert {lay.method for lay in big} >= {"single", "microbatch", "cta", "tp", "cta+tp"}
     assert "sequential" not in {lay.method for lay in big}
+    assert any("tile 128x128" in lay.detail for lay in big)  # tile shape is part of the choice
     assert all(lay.stages * lay.tp <= 4 for lay in big)
     with pytest.raises(ValueError):
         sim.plan(0, [8, 8], 1, CAL)
