@@ -18,6 +18,6 @@ mkdir -p "$OUT"
 } > "$OUT/env.txt" 2>&1
 [[ $STEPS == *env* ]] && tail -30 "$OUT/env.txt"
 [[ $STEPS == *demo* ]] && echo "== demo" && timeout 120 python3 -m ctapipelining.cli demo 2>&1 | tail -8
-[[ $STEPS == *tests* ]] && echo "== GPU tests" && timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+[[ $STEPS == *tests* ]] && echo "== GPU tests" && timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 [[ $STEPS == *bench* ]] && echo "== bench" && timeout 420 python3 -m ctapipelining.cli bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '\r' | tail -60
 [[ $STEPS == *trace* ]] && echo "== trace" && for p in workqueue static; do timeout 120 python3 -m ctapipelining.cli trace --policy $p --out "$OUT" 2>&1 | tail -40; done
