@@ -43,40 +43,17 @@ for policy in ("workqueue", "static"):
     pipe = Pipeline([A, B], policy=policy)
     pipe(x)
     plan = pipe.plan(M)
-    queue = policy == "workqueue"
-    with torch.cuda.device(0):
-        plain = launch_gemm(x, A, plan.inputs[1], pipe.config, plan.num_ctas[0])
-        prod = launch_gemm(
-            x,
-            A,
-            plan.inputs[1],
-            pipe.config,
-            plan.num_ctas[0],
-            signal=plan.links[0].signal_hook(queue),
-            epoch=plan.epochs[0],
-            err=plan.errors[0],
-        )
+    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+    plain = launch_gemm(x, A, plan.inputs[1], pipe.config, plan.num_ctas[0])
+    prod = pipe._launch(plan, x, out, only=[0])[0]
     if policy == "workqueue":
         report("plain (both hooks off)", plain)
     report(f"producer SIGNAL {policy}", prod)
     pipe.reset()
-    pipe(x)
-    torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
-    # the consumer kernel as the pipeline compiled it: look it up in Triton's cache via a no-op launch
-    pipe._launch(plan, x, torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1"), only=[0])
-    with torch.cuda.device(1):
-        cons = launch_gemm(
-            plan.inputs[1],
-            B,
-            torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1"),
-            pipe.config,
-            plan.num_ctas[1],
-            wait=plan.links[0].wait_hook(queue),
-            epoch=plan.epochs[1],
-            err=plan.errors[1],
-            stage=1,
-        )
+    # the consumer alone, against the epoch its producer just completed
+    out1 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+    pipe._launch(plan, x, out1, only=[0])
+    cons = pipe._launch(plan, x, out1, only=[1], advance_epoch=False)[1]
     ptx = report(f"consumer WAIT {policy}", cons)
     pipe.check_errors()
     if policy == "workqueue":

@@ -260,7 +260,7 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
     cross-GPU visibility latency."""
     import torch
 
-    from .gemm import launch_gemm, matmul
+    from .gemm import matmul
     from .pipeline import Pipeline
     from .trace import clock_offset
 
@@ -282,26 +282,13 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
         pipe.reset()
         # consumer alone with its whole input already signalled: the prologue (wait/pop) cost
         progress(f"hooks {policy}: consumer prologue")
-        queue = policy == "workqueue"
         consumer_ms = []
         for i in range(warmup + reps):
             pipe._launch(plan, x, out, only=[0])
             for d in devs:
                 torch.cuda.synchronize(d)
             t0 = time.perf_counter()
-            with torch.cuda.device(1):
-                launch_gemm(
-                    plan.inputs[1],
-                    B,
-                    out,
-                    pipe.config,
-                    plan.num_ctas[1],
-                    wait=plan.links[0].wait_hook(queue),
-                    epoch=plan.epochs[1],
-                    err=plan.errors[1],
-                    stage=1,
-                    timeout_ns=pipe.timeout_ns,
-                )
+            pipe._launch(plan, x, out, only=[1], advance_epoch=False)
             torch.cuda.synchronize(1)
             if i >= warmup:
                 consumer_ms.append((time.perf_counter() - t0) * 1e3)

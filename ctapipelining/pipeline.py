@@ -263,25 +263,39 @@ class Pipeline:
             self.check_errors(plan)
         return out
 
-    def _launch(self, plan: Plan, x, out, only: list[int] | None = None, delay_cycles: dict[int, int] | None = None):
-        """Launch the stages (``only``: a subset, for tests) of one call."""
-        if plan.epoch >= plan.epoch_limit:
-            self.reset(plan)
-        plan.epoch += 1
+    def _launch(
+        self,
+        plan: Plan,
+        x,
+        out,
+        only: list[int] | None = None,
+        delay_cycles: dict[int, int] | None = None,
+        advance_epoch: bool = True,
+    ):
+        """Launch the stages of one call. For tests and measurements: ``only`` launches a
+        subset; ``advance_epoch=False`` launches against the current epoch (e.g. the consumer
+        of a run whose producer already ran alone); ``delay_cycles`` sleeps before a stage.
+        Returns Triton's compiled-kernel handle of each launched stage (None for the others)."""
+        if advance_epoch:
+            if plan.epoch >= plan.epoch_limit:
+                self.reset(plan)
+            plan.epoch += 1
         n = len(self.weights)
         queue = self.policy.uses_queue
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
+        kernels = [None] * n
         for s in range(n):
             a = x if s == 0 else plan.inputs[s]
             c = out if s == n - 1 else plan.inputs[s + 1]
             with self._on_stream(s, starts):
-                plan.epochs[s].add_(1)
+                if advance_epoch:
+                    plan.epochs[s].add_(1)
                 if only is not None and s not in only:
                     continue
                 if delay_cycles and s in delay_cycles:
                     torch.cuda._sleep(delay_cycles[s])
-                launch_gemm(
+                kernels[s] = launch_gemm(
                     a,
                     self.weights[s],
                     c,
@@ -298,6 +312,7 @@ class Pipeline:
         for caller in callers:
             for st in self.streams if self.on_gpu else []:
                 caller.wait_stream(st)
+        return kernels
 
     def _caller_streams(self) -> list:
         """The streams a call forks from and joins back to: the current stream of every stage's

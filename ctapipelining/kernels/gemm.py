@@ -195,6 +195,33 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE: tl.constexpr):
         tl.store(row + 4, tl.program_id(0).to(tl.int64))
 
 
+@triton.jit
+def _process_tile(
+    a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
+    out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
+    consumer_tiles, trace_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_INPUT: tl.constexpr,
+    SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
+    TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One tile whose input is ready: proxy fence (its input came through the generic proxy),
+    compute and store, epilogue hook, trace row. Returns the tile still to signal."""
+    if WAIT_INPUT:
+        fence_proxy_async(INTERPRET)
+    t_start = _now(TRACE)
+    _compute_store(
+        a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE
+    )
+    t_stored = _now(TRACE)
+    pending = _epilogue(
+        tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
+        out_push_tiles, out_slots, out_tail, consumer_tiles,
+        SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+    )  # fmt: skip
+    _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
+    return pending
+
+
 @triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
 def gemm_kernel(
     a_desc,
@@ -256,25 +283,21 @@ def gemm_kernel(
             t_wait = _now(TRACE)
             tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:
-                fence_proxy_async(INTERPRET)
-                t_start = _now(TRACE)
-                _compute_store(
-                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
-                    BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
+                pending = _process_tile(
+                    a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
+                    out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
-                t_stored = _now(TRACE)
-                pending = _epilogue(
-                    tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
-                    out_push_tiles, out_slots, out_tail, consumer_tiles,
-                    SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
-                )  # fmt: skip
-                _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
                 pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
     else:
-        # plain or static: walk the tile order; under WAIT_INPUT wait on each tile's counter
-        alive = tl.program_id(0) >= 0
+        # plain or static: walk the tile order; under WAIT_INPUT wait on each tile's counter.
+        # Without WAIT_INPUT `alive` is the constant True, so the plain GEMM has no branch here.
+        alive = True
+        if WAIT_INPUT:
+            alive = tl.program_id(0) >= 0
         for pos in tl.range(tl.program_id(0), num_tiles, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             tile = tile_of_position(pos, num_m, num_n, GROUP_M)
             t_wait = _now(TRACE)
@@ -283,32 +306,13 @@ def gemm_kernel(
                     alive = wait_counter(
                         in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
                     )
-                if alive:
-                    fence_proxy_async(INTERPRET)
-                    t_start = _now(TRACE)
-                    _compute_store(
-                        a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
-                        BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
-                    )  # fmt: skip
-                    t_stored = _now(TRACE)
-                    pending = _epilogue(
-                        tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
-                        out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
-                        SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
-                    )  # fmt: skip
-                    _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
-            else:
-                _compute_store(
-                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
-                    BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE,
+            if alive:
+                pending = _process_tile(
+                    a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
+                    out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
-                t_stored = _now(TRACE)
-                pending = _epilogue(
-                    tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need,
-                    out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles,
-                    SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
-                )  # fmt: skip
-                _record(trace_ptr, tile, t_wait, t_wait, t_stored, TRACE)
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
         out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
