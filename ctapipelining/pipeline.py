@@ -29,7 +29,7 @@ import torch
 import triton
 
 from . import deps, fabric
-from .gemm import DTYPES, SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
+from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
@@ -363,4 +363,4 @@ class Pipeline:
                 raise PipelineTimeout("; ".join(msgs) + ". State reset; the next call starts clean.")
 
 
-__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link", "DTYPES"]
+__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link"]

@@ -171,7 +171,7 @@ class Executor:
         ch, e = self.chain, self.epoch
         grid, st = ch.grids[s], ch.stages[s]
         if s == 0 or not self.policy.uses_queue:
-            for tile in ch.orders[s][pid :: st.num_ctas]:
+            for tile in deps.POLICIES["static"].tiles_of_cta(ch.orders[s], pid, st.num_ctas):
                 tile = int(tile)
                 if s > 0:
                     c, v = deps.wait_target(ch.links[s - 1], tile, e)
