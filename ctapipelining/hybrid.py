@@ -37,7 +37,7 @@ class HybridMLP:
         B: torch.Tensor,
         stage1: list,
         stage2: list,
-        policy: str = "workqueue",
+        policy: str = "static",
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
     ):
