@@ -282,16 +282,13 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
         pipe.reset()
         # consumer alone with its whole input already signalled: the prologue (wait/pop) cost
         progress(f"hooks {policy}: consumer prologue")
-        consumer_ms = []
-        for i in range(warmup + reps):
-            pipe._launch(plan, x, out, only=[0])
-            for d in devs:
-                torch.cuda.synchronize(d)
-            t0 = time.perf_counter()
-            pipe._launch(plan, x, out, only=[1], advance_epoch=False)
-            torch.cuda.synchronize(1)
-            if i >= warmup:
-                consumer_ms.append((time.perf_counter() - t0) * 1e3)
+        consumer_ms = time_method(
+            lambda pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[1], advance_epoch=False),
+            lambda i, pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[0]),  # untimed: the producer's run
+            devs,
+            reps,
+            warmup,
+        )
         pipe.check_errors(plan)
         rows.append(Row(f"consumer_prologue_{policy}", M, consumer_ms))
         pipe.reset()
@@ -395,7 +392,8 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
             ("best_microbatch_ms", "micro-batching (best chunk)"),
             ("tp_ms", "tensor parallel (NCCL)"),
         ):
-            ax.plot(xs, [h[key] for h in heads], marker="o", label=label)
+            if all(h[key] is not None for h in heads):  # no TP line for chains of more than 2 GPUs
+                ax.plot(xs, [h[key] for h in heads], marker="o", label=label)
         seq_ms = [next(s["median_ms"] for s in sums if s["seq"] == x and s["method"] == "sequential") for x in xs]
         ax.plot(xs, seq_ms, marker="o", label="sequential")
         ax.plot(xs, [h["floor_ms"] for h in heads], ls="--", color="gray", label="one layer (floor)")
@@ -476,7 +474,7 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:  # progress is optional
         tqdm = None
-    total = len(args.seq) + (7 if args.hooks_seq else 0)
+    total = len(args.seq) + (6 if args.hooks_seq else 0) + (1 if args.fig7_seq else 0)
     bar = tqdm(total=total, file=sys.stderr, mininterval=2) if tqdm else None
 
     def progress(msg):

@@ -215,6 +215,16 @@ class Dependency:
     def max_need(self) -> int:
         return int(self.need.max())
 
+    @cached_property
+    def max_signals(self) -> int:
+        """Most counters one producer tile bumps."""
+        return int(np.diff(self.signal_ptr).max())
+
+    @cached_property
+    def max_push(self) -> int:
+        """Most consumer tiles one counter readies."""
+        return int(np.diff(self.push_ptr).max())
+
 
 def build_dependency(
     producer: TileGrid, consumer: TileGrid, rule: Rule | str = "gemm", consumer_k: int | None = None

@@ -30,7 +30,7 @@ import triton
 
 from . import deps, fabric
 from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
-from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
+from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
 
@@ -83,8 +83,6 @@ class Link:
         return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
 
     def signal_hook(self, queue: bool) -> SignalHook:
-        push_len = int(np.diff(self.dep.push_ptr).max())
-        signals = int(np.diff(self.dep.signal_ptr).max())
         return SignalHook(
             self.counters,
             self.signal_ptr,
@@ -95,8 +93,8 @@ class Link:
             self.slots,
             self.tail,
             self.dep.consumer.num_tiles,
-            triton.next_power_of_2(push_len),
-            signals,
+            triton.next_power_of_2(self.dep.max_push),
+            self.dep.max_signals,
             queue,
         )
 
@@ -212,7 +210,7 @@ class Pipeline:
             epochs=[torch.zeros(1, dtype=torch.int32, device=d) for d in devs],
             errors=[torch.zeros(len(ERR_FIELDS), dtype=torch.int32, device=d) for d in devs],
             traces=[
-                torch.full((g.num_tiles, 5), -1, dtype=torch.int64, device=d) if self.trace else None
+                torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
                 for g, d in zip(grids, devs)
             ],
             num_ctas=num_ctas,
@@ -312,8 +310,8 @@ class Pipeline:
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )
-        for caller in callers:
-            for st in self.streams if self.on_gpu else []:
+        for caller in callers:  # none on the CPU
+            for st in self.streams:
                 caller.wait_stream(st)
         return kernels
 

@@ -40,6 +40,13 @@ def test_plots_and_plot_only_cli(results, tmp_path, capsys):
     assert "cta_workqueue" in capsys.readouterr().out
 
 
+def test_plots_without_a_tp_line(results, tmp_path):
+    """Chains of more than 2 GPUs have no TP baseline: the plots must still be drawn."""
+    no_tp = dict(results, gpus=4, summaries=[s for s in results["summaries"] if not s["method"].startswith("tp")])
+    assert all(h["tp_ms"] is None for h in bench.headline(no_tp["summaries"]))
+    assert len(bench.plot(no_tp, tmp_path)) == 2
+
+
 def test_bench_without_gpus_says_so_and_shows_the_model(tmp_path, capsys):
     assert cli.main(["bench", "--seq", "2048", "--out", str(tmp_path)]) == 2
     out = capsys.readouterr().out

@@ -40,6 +40,7 @@ def test_gemm_rule_mismatched_block_m_and_ragged_m():
     assert d.need.tolist() == [1, 2, 2, 1]
     # producer tile 1 (rows 4..8) is read by consumer row-blocks 1 and 2
     assert d.signals(1).tolist() == [1, 2]
+    assert (d.max_signals, d.max_push, d.max_need) == (2, 1, 2)
 
 
 def test_elementwise_rule_shares_nothing_across_columns():
