@@ -1,9 +1,17 @@
 """A chain of GEMM stages across devices, CTA-pipelined.
 
 ``Pipeline([A, B, ...])`` puts stage ``s`` (``y_s = y_{s-1} @ W_s``) on the device of ``W_s``.
-A call launches every stage at once, each on its own stream; stage ``s`` writes its tiles into
-stage ``s + 1``'s input buffer on the next GPU and signals them there, and stage ``s + 1``'s
-persistent CTAs start each tile as soon as its input rows have landed.
+A call launches every stage at once, each on its own stream, and stage ``s + 1``'s persistent
+CTAs start each tile as soon as its input rows have landed in their GPU's memory. How the rows
+get there is the link's *transport*:
+
+* ``"store"`` (the paper's): stage ``s``'s CTAs store their tiles straight into stage
+  ``s + 1``'s input buffer on the next GPU and bump its counters there;
+* ``"copy"``: stage ``s`` stores its tiles into its own memory (a local TMA store, as fast as
+  the plain GEMM) and bumps local counters; each filled counter raises a ready flag on the next
+  GPU, where a copy engine waits on it (``cuStreamWaitValue32``), copies those rows over NVLink
+  and then writes the epoch into the counter the consumer CTAs wait on. The producer's SMs
+  never wait on NVLink; the rows arrive a copy later. Static policy only.
 
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
@@ -30,8 +38,11 @@ import triton
 
 from . import deps, fabric
 from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
-from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
+from .kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS
+
+
+TRANSPORTS = ("store", "copy")
 
 
 class PipelineTimeout(RuntimeError):
@@ -55,16 +66,26 @@ class Link:
     need_producer: torch.Tensor
     push_ptr: torch.Tensor
     push_tiles: torch.Tensor
+    # copy transport only (None under "store"); ``counters`` then live in producer memory
+    staging: torch.Tensor | None = None  # [M, N] the producer's output, in its own memory
+    ready: torch.Tensor | None = None  # [counters] raised by the producer, consumer memory
+    landed: torch.Tensor | None = None  # [counters] epoch written after the copy, consumer memory
+    done: torch.Tensor | None = None  # [1] producer CTAs finished (grows by the grid size per call)
+    rows: list[tuple[int, int]] | None = None  # input rows each counter guards
+    copy_stream: torch.cuda.Stream | None = None  # on the consumer's device
 
     @classmethod
-    def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
+    def create(
+        cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device, transport: str = "store"
+    ) -> Link:
         i32 = dict(dtype=torch.int32)
         on = lambda arr, dev: torch.as_tensor(arr, **i32).to(dev)  # noqa: E731
-        return cls(
+        copy = transport == "copy"
+        link = cls(
             dep=dep,
-            counters=torch.zeros(dep.num_counters, device=consumer, **i32),
+            counters=torch.zeros(dep.num_counters, device=producer if copy else consumer, **i32),
             counter_of_tile=on(dep.counter_of_tile, consumer),
-            need_consumer=on(dep.need, consumer),
+            need_consumer=on(np.ones_like(dep.need) if copy else dep.need, consumer),
             slots=torch.zeros(dep.consumer.num_tiles, device=consumer, **i32),
             head=torch.zeros(1, device=consumer, **i32),
             tail=torch.zeros(1, device=consumer, **i32),
@@ -74,13 +95,27 @@ class Link:
             push_ptr=on(dep.push_ptr, producer),
             push_tiles=on(dep.push_tiles, producer),
         )
+        if copy:
+            link.ready = torch.zeros(dep.num_counters, device=consumer, **i32)
+            link.landed = torch.zeros(dep.num_counters, device=consumer, **i32)
+            link.done = torch.zeros(1, device=producer, **i32)
+            link.rows = [dep.counter_rows(c) for c in range(dep.num_counters)]
+            if consumer.type == "cuda":
+                link.copy_stream = torch.cuda.Stream(consumer)
+        return link
+
+    @property
+    def copy(self) -> bool:
+        return self.ready is not None
 
     def state(self) -> list[torch.Tensor]:
-        """The tensors that only grow (zeroed by a reset)."""
-        return [self.counters, self.slots, self.head, self.tail]
+        """The tensors that only grow, and the ready flags (zeroed by a reset)."""
+        extra = [self.ready, self.landed, self.done] if self.copy else []
+        return [self.counters, self.slots, self.head, self.tail] + extra
 
     def wait_hook(self, queue: bool) -> WaitHook:
-        return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
+        counters = self.landed if self.copy else self.counters
+        return WaitHook(counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
 
     def signal_hook(self, queue: bool) -> SignalHook:
         return SignalHook(
@@ -96,7 +131,31 @@ class Link:
             triton.next_power_of_2(self.dep.max_push),
             self.dep.max_signals,
             queue,
+            ready=self.ready,
+            done=self.done,
         )
+
+    def move_rows(self, consumer_input: torch.Tensor, epoch: torch.Tensor) -> None:
+        """Copy transport: for each counter in order, wait for its ready flag, copy its rows
+        from ``staging`` into ``consumer_input``, then write ``epoch`` (``[1]`` int32 holding
+        this call's epoch, already advanced) into ``landed``; finally lower the flags for the next call. Enqueued
+        on ``copy_stream`` (consumer device); on the CPU (interpreter) the producer has already
+        run, so the same steps run at once."""
+        if self.copy_stream is None:
+            for c, (r0, r1) in enumerate(self.rows):
+                if int(self.ready[c]) < 1:
+                    raise RuntimeError(f"copy transport: counter {c} was never raised by its producer")
+                consumer_input[r0:r1].copy_(self.staging[r0:r1])
+                self.landed[c] = epoch[0]
+            self.ready.zero_()
+            return
+        st = self.copy_stream
+        for c, (r0, r1) in enumerate(self.rows):
+            fabric.wait_flag(st, self.ready, c)
+            fabric.copy_async(consumer_input[r0:r1], self.staging[r0:r1], st)
+            fabric.copy_async(self.landed[c : c + 1], epoch, st)
+        with torch.cuda.stream(st):
+            self.ready.zero_()
 
 
 @dataclass
@@ -129,7 +188,11 @@ class Pipeline:
         counter; the default: 2-3% faster than ``"workqueue"`` at every size measured on
         2x H200, benchmarks/results/2026-11-30-h200x2) or ``"workqueue"`` (consumers run
         tiles in the order they became ready, the paper's policy).
-    config : tile configuration of every stage (:class:`GemmConfig`).
+    config : tile configuration of every stage (:class:`GemmConfig`); the default is
+        :data:`PIPELINE_CONFIG` under ``"store"`` and :data:`COPY_CONFIG` under ``"copy"``.
+    transport : ``"store"`` (producer CTAs write into the consumer GPU) or ``"copy"`` (they write
+        locally; a copy engine on the consumer GPU moves each finished row-block; ``static``
+        policy only). See the module docstring.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
@@ -142,11 +205,17 @@ class Pipeline:
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
         trace: bool = False,
+        transport: str = "store",
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
         self.policy = deps.get_policy(policy)
-        self.config = config or PIPELINE_CONFIG
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS}")
+        if transport == "copy" and self.policy.uses_queue:
+            raise ValueError("transport='copy' needs the static policy: a copy engine cannot push work-queue slots")
+        self.transport = transport
+        self.config = config or (COPY_CONFIG if transport == "copy" else PIPELINE_CONFIG)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
@@ -199,7 +268,10 @@ class Pipeline:
         links, inputs = [], [None]
         for s in range(1, len(ws)):
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0])
-            links.append(Link.create(dep, devs[s - 1], devs[s]))
+            link = Link.create(dep, devs[s - 1], devs[s], self.transport)
+            if link.copy:
+                link.staging = torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s - 1])
+            links.append(link)
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
@@ -286,12 +358,16 @@ class Pipeline:
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
         kernels = [None] * n
+        epoch_set = [None] * n  # per stage: event after its epoch advanced (copy transport)
         for s in range(n):
             a = x if s == 0 else plan.inputs[s]
-            c = out if s == n - 1 else plan.inputs[s + 1]
+            link_out = plan.links[s] if s < n - 1 else None
+            c = out if link_out is None else (link_out.staging if link_out.copy else plan.inputs[s + 1])
             with self._on_stream(s, starts):
                 if advance_epoch:
                     plan.epochs[s].add_(1)
+                if self.on_gpu:
+                    epoch_set[s] = self.streams[s].record_event()
                 if only is not None and s not in only:
                     continue
                 if delay_cycles and s in delay_cycles:
@@ -310,8 +386,23 @@ class Pipeline:
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )
+            if link_out is not None and link_out.copy and not self.on_gpu:
+                # interpreter: stages run in order; every stage's epoch is the call's (s + 1's is not advanced yet)
+                link_out.move_rows(plan.inputs[s + 1], plan.epochs[s])
+        # copy transport: each launched producer's rows are moved by a copy engine on the
+        # consumer's device (enqueued after every kernel, so no kernel queues behind a wait)
+        copy_streams = []
+        for s, link in enumerate(plan.links):
+            if self.on_gpu and link.copy and kernels[s] is not None:
+                st = link.copy_stream
+                with torch.cuda.device(self.devices[s + 1]):
+                    for ev in starts:
+                        st.wait_event(ev)
+                    st.wait_event(epoch_set[s + 1])
+                    link.move_rows(plan.inputs[s + 1], plan.epochs[s + 1])
+                copy_streams.append(st)
         for caller in callers:  # none on the CPU
-            for st in self.streams:
+            for st in self.streams + copy_streams:
                 caller.wait_stream(st)
         return kernels
 
@@ -355,6 +446,12 @@ class Pipeline:
                 self.reset(p)
                 msgs = []
                 for s, e in bad:
+                    if e["kind"] == 3:
+                        msgs.append(
+                            f"stage {s} on {self.devices[s]} finished with output counter {e['index']} short "
+                            f"({e['seen']} of {e['target']} tiles signalled); its rows were never produced"
+                        )
+                        continue
                     what = f"counter {e['index']}" if e["kind"] == 1 else f"work-queue position {e['index']}"
                     tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
                     msgs.append(

@@ -11,7 +11,9 @@ import torch
 from ctapipelining.gemm import matmul
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
-BF16_TOL = 2e-2  # relative Frobenius error of a bf16 chain vs an fp32 reference
+BF16_TOL = 2e-2
+# (policy, transport) pairs a Pipeline supports
+VARIANTS = [("workqueue", "store"), ("static", "store"), ("static", "copy")]  # relative Frobenius error of a bf16 chain vs an fp32 reference
 
 
 def rel_err(y, ref):
@@ -52,14 +54,14 @@ def test_plain_matmul(M, K, N):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize("policy,transport", VARIANTS)
 @pytest.mark.parametrize(
     "M,dims",
     [(4096, [4096, 4096, 4096]), (3000, [5000, 7000, 5000]), (128, [8192, 8192, 8192]), (16384, [8192, 8192, 8192])],
 )
-def test_pipeline_matches_sequential_bitwise(policy, M, dims):
+def test_pipeline_matches_sequential_bitwise(policy, transport, M, dims):
     ws = weights(dims, ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     plan = pipe.plan(M)
     for _ in range(2):
         x = rand(M, dims[0], device="cuda:0")
@@ -72,10 +74,10 @@ def test_pipeline_matches_sequential_bitwise(policy, M, dims):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_delayed_producer(policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_delayed_producer(policy, transport):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     x = rand(4096, 4096, device="cuda:0")
     plan = pipe.plan(4096)
     plan.inputs[1].fill_(float("nan"))
@@ -86,10 +88,10 @@ def test_delayed_producer(policy):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_200_back_to_back_calls(policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_200_back_to_back_calls(policy, transport):
     ws = weights([2048, 2048, 1024], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     xs = [rand(2048, 2048, device="cuda:0") for _ in range(200)]
     ys = [pipe(x, check=False) for x in xs]
     pipe.check_errors()
@@ -98,13 +100,15 @@ def test_200_back_to_back_calls(policy):
         assert torch.equal(y, sequential_triton(x, ws, pipe.config))
     link = pipe.plan(2048).links[0]
     assert torch.equal(link.counters.cpu(), 200 * torch.as_tensor(link.dep.need))
+    if transport == "copy":
+        assert (link.landed.cpu() == 200).all() and (link.ready.cpu() == 0).all()
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_lone_consumer_times_out_within_deadline(policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_lone_consumer_times_out_within_deadline(policy, transport):
     ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, timeout_s=0.2)
+    pipe = Pipeline(ws, policy=policy, transport=transport, timeout_s=0.2)
     x = rand(2048, 2048, device="cuda:0")
     plan = pipe.plan(2048)
     out = torch.empty(2048, 2048, dtype=torch.bfloat16, device="cuda:1")
@@ -118,12 +122,12 @@ def test_lone_consumer_times_out_within_deadline(policy):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_result_is_ordered_on_every_device_current_stream(policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_result_is_ordered_on_every_device_current_stream(policy, transport):
     """No synchronisation by the caller: work it queues on cuda:1's current stream right after
     the call (reading the result, reusing freed memory) must see the finished result."""
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     x = rand(4096, 4096, device="cuda:0")
     ref = sequential_triton(x, ws, pipe.config)
     plan = pipe.plan(4096)
@@ -140,9 +144,10 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
 
 
 @pytest.mark.gpu2
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("policy,transport", [("workqueue", "store"), ("static", "copy")])
+def test_cuda_graph_capture_and_replay(policy, transport):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy="workqueue")
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     x = rand(4096, 4096, device="cuda:0")
     out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda:1")
     pipe(x, out=out)  # warm-up: compile and build the plan outside the capture
@@ -159,12 +164,12 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_trace_mode(policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_trace_mode(policy, transport):
     from ctapipelining import trace
 
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, trace=True)
+    pipe = Pipeline(ws, policy=policy, transport=transport, trace=True)
     x = rand(4096, 4096, device="cuda:0")
     assert torch.equal(pipe(x), sequential_triton(x, ws, pipe.config))
     stamps = pipe.traces(4096)
@@ -179,13 +184,13 @@ def test_trace_mode(policy):
 
 @pytest.mark.gpu2
 @pytest.mark.parametrize("n", [3, 4, 8])
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_chain_of_n_stages_on_n_gpus(n, policy):
+@pytest.mark.parametrize("policy,transport", VARIANTS)
+def test_chain_of_n_stages_on_n_gpus(n, policy, transport):
     """Middle stages both wait and signal; one stage per GPU (skipped with fewer GPUs)."""
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs, found {torch.cuda.device_count()}")
     ws = weights([2048] * (n + 1), [f"cuda:{i}" for i in range(n)])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, transport=transport)
     for _ in range(3):
         x = rand(3000, 2048, device="cuda:0")
         for buf in pipe.plan(3000).inputs[1:]:
@@ -216,3 +221,35 @@ def test_bad_placement_raises_before_launch():
     with pytest.raises(RuntimeError, match=f"needs {n + 1} GPUs; found {n}"):
         Pipeline.on_devices([a.cpu()] * (n + 1))
     assert pipe._plans == {}
+
+
+@pytest.mark.gpu2
+def test_copy_transport_middle_stage_timeout_never_hangs_the_copy_engine():
+    """Stage 0 is not launched: stage 1 times out, and its last CTA out still raises every ready
+    flag of link 1 -> 2, so the copy engine (which waits without a deadline) finishes; the error
+    names stage 1 and the next call is right (3 GPUs; skipped with fewer)."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip(f"needs 3 GPUs, found {torch.cuda.device_count()}")
+    ws = weights([1024] * 4, ["cuda:0", "cuda:1", "cuda:2"])
+    pipe = Pipeline(ws, transport="copy", timeout_s=0.2)
+    x = rand(2048, 1024, device="cuda:0")
+    plan = pipe.plan(2048)
+    pipe._launch(plan, x, torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda:2"), only=[1, 2])
+    with pytest.raises(PipelineTimeout, match="stage 1 on cuda:1: CTA .* timed out"):
+        pipe.check_errors(plan)
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe.config))
+
+
+@pytest.mark.gpu2
+def test_copy_transport_unfilled_counter_is_reported_not_hung():
+    """A wrong dependency (one counter needs a tile more than exist): the producer's last CTA
+    raises the flag anyway, the call finishes, and the error names the short counter."""
+    ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, transport="copy", timeout_s=0.2)
+    x = rand(2048, 2048, device="cuda:0")
+    plan = pipe.plan(2048)
+    plan.links[0].need_producer[3] += 1
+    with pytest.raises(PipelineTimeout, match="stage 0 on cuda:0 finished with output counter 3 short"):
+        pipe(x)
+    plan.links[0].need_producer[3] -= 1
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe.config))

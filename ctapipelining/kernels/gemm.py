@@ -12,7 +12,9 @@ Each CTA loops over tiles (persistent). Two constexpr hooks wrap the unchanged c
   written: ``QUEUE`` claims ring positions in readiness order, otherwise the CTA walks the
   tile order and waits on each tile's counter;
 * ``SIGNAL_OUTPUT`` (epilogue): publish the stored tile to the next stage's scoreboard and,
-  under ``QUEUE``, push newly ready consumer tiles.
+  under ``QUEUE``, push newly ready consumer tiles; under ``READY`` (copy transport: the tile
+  was stored in this GPU's memory) bump local counters and raise a ready flag per filled
+  counter for the copy engine that moves those rows (:mod:`ctapipelining.kernels.sync`).
 
 With both hooks off the branches vanish at compile time and the kernel is the plain
 persistent GEMM.
@@ -23,7 +25,16 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .sync import bulk_store_wait, claim, fence_proxy_async, globaltimer, signal_tile, wait_counter, wait_slot
+from .sync import (
+    bulk_store_wait,
+    claim,
+    fence_proxy_async,
+    globaltimer,
+    raise_unfilled,
+    signal_tile,
+    wait_counter,
+    wait_slot,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class GemmConfig:
 
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
+SWEEP_BLOCK = tl.constexpr(128)  # counters the last producer CTA checks at a time (copy transport)
 TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
 
 # Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192]
@@ -68,6 +80,9 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   signal measured no better in tune2 (producer alone 3.82 vs 3.78 ms).
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8)
+# copy transport: every stage stores locally, so the plain GEMM's TMA-store epilogue; groups of
+# 4 row-blocks so each wave completes counters the copy engine can move.
+COPY_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, tma_store=True)
 
 CONFIGS = [
     PLAIN_CONFIG,
@@ -131,46 +146,50 @@ def _compute_store(
 
 @triton.jit
 def _epilogue(
-    tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr,
+    tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Signal-output hook after ``tile``'s store; returns the tile still to signal (-1: none).
 
-    Ordinary stores are complete once issued: signal ``tile`` now. A TMA store is still in
-    flight: signal the *previous* tile instead, once every bulk store but the newest has
-    completed, so the remote write drains while the next tile computes.
+    Ordinary stores are complete once issued: signal ``tile`` now. A TMA store into the
+    peer is still in flight: signal the *previous* tile instead, once every bulk store but the
+    newest has completed, so the remote write drains while the next tile computes. A TMA
+    store into local memory (copy transport, ``READY``) completes in about a microsecond:
+    wait for it and signal ``tile`` now, so the copy engine can start on its rows.
     """
     if SIGNAL_OUTPUT:
-        if TMA_STORE:
+        if TMA_STORE and not READY:
             bulk_store_wait(1, INTERPRET)
             if pending >= 0:
                 signal_tile(
-                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                    consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+                    consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
                 )  # fmt: skip
             pending = tile
         else:
+            if TMA_STORE:
+                bulk_store_wait(0, INTERPRET)
             signal_tile(
-                tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+                tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+                consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
             )  # fmt: skip
     return pending
 
 
 @triton.jit
 def _flush(
-    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr,
+    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """After the loop: wait for the last TMA store and signal its tile."""
-    if SIGNAL_OUTPUT and TMA_STORE:
+    """After the loop: wait for the last (deferred) TMA store and signal its tile."""
+    if SIGNAL_OUTPUT and TMA_STORE and not READY:
         bulk_store_wait(0, INTERPRET)
         if pending >= 0:
             signal_tile(
-                pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS,
+                pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+                consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
             )  # fmt: skip
 
 
@@ -199,9 +218,10 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE: tl.constexpr):
 def _process_tile(
     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
-    consumer_tiles, trace_ptr,
+    out_ready, consumer_tiles, trace_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_INPUT: tl.constexpr,
-    SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
+    SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr,
     TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One tile whose input is ready: proxy fence (its input came through the generic proxy),
@@ -215,14 +235,14 @@ def _process_tile(
     t_stored = _now(TRACE)
     pending = _epilogue(
         tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
-        out_push_tiles, out_slots, out_tail, consumer_tiles,
-        SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        out_push_tiles, out_slots, out_tail, out_ready, consumer_tiles,
+        SIGNAL_OUTPUT, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
     _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
     return pending
 
 
-@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
+@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles", "out_num_counters"])
 def gemm_kernel(
     a_desc,
     b_desc,
@@ -243,6 +263,9 @@ def gemm_kernel(
     out_push_tiles,
     out_slots,
     out_tail,
+    out_ready,
+    out_done,
+    out_num_counters,
     epoch_ptr,
     err_ptr,
     trace_ptr,
@@ -261,6 +284,7 @@ def gemm_kernel(
     WAIT_INPUT: tl.constexpr,
     SIGNAL_OUTPUT: tl.constexpr,
     QUEUE: tl.constexpr,
+    READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr,
     TMA_STORE: tl.constexpr,
@@ -286,8 +310,8 @@ def gemm_kernel(
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
@@ -310,10 +334,15 @@ def gemm_kernel(
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-        out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        out_slots, out_tail, out_ready, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, READY, PUSH_BLOCK,
+        MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
+    if SIGNAL_OUTPUT and READY:
+        raise_unfilled(
+            out_counters, out_need, out_ready, out_num_counters, out_done, epoch, err_ptr, stage, NUM_CTAS, SWEEP_BLOCK
+        )
