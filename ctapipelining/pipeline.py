@@ -41,7 +41,6 @@ from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size,
 from .kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
-
 TRANSPORTS = ("store", "copy")
 
 

@@ -11,9 +11,8 @@ import torch
 from ctapipelining.gemm import matmul
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
-BF16_TOL = 2e-2
-# (policy, transport) pairs a Pipeline supports
-VARIANTS = [("workqueue", "store"), ("static", "store"), ("static", "copy")]  # relative Frobenius error of a bf16 chain vs an fp32 reference
+BF16_TOL = 2e-2  # relative Frobenius error of a bf16 chain vs an fp32 reference
+VARIANTS = [("workqueue", "store"), ("static", "store"), ("static", "copy")]  # (policy, transport) a Pipeline supports
 
 
 def rel_err(y, ref):

@@ -163,8 +163,8 @@ def _epilogue(
             bulk_store_wait(1, INTERPRET)
             if pending >= 0:
                 signal_tile(
-                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-                    consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
+                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                    ready, consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
                 )  # fmt: skip
             pending = tile
         else:
