@@ -1,0 +1,182 @@
+"""Transports and GEMM configurations at one shape, all in one interleaved run.
+
+usage: python3 benchmarks/tune_transport.py OUT_DIR [M] [K] [REPS]
+
+Everything that issue 3's speed target compares, replayed from CUDA graphs and timed by the
+same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
+cuBLAS one layer; our plain GEMM under several configurations (the floor each pipeline
+variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
+static with the ``store`` transport (ordinary / TMA stores into the peer) and with the
+``copy`` transport under several tile configurations; each producer alone. Every pipeline is
+checked bitwise against the sequential Triton GEMMs (eager and replayed) before it is timed.
+Writes OUT_DIR/tune_transport.json and prints a table with ratios.
+"""
+
+import dataclasses
+import json
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from ctapipelining.baselines import MicroBatch, TensorParallel
+from ctapipelining.bench import Method, Rotation, _capture, environment, time_interleaved
+from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, PLAIN_CONFIG, GemmConfig
+from ctapipelining.pipeline import Pipeline
+
+out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
+K = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
+REPS = int(sys.argv[4]) if len(sys.argv) > 4 else 25
+WARM, DEVS, CHUNKS = 5, [0, 1], [512, 1024, 2048, 4096, 8192]
+out_dir.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+rot = Rotation([torch.randn(M, K, device="cuda:0").bfloat16() for _ in range(3)])
+x_static = torch.empty_like(rot.xs[0])
+c0 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
+out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+feed = lambda i: x_static.copy_(rot.get(i))  # noqa: E731  (untimed: the graph reads x_static)
+methods: list[Method] = []
+notes: dict[str, str] = {}
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def guarded(name, build):
+    """Build one method; a failure is printed and recorded, never fatal."""
+    try:
+        m = build()
+        if m is not None:
+            methods.append(m)
+    except Exception as e:
+        notes[name] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log(f"{name}: {notes[name]}")
+        traceback.print_exc(limit=2)
+
+
+# -- floors ------------------------------------------------------------------------------------
+methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
+PLAIN = {
+    "plain_g8_tma": PLAIN_CONFIG,
+    "plain_g4_tma": COPY_CONFIG,
+    "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
+    "plain_g8_tma_ws": dataclasses.replace(PLAIN_CONFIG, warp_specialize=True),
+    "plain_g8_tma_flatten_ws": dataclasses.replace(PLAIN_CONFIG, flatten=True, warp_specialize=True),
+    "plain_g16_tma": dataclasses.replace(PLAIN_CONFIG, group_m=16),
+    "plain_g8_st4_regstore": GemmConfig(128, 256, 64, group_m=8, num_stages=4, num_warps=8),
+    "plain_256x128_g8_tma": GemmConfig(256, 128, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True),
+}
+for name, cfg in PLAIN.items():
+
+    def build(cfg=cfg, name=name):
+        log(f"compiling {name}")
+        g = _capture(lambda: matmul(x_static, A, out=c0, config=cfg), DEVS)
+        return Method(name, g.replay, feed, note=str(dataclasses.asdict(cfg)))
+
+    guarded(name, build)
+
+# -- baselines ---------------------------------------------------------------------------------
+ws = [A, B]
+for c in CHUNKS:
+
+    def build(c=c):
+        mb = MicroBatch(ws, M, c)
+        return Method(
+            f"microbatch/{c}", mb, lambda i, mb=mb: mb.x.copy_(rot.get(i)), c, "graph" if mb.graphed else "eager"
+        )
+
+    guarded(f"microbatch/{c}", build)
+
+
+def build_tp():
+    tp = TensorParallel(A, B.to("cuda:0"), DEVS, M)
+
+    def prep(i):
+        for xg in tp.x:
+            xg.copy_(rot.get(i))
+
+    return Method("tp", tp, prep)
+
+
+guarded("tp", build_tp)
+
+# -- CTA-pipelining ----------------------------------------------------------------------------
+refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
+PIPES = {
+    "cta_store": dict(transport="store", config=PIPELINE_CONFIG),
+    "cta_store_tma": dict(transport="store", config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True)),
+    "cta_copy_g4": dict(transport="copy", config=COPY_CONFIG),
+    "cta_copy_g8": dict(transport="copy", config=dataclasses.replace(COPY_CONFIG, group_m=8)),
+    "cta_copy_256x128_g2": dict(
+        transport="copy", config=GemmConfig(256, 128, 64, group_m=2, num_stages=3, num_warps=8, tma_store=True)
+    ),
+}
+pipes = {}
+for name, kw in PIPES.items():
+
+    def build(name=name, kw=kw):
+        log(f"building {name}")
+        pipe = Pipeline(ws, policy="static", **kw)
+        eager_ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
+        g = _capture(lambda: pipe(x_static, out=out, check=False), DEVS)
+        replay_ok = True
+        for i in range(3):
+            feed(i)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            replay_ok &= torch.equal(out, refs[i])
+        pipe.check_errors()
+        notes[name] = f"eager bitwise {'OK' if eager_ok else 'WRONG'}, graph bitwise {'OK' if replay_ok else 'WRONG'}"
+        log(f"{name}: {notes[name]}")
+        pipes[name] = pipe
+        return Method(name, g.replay, feed, note=notes[name])
+
+    guarded(name, build)
+    if name in pipes:  # the producer alone (its remote writes / copies and signals), also replayed
+
+        def build_producer(pipe=pipes[name], name=name):
+            plan = pipe.plan(M)
+            g = _capture(lambda: pipe._launch(plan, x_static, out, only=[0]), DEVS)
+            return Method(name + "_producer_alone", g.replay, feed)
+
+        guarded(name + "_producer_alone", build_producer)
+
+# -- time everything, interleaved --------------------------------------------------------------
+log(f"timing {len(methods)} methods x {REPS} reps, interleaved")
+times = time_interleaved(methods, DEVS, REPS, WARM)
+for pipe in pipes.values():
+    pipe.check_errors()
+med = {k: statistics.median(v) for k, v in times.items()}
+best_mb = min((k for k in med if k.startswith("microbatch/")), key=med.get)
+rows = []
+log(f"\n{'method':34s} {'median':>8s} {'min':>8s} {'max':>8s} {'/cublas':>8s} {'/best_mb':>9s} {'/tp':>7s}")
+for m in methods:
+    v = times[m.name]
+    r = dict(
+        method=m.name,
+        median_ms=round(med[m.name], 4),
+        min_ms=round(min(v), 4),
+        max_ms=round(max(v), 4),
+        ms=[round(t, 4) for t in v],
+        note=m.note,
+    )
+    rows.append(r)
+    log(
+        f"{m.name:34s} {med[m.name]:8.4f} {min(v):8.4f} {max(v):8.4f} {med[m.name] / med['cublas']:8.3f} "
+        f"{med[m.name] / med[best_mb]:9.3f} {med[m.name] / med.get('tp', float('nan')):7.3f}  {m.note[:60]}"
+    )
+log(f"best micro-batching: {best_mb} {med[best_mb]:.4f} ms")
+(out_dir / "tune_transport.json").write_text(
+    json.dumps(
+        dict(environment=environment(), M=M, K=K, reps=REPS, best_microbatch=best_mb, notes=notes, rows=rows), indent=1
+    )
+)
