@@ -112,10 +112,14 @@ refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
 PIPES = {
     "cta_store": dict(transport="store", config=PIPELINE_CONFIG),
     "cta_store_tma": dict(transport="store", config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True)),
-    "cta_copy_g4": dict(transport="copy", config=COPY_CONFIG),
-    "cta_copy_g8": dict(transport="copy", config=dataclasses.replace(COPY_CONFIG, group_m=8)),
-    "cta_copy_256x128_g2": dict(
-        transport="copy", config=GemmConfig(256, 128, 64, group_m=2, num_stages=3, num_warps=8, tma_store=True)
+    "cta_copy_g4_1stream": dict(transport="copy", config=COPY_CONFIG, copy_streams=1),
+    "cta_copy_g4_2streams": dict(transport="copy", config=COPY_CONFIG, copy_streams=2),
+    "cta_copy_g4_4streams": dict(transport="copy", config=COPY_CONFIG, copy_streams=4),
+    "cta_copy_g8_2streams": dict(transport="copy", config=dataclasses.replace(COPY_CONFIG, group_m=8), copy_streams=2),
+    "cta_copy_256x128_g2_2streams": dict(
+        transport="copy",
+        config=GemmConfig(256, 128, 64, group_m=2, num_stages=3, num_warps=8, tma_store=True),
+        copy_streams=2,
     ),
 }
 pipes = {}

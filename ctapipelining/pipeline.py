@@ -42,6 +42,10 @@ from .kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
 TRANSPORTS = ("store", "copy")
+# Copy transport: the value a copy stream writes into a counter's landed flag once its rows are
+# in. Larger than any epoch (epoch_limit keeps epochs below it), so the consumer's unchanged
+# wait (``>= epoch * 1``) holds; the flags are lowered again at the end of every call.
+LANDED = 2**30
 
 
 class PipelineTimeout(RuntimeError):
@@ -68,14 +72,19 @@ class Link:
     # copy transport only (None under "store"); ``counters`` then live in producer memory
     staging: torch.Tensor | None = None  # [M, N] the producer's output, in its own memory
     ready: torch.Tensor | None = None  # [counters] raised by the producer, consumer memory
-    landed: torch.Tensor | None = None  # [counters] epoch written after the copy, consumer memory
+    landed: torch.Tensor | None = None  # [counters] LANDED once the rows are copied, consumer memory
     done: torch.Tensor | None = None  # [1] producer CTAs finished (grows by the grid size per call)
     rows: list[tuple[int, int]] | None = None  # input rows each counter guards
-    copy_stream: torch.cuda.Stream | None = None  # on the consumer's device
+    copy_streams: list[torch.cuda.Stream] | None = None  # on the consumer's device
 
     @classmethod
     def create(
-        cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device, transport: str = "store"
+        cls,
+        dep: deps.Dependency,
+        producer: torch.device,
+        consumer: torch.device,
+        transport: str = "store",
+        copy_streams: int = 1,
     ) -> Link:
         i32 = dict(dtype=torch.int32)
         on = lambda arr, dev: torch.as_tensor(arr, **i32).to(dev)  # noqa: E731
@@ -100,7 +109,7 @@ class Link:
             link.done = torch.zeros(1, device=producer, **i32)
             link.rows = [dep.counter_rows(c) for c in range(dep.num_counters)]
             if consumer.type == "cuda":
-                link.copy_stream = torch.cuda.Stream(consumer)
+                link.copy_streams = [torch.cuda.Stream(consumer) for _ in range(copy_streams)]
         return link
 
     @property
@@ -134,27 +143,32 @@ class Link:
             done=self.done,
         )
 
-    def move_rows(self, consumer_input: torch.Tensor, epoch: torch.Tensor) -> None:
-        """Copy transport: for each counter in order, wait for its ready flag, copy its rows
-        from ``staging`` into ``consumer_input``, then write ``epoch`` (``[1]`` int32 holding
-        this call's epoch, already advanced) into ``landed``; finally lower the flags for the next call. Enqueued
-        on ``copy_stream`` (consumer device); on the CPU (interpreter) the producer has already
-        run, so the same steps run at once."""
-        if self.copy_stream is None:
+    def move_rows(self, consumer_input: torch.Tensor) -> None:
+        """Copy transport: for each counter, wait for its ready flag, copy its rows from
+        ``staging`` into ``consumer_input``, then set its ``landed`` flag to :data:`LANDED`
+        (the stream write is fenced after the copy). Counters take turns over the link's copy
+        streams, so several copies and waits are in flight at once. :meth:`lower_flags` ends
+        the call. On the CPU (interpreter) the producer has already run: the same steps run at
+        once."""
+        if not self.copy_streams:
             for c, (r0, r1) in enumerate(self.rows):
                 if int(self.ready[c]) < 1:
                     raise RuntimeError(f"copy transport: counter {c} was never raised by its producer")
                 consumer_input[r0:r1].copy_(self.staging[r0:r1])
-                self.landed[c] = epoch[0]
-            self.ready.zero_()
+                self.landed[c] = LANDED
             return
-        st = self.copy_stream
         for c, (r0, r1) in enumerate(self.rows):
+            st = self.copy_streams[c % len(self.copy_streams)]
             fabric.wait_flag(st, self.ready, c)
             fabric.copy_async(consumer_input[r0:r1], self.staging[r0:r1], st)
-            fabric.copy_async(self.landed[c : c + 1], epoch, st)
-        with torch.cuda.stream(st):
-            self.ready.zero_()
+            fabric.write_flag(st, self.landed, c, LANDED)
+
+    def lower_flags(self) -> None:
+        """End of a call, on the consumer stage's stream once it has joined the copy streams
+        (so after the consumer kernel and every copy): lower the ready and landed flags for
+        the next call."""
+        self.ready.zero_()
+        self.landed.zero_()
 
 
 @dataclass
@@ -192,6 +206,8 @@ class Pipeline:
     transport : ``"store"`` (producer CTAs write into the consumer GPU) or ``"copy"`` (they write
         locally; a copy engine on the consumer GPU moves each finished row-block; ``static``
         policy only). See the module docstring.
+    copy_streams : copy transport: streams per link on the consumer's device; counters take
+        turns over them, so several waits and copies are in flight at once.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
@@ -205,6 +221,7 @@ class Pipeline:
         timeout_s: float = 1.0,
         trace: bool = False,
         transport: str = "store",
+        copy_streams: int = 2,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -214,6 +231,9 @@ class Pipeline:
         if transport == "copy" and self.policy.uses_queue:
             raise ValueError("transport='copy' needs the static policy: a copy engine cannot push work-queue slots")
         self.transport = transport
+        if copy_streams < 1:
+            raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
+        self.copy_streams = copy_streams
         self.config = config or (COPY_CONFIG if transport == "copy" else PIPELINE_CONFIG)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -267,13 +287,14 @@ class Pipeline:
         links, inputs = [], [None]
         for s in range(1, len(ws)):
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0])
-            link = Link.create(dep, devs[s - 1], devs[s], self.transport)
+            link = Link.create(dep, devs[s - 1], devs[s], self.transport, self.copy_streams)
             if link.copy:
                 link.staging = torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s - 1])
             links.append(link)
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
+        limit = min(limit, LANDED - 1)
         plan = Plan(
             M=M,
             inputs=inputs,
@@ -357,7 +378,7 @@ class Pipeline:
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
         kernels = [None] * n
-        epoch_set = [None] * n  # per stage: event after its epoch advanced (copy transport)
+        launched = [only is None or s in only for s in range(n)]
         for s in range(n):
             a = x if s == 0 else plan.inputs[s]
             link_out = plan.links[s] if s < n - 1 else None
@@ -365,43 +386,48 @@ class Pipeline:
             with self._on_stream(s, starts):
                 if advance_epoch:
                     plan.epochs[s].add_(1)
-                if self.on_gpu:
-                    epoch_set[s] = self.streams[s].record_event()
-                if only is not None and s not in only:
-                    continue
-                if delay_cycles and s in delay_cycles:
-                    torch.cuda._sleep(delay_cycles[s])
-                kernels[s] = launch_gemm(
-                    a,
-                    self.weights[s],
-                    c,
-                    self.config,
-                    plan.num_ctas[s],
-                    wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
-                    signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
-                    epoch=plan.epochs[s],
-                    err=plan.errors[s],
-                    trace=plan.traces[s],
-                    stage=s,
-                    timeout_ns=self.timeout_ns,
-                )
-            if link_out is not None and link_out.copy and not self.on_gpu:
-                # interpreter: stages run in order; every stage's epoch is the call's (s + 1's is not advanced yet)
-                link_out.move_rows(plan.inputs[s + 1], plan.epochs[s])
-        # copy transport: each launched producer's rows are moved by a copy engine on the
-        # consumer's device (enqueued after every kernel, so no kernel queues behind a wait)
-        copy_streams = []
+                if launched[s]:
+                    if delay_cycles and s in delay_cycles:
+                        torch.cuda._sleep(delay_cycles[s])
+                    kernels[s] = launch_gemm(
+                        a,
+                        self.weights[s],
+                        c,
+                        self.config,
+                        plan.num_ctas[s],
+                        wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
+                        signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
+                        epoch=plan.epochs[s],
+                        err=plan.errors[s],
+                        trace=plan.traces[s],
+                        stage=s,
+                        timeout_ns=self.timeout_ns,
+                    )
+            if not self.on_gpu:  # interpreter: stages run one after another
+                if s > 0 and plan.links[s - 1].copy:
+                    plan.links[s - 1].lower_flags()
+                if link_out is not None and link_out.copy and launched[s]:
+                    link_out.move_rows(plan.inputs[s + 1])
+        # copy transport: each launched producer's rows are moved by copy engines on the
+        # consumer's device, enqueued after every kernel so that no kernel queues behind a wait
+        # (a wait only ever waits for a kernel on another device); the consumer's stream then
+        # joins them and lowers the flags.
         for s, link in enumerate(plan.links):
-            if self.on_gpu and link.copy and kernels[s] is not None:
-                st = link.copy_stream
-                with torch.cuda.device(self.devices[s + 1]):
-                    for ev in starts:
-                        st.wait_event(ev)
-                    st.wait_event(epoch_set[s + 1])
-                    link.move_rows(plan.inputs[s + 1], plan.epochs[s + 1])
-                copy_streams.append(st)
+            if not (self.on_gpu and link.copy):
+                continue
+            consumer = self.streams[s + 1]
+            with torch.cuda.device(self.devices[s + 1]):
+                if launched[s]:
+                    for st in link.copy_streams:
+                        for ev in starts:
+                            st.wait_event(ev)
+                    link.move_rows(plan.inputs[s + 1])
+                    for st in link.copy_streams:
+                        consumer.wait_stream(st)
+                with torch.cuda.stream(consumer):
+                    link.lower_flags()
         for caller in callers:  # none on the CPU
-            for st in self.streams + copy_streams:
+            for st in self.streams:
                 caller.wait_stream(st)
         return kernels
 
