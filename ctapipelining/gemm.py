@@ -16,7 +16,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import fabric
-from .kernels.gemm import PLAIN_CONFIG, GemmConfig, gemm_kernel
+from .kernels.gemm import PLAIN_CONFIG, SIGNAL_MODES, GemmConfig, gemm_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -177,11 +177,12 @@ def launch_gemm(
         SIGNAL_OUTPUT=signal is not None,
         QUEUE=queue,
         READY=signal is not None and signal.copy,
+        SIGNAL_WHEN=SIGNAL_MODES[cfg.signal if tma_store or cfg.signal != "next_tile" else "now"],
         PUSH_BLOCK=s.push_block,
         MAX_SIGNALS=s.max_signals,
         TMA_STORE=tma_store,
         FLATTEN=cfg.flatten and signal is None,  # Triton cannot flatten the signalling loop
-        WARP_SPECIALIZE=cfg.warp_specialize,
+        WARP_SPECIALIZE=cfg.warp_specialize and signal is None,  # the signal's CTA barrier needs every warp
         TRACE=trace is not None,
         INTERPRET=interpreting(),
         num_stages=cfg.num_stages,

@@ -73,6 +73,27 @@ def test_pipeline_matches_sequential_bitwise(policy, transport, M, dims):
 
 
 @pytest.mark.gpu2
+@pytest.mark.parametrize(
+    "transport,tma_store,signal",
+    [("store", False, "in_loop"), ("store", True, "in_loop"), ("store", True, "next_tile"), ("store", True, "now"),
+     ("copy", True, "in_loop"), ("copy", False, "now")],
+)  # fmt: skip
+def test_signal_modes_bitwise(transport, tma_store, signal):
+    import dataclasses
+
+    from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    cfg = dataclasses.replace(PIPELINE_CONFIG, tma_store=tma_store, signal=signal)
+    pipe = Pipeline(ws, transport=transport, config=cfg)
+    for M in (16384, 3000):
+        x = rand(M, 8192, device="cuda:0")
+        pipe.plan(M).inputs[1].fill_(float("nan"))
+        y = pipe(x)
+        assert torch.equal(y, sequential_triton(x, ws, cfg))
+
+
+@pytest.mark.gpu2
 @pytest.mark.parametrize("policy,transport", VARIANTS)
 def test_delayed_producer(policy, transport):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])

@@ -97,6 +97,34 @@ def test_lone_consumer_times_out_and_recovers(policy):
     assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
+@pytest.mark.parametrize(
+    "tma_store,signal", [(False, "now"), (False, "in_loop"), (True, "now"), (True, "next_tile"), (True, "in_loop")]
+)
+@pytest.mark.parametrize("policy,transport", [("workqueue", "store"), ("static", "store"), ("static", "copy")])
+def test_signal_modes(policy, transport, tma_store, signal):
+    """Every moment a producer may signal a stored tile gives the right chain, epoch after
+    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the next tile)."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 64), (64, 24)]]
+    cfg = dataclasses.replace(SMALL, tma_store=tma_store, signal=signal)
+    pipe = Pipeline(ws, policy=policy, config=cfg, transport=transport)
+    for epoch in range(1, 3):
+        x = torch.randn(50, 64).half()
+        for buf in pipe.plan(50).inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        assert not y.isnan().any()
+        assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
+        for link in pipe.plan(50).links:
+            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+
+
+def test_signal_mode_is_checked():
+    with pytest.raises(ValueError, match="signal must be one of"):
+        GemmConfig(signal="later")
+    with pytest.raises(ValueError, match="needs tma_store=True"):
+        GemmConfig(signal="next_tile")
+
+
 def test_copy_transport_middle_stage_timeout_still_raises_every_ready_flag():
     """Stage 0 never runs: stage 1 times out, and its last CTA out raises every flag of link 1,
     so the copy (which on a GPU waits on the flag without a deadline) goes ahead."""

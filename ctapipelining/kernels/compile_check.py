@@ -69,6 +69,7 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         SIGNAL_OUTPUT=signal,
         QUEUE=queue,
         READY=False,
+        SIGNAL_WHEN=0,
         PUSH_BLOCK=32,
         MAX_SIGNALS=1,
         INTERPRET=False,
@@ -89,6 +90,11 @@ def report() -> dict:
     builds += [(name + "+tma_store", VARIANTS[name], {"tma_store": True}) for name in TMA_STORE_VARIANTS]
     builds += [(name + "+trace", VARIANTS[name], {"trace": True}) for name in TRACE_VARIANTS]
     builds += [(name + "+copy", VARIANTS[name], {"tma_store": True, "ready": True}) for name in COPY_VARIANTS]
+    builds += [
+        (name + "+in_loop", VARIANTS[name], {"signal_when": 2}) for name in ("signal_static", "wait_signal_static")
+    ]
+    builds += [("signal_static+tma_store+in_loop", VARIANTS["signal_static"], {"signal_when": 2, "tma_store": True})]
+    builds += [("signal_static+tma_store+next_tile", VARIANTS["signal_static"], {"signal_when": 1, "tma_store": True})]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

@@ -36,6 +36,10 @@ from .sync import (
     wait_slot,
 )
 
+# When a producer signals a stored tile (see _epilogue); GemmConfig.signal names them.
+SIGNAL_NOW, SIGNAL_NEXT_TILE, SIGNAL_IN_LOOP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SIGNAL_MODES = {"now": 0, "next_tile": 1, "in_loop": 2}
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -46,9 +50,9 @@ class GemmConfig:
     TMA pipeline depth. ``flatten`` / ``warp_specialize``: Triton's options for the persistent
     ``for`` loop (plain and ``static`` kernels; the ``workqueue`` consumer loop is dynamic;
     Triton 3.6 cannot flatten a loop whose body signals, so producers ignore ``flatten``).
-    ``tma_store``: write each tile with an asynchronous TMA store. A producer then signals a
-    tile one tile later, once its bulk store has completed, so its remote write drains over
-    NVLink while the next tile computes (see :func:`ctapipelining.kernels.gemm._epilogue`).
+    ``tma_store``: write each tile with an asynchronous TMA store (else ordinary stores).
+    ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store
+    only) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
     """
 
     block_m: int = 128
@@ -60,6 +64,13 @@ class GemmConfig:
     flatten: bool = False
     warp_specialize: bool = False
     tma_store: bool = False
+    signal: str = "now"
+
+    def __post_init__(self):
+        if self.signal not in SIGNAL_MODES:
+            raise ValueError(f"GemmConfig.signal must be one of {sorted(SIGNAL_MODES)}, got {self.signal!r}")
+        if self.signal == "next_tile" and not self.tma_store:
+            raise ValueError("GemmConfig(signal='next_tile') needs tma_store=True (it waits on bulk-store groups)")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         loads = self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
@@ -111,14 +122,45 @@ def tile_of_position(pos, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mma_tile(a_desc, b_desc, pm, pn, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The compute body: one output tile, fp32 accumulator."""
+def _signal_pending(
+    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+    consumer_tiles, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Signal the stored tile ``pending`` (-1: none; TMA: once its bulk store completed). Returns -1."""
+    if pending >= 0:
+        if TMA_STORE:
+            bulk_store_wait(0, INTERPRET)
+        signal_tile(
+            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+            consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        )  # fmt: skip
+    return pending * 0 - 1
+
+
+@triton.jit
+def _mma_tile(
+    a_desc, b_desc, pm, pn, k_tiles, signal_at, pending, epoch, counters, signal_ptr, signal_counters, need,
+    push_ptr, push_tiles, slots, tail, ready, consumer_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
+    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The compute body: one output tile, fp32 accumulator. Under ``SIGNAL_IN_LOOP`` the
+    previous tile (``pending``) is signalled at step ``signal_at`` of the K loop, by when its
+    writes have drained; otherwise the loop is the plain GEMM's. Returns ``(acc, pending)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_tiles):
         a = a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
-    return acc
+        if SIGNAL_IN_LOOP:
+            if ki == signal_at:
+                pending = _signal_pending(
+                    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                    ready, consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                )  # fmt: skip
+    return acc, pending
 
 
 @triton.jit
@@ -131,48 +173,63 @@ def _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOC
 
 @triton.jit
 def _compute_store(
-    a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
+    a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, counters, signal_ptr,
+    signal_counters, need, push_ptr, push_tiles, slots, tail, ready, consumer_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
+    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The unchanged compute body for one tile, then its store (TMA: asynchronous)."""
+    """The compute body for one tile, then its store (TMA: asynchronous). Returns the tile
+    still to signal (``SIGNAL_IN_LOOP`` signals the previous one a quarter into the K loop)."""
     pm = tile // num_n
     pn = tile % num_n
-    acc = _mma_tile(a_desc, b_desc, pm, pn, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, pending = _mma_tile(
+        a_desc, b_desc, pm, pn, k_tiles, k_tiles // 4, pending, epoch, counters, signal_ptr, signal_counters, need,
+        push_ptr, push_tiles, slots, tail, ready, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
+        SIGNAL_IN_LOOP, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+    )  # fmt: skip
     if TMA_STORE:
         c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
     else:
         _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N)
+    return pending
 
 
 @triton.jit
 def _epilogue(
     tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
-    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, TMA_STORE: tl.constexpr,
+    QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Signal-output hook after ``tile``'s store; returns the tile still to signal (-1: none).
+    """Signal-output hook after ``tile``'s store; returns the tile stored but not yet
+    signalled (-1: none). A tile is signalled once its writes are complete (``SIGNAL_WHEN``):
 
-    Ordinary stores are complete once issued: signal ``tile`` now. A TMA store into the
-    peer is still in flight: signal the *previous* tile instead, once every bulk store but the
-    newest has completed, so the remote write drains while the next tile computes. A TMA
-    store into local memory (copy transport, ``READY``) completes in about a microsecond:
-    wait for it and signal ``tile`` now, so the copy engine can start on its rows.
+    * ``SIGNAL_NOW``: here (a TMA store is waited for first);
+    * ``SIGNAL_NEXT_TILE`` (TMA store): in the CTA's next epilogue, once every bulk store but
+      the newest completed: the write drains while the next tile computes, but consumers
+      hear of it a whole tile later;
+    * ``SIGNAL_IN_LOOP``: a quarter into the CTA's next K loop (:func:`_mma_tile`): the write
+      has drained by then, so waiting for it costs nothing, and consumers hear of it a
+      quarter tile later.
+
+    A CTA's last tile is signalled after its loop (:func:`_flush`).
     """
     if SIGNAL_OUTPUT:
-        if TMA_STORE and not READY:
+        if SIGNAL_WHEN == SIGNAL_NEXT_TILE:
             bulk_store_wait(1, INTERPRET)
             if pending >= 0:
                 signal_tile(
                     pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                    ready, consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
+                    ready, consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
             pending = tile
+        elif SIGNAL_WHEN == SIGNAL_IN_LOOP:
+            pending = tile
         else:
-            if TMA_STORE:
-                bulk_store_wait(0, INTERPRET)
-            signal_tile(
+            pending = _signal_pending(
                 tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-                consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
+                consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
             )  # fmt: skip
     return pending
 
@@ -183,14 +240,12 @@ def _flush(
     consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """After the loop: wait for the last (deferred) TMA store and signal its tile."""
-    if SIGNAL_OUTPUT and TMA_STORE and not READY:
-        bulk_store_wait(0, INTERPRET)
-        if pending >= 0:
-            signal_tile(
-                pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-                consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS,
-            )  # fmt: skip
+    """After the loop: signal the CTA's last tile if it is still pending."""
+    if SIGNAL_OUTPUT:
+        _signal_pending(
+            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+            consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -220,8 +275,8 @@ def _process_tile(
     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
     out_ready, consumer_tiles, trace_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_INPUT: tl.constexpr,
-    SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
-    MAX_SIGNALS: tl.constexpr,
+    SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
+    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
     TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One tile whose input is ready: proxy fence (its input came through the generic proxy),
@@ -229,14 +284,17 @@ def _process_tile(
     if WAIT_INPUT:
         fence_proxy_async(INTERPRET)
     t_start = _now(TRACE)
-    _compute_store(
-        a_desc, b_desc, c_desc, c_ptr, tile, num_n, M, N, k_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, TMA_STORE
-    )
+    pending = _compute_store(
+        a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, out_counters,
+        out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, out_ready,
+        consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K, SIGNAL_OUTPUT and SIGNAL_WHEN == SIGNAL_IN_LOOP, TMA_STORE, QUEUE,
+        READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+    )  # fmt: skip
     t_stored = _now(TRACE)
     pending = _epilogue(
         tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
         out_push_tiles, out_slots, out_tail, out_ready, consumer_tiles,
-        SIGNAL_OUTPUT, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        SIGNAL_OUTPUT, SIGNAL_WHEN, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
     _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
     return pending
@@ -285,6 +343,7 @@ def gemm_kernel(
     SIGNAL_OUTPUT: tl.constexpr,
     QUEUE: tl.constexpr,
     READY: tl.constexpr,
+    SIGNAL_WHEN: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr,
     TMA_STORE: tl.constexpr,
@@ -311,7 +370,7 @@ def gemm_kernel(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
                     out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
@@ -335,7 +394,7 @@ def gemm_kernel(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
                     out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,

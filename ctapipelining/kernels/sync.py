@@ -14,7 +14,8 @@ Producer (stage ``s`` on GPU ``p``), after computing a tile:
    signalled one tile later, after ``cp.async.bulk.wait_group 1`` in the issuing thread says
    its writes are complete and ``fence.proxy.async`` orders those async-proxy writes before
    the generic-proxy release (:func:`bulk_store_wait`);
-2. ``debug_barrier`` (bar.sync): all those stores happen-before what thread 0 does next;
+2. a CTA barrier (``bar.sync``, :func:`cta_barrier`): all those stores (and every issuing
+   thread's bulk-store wait) happen-before what thread 0 does next;
 3. thread 0 bumps each counter with ``atom.add.acq_rel.sys`` (release at system scope is
    cumulative: it publishes every store ordered before it, the other threads' included);
 4. if that bump filled the counter (``old + 1 == epoch * need``) and the policy is
@@ -109,6 +110,20 @@ def bulk_store_wait(PENDING: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def cta_barrier(INTERPRET: tl.constexpr):
+    """Every thread of the CTA meets here, with CTA-scope memory ordering (``bar.sync``).
+
+    Named barrier 1 in inline PTX rather than ``tl.debug_barrier()``: Triton 3.6 stops
+    software-pipelining a loop that contains its own barrier, and a tile may be signalled
+    inside the next tile's K loop. Every warp runs the same code (no warp specialisation in
+    a signalling kernel), so all of them arrive."""
+    if INTERPRET:
+        tl.debug_barrier()
+    else:
+        tl.inline_asm_elementwise("bar.sync 1; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
     """Spin until ``*ptr >= target`` (int32) with acquire at system scope, at most
     ``timeout_ns``. Returns the last value seen: ``< target`` means the wait timed out."""
@@ -189,6 +204,7 @@ def signal_tile(
     READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Epilogue: publish ``tile`` (already stored by every thread) to the consumer.
 
@@ -198,7 +214,7 @@ def signal_tile(
     into the consumer's ring; under ``READY`` (copy transport) it raises the counter's ready
     flag for the copy engine instead.
     """
-    tl.debug_barrier()  # all threads' tile stores before thread 0's release
+    cta_barrier(INTERPRET)  # all threads' tile stores (or bulk-store waits) before thread 0's release
     first_signal = tl.load(signal_ptr + tile)
     num_signals = tl.load(signal_ptr + tile + 1) - first_signal
     for j in tl.static_range(MAX_SIGNALS):
