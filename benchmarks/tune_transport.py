@@ -66,12 +66,8 @@ methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.sele
 PLAIN = {
     "plain_g8_tma": PLAIN_CONFIG,
     "plain_g4_tma": COPY_CONFIG,
+    "plain_g4_regstore": PIPELINE_CONFIG,
     "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
-    "plain_g8_tma_ws": dataclasses.replace(PLAIN_CONFIG, warp_specialize=True),
-    "plain_g8_tma_flatten_ws": dataclasses.replace(PLAIN_CONFIG, flatten=True, warp_specialize=True),
-    "plain_g16_tma": dataclasses.replace(PLAIN_CONFIG, group_m=16),
-    "plain_g8_st4_regstore": GemmConfig(128, 256, 64, group_m=8, num_stages=4, num_warps=8),
-    "plain_256x128_g8_tma": GemmConfig(256, 128, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True),
 }
 for name, cfg in PLAIN.items():
 
@@ -109,17 +105,19 @@ guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
 refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
+TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 PIPES = {
-    "cta_store": dict(transport="store", config=PIPELINE_CONFIG),
-    "cta_store_tma": dict(transport="store", config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True)),
-    "cta_copy_g4_1stream": dict(transport="copy", config=COPY_CONFIG, copy_streams=1),
-    "cta_copy_g4_2streams": dict(transport="copy", config=COPY_CONFIG, copy_streams=2),
-    "cta_copy_g4_4streams": dict(transport="copy", config=COPY_CONFIG, copy_streams=4),
-    "cta_copy_g8_2streams": dict(transport="copy", config=dataclasses.replace(COPY_CONFIG, group_m=8), copy_streams=2),
-    "cta_copy_256x128_g2_2streams": dict(
-        transport="copy",
-        config=GemmConfig(256, 128, 64, group_m=2, num_stages=3, num_warps=8, tma_store=True),
-        copy_streams=2,
+    "cta_store_now": dict(transport="store", config=PIPELINE_CONFIG),
+    "cta_store_in_loop": dict(transport="store", config=dataclasses.replace(PIPELINE_CONFIG, signal="in_loop")),
+    "cta_store_tma_next_tile": dict(transport="store", config=dataclasses.replace(TMA, signal="next_tile")),
+    "cta_store_tma_now": dict(transport="store", config=TMA),
+    "cta_store_tma_in_loop": dict(transport="store", config=dataclasses.replace(TMA, signal="in_loop")),
+    "cta_copy4_now": dict(transport="copy", config=COPY_CONFIG, copy_streams=4),
+    "cta_copy4_in_loop": dict(
+        transport="copy", config=dataclasses.replace(COPY_CONFIG, signal="in_loop"), copy_streams=4
+    ),
+    "cta_wq_store_tma_in_loop": dict(
+        transport="store", policy="workqueue", config=dataclasses.replace(TMA, signal="in_loop")
     ),
 }
 pipes = {}
@@ -127,7 +125,7 @@ for name, kw in PIPES.items():
 
     def build(name=name, kw=kw):
         log(f"building {name}")
-        pipe = Pipeline(ws, policy="static", **kw)
+        pipe = Pipeline(ws, **({"policy": "static"} | kw))
         eager_ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
         g = _capture(lambda: pipe(x_static, out=out, check=False), DEVS)
         replay_ok = True

@@ -26,16 +26,28 @@ def report():
 def test_every_variant_is_a_tma_wgmma_gemm(report):
     for name, r in report.items():
         assert r["wgmma"] > 0 and r["tma_load"] > 0, name
-        base = report["plain+tma_store" if name.endswith("+tma_store") else "plain"]
+        base = report["plain+tma_store" if r["tma_store"] else "plain"]
         assert r["smem"] <= base["smem"], f"{name}: a hook added shared memory"
 
 
 def test_tma_store_producer_waits_for_completed_writes_before_signalling(report):
     assert report["plain+tma_store"]["tma_store"] == 1 and report["plain+tma_store"]["bulk_wait_complete"] == 0
     for name in ("signal_static+tma_store", "signal_workqueue+tma_store"):
-        # one wait_group 1 after each store, one wait_group 0 after the loop (not the .read flavour)
-        assert report[name]["bulk_wait_complete"] == 2, name
+        # signal "now": one wait_group 0 (writes complete, not the .read flavour) in the shared signal step
+        assert report[name]["bulk_wait_complete"] == 1, name
+    # next_tile: wait_group 1 in the epilogue + wait_group 0 after the loop; in_loop: in the K loop + after it
+    assert report["signal_static+tma_store+next_tile"]["bulk_wait_complete"] == 2
+    assert report["signal_static+tma_store+in_loop"]["bulk_wait_complete"] == 2
     assert report["plain"]["tma_store"] == 0 and report["signal_static"]["bulk_wait_complete"] == 0
+
+
+def test_in_loop_signal_keeps_the_k_loop_software_pipelined(report):
+    """A barrier inside the K loop would make Triton drop to one stage (shared memory of a
+    single A+B tile); the signal's named barrier in inline PTX does not."""
+    assert report["signal_static+in_loop"]["smem"] == report["plain"]["smem"]
+    assert report["wait_signal_static+in_loop"]["smem"] == report["plain"]["smem"]
+    assert report["signal_static+tma_store+in_loop"]["smem"] == report["plain+tma_store"]["smem"]
+    assert report["signal_static+in_loop"]["tma_load"] == report["plain"]["tma_load"]
 
 
 def test_plain_has_no_protocol_instructions(report):
