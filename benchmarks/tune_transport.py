@@ -24,7 +24,7 @@ import torch
 from ctapipelining.baselines import MicroBatch, TensorParallel
 from ctapipelining.bench import Method, Rotation, _capture, environment, time_interleaved
 from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, PLAIN_CONFIG, GemmConfig
+from ctapipelining.kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
