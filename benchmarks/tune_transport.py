@@ -1,4 +1,4 @@
-"""Transports and GEMM configurations at one shape, all in one interleaved run.
+"""Pipeline variants and GEMM configurations at one shape, all in one interleaved run.
 
 usage: python3 benchmarks/tune_transport.py OUT_DIR [M] [K] [REPS]
 
@@ -6,8 +6,8 @@ Everything that issue 3's speed target compares, replayed from CUDA graphs and t
 same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
 cuBLAS one layer; our plain GEMM under several configurations (the floor each pipeline
 variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
-static with the ``store`` transport (ordinary / TMA stores into the peer) and with the
-``copy`` transport under several tile configurations; each producer alone. Every pipeline is
+variants (signal timing, TMA or ordinary stores into the peer, flattened loop, policy); each
+producer alone. (Earlier versions also timed a copy-engine transport; see the results README.) Every pipeline is
 checked bitwise against the sequential Triton GEMMs (eager and replayed) before it is timed.
 Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 """
@@ -24,7 +24,7 @@ import torch
 from ctapipelining.baselines import MicroBatch, TensorParallel
 from ctapipelining.bench import Method, Rotation, _capture, environment, time_interleaved
 from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, PLAIN_CONFIG
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
@@ -65,8 +65,8 @@ def guarded(name, build):
 methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
 PLAIN = {
     "plain_g8_tma": PLAIN_CONFIG,
-    "plain_g4_tma": COPY_CONFIG,
-    "plain_g4_regstore": PIPELINE_CONFIG,
+    "plain_g4": PIPELINE_CONFIG,
+    "plain_g4_flatten": dataclasses.replace(PIPELINE_CONFIG, flatten=True),
     "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
 }
 for name, cfg in PLAIN.items():
@@ -105,20 +105,12 @@ guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
 refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
-TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 PIPES = {
-    "cta_store_now": dict(transport="store", config=PIPELINE_CONFIG),
-    "cta_store_in_loop": dict(transport="store", config=dataclasses.replace(PIPELINE_CONFIG, signal="in_loop")),
-    "cta_store_tma_next_tile": dict(transport="store", config=dataclasses.replace(TMA, signal="next_tile")),
-    "cta_store_tma_now": dict(transport="store", config=TMA),
-    "cta_store_tma_in_loop": dict(transport="store", config=dataclasses.replace(TMA, signal="in_loop")),
-    "cta_copy4_now": dict(transport="copy", config=COPY_CONFIG, copy_streams=4),
-    "cta_copy4_in_loop": dict(
-        transport="copy", config=dataclasses.replace(COPY_CONFIG, signal="in_loop"), copy_streams=4
-    ),
-    "cta_wq_store_tma_in_loop": dict(
-        transport="store", policy="workqueue", config=dataclasses.replace(TMA, signal="in_loop")
-    ),
+    "cta_static": dict(),
+    "cta_static_flatten": dict(config=dataclasses.replace(PIPELINE_CONFIG, flatten=True)),
+    "cta_static_tma": dict(config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True)),
+    "cta_static_signal_now": dict(config=dataclasses.replace(PIPELINE_CONFIG, signal="now")),
+    "cta_workqueue": dict(policy="workqueue"),
 }
 pipes = {}
 for name, kw in PIPES.items():

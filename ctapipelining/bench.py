@@ -182,15 +182,13 @@ def _bench_seq(
     pipes = {policy: Pipeline(ws, policy=policy) for policy in ("workqueue", "static")}
     for policy, pipe in pipes.items():
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
-    # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost
+    # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
+    # plus the static pipeline with TMA-store producers
     x_static = torch.empty_like(xs[0])
-    tma = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
-    for policy in ("workqueue", "static"):
-        for suffix, cfg in (("graph", PIPELINE_CONFIG), ("tma_graph", tma)):
-            pipe = pipes[policy] if cfg is PIPELINE_CONFIG else Pipeline(ws, policy=policy, config=cfg)
-            pipes[f"{policy}_{suffix}"] = pipe
-            graph = _capture(lambda pipe=pipe: pipe(x_static, out=out, check=False), devs)
-            methods.append(Method(f"cta_{policy}_{suffix}", graph.replay, lambda i: x_static.copy_(rot.get(i))))
+    pipes["static_tma"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True))
+    for name in ("workqueue", "static", "static_tma"):
+        graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
+        methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
     progress(f"M={M}: {len(methods)} methods, interleaved")
     times = time_interleaved(methods, devs, reps, warmup)
     ref = xs[0]

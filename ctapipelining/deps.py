@@ -211,15 +211,6 @@ class Dependency:
     def pushes(self, counter: int) -> np.ndarray:
         return self.push_tiles[self.push_ptr[counter] : self.push_ptr[counter + 1]]
 
-    def counter_rows(self, counter: int) -> tuple[int, int]:
-        """Half-open range of the input rows counter ``counter`` guards: the rows of its
-        consumer tiles. GEMM rule only (its counters cover whole rows, every column), which is
-        what lets a copy engine move exactly those rows once the counter fills."""
-        if not isinstance(self.rule, GemmRule):
-            raise ValueError(f"counter_rows needs the gemm rule (counters over whole rows), not {self.rule.name!r}")
-        first = int(self.push_tiles[self.push_ptr[counter]])
-        return self.consumer.rows(first // self.consumer.num_n)
-
     @cached_property
     def max_need(self) -> int:
         return int(self.need.max())

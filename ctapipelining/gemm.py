@@ -60,12 +60,6 @@ class SignalHook:
     push_block: int
     max_signals: int
     queue: bool
-    ready: torch.Tensor | None = None  # copy transport: per-counter flags (consumer memory)
-    done: torch.Tensor | None = None  # copy transport: CTAs finished (producer memory)
-
-    @property
-    def copy(self) -> bool:
-        return self.ready is not None
 
 
 def check_tensor(t: torch.Tensor, name: str) -> None:
@@ -134,8 +128,6 @@ def launch_gemm(
     s = signal or SignalHook(dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, 1, 1, 1, False)
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
-    if signal is not None and signal.copy and signal.queue:
-        raise ValueError("the copy transport works with the static policy (a copy engine cannot push ring slots)")
     queue = wait.queue if wait is not None else s.queue
     return gemm_kernel[(num_ctas,)](
         a_desc,
@@ -155,9 +147,6 @@ def launch_gemm(
         s.push_tiles,
         s.slots,
         s.tail,
-        dummy if s.ready is None else s.ready,
-        dummy if s.done is None else s.done,
-        s.counters.numel() if s.copy else 0,
         dummy if epoch is None else epoch,
         dummy if err is None else err,
         dummy if trace is None else trace,
@@ -176,12 +165,11 @@ def launch_gemm(
         WAIT_INPUT=wait is not None,
         SIGNAL_OUTPUT=signal is not None,
         QUEUE=queue,
-        READY=signal is not None and signal.copy,
         SIGNAL_WHEN=SIGNAL_MODES[cfg.signal if tma_store or cfg.signal != "next_tile" else "now"],
         PUSH_BLOCK=s.push_block,
         MAX_SIGNALS=s.max_signals,
         TMA_STORE=tma_store,
-        FLATTEN=cfg.flatten and signal is None,  # Triton cannot flatten the signalling loop
+        FLATTEN=cfg.flatten,
         WARP_SPECIALIZE=cfg.warp_specialize and signal is None,  # the signal's CTA barrier needs every warp
         TRACE=trace is not None,
         INTERPRET=interpreting(),

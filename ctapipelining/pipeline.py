@@ -1,17 +1,9 @@
 """A chain of GEMM stages across devices, CTA-pipelined.
 
 ``Pipeline([A, B, ...])`` puts stage ``s`` (``y_s = y_{s-1} @ W_s``) on the device of ``W_s``.
-A call launches every stage at once, each on its own stream, and stage ``s + 1``'s persistent
-CTAs start each tile as soon as its input rows have landed in their GPU's memory. How the rows
-get there is the link's *transport*:
-
-* ``"store"`` (the paper's): stage ``s``'s CTAs store their tiles straight into stage
-  ``s + 1``'s input buffer on the next GPU and bump its counters there;
-* ``"copy"``: stage ``s`` stores its tiles into its own memory (a local TMA store, as fast as
-  the plain GEMM) and bumps local counters; each filled counter raises a ready flag on the next
-  GPU, where a copy engine waits on it (``cuStreamWaitValue32``), copies those rows over NVLink
-  and then writes the epoch into the counter the consumer CTAs wait on. The producer's SMs
-  never wait on NVLink; the rows arrive a copy later. Static policy only.
+A call launches every stage at once, each on its own stream; stage ``s`` writes its tiles into
+stage ``s + 1``'s input buffer on the next GPU and signals them there, and stage ``s + 1``'s
+persistent CTAs start each tile as soon as its input rows have landed.
 
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
@@ -30,6 +22,7 @@ included), and a producer of call ``i + 1`` never overwrites a buffer that a con
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,14 +31,8 @@ import triton
 
 from . import deps, fabric
 from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
-from .kernels.gemm import COPY_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
+from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, WORKQUEUE_CONFIG, GemmConfig
 from .kernels.sync import ERR_FIELDS
-
-TRANSPORTS = ("store", "copy")
-# Copy transport: the value a copy stream writes into a counter's landed flag once its rows are
-# in. Larger than any epoch (epoch_limit keeps epochs below it), so the consumer's unchanged
-# wait (``>= epoch * 1``) holds; the flags are lowered again at the end of every call.
-LANDED = 2**30
 
 
 class PipelineTimeout(RuntimeError):
@@ -69,31 +56,16 @@ class Link:
     need_producer: torch.Tensor
     push_ptr: torch.Tensor
     push_tiles: torch.Tensor
-    # copy transport only (None under "store"); ``counters`` then live in producer memory
-    staging: torch.Tensor | None = None  # [M, N] the producer's output, in its own memory
-    ready: torch.Tensor | None = None  # [counters] raised by the producer, consumer memory
-    landed: torch.Tensor | None = None  # [counters] LANDED once the rows are copied, consumer memory
-    done: torch.Tensor | None = None  # [1] producer CTAs finished (grows by the grid size per call)
-    rows: list[tuple[int, int]] | None = None  # input rows each counter guards
-    copy_streams: list[torch.cuda.Stream] | None = None  # on the consumer's device
 
     @classmethod
-    def create(
-        cls,
-        dep: deps.Dependency,
-        producer: torch.device,
-        consumer: torch.device,
-        transport: str = "store",
-        copy_streams: int = 1,
-    ) -> Link:
+    def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
         i32 = dict(dtype=torch.int32)
         on = lambda arr, dev: torch.as_tensor(arr, **i32).to(dev)  # noqa: E731
-        copy = transport == "copy"
-        link = cls(
+        return cls(
             dep=dep,
-            counters=torch.zeros(dep.num_counters, device=producer if copy else consumer, **i32),
+            counters=torch.zeros(dep.num_counters, device=consumer, **i32),
             counter_of_tile=on(dep.counter_of_tile, consumer),
-            need_consumer=on(np.ones_like(dep.need) if copy else dep.need, consumer),
+            need_consumer=on(dep.need, consumer),
             slots=torch.zeros(dep.consumer.num_tiles, device=consumer, **i32),
             head=torch.zeros(1, device=consumer, **i32),
             tail=torch.zeros(1, device=consumer, **i32),
@@ -103,27 +75,13 @@ class Link:
             push_ptr=on(dep.push_ptr, producer),
             push_tiles=on(dep.push_tiles, producer),
         )
-        if copy:
-            link.ready = torch.zeros(dep.num_counters, device=consumer, **i32)
-            link.landed = torch.zeros(dep.num_counters, device=consumer, **i32)
-            link.done = torch.zeros(1, device=producer, **i32)
-            link.rows = [dep.counter_rows(c) for c in range(dep.num_counters)]
-            if consumer.type == "cuda":
-                link.copy_streams = [torch.cuda.Stream(consumer) for _ in range(copy_streams)]
-        return link
-
-    @property
-    def copy(self) -> bool:
-        return self.ready is not None
 
     def state(self) -> list[torch.Tensor]:
-        """The tensors that only grow, and the ready flags (zeroed by a reset)."""
-        extra = [self.ready, self.landed, self.done] if self.copy else []
-        return [self.counters, self.slots, self.head, self.tail] + extra
+        """The tensors that only grow (zeroed by a reset)."""
+        return [self.counters, self.slots, self.head, self.tail]
 
     def wait_hook(self, queue: bool) -> WaitHook:
-        counters = self.landed if self.copy else self.counters
-        return WaitHook(counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
+        return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
 
     def signal_hook(self, queue: bool) -> SignalHook:
         return SignalHook(
@@ -139,36 +97,7 @@ class Link:
             triton.next_power_of_2(self.dep.max_push),
             self.dep.max_signals,
             queue,
-            ready=self.ready,
-            done=self.done,
         )
-
-    def move_rows(self, consumer_input: torch.Tensor) -> None:
-        """Copy transport: for each counter, wait for its ready flag, copy its rows from
-        ``staging`` into ``consumer_input``, then set its ``landed`` flag to :data:`LANDED`
-        (the stream write is fenced after the copy). Counters take turns over the link's copy
-        streams, so several copies and waits are in flight at once. :meth:`lower_flags` ends
-        the call. On the CPU (interpreter) the producer has already run: the same steps run at
-        once."""
-        if not self.copy_streams:
-            for c, (r0, r1) in enumerate(self.rows):
-                if int(self.ready[c]) < 1:
-                    raise RuntimeError(f"copy transport: counter {c} was never raised by its producer")
-                consumer_input[r0:r1].copy_(self.staging[r0:r1])
-                self.landed[c] = LANDED
-            return
-        for c, (r0, r1) in enumerate(self.rows):
-            st = self.copy_streams[c % len(self.copy_streams)]
-            fabric.wait_flag(st, self.ready, c)
-            fabric.copy_async(consumer_input[r0:r1], self.staging[r0:r1], st)
-            fabric.write_flag(st, self.landed, c, LANDED)
-
-    def lower_flags(self) -> None:
-        """End of a call, on the consumer stage's stream once it has joined the copy streams
-        (so after the consumer kernel and every copy): lower the ready and landed flags for
-        the next call."""
-        self.ready.zero_()
-        self.landed.zero_()
 
 
 @dataclass
@@ -201,13 +130,8 @@ class Pipeline:
         counter; the default: 2-3% faster than ``"workqueue"`` at every size measured on
         2x H200, benchmarks/results/2026-11-30-h200x2) or ``"workqueue"`` (consumers run
         tiles in the order they became ready, the paper's policy).
-    config : tile configuration of every stage (:class:`GemmConfig`); the default is
-        :data:`PIPELINE_CONFIG` under ``"store"`` and :data:`COPY_CONFIG` under ``"copy"``.
-    transport : ``"store"`` (producer CTAs write into the consumer GPU) or ``"copy"`` (they write
-        locally; a copy engine on the consumer GPU moves each finished row-block; ``static``
-        policy only). See the module docstring.
-    copy_streams : copy transport: streams per link on the consumer's device; counters take
-        turns over them, so several waits and copies are in flight at once.
+    config : tile configuration of every stage (:class:`GemmConfig`); default
+        :data:`PIPELINE_CONFIG` (static) or :data:`WORKQUEUE_CONFIG` (workqueue).
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
@@ -220,21 +144,17 @@ class Pipeline:
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
         trace: bool = False,
-        transport: str = "store",
-        copy_streams: int = 2,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
         self.policy = deps.get_policy(policy)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS}")
-        if transport == "copy" and self.policy.uses_queue:
-            raise ValueError("transport='copy' needs the static policy: a copy engine cannot push work-queue slots")
-        self.transport = transport
-        if copy_streams < 1:
-            raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
-        self.copy_streams = copy_streams
-        self.config = config or (COPY_CONFIG if transport == "copy" else PIPELINE_CONFIG)
+        self.config = config or (WORKQUEUE_CONFIG if self.policy.uses_queue else PIPELINE_CONFIG)
+        if self.policy.uses_queue and self.config.signal == "in_loop" and len(weights) > 1:
+            warnings.warn(
+                "signal='in_loop' with the workqueue policy measured about 3x slower than signal='now' on 2x H200 "
+                "(benchmarks/results/2026-11-30-h200x2-s2/tune-c); results are still exact",
+                stacklevel=2,
+            )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
@@ -287,14 +207,10 @@ class Pipeline:
         links, inputs = [], [None]
         for s in range(1, len(ws)):
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0])
-            link = Link.create(dep, devs[s - 1], devs[s], self.transport, self.copy_streams)
-            if link.copy:
-                link.staging = torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s - 1])
-            links.append(link)
+            links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
-        limit = min(limit, LANDED - 1)
         plan = Plan(
             M=M,
             inputs=inputs,
@@ -378,54 +294,30 @@ class Pipeline:
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
         kernels = [None] * n
-        launched = [only is None or s in only for s in range(n)]
         for s in range(n):
             a = x if s == 0 else plan.inputs[s]
-            link_out = plan.links[s] if s < n - 1 else None
-            c = out if link_out is None else (link_out.staging if link_out.copy else plan.inputs[s + 1])
+            c = out if s == n - 1 else plan.inputs[s + 1]
             with self._on_stream(s, starts):
                 if advance_epoch:
                     plan.epochs[s].add_(1)
-                if launched[s]:
-                    if delay_cycles and s in delay_cycles:
-                        torch.cuda._sleep(delay_cycles[s])
-                    kernels[s] = launch_gemm(
-                        a,
-                        self.weights[s],
-                        c,
-                        self.config,
-                        plan.num_ctas[s],
-                        wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
-                        signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
-                        epoch=plan.epochs[s],
-                        err=plan.errors[s],
-                        trace=plan.traces[s],
-                        stage=s,
-                        timeout_ns=self.timeout_ns,
-                    )
-            if not self.on_gpu:  # interpreter: stages run one after another
-                if s > 0 and plan.links[s - 1].copy:
-                    plan.links[s - 1].lower_flags()
-                if link_out is not None and link_out.copy and launched[s]:
-                    link_out.move_rows(plan.inputs[s + 1])
-        # copy transport: each launched producer's rows are moved by copy engines on the
-        # consumer's device, enqueued after every kernel so that no kernel queues behind a wait
-        # (a wait only ever waits for a kernel on another device); the consumer's stream then
-        # joins them and lowers the flags.
-        for s, link in enumerate(plan.links):
-            if not (self.on_gpu and link.copy):
-                continue
-            consumer = self.streams[s + 1]
-            with torch.cuda.device(self.devices[s + 1]):
-                if launched[s]:
-                    for st in link.copy_streams:
-                        for ev in starts:
-                            st.wait_event(ev)
-                    link.move_rows(plan.inputs[s + 1])
-                    for st in link.copy_streams:
-                        consumer.wait_stream(st)
-                with torch.cuda.stream(consumer):
-                    link.lower_flags()
+                if only is not None and s not in only:
+                    continue
+                if delay_cycles and s in delay_cycles:
+                    torch.cuda._sleep(delay_cycles[s])
+                kernels[s] = launch_gemm(
+                    a,
+                    self.weights[s],
+                    c,
+                    self.config,
+                    plan.num_ctas[s],
+                    wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
+                    signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
+                    epoch=plan.epochs[s],
+                    err=plan.errors[s],
+                    trace=plan.traces[s],
+                    stage=s,
+                    timeout_ns=self.timeout_ns,
+                )
         for caller in callers:  # none on the CPU
             for st in self.streams:
                 caller.wait_stream(st)
@@ -471,12 +363,6 @@ class Pipeline:
                 self.reset(p)
                 msgs = []
                 for s, e in bad:
-                    if e["kind"] == 3:
-                        msgs.append(
-                            f"stage {s} on {self.devices[s]} finished with output counter {e['index']} short "
-                            f"({e['seen']} of {e['target']} tiles signalled); its rows were never produced"
-                        )
-                        continue
                     what = f"counter {e['index']}" if e["kind"] == 1 else f"work-queue position {e['index']}"
                     tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
                     msgs.append(

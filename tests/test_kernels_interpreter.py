@@ -2,6 +2,7 @@
 bf16 tl.dot is wrong). Grid programs run one after another there, so stages run in order."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -56,16 +57,13 @@ def test_matmul(M, K, N):
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
 
 
-@pytest.mark.parametrize(
-    "policy,transport,tma_store",
-    [("workqueue", "store", False), ("workqueue", "store", True), ("static", "store", False),
-     ("static", "store", True), ("static", "copy", True), ("static", "copy", False)],
-)  # fmt: skip
+@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
 @pytest.mark.parametrize("dims", [[24, 32], [24, 40, 16], [16, 24, 32, 8], [24]])
 @pytest.mark.parametrize("M", [33, 8])
-def test_pipeline_epochs_poisoned(policy, transport, dims, M, tma_store):
+def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in zip([16] + dims, dims)]
-    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, tma_store=tma_store), transport=transport)
+    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, tma_store=tma_store))
     for epoch in range(1, 4):
         x = torch.randn(M, 16).half()
         plan = pipe.plan(M)
@@ -78,35 +76,20 @@ def test_pipeline_epochs_poisoned(policy, transport, dims, M, tma_store):
             assert link.counters.tolist() == (epoch * link.dep.need).tolist()
             if policy == "workqueue":
                 assert int(link.tail) == epoch * link.dep.consumer.num_tiles
-            if transport == "copy":  # flags lowered for the next call
-                assert (link.landed == 0).all() and (link.ready == 0).all()
-
-
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_lone_consumer_times_out_and_recovers(policy):
-    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
-    pipe = Pipeline(ws, policy=policy, config=SMALL, timeout_s=0.05)
-    x = torch.randn(20, 16).half()
-    pipe(x)
-    plan = pipe.plan(20)
-    pipe._launch(plan, x, torch.empty(20, 16).half(), only=[1])
-    with pytest.raises(PipelineTimeout, match="stage 1 on cpu: CTA 0 timed out waiting"):
-        pipe.check_errors(plan)
-    assert plan.epoch == 0 and all(int(e.abs().sum()) == 0 for e in plan.errors)
-    y = pipe(x)
-    assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
 @pytest.mark.parametrize(
     "tma_store,signal", [(False, "now"), (False, "in_loop"), (True, "now"), (True, "next_tile"), (True, "in_loop")]
 )
-@pytest.mark.parametrize("policy,transport", [("workqueue", "store"), ("static", "store"), ("static", "copy")])
-def test_signal_modes(policy, transport, tma_store, signal):
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_signal_modes(policy, tma_store, signal):
     """Every moment a producer may signal a stored tile gives the right chain, epoch after
-    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the next tile)."""
+    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the CTA's next tile)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 64), (64, 24)]]
     cfg = dataclasses.replace(SMALL, tma_store=tma_store, signal=signal)
-    pipe = Pipeline(ws, policy=policy, config=cfg, transport=transport)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # workqueue + in_loop: measured slow on GPUs, says so
+        pipe = Pipeline(ws, policy=policy, config=cfg)
     for epoch in range(1, 3):
         x = torch.randn(50, 64).half()
         for buf in pipe.plan(50).inputs[1:]:
@@ -123,39 +106,26 @@ def test_signal_mode_is_checked():
         GemmConfig(signal="later")
     with pytest.raises(ValueError, match="needs tma_store=True"):
         GemmConfig(signal="next_tile")
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    with pytest.warns(UserWarning, match="3x slower"):
+        Pipeline(ws, policy="workqueue", config=dataclasses.replace(SMALL, signal="in_loop"))
+    assert Pipeline(ws, policy="workqueue").config.signal == "now"
+    assert Pipeline(ws).config.signal == "in_loop"
 
 
-def test_copy_transport_middle_stage_timeout_still_raises_every_ready_flag():
-    """Stage 0 never runs: stage 1 times out, and its last CTA out raises every flag of link 1,
-    so the copy (which on a GPU waits on the flag without a deadline) goes ahead."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(16, 24), (24, 32), (32, 16)]]
-    pipe = Pipeline(ws, config=SMALL, transport="copy", timeout_s=0.05)
-    x = torch.randn(40, 16).half()
-    plan = pipe.plan(40)
-    pipe._launch(plan, x, torch.empty(40, 16).half(), only=[1, 2])  # moving link 1's rows raises if a flag is down
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_lone_consumer_times_out_and_recovers(policy):
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, policy=policy, config=SMALL, timeout_s=0.05)
+    x = torch.randn(20, 16).half()
+    pipe(x)
+    plan = pipe.plan(20)
+    pipe._launch(plan, x, torch.empty(20, 16).half(), only=[1])
     with pytest.raises(PipelineTimeout, match="stage 1 on cpu: CTA 0 timed out waiting"):
         pipe.check_errors(plan)
-    assert rel_err(pipe(x), chain_ref(x, ws)) < 3 * TOLERANCES[torch.float16]
-
-
-def test_copy_transport_reports_a_counter_left_short():
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(16, 24), (24, 16)]]
-    pipe = Pipeline(ws, config=SMALL, transport="copy")
-    x = torch.randn(40, 16).half()
-    plan = pipe.plan(40)
-    plan.links[0].need_producer[2] += 1  # a wrong dependency: counter 2 can never fill
-    with pytest.raises(PipelineTimeout, match="stage 0 on cpu finished with output counter 2 short"):
-        pipe(x)
-    plan.links[0].need_producer[2] -= 1
-    assert rel_err(pipe(x), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
-
-
-def test_copy_transport_needs_the_static_policy():
-    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
-    with pytest.raises(ValueError, match="static policy"):
-        Pipeline(ws, policy="workqueue", transport="copy")
-    with pytest.raises(ValueError, match="transport"):
-        Pipeline(ws, transport="dma")
+    assert plan.epoch == 0 and all(int(e.abs().sum()) == 0 for e in plan.errors)
+    y = pipe(x)
+    assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
 def test_bad_inputs_raise_before_launch():

@@ -36,7 +36,6 @@ VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
 }
 TMA_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_workqueue")
 TRACE_VARIANTS = ("plain", "wait_workqueue")
-COPY_VARIANTS = ("signal_static", "wait_signal_static")  # copy transport producers: local TMA store + ready flags
 
 
 def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, **options):
@@ -53,7 +52,7 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
             sig[n] = "*bf16"
         elif n == "trace_ptr":
             sig[n] = "*i64"
-        elif n in ("M", "N", "k_tiles", "stride_cm", "consumer_tiles", "stage", "timeout_ns", "out_num_counters"):
+        elif n in ("M", "N", "k_tiles", "stride_cm", "consumer_tiles", "stage", "timeout_ns"):
             sig[n] = "i32"
         elif n.isupper():
             sig[n] = "constexpr"
@@ -68,7 +67,6 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         WAIT_INPUT=wait,
         SIGNAL_OUTPUT=signal,
         QUEUE=queue,
-        READY=False,
         SIGNAL_WHEN=0,
         PUSH_BLOCK=32,
         MAX_SIGNALS=1,
@@ -89,7 +87,6 @@ def report() -> dict:
     builds = [(name, flags, {}) for name, flags in VARIANTS.items()]
     builds += [(name + "+tma_store", VARIANTS[name], {"tma_store": True}) for name in TMA_STORE_VARIANTS]
     builds += [(name + "+trace", VARIANTS[name], {"trace": True}) for name in TRACE_VARIANTS]
-    builds += [(name + "+copy", VARIANTS[name], {"tma_store": True, "ready": True}) for name in COPY_VARIANTS]
     builds += [
         (name + "+in_loop", VARIANTS[name], {"signal_when": 2}) for name in ("signal_static", "wait_signal_static")
     ]

@@ -12,9 +12,7 @@ Each CTA loops over tiles (persistent). Two constexpr hooks wrap the unchanged c
   written: ``QUEUE`` claims ring positions in readiness order, otherwise the CTA walks the
   tile order and waits on each tile's counter;
 * ``SIGNAL_OUTPUT`` (epilogue): publish the stored tile to the next stage's scoreboard and,
-  under ``QUEUE``, push newly ready consumer tiles; under ``READY`` (copy transport: the tile
-  was stored in this GPU's memory) bump local counters and raise a ready flag per filled
-  counter for the copy engine that moves those rows (:mod:`ctapipelining.kernels.sync`).
+  under ``QUEUE``, push newly ready consumer tiles.
 
 With both hooks off the branches vanish at compile time and the kernel is the plain
 persistent GEMM.
@@ -30,7 +28,6 @@ from .sync import (
     claim,
     fence_proxy_async,
     globaltimer,
-    raise_unfilled,
     signal_tile,
     wait_counter,
     wait_slot,
@@ -78,22 +75,21 @@ class GemmConfig:
 
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
-SWEEP_BLOCK = tl.constexpr(128)  # counters the last producer CTA checks at a time (copy transport)
 TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
 
 # Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192]
-# (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json):
+# (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json; 2026-11-30-h200x2-s2/tune-c):
 # - plain GEMM: grouped order (B reused in L2) + TMA-store epilogue: 2.99 ms = cuBLAS 2.99 ms
-#   in tune1 (row-major with register stores: 3.22 ms).
-# - pipeline: groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so each wave
-#   completes consumer row-blocks) and ordinary stores into the peer: best of 24 variants in
-#   tune1 (static 3.52 ms vs 3.91 ms with groups of 8); the TMA-store producer with deferred
-#   signal measured no better in tune2 (producer alone 3.82 vs 3.78 ms).
+#   in tune1 (row-major with register stores: 3.22 ms); 0.93x cuBLAS in tune-c.
+# - pipeline (static policy): groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so
+#   each wave completes consumer row-blocks), ordinary stores into the peer, each tile signalled
+#   a quarter into the next one (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286;
+#   signalling right after the store: 3.396; whole chain 3.414 vs 3.600 ms).
+# - workqueue policy: signal right after the store (in-loop signalling with ring pushes measured
+#   3x slower in tune-c).
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True)
-PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8)
-# copy transport: every stage stores locally, so the plain GEMM's TMA-store epilogue; groups of
-# 4 row-blocks so each wave completes counters the copy engine can move.
-COPY_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, tma_store=True)
+PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, signal="in_loop")
+WORKQUEUE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, signal="now")
 
 CONFIGS = [
     PLAIN_CONFIG,
@@ -123,8 +119,8 @@ def tile_of_position(pos, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _signal_pending(
-    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-    consumer_tiles, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+    consumer_tiles, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Signal the stored tile ``pending`` (-1: none; TMA: once its bulk store completed). Returns -1."""
@@ -132,8 +128,8 @@ def _signal_pending(
         if TMA_STORE:
             bulk_store_wait(0, INTERPRET)
         signal_tile(
-            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-            consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+            consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
         )  # fmt: skip
     return pending * 0 - 1
 
@@ -141,9 +137,9 @@ def _signal_pending(
 @triton.jit
 def _mma_tile(
     a_desc, b_desc, pm, pn, k_tiles, signal_at, pending, epoch, counters, signal_ptr, signal_counters, need,
-    push_ptr, push_tiles, slots, tail, ready, consumer_tiles,
+    push_ptr, push_tiles, slots, tail, consumer_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
-    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile, fp32 accumulator. Under ``SIGNAL_IN_LOOP`` the
@@ -158,7 +154,7 @@ def _mma_tile(
             if ki == signal_at:
                 pending = _signal_pending(
                     pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                    ready, consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                    consumer_tiles, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
     return acc, pending
 
@@ -174,9 +170,9 @@ def _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOC
 @triton.jit
 def _compute_store(
     a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, counters, signal_ptr,
-    signal_counters, need, push_ptr, push_tiles, slots, tail, ready, consumer_tiles,
+    signal_counters, need, push_ptr, push_tiles, slots, tail, consumer_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
-    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body for one tile, then its store (TMA: asynchronous). Returns the tile
@@ -185,8 +181,8 @@ def _compute_store(
     pn = tile % num_n
     acc, pending = _mma_tile(
         a_desc, b_desc, pm, pn, k_tiles, k_tiles // 4, pending, epoch, counters, signal_ptr, signal_counters, need,
-        push_ptr, push_tiles, slots, tail, ready, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
-        SIGNAL_IN_LOOP, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        push_ptr, push_tiles, slots, tail, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
+        SIGNAL_IN_LOOP, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
     if TMA_STORE:
         c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
@@ -197,9 +193,9 @@ def _compute_store(
 
 @triton.jit
 def _epilogue(
-    tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
+    tile, pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
     consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, TMA_STORE: tl.constexpr,
-    QUEUE: tl.constexpr, READY: tl.constexpr, PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
+    QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Signal-output hook after ``tile``'s store; returns the tile stored but not yet
@@ -221,30 +217,30 @@ def _epilogue(
             if pending >= 0:
                 signal_tile(
                     pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
-                    ready, consumer_tiles, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                    consumer_tiles, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
             pending = tile
         elif SIGNAL_WHEN == SIGNAL_IN_LOOP:
             pending = tile
         else:
             pending = _signal_pending(
-                tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-                consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+                tile, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+                consumer_tiles, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
             )  # fmt: skip
     return pending
 
 
 @triton.jit
 def _flush(
-    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
+    pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+    consumer_tiles, SIGNAL_OUTPUT: tl.constexpr, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr,
     PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """After the loop: signal the CTA's last tile if it is still pending."""
     if SIGNAL_OUTPUT:
         _signal_pending(
-            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail, ready,
-            consumer_tiles, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+            pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
+            consumer_tiles, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
         )  # fmt: skip
 
 
@@ -273,9 +269,9 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE: tl.constexpr):
 def _process_tile(
     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
-    out_ready, consumer_tiles, trace_ptr,
+    consumer_tiles, trace_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_INPUT: tl.constexpr,
-    SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, QUEUE: tl.constexpr, READY: tl.constexpr,
+    SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, QUEUE: tl.constexpr,
     PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
     TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -286,21 +282,21 @@ def _process_tile(
     t_start = _now(TRACE)
     pending = _compute_store(
         a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, out_counters,
-        out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, out_ready,
+        out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
         consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K, SIGNAL_OUTPUT and SIGNAL_WHEN == SIGNAL_IN_LOOP, TMA_STORE, QUEUE,
-        READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
     t_stored = _now(TRACE)
     pending = _epilogue(
         tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
-        out_push_tiles, out_slots, out_tail, out_ready, consumer_tiles,
-        SIGNAL_OUTPUT, SIGNAL_WHEN, TMA_STORE, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        out_push_tiles, out_slots, out_tail, consumer_tiles,
+        SIGNAL_OUTPUT, SIGNAL_WHEN, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
     _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
     return pending
 
 
-@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles", "out_num_counters"])
+@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
 def gemm_kernel(
     a_desc,
     b_desc,
@@ -321,9 +317,6 @@ def gemm_kernel(
     out_push_tiles,
     out_slots,
     out_tail,
-    out_ready,
-    out_done,
-    out_num_counters,
     epoch_ptr,
     err_ptr,
     trace_ptr,
@@ -342,7 +335,6 @@ def gemm_kernel(
     WAIT_INPUT: tl.constexpr,
     SIGNAL_OUTPUT: tl.constexpr,
     QUEUE: tl.constexpr,
-    READY: tl.constexpr,
     SIGNAL_WHEN: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr,
@@ -369,8 +361,8 @@ def gemm_kernel(
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
@@ -393,15 +385,11 @@ def gemm_kernel(
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, out_ready, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, READY, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
+                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-        out_slots, out_tail, out_ready, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, READY, PUSH_BLOCK,
+        out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK,
         MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
-    if SIGNAL_OUTPUT and READY:
-        raise_unfilled(
-            out_counters, out_need, out_ready, out_num_counters, out_done, epoch, err_ptr, stage, NUM_CTAS, SWEEP_BLOCK
-        )

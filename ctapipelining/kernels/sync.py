@@ -10,10 +10,12 @@ Memory-ordering argument
 Producer (stage ``s`` on GPU ``p``), after computing a tile:
 
 1. the tile goes straight into the consumer GPU's memory, either with ordinary stores by every
-   thread (complete once issued), or with an asynchronous TMA store: then the tile is
-   signalled one tile later, after ``cp.async.bulk.wait_group 1`` in the issuing thread says
-   its writes are complete and ``fence.proxy.async`` orders those async-proxy writes before
-   the generic-proxy release (:func:`bulk_store_wait`);
+   thread, or with an asynchronous TMA store: then, before the tile is signalled,
+   ``cp.async.bulk.wait_group`` in each issuing thread says its writes are complete and
+   ``fence.proxy.async`` orders those async-proxy writes before the generic-proxy release
+   (:func:`bulk_store_wait`). *When* a tile is signalled (right after its store, or a quarter
+   into the CTA's next tile, when its writes have drained) is the kernel's choice
+   (:func:`ctapipelining.kernels.gemm._epilogue`); the ordering argument is the same;
 2. a CTA barrier (``bar.sync``, :func:`cta_barrier`): all those stores (and every issuing
    thread's bulk-store wait) happen-before what thread 0 does next;
 3. thread 0 bumps each counter with ``atom.add.acq_rel.sys`` (release at system scope is
@@ -36,15 +38,6 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
 3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
    the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
 
-Copy transport (``READY``): the producer writes its tiles into its *own* memory and bumps
-counters there; the bump that fills counter ``c`` (an ``acq_rel`` atomic, so it has acquired
-every earlier bump's release, hence every tile behind the counter) raises ``ready[c]`` in the
-consumer GPU's memory with a system-scope release. A copy engine on the consumer GPU waits for
-that flag (``cuStreamWaitValue32``), copies the rows, then writes the epoch into the counter
-the consumer CTAs wait on (stream order: the copy is complete first). The last producer CTA
-out raises the flag of any counter left short (:func:`raise_unfilled`), so a copy engine
-never waits forever, even after a timeout.
-
 Under the Triton interpreter (``INTERPRET``), where inline PTX does not run, the waits poll a
 bounded number of times with Triton atomics instead; grid programs run one after another
 there, so a wait either holds at once (the producer ran first) or times out.
@@ -58,7 +51,6 @@ ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
 ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CTA = (tl.constexpr(i) for i in range(8))
 KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
 KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
-KIND_UNFILLED = tl.constexpr(3)  # a producer exited with this counter short (copy transport)
 INTERPRET_POLLS = tl.constexpr(64)
 
 # One thread polls ld.acquire.sys until the value reaches the target or the deadline passes.
@@ -198,10 +190,8 @@ def signal_tile(
     push_tiles,
     slots,
     tail,
-    ready,
     consumer_tiles,
     QUEUE: tl.constexpr,
-    READY: tl.constexpr,
     PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -211,8 +201,7 @@ def signal_tile(
     Bumps each counter the tile feeds (at most ``MAX_SIGNALS``: a static loop, so the
     persistent loop around it stays a simple ``for`` Triton can flatten); under ``QUEUE`` the
     bump that fills a counter pushes that counter's consumer tiles (at most ``PUSH_BLOCK``)
-    into the consumer's ring; under ``READY`` (copy transport) it raises the counter's ready
-    flag for the copy engine instead.
+    into the consumer's ring.
     """
     cta_barrier(INTERPRET)  # all threads' tile stores (or bulk-store waits) before thread 0's release
     first_signal = tl.load(signal_ptr + tile)
@@ -236,39 +225,5 @@ def signal_tile(
                         sem="release",
                         scope="sys",
                     )
-            elif READY:
-                old = tl.atomic_add(counters + c, 1, sem="acq_rel", scope="sys")
-                if old + 1 == epoch * tl.load(need + c):
-                    tl.atomic_xchg(ready + c, 1, sem="release", scope="sys")
             else:
                 tl.atomic_add(counters + c, 1, sem="release", scope="sys")
-
-
-@triton.jit
-def raise_unfilled(
-    counters, need, ready, num_counters, done, epoch, err_ptr, stage, NUM_CTAS: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Copy transport, at kernel exit: the last CTA out raises the ready flag of every counter
-    that did not fill this epoch (its stage timed out, or a dependency bug) and records the
-    first such counter, so the copy engine waiting on the flag is never left hanging.
-
-    ``done`` only grows (``NUM_CTAS`` per launch, so the bump that reaches a multiple of
-    ``NUM_CTAS`` is the last); its ``acq_rel`` bump orders every other CTA's counter bumps
-    before the last CTA's reads. Counters are read ``BLOCK`` at a time.
-    """
-    tl.debug_barrier()  # every thread of this CTA finished its tiles and signals
-    last = (tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") + 1) % NUM_CTAS == 0
-    if last:
-        for c0 in range(0, num_counters, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            valid = c < num_counters
-            seen = tl.load(counters + c, mask=valid, other=0, volatile=True)
-            target = epoch * tl.load(need + c, mask=valid, other=0)
-            short = valid & (seen < target)
-            if tl.sum(short.to(tl.int32)) > 0:
-                first = tl.min(tl.where(short, c, num_counters))
-                at = c == first
-                seen_first = tl.sum(tl.where(at, seen, 0))
-                target_first = tl.sum(tl.where(at, target, 0))
-                report_timeout(err_ptr, stage, -1, KIND_UNFILLED, first, seen_first, target_first)
-                tl.atomic_xchg(ready + c, tl.full([BLOCK], 1, tl.int32), mask=short, sem="release", scope="sys")
