@@ -63,11 +63,14 @@ def guarded(name, build):
 
 # -- floors ------------------------------------------------------------------------------------
 methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
+TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 PLAIN = {
     "plain_g8_tma": PLAIN_CONFIG,
+    "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
     "plain_g4": PIPELINE_CONFIG,
     "plain_g4_flatten": dataclasses.replace(PIPELINE_CONFIG, flatten=True),
-    "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
+    "plain_g4_tma": TMA,
+    "plain_g4_tma_flatten": dataclasses.replace(TMA, flatten=True),
 }
 for name, cfg in PLAIN.items():
 
@@ -108,9 +111,10 @@ refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
 PIPES = {
     "cta_static": dict(),
     "cta_static_flatten": dict(config=dataclasses.replace(PIPELINE_CONFIG, flatten=True)),
-    "cta_static_tma": dict(config=dataclasses.replace(PIPELINE_CONFIG, tma_store=True)),
-    "cta_static_signal_now": dict(config=dataclasses.replace(PIPELINE_CONFIG, signal="now")),
+    "cta_static_tma": dict(config=TMA),
+    "cta_static_tma_flatten": dict(config=dataclasses.replace(TMA, flatten=True)),
     "cta_workqueue": dict(policy="workqueue"),
+    "cta_workqueue_signal_now": dict(policy="workqueue", config=dataclasses.replace(PIPELINE_CONFIG, signal="now")),
 }
 pipes = {}
 for name, kw in PIPES.items():
@@ -135,9 +139,11 @@ for name, kw in PIPES.items():
         return Method(name, g.replay, feed, note=notes[name])
 
     guarded(name, build)
-    if name in pipes:  # the producer alone (its remote writes / copies and signals), also replayed
+    if name in pipes:  # the producer alone (remote writes and signals), replayed, on a pipeline of its own:
+        # a call without the consumer would leave a work-queue's head behind the epoch
 
-        def build_producer(pipe=pipes[name], name=name):
+        def build_producer(name=name, kw=PIPES[name]):
+            pipe = Pipeline(ws, **({"policy": "static"} | kw))
             plan = pipe.plan(M)
             g = _capture(lambda: pipe._launch(plan, x_static, out, only=[0]), DEVS)
             return Method(name + "_producer_alone", g.replay, feed)

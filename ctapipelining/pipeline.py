@@ -22,7 +22,6 @@ included), and a producer of call ``i + 1`` never overwrites a buffer that a con
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,7 @@ import triton
 
 from . import deps, fabric
 from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
-from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, WORKQUEUE_CONFIG, GemmConfig
+from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS
 
 
@@ -130,8 +129,7 @@ class Pipeline:
         counter; the default: 2-3% faster than ``"workqueue"`` at every size measured on
         2x H200, benchmarks/results/2026-11-30-h200x2) or ``"workqueue"`` (consumers run
         tiles in the order they became ready, the paper's policy).
-    config : tile configuration of every stage (:class:`GemmConfig`); default
-        :data:`PIPELINE_CONFIG` (static) or :data:`WORKQUEUE_CONFIG` (workqueue).
+    config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
@@ -148,13 +146,7 @@ class Pipeline:
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
         self.policy = deps.get_policy(policy)
-        self.config = config or (WORKQUEUE_CONFIG if self.policy.uses_queue else PIPELINE_CONFIG)
-        if self.policy.uses_queue and self.config.signal == "in_loop" and len(weights) > 1:
-            warnings.warn(
-                "signal='in_loop' with the workqueue policy measured about 3x slower than signal='now' on 2x H200 "
-                "(benchmarks/results/2026-11-30-h200x2-s2/tune-c); results are still exact",
-                stacklevel=2,
-            )
+        self.config = config or PIPELINE_CONFIG
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
@@ -282,9 +274,11 @@ class Pipeline:
         advance_epoch: bool = True,
     ):
         """Launch the stages of one call. For tests and measurements: ``only`` launches a
-        subset; ``advance_epoch=False`` launches against the current epoch (e.g. the consumer
-        of a run whose producer already ran alone); ``delay_cycles`` sleeps before a stage.
-        Returns Triton's compiled-kernel handle of each launched stage (None for the others)."""
+        subset (under ``workqueue``, a call without the consumer leaves the ring's head behind
+        the epoch: :meth:`reset` before the next full call); ``advance_epoch=False`` launches
+        against the current epoch (e.g. the consumer of a run whose producer already ran
+        alone); ``delay_cycles`` sleeps before a stage. Returns Triton's compiled-kernel
+        handle of each launched stage (None for the others)."""
         if advance_epoch:
             if plan.epoch >= plan.epoch_limit:
                 self.reset(plan)

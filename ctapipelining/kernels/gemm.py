@@ -85,11 +85,8 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   each wave completes consumer row-blocks), ordinary stores into the peer, each tile signalled
 #   a quarter into the next one (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286;
 #   signalling right after the store: 3.396; whole chain 3.414 vs 3.600 ms).
-# - workqueue policy: signal right after the store (in-loop signalling with ring pushes measured
-#   3x slower in tune-c).
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, signal="in_loop")
-WORKQUEUE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, signal="now")
 
 CONFIGS = [
     PLAIN_CONFIG,
