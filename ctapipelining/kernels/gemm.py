@@ -46,7 +46,7 @@ class GemmConfig:
     :func:`ctapipelining.deps.tile_order` for why it matters to a producer). ``num_stages``:
     TMA pipeline depth. ``flatten`` / ``warp_specialize``: Triton's options for the persistent
     ``for`` loop (plain and ``static`` kernels; the ``workqueue`` consumer loop is dynamic;
-    Triton 3.6 cannot flatten a loop whose body signals, so producers ignore ``flatten``).
+    a signalling kernel runs without warp specialisation: its CTA barrier needs every warp).
     ``tma_store``: write each tile with an asynchronous TMA store (else ordinary stores).
     ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store
     only) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
@@ -77,21 +77,22 @@ class GemmConfig:
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
 TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
 
-# Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192]
-# (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json; 2026-11-30-h200x2-s2/tune-c):
-# - plain GEMM: grouped order (B reused in L2) + TMA-store epilogue: 2.99 ms = cuBLAS 2.99 ms
-#   in tune1 (row-major with register stores: 3.22 ms); 0.93x cuBLAS in tune-c.
-# - pipeline (static policy): groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so
-#   each wave completes consumer row-blocks), ordinary stores into the peer, each tile signalled
-#   a quarter into the next one (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286;
-#   signalling right after the store: 3.396; whole chain 3.414 vs 3.600 ms).
-PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, tma_store=True)
-PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, signal="in_loop")
+# Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192], interleaved runs
+# (benchmarks/results/2026-11-30-h200x2/tune1.json, tune2.json; 2026-11-30-h200x2-s2/tune-a..e):
+# - plain GEMM: grouped order (B reused in L2), TMA-store epilogue, flattened persistent loop:
+#   0.90-0.95x cuBLAS in tune-a..d (flatten: 1-5% faster than without in each of them).
+# - pipeline: groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so each wave
+#   completes consumer row-blocks), ordinary stores into the peer, each tile signalled a quarter
+#   into the CTA's next tile (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286; signalling
+#   right after the store: 3.396; whole chain 3.414 vs 3.600 ms), flattened loop (tune-d: 3.329
+#   vs 3.378 ms). TMA-store producers measured 2% faster in tune-d and 1% slower in tune-c.
+PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, flatten=True, tma_store=True)
+PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, signal="in_loop")
 
 CONFIGS = [
     PLAIN_CONFIG,
     PIPELINE_CONFIG,
-    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, tma_store=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, tma_store=True),
     GemmConfig(128, 256, 64, 8, 3, 8, warp_specialize=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(64, 128, 64, 1, 4, 4),
