@@ -4,7 +4,9 @@ What is modelled
 ----------------
 * **Our GEMM**: persistent CTAs (one per SM) walking the tile order; a tile of ``BM x BN``
   over ``K`` takes ``K * tile_ns_per_k`` (plus ``epilogue_ns``); a producer writing into the
-  peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal.
+  peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal; with
+  ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile (the kernels'
+  ``signal="in_loop"``), the CTA's last tile at once.
 * **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
@@ -39,14 +41,18 @@ from pathlib import Path
 import numpy as np
 
 from . import deps
+from .kernels.gemm import PIPELINE_CONFIG
 
-DEFAULT_RESULTS = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2"
+REPO = Path(__file__).parent.parent
+# the final run of the current kernels (in-loop signalling), and an older GEMM-only tuning run
+DEFAULT_RESULTS = REPO / "benchmarks/results/2026-11-30-h200x2-s2/final"
+DEFAULT_TUNE = REPO / "benchmarks/results/2026-11-30-h200x2/tune1.json"
 
 
 def _rel(path: Path) -> str:
     """``path`` relative to the repository when it lies inside it (for reports that get committed)."""
     try:
-        return Path(path).resolve().relative_to(DEFAULT_RESULTS.parents[2].resolve()).as_posix()
+        return Path(path).resolve().relative_to(REPO.resolve()).as_posix()
     except ValueError:
         return Path(path).as_posix()
 
@@ -63,6 +69,7 @@ class Calibration:
     epilogue_ns: float = 0.0
     remote_factor: float = 1.06
     t1_ns: float = 3_840.0
+    signal_lag: float = 0.0  # fraction of the next tile after which a tile is signalled (0: at once)
     t2_ns: float = 1_290.0
     t3_ns: float = 770.0
     cublas_a_ns: float = 30_000.0
@@ -114,9 +121,9 @@ class Calibration:
         its signal (remote factor). Micro-batching and CTA-pipelining are not used, so the
         model's predictions for them can be checked against measurement.
         """
-        results = Path(results) if results else DEFAULT_RESULTS / "run3/results.json"
-        trace = Path(trace) if trace else DEFAULT_RESULTS / "trace/timeline_static_16384.json"
-        tune = Path(tune) if tune else DEFAULT_RESULTS / "tune1.json"
+        results = Path(results) if results else DEFAULT_RESULTS / "results.json"
+        trace = Path(trace) if trace else DEFAULT_RESULTS / "timeline_static_16384.json"
+        tune = Path(tune) if tune else DEFAULT_TUNE
         r = json.loads(Path(results).read_text())
         K = int(r.get("k", 8192))
         med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] * 1e6 for s in r["summaries"]}
@@ -153,6 +160,7 @@ class Calibration:
             tile_ns_per_k=float(slope) / K,
             remote_factor=float(remote),
             t1_ns=t1,
+            signal_lag=0.25 if PIPELINE_CONFIG.signal == "in_loop" else 0.0,
             t2_ns=t.get("T2_pingpong_one_way_us", base.t2_ns / 1e3) * 1e3,
             t3_ns=t.get("T3_fetch_when_ready", {}).get("median_us", base.t3_ns / 1e3) * 1e3,
             cublas_a_ns=float(max(a, 0.0)),
@@ -199,14 +207,19 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
             begin = max(t_free, ready[tile]) + fetch
             rows[tile] = (t_free, begin, begin + t_tile, begin + t_tile + post, pid)
             heapq.heappush(free, (begin + t_tile + post, pid))
-        return rows
-    order = deps.tile_order(grid, cal.group_m)
-    for pid in range(P):
-        t = start_ns
-        for tile in order[pid::P]:
-            begin = (max(t, ready[tile]) + fetch) if ready is not None else t
-            rows[tile] = (t, begin, begin + t_tile, begin + t_tile + post, pid)
-            t = begin + t_tile + post
+    else:
+        order = deps.tile_order(grid, cal.group_m)
+        for pid in range(P):
+            t = start_ns
+            for tile in order[pid::P]:
+                begin = (max(t, ready[tile]) + fetch) if ready is not None else t
+                rows[tile] = (t, begin, begin + t_tile, begin + t_tile + post, pid)
+                t = begin + t_tile + post
+    if signals and cal.signal_lag > 0:  # signalled a fraction into the CTA's next tile
+        for pid in range(P):
+            mine = np.flatnonzero(rows[:, 4] == pid)
+            mine = mine[np.argsort(rows[mine, 1])]
+            rows[mine[:-1], 3] = rows[mine[1:], 1] + cal.signal_lag * t_tile
     return rows
 
 
@@ -510,8 +523,7 @@ def add_arguments(p, plan_args: bool = False) -> None:
         p.add_argument("--dims", type=_ints, required=True, help="K0,N0,N1,...: the chain's widths")
         p.add_argument("--gpus", type=int, required=True)
     else:
-        p.add_argument("--validate", type=Path, nargs="*", default=[DEFAULT_RESULTS / "run2/results.json",
-                                                                   DEFAULT_RESULTS / "run3/results.json"])  # fmt: skip
+        p.add_argument("--validate", type=Path, nargs="*", default=[DEFAULT_RESULTS / "results.json"])
         p.add_argument("--seq", type=int, default=16384)
         p.add_argument("--k", type=int, default=8192)
         p.add_argument("--out", type=Path, default=Path("sim-out"))

@@ -1,24 +1,37 @@
 """The simulator and planner: properties, calibration, and validation against the committed
 2x H200 runs (the issue asks for every method within 10% at 2048, 8192 and 16384)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from ctapipelining import sim
 
 CAL = sim.Calibration.from_results()
-RUNS = [sim.DEFAULT_RESULTS / "run2/results.json", sim.DEFAULT_RESULTS / "run3/results.json"]
+# the first session's kernels signalled each tile right after its store (no lag, T1 3.8 us)
+OLD = sim.REPO / "benchmarks/results/2026-11-30-h200x2"
+OLD_CAL = replace(
+    sim.Calibration.from_results(OLD / "run3/results.json", OLD / "trace/timeline_static_16384.json"), signal_lag=0.0
+)
+RUNS = [
+    (CAL, sim.DEFAULT_RESULTS / "results.json"),
+    (OLD_CAL, OLD / "run2/results.json"),
+    (OLD_CAL, OLD / "run3/results.json"),
+]
 
 
 def test_calibration_names_its_source_and_reads_the_trace():
-    assert "run3/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
-    assert CAL.t1_ns == pytest.approx(3840.0) and CAL.t3_ns == pytest.approx(768.0)
+    assert "s2/final/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
+    assert CAL.t1_ns == pytest.approx(256.0) and CAL.t3_ns == pytest.approx(768.0)
+    assert CAL.signal_lag == 0.25  # the kernels' default: signalled a quarter into the next tile
     assert 1.0 < CAL.remote_factor < 1.2 and 100 < CAL.p2p_gbps < 1000
+    assert OLD_CAL.t1_ns == pytest.approx(3840.0)
 
 
-@pytest.mark.parametrize("results", RUNS, ids=["run2", "run3"])
-def test_predictions_within_10_percent_of_measured(results):
-    rows = sim.validate(CAL, results)
+@pytest.mark.parametrize("cal,results", RUNS, ids=["final-s2", "run2", "run3"])
+def test_predictions_within_10_percent_of_measured(cal, results):
+    rows = sim.validate(cal, results)
     assert {r["method"] for r in rows} >= {"floor_triton", "sequential", "tp", "microbatch_best"}
     bad = [r for r in rows if abs(r["error_pct"]) > 10]
     assert not bad, bad
@@ -82,3 +95,18 @@ def test_figures_shapes():
     assert [f["gpus"] for f in f4] == [2, 4] and f4[0]["paper_reduction_pct"] == 31.8
     f7 = sim.figure7(CAL, M=2048, K=2048, gpus=(4,))
     assert f7[0]["hybrid"]["comm_ns"] == pytest.approx(f7[0]["tp_half"]["comm_ns"])
+
+
+def test_signal_lag_moves_each_signal_into_the_next_tile():
+    """``signal_lag``: a tile is signalled that fraction into its CTA's next tile, the CTA's last
+    tile at its end; without lag every tile is signalled when it ends (plus T1)."""
+    grid_dims = [4096, 4096, 4096]
+    lagged = sim.simulate_cta(4096, grid_dims, CAL, "static").trace[0]
+    now = sim.simulate_cta(4096, grid_dims, replace(CAL, signal_lag=0.0), "static").trace[0]
+    t_tile = CAL.tile_ns(4096) * CAL.remote_factor
+    for pid in (0, 7):
+        mine = np.flatnonzero(lagged[:, 4] == pid)
+        mine = mine[np.argsort(lagged[mine, 1])]
+        np.testing.assert_allclose(lagged[mine[:-1], 3], lagged[mine[1:], 1] + 0.25 * t_tile)
+        assert lagged[mine[-1], 3] == pytest.approx(lagged[mine[-1], 2] + CAL.t1_ns)
+    assert now[:, 3] == pytest.approx(now[:, 2] + CAL.t1_ns)
