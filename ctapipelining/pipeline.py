@@ -126,8 +126,8 @@ class Pipeline:
         each on its own CUDA device (consecutive devices need peer access). Under the Triton
         interpreter they may all be CPU tensors; stages then run one after another.
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
-        counter; the default: 2-3% faster than ``"workqueue"`` at every size measured on
-        2x H200, benchmarks/results/2026-11-30-h200x2) or ``"workqueue"`` (consumers run
+        counter; the default: 3-9% faster than ``"workqueue"`` at every size measured on
+        2x H200, benchmarks/results/2026-11-30-h200x2-s2/final) or ``"workqueue"`` (consumers run
         tiles in the order they became ready, the paper's policy).
     config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
