@@ -6,9 +6,13 @@ it was (``TRACE`` is a constexpr: off, the kernel has no stamps at all). This mo
 those rows into the protocol's costs and a timeline in the spirit of the paper's Figures 2
 and 3b:
 
-* **T1**, signal cost: producer ``epilogue done - stored``;
+* **T1**, signal cost: producer ``epilogue done - stored`` (the time the epilogue holds the
+  SM). Under ``signal="in_loop"`` (the default) the epilogue only notes the tile; it is
+  signalled a quarter into the CTA's next tile, inside that tile's K loop, where the cost
+  is hidden;
 * **T2**, cross-GPU visibility: one way of a flag ping-pong between the two GPUs, and, from
-  the trace, how long after its last input tile was signalled a consumer tile started;
+  the trace, how long after its last input tile's epilogue a consumer tile started (under
+  ``signal="in_loop"`` this includes the quarter-tile lag);
 * **T3**, fetch cost: consumer ``compute begun - wait begun`` for tiles whose inputs had all
   been signalled before the wait began (the prologue's own cost: pop or poll, fence).
 

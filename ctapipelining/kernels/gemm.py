@@ -2,10 +2,10 @@
 
 ``C[M, N] = A[M, K] @ B[K, N]`` (bf16/fp16 in and out, fp32 accumulate). A and B are read
 with TMA descriptors (out-of-bounds rows and columns read as zero, so no size needs to divide
-a block); C is written with masked stores through a plain pointer, which may point into
-another GPU's memory.
+a block); C is written with masked stores through a plain pointer or with a TMA store, either
+of which may point into another GPU's memory.
 
-Each CTA loops over tiles (persistent). Two constexpr hooks wrap the unchanged compute body
+Each CTA loops over tiles (persistent). Two constexpr hooks wrap the compute body
 (:func:`_mma_tile`):
 
 * ``WAIT_INPUT`` (prologue): choose the next tile by policy and wait until its input rows are
@@ -14,8 +14,10 @@ Each CTA loops over tiles (persistent). Two constexpr hooks wrap the unchanged c
 * ``SIGNAL_OUTPUT`` (epilogue): publish the stored tile to the next stage's scoreboard and,
   under ``QUEUE``, push newly ready consumer tiles.
 
-With both hooks off the branches vanish at compile time and the kernel is the plain
-persistent GEMM.
+A producer may signal a stored tile right after its store, or a quarter into its next tile's
+K loop, once the writes have drained (``GemmConfig.signal``; see :func:`_epilogue`). That is the
+one place the hooks reach into the K loop: a single branch at one step. With both hooks off the
+branches vanish at compile time and the kernel is the plain persistent GEMM.
 """
 
 from dataclasses import dataclass
