@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 
 from . import deps
-from .kernels.gemm import PIPELINE_CONFIG
 
 REPO = Path(__file__).parent.parent
 # the final run of the current kernels (in-loop signalling), and an older GEMM-only tuning run
@@ -121,6 +120,8 @@ class Calibration:
         its signal (remote factor). Micro-batching and CTA-pipelining are not used, so the
         model's predictions for them can be checked against measurement.
         """
+        from .kernels.gemm import PIPELINE_CONFIG  # here: importing the kernels fixes Triton's mode
+
         results = Path(results) if results else DEFAULT_RESULTS / "results.json"
         trace = Path(trace) if trace else DEFAULT_RESULTS / "timeline_static_16384.json"
         tune = Path(tune) if tune else DEFAULT_TUNE
