@@ -65,12 +65,8 @@ def guarded(name, build):
 methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
 TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 PLAIN = {
-    "plain_g8_tma": PLAIN_CONFIG,
-    "plain_g8_tma_flatten": dataclasses.replace(PLAIN_CONFIG, flatten=True),
-    "plain_g4": PIPELINE_CONFIG,
-    "plain_g4_flatten": dataclasses.replace(PIPELINE_CONFIG, flatten=True),
-    "plain_g4_tma": TMA,
-    "plain_g4_tma_flatten": dataclasses.replace(TMA, flatten=True),
+    "plain_g8_tma_flatten (PLAIN_CONFIG)": PLAIN_CONFIG,
+    "plain_g4_flatten (PIPELINE_CONFIG)": PIPELINE_CONFIG,
 }
 for name, cfg in PLAIN.items():
 
@@ -108,13 +104,13 @@ guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
 refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
+NOW = dataclasses.replace(PIPELINE_CONFIG, signal="now")
 PIPES = {
     "cta_static": dict(),
-    "cta_static_flatten": dict(config=dataclasses.replace(PIPELINE_CONFIG, flatten=True)),
     "cta_static_tma": dict(config=TMA),
-    "cta_static_tma_flatten": dict(config=dataclasses.replace(TMA, flatten=True)),
     "cta_workqueue": dict(policy="workqueue"),
-    "cta_workqueue_signal_now": dict(policy="workqueue", config=dataclasses.replace(PIPELINE_CONFIG, signal="now")),
+    "cta_workqueue_signal_now": dict(policy="workqueue", config=NOW),
+    "cta_workqueue_tma_signal_now": dict(policy="workqueue", config=dataclasses.replace(TMA, signal="now")),
 }
 pipes = {}
 for name, kw in PIPES.items():
