@@ -1,4 +1,4 @@
-"""Which neighbour breaks a replayed work-queue pipeline? Replays one pipeline's CUDA graph
+"""Does any neighbour break a replayed work-queue pipeline? Replays one pipeline's CUDA graph
 interleaved (synchronised in between) with one other kind of work, and after every replay
 checks that both stages' epochs agree and that the ring's head moved by T + P.
 
@@ -29,6 +29,9 @@ def sync():
     torch.cuda.synchronize(1)
 
 
+KEEP = []  # every pipeline a graph captured: the graph keeps its addresses, not its buffers
+
+
 def neighbours():
     tp = TensorParallel(ws[0], ws[1].to("cuda:0"), [0, 1], M)
     for xg in tp.x:
@@ -39,6 +42,7 @@ def neighbours():
     g_other = _capture(lambda: other._launch(other_plan, x, out, only=[0]), [0, 1])
     g_plain = _capture(lambda: matmul(x, ws[0], out=c0), [0, 1])
     static = Pipeline(ws)
+    KEEP.extend([other, static])
     g_static = _capture(lambda: static(x, out=out, check=False), [0, 1])
     return {
         "nothing": lambda: None,
@@ -53,6 +57,7 @@ def neighbours():
 
 for name, work in neighbours().items():
     pipe = Pipeline(ws, policy="workqueue")
+    KEEP.append(pipe)
     pipe(x)
     g = _capture(lambda pipe=pipe: pipe(x, out=out, check=False), [0, 1])
     plan, link = pipe.plan(M), pipe.plan(M).links[0]

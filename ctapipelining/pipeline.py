@@ -8,7 +8,8 @@ persistent CTAs start each tile as soon as its input rows have landed.
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
 back-to-back calls need no reset, and a call can be captured in a CUDA graph (pass ``out=``,
-``check=False``). After a call, :meth:`Pipeline.check_errors` reads the error words: a
+``check=False``; keep the ``Pipeline`` alive as long as the graph: a graph holds the addresses
+of the plan's buffers, not the buffers). After a call, :meth:`Pipeline.check_errors` reads the error words: a
 timed-out wait raises :class:`PipelineTimeout` naming device, stage and tile, after which the
 state is reset so the next call works.
 
