@@ -358,6 +358,13 @@ class Pipeline:
                 self.reset(p)
                 msgs = []
                 for s, e in bad:
+                    if e["kind"] == 3:
+                        msgs.append(
+                            f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
+                            f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
+                            "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
+                        )
+                        continue
                     what = f"counter {e['index']}" if e["kind"] == 1 else f"work-queue position {e['index']}"
                     tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
                     msgs.append(

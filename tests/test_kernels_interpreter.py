@@ -122,6 +122,20 @@ def test_lone_consumer_times_out_and_recovers(policy):
     assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
+def test_workqueue_head_behind_its_epoch_is_reported_not_read():
+    """A call launched without its consumer leaves the ring's head a run behind: the next
+    consumer claims positions before its run's first. It must report that (never index the
+    ring with them), and the reset makes the following call right."""
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, policy="workqueue", config=SMALL, timeout_s=0.05)
+    x = torch.randn(20, 16).half()
+    plan = pipe.plan(20)
+    pipe._launch(plan, x, torch.empty(20, 16).half(), only=[0])  # producer alone: head stays behind
+    with pytest.raises(PipelineTimeout, match="claimed work-queue position -.* head is behind its epoch"):
+        pipe(x)
+    assert rel_err(pipe(x), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
+
+
 def test_bad_inputs_raise_before_launch():
     a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
     with pytest.raises(ValueError, match="stage 1 weight is"):

@@ -51,6 +51,7 @@ ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
 ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CTA = (tl.constexpr(i) for i in range(8))
 KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
 KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
+KIND_HEAD = tl.constexpr(3)  # claimed a ring position before this run's: the ring state is inconsistent
 INTERPRET_POLLS = tl.constexpr(64)
 
 # One thread polls ld.acquire.sys until the value reaches the target or the deadline passes.
@@ -169,12 +170,20 @@ def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
 @triton.jit
 def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``workqueue`` policy prologue: wait for ring position ``pos`` of run ``epoch`` to be
-    filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile``."""
-    q = (epoch - 1) * num_tiles + pos
+    filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile``.
+
+    A negative ``pos`` means the head is behind this run (state that only an inconsistent
+    ring gives: a run whose consumer never claimed, or buffers overwritten): it is reported
+    and nothing is read, so a corrupted head can never index outside the ring."""
     target = epoch * num_tiles
-    seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
-    if seen < target:
-        report_timeout(err_ptr, stage, -1, KIND_SLOT, q, seen, target)
+    q = (epoch - 1) * num_tiles + pos
+    if pos >= 0:
+        seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
+        if seen < target:
+            report_timeout(err_ptr, stage, -1, KIND_SLOT, q, seen, target)
+    else:
+        seen = target - 1
+        report_timeout(err_ptr, stage, -1, KIND_HEAD, pos, pos, 0)
     return seen - target, seen >= target
 
 
