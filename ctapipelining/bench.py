@@ -80,9 +80,8 @@ def time_interleaved(methods: list[Method], devices, reps: int, warmup: int) -> 
         for m in methods:
             m.prepare(i)
             m.run()
-            # one method at a time, as in the timed runs: a method whose streams do not wait for
-            # the caller's (TP's NCCL kernels) must not overlap a pipeline whose persistent CTAs
-            # need every SM (its waits would time out: see README, "Limitations")
+            # one method at a time, as in the timed runs: some methods' streams do not wait for
+            # the caller's (TP), and nothing should overlap a pipeline whose CTAs need every SM
             sync()
     out: dict[str, list[float]] = {m.name: [] for m in methods}
     for i in range(reps):
