@@ -121,7 +121,9 @@ def launch_gemm(
     cfg = config
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
-    tma_store = cfg.tma_store and c.is_contiguous()
+    tma_store = cfg.tma_store and c.is_contiguous()  # a padded ``c`` takes ordinary stores
+    # "next_tile" waits on bulk-store groups: with ordinary stores (padded ``c``) signal right away
+    signal_when = SIGNAL_MODES["now" if cfg.signal == "next_tile" and not tma_store else cfg.signal]
     c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if tma_store else b_desc
     dummy = epoch if epoch is not None else torch.zeros(1, dtype=torch.int32, device=a.device)
     w = wait or WaitHook(dummy, dummy, dummy, dummy, dummy, False)
@@ -165,7 +167,7 @@ def launch_gemm(
         WAIT_INPUT=wait is not None,
         SIGNAL_OUTPUT=signal is not None,
         QUEUE=queue,
-        SIGNAL_WHEN=SIGNAL_MODES[cfg.signal if tma_store or cfg.signal != "next_tile" else "now"],
+        SIGNAL_WHEN=signal_when,
         PUSH_BLOCK=s.push_block,
         MAX_SIGNALS=s.max_signals,
         TMA_STORE=tma_store,
