@@ -8,10 +8,10 @@ persistent CTAs start each tile as soon as its input rows have landed.
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
 back-to-back calls need no reset, and a call can be captured in a CUDA graph (pass ``out=``,
-``check=False``; keep the ``Pipeline`` alive as long as the graph: a graph holds the addresses
-of the plan's buffers, not the buffers). After a call, :meth:`Pipeline.check_errors` reads the error words: a
-timed-out wait raises :class:`PipelineTimeout` naming device, stage and tile, after which the
-state is reset so the next call works.
+``check=False``). Keep the ``Pipeline`` alive as long as such a graph: the graph holds the
+addresses of the plan's buffers, not the buffers. After a call, :meth:`Pipeline.check_errors`
+reads the error words: a timed-out wait raises :class:`PipelineTimeout` naming device, stage
+and tile, after which the state is reset so the next call works.
 
 Ordering with the caller: every stage's stream first waits for the current stream of every
 stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
