@@ -32,7 +32,7 @@ import triton
 from . import deps, fabric
 from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
 from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
-from .kernels.sync import ERR_FIELDS
+from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 
 
 class PipelineTimeout(RuntimeError):
@@ -358,14 +358,15 @@ class Pipeline:
                 self.reset(p)
                 msgs = []
                 for s, e in bad:
-                    if e["kind"] == 3:
+                    if e["kind"] == KIND_HEAD.value:
                         msgs.append(
                             f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
                             f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
                             "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
                         )
                         continue
-                    what = f"counter {e['index']}" if e["kind"] == 1 else f"work-queue position {e['index']}"
+                    on_counter = e["kind"] == KIND_COUNTER.value
+                    what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
                     tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
                     msgs.append(
                         f"stage {s} on {self.devices[s]}: CTA {e['cta']} timed out waiting for {tile} "

@@ -37,7 +37,7 @@ from .sync import (
 
 # When a producer signals a stored tile (see _epilogue); GemmConfig.signal names them.
 SIGNAL_NOW, SIGNAL_NEXT_TILE, SIGNAL_IN_LOOP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-SIGNAL_MODES = {"now": 0, "next_tile": 1, "in_loop": 2}
+SIGNAL_MODES = {"now": SIGNAL_NOW.value, "next_tile": SIGNAL_NEXT_TILE.value, "in_loop": SIGNAL_IN_LOOP.value}
 
 
 @dataclass(frozen=True)
