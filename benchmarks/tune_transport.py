@@ -31,7 +31,7 @@ out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 K = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
 REPS = int(sys.argv[4]) if len(sys.argv) > 4 else 25
-WARM, DEVS, CHUNKS = 5, [0, 1], [512, 1024, 2048, 4096, 8192]
+WARM, DEVS, CHUNKS = 5, [0, 1], [512, 1024, 2048]  # 4096 and 8192 never won (tune-a..g)
 out_dir.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
 A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
@@ -64,9 +64,13 @@ def guarded(name, build):
 # -- floors ------------------------------------------------------------------------------------
 methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
 TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
+split = lambda cfg, on=True: dataclasses.replace(cfg, split_tail=on)  # noqa: E731
 PLAIN = {
-    "plain_g8_tma_flatten (PLAIN_CONFIG)": PLAIN_CONFIG,
-    "plain_g4_flatten (PIPELINE_CONFIG)": PIPELINE_CONFIG,
+    "plain_g8_tma_flatten (PLAIN_CONFIG)": split(PLAIN_CONFIG, False),
+    "plain_g8_tma_flatten_split": split(PLAIN_CONFIG),
+    "plain_g4_flatten (PIPELINE_CONFIG)": split(PIPELINE_CONFIG, False),
+    "plain_g4_flatten_split": split(PIPELINE_CONFIG),
+    "plain_g4_flatten_split_4stages": dataclasses.replace(split(PIPELINE_CONFIG), num_stages=4),
 }
 for name, cfg in PLAIN.items():
 
@@ -103,21 +107,27 @@ def build_tp():
 guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
-refs = [matmul(matmul(x, A).to("cuda:1"), B) for x in rot.xs]
-NOW = dataclasses.replace(PIPELINE_CONFIG, signal="now")
 PIPES = {
-    "cta_static": dict(),
-    "cta_static_tma": dict(config=TMA),
-    "cta_workqueue": dict(policy="workqueue"),
-    "cta_workqueue_signal_now": dict(policy="workqueue", config=NOW),
-    "cta_workqueue_tma_signal_now": dict(policy="workqueue", config=dataclasses.replace(TMA, signal="now")),
+    "cta_static": dict(config=split(PIPELINE_CONFIG, False)),
+    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
+    "cta_static_tma": dict(config=split(TMA, False)),
+    "cta_static_tma_split": dict(config=split(TMA)),
+    "cta_static_split_4stages": dict(config=dataclasses.replace(split(PIPELINE_CONFIG), num_stages=4)),
+    "cta_workqueue": dict(policy="workqueue", config=split(PIPELINE_CONFIG, False)),
+    "cta_workqueue_split": dict(policy="workqueue", config=split(PIPELINE_CONFIG)),  # the producer's tail only
 }
+ALONE = ("cta_static", "cta_static_split", "cta_static_tma", "cta_static_tma_split")  # producer-alone lines
 pipes = {}
 for name, kw in PIPES.items():
 
     def build(name=name, kw=kw):
         log(f"building {name}")
         pipe = Pipeline(ws, **({"policy": "static"} | kw))
+        # the same Triton GEMMs one after another, each with its stage's configuration
+        refs = [
+            matmul(matmul(x, A, config=pipe.stage_config(0)).to("cuda:1"), B, config=pipe.stage_config(1))
+            for x in rot.xs
+        ]
         eager_ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
         g = _capture(lambda: pipe(x_static, out=out, check=False), DEVS)
         replay_ok = True
@@ -135,7 +145,8 @@ for name, kw in PIPES.items():
         return Method(name, g.replay, feed, note=notes[name])
 
     guarded(name, build)
-    if name in pipes:  # the producer alone (remote writes and signals), replayed, on a pipeline of its own:
+    if name in pipes and name in ALONE:
+        # the producer alone (remote writes and signals), replayed, on a pipeline of its own:
         # a call without the consumer would leave a work-queue's head behind the epoch
 
         def build_producer(name=name, kw=PIPES[name]):
@@ -177,3 +188,42 @@ log(f"best micro-batching: {best_mb} {med[best_mb]:.4f} ms")
         dict(environment=environment(), M=M, K=K, reps=REPS, best_microbatch=best_mb, notes=notes, rows=rows), indent=1
     )
 )
+
+
+# -- one traced call per tail variant: when each stage's last tiles ran ------------------------
+def traced(name, cfg):
+    pipe = Pipeline(ws, policy="static", config=cfg, trace=True)
+    for _ in range(3):
+        pipe(rot.xs[0])
+    stamps = pipe.traces(M)
+    shifted = [t[:, :4] - (0 if s == 0 else link.offset_ns) for s, t in enumerate(stamps)]
+    t0 = shifted[0][:, trace.START].min()
+    row = dict(chain_ms=round(float((shifted[-1][:, trace.DONE].max() - t0) / 1e6), 4))
+    for s, t in enumerate(shifted):
+        done = np.sort(t[:, trace.DONE] - t0) / 1e6
+        P = pipe.plan(M).num_ctas[s]
+        row[f"stage{s}"] = dict(
+            first_start_ms=round(float((t[:, trace.START].min() - t0) / 1e6), 4),
+            full_rounds_done_ms=round(float(done[(len(done) // P) * P - 1]), 4),  # last tile of the full rounds
+            last_done_ms=round(float(done[-1]), 4),
+        )
+    trace.plot_timeline(stamps, [0.0, link.offset_ns], out_dir / f"timeline_{name}.png", f"X[{M},{K}] @ A @ B, {name}")
+    log(f"trace {name}: {row}")
+    return row
+
+
+try:
+    import numpy as np
+
+    from ctapipelining import trace
+
+    link = trace.clock_offset(0, 1, rounds=200)
+    traces = {
+        n: traced(n, c)
+        for n, c in [("static", split(PIPELINE_CONFIG, False)), ("static_split", split(PIPELINE_CONFIG))]
+    }
+    (out_dir / "traces.json").write_text(
+        json.dumps(dict(offset_ns=link.offset_ns, one_way_ns=link.one_way_ns, traces=traces), indent=1)
+    )
+except Exception:
+    traceback.print_exc()

@@ -307,6 +307,55 @@ def tile_order(grid: TileGrid, group_m: int = 1) -> np.ndarray:
     return np.array([grouped_tile(p, grid.num_m, grid.num_n, group_m) for p in range(grid.num_tiles)], dtype=np.int32)
 
 
+@dataclass(frozen=True)
+class TailSplit:
+    """The last, partial round of a persistent loop, split along K over the CTAs it leaves idle.
+
+    A persistent GEMM of ``T`` tiles on ``P`` CTAs runs ``T // P`` full rounds and then one
+    round of ``T % P`` tiles. That round takes about a whole tile time however few tiles it
+    has: at X[16384, 8192] @ [8192, 8192] with 128x256 tiles on an H200, 4096 tiles are
+    31 rounds of 132 plus 4 tiles, so the 32nd round costs ~3% of the GEMM for 0.1% of its
+    work. In a two-stage chain both stages pay it on the critical path (the consumer's last
+    row-blocks wait for the producer's last round, then run their own last round).
+
+    Here each of those ``tiles`` tail tiles is cut into ``splits`` slices of its K loop, one
+    per CTA (``tiles * splits <= P``). Each slice writes an fp32 partial tile to a workspace;
+    the CTA that stores the last partial of a tile (an arrival counter says which) adds the
+    partials in slice order and writes and signals the tile. The order is fixed, so the result
+    does not depend on which CTA arrives last; it differs in rounding from the unsplit tile.
+
+    Positions ``[first_pos, first_pos + tiles)`` of the tile order are the tail; item
+    ``i < tiles * splits`` (run by CTA ``i``) is slice ``i % splits`` of tail tile ``i // splits``.
+    """
+
+    first_pos: int
+    tiles: int
+    splits: int
+
+    @property
+    def items(self) -> int:
+        return self.tiles * self.splits
+
+    def slice_of(self, item: int, k_tiles: int) -> tuple[int, int, int]:
+        """``(position, k_begin, k_end)`` of work item ``item`` (K in BLOCK_K steps)."""
+        j, part = divmod(item, self.splits)
+        return self.first_pos + j, part * k_tiles // self.splits, (part + 1) * k_tiles // self.splits
+
+
+def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
+    """How to split the partial last round of ``num_tiles`` tiles on ``num_ctas`` CTAs, each
+    slice at least ``min_slice_k`` K-steps long (shorter slices are mostly pipeline fill and
+    make the final sum read more partials); None when there is no partial round or no split
+    of at least 2 slices fits."""
+    if min_slice_k < 1:
+        raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
+    tiles = num_tiles % num_ctas
+    if num_tiles <= num_ctas or tiles == 0:
+        return None
+    splits = min(num_ctas // tiles, k_tiles // min_slice_k)
+    return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None
+
+
 # --------------------------------------------------------------------------- policies
 
 PolicyName = Literal["workqueue", "static"]

@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import fabric
+from . import deps, fabric
 from .kernels.gemm import PLAIN_CONFIG, SIGNAL_MODES, GemmConfig, gemm_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -62,6 +62,32 @@ class SignalHook:
     queue: bool
 
 
+@dataclass
+class TailBuffers:
+    """A split tail's state (:class:`ctapipelining.deps.TailSplit`), on the GEMM's device:
+    ``workspace`` fp32 ``[tiles * splits, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
+    int32 ``[tiles]`` arrivals, zero between launches (the last slice of a tile rearms its
+    counter; an owner zeroes them after a launch that timed out)."""
+
+    split: deps.TailSplit
+    workspace: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def create(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device) -> TailBuffers:
+        ws = torch.empty(split.items, config.block_m * config.block_n, dtype=torch.float32, device=device)
+        return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
+
+
+def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int, queue_consumer: bool = False):
+    """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
+    with ``config.split_tail``, and never for a ``workqueue`` consumer (its order is dynamic)."""
+    if not config.split_tail or queue_consumer:
+        return None
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    return deps.split_tail(tiles, num_ctas, triton.cdiv(K, config.block_k), config.tail_slice_k)
+
+
 def check_tensor(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for a matrix the TMA GEMM cannot read."""
     if not isinstance(t, torch.Tensor):
@@ -105,6 +131,7 @@ def launch_gemm(
     epoch: torch.Tensor | None = None,
     err: torch.Tensor | None = None,
     trace: torch.Tensor | None = None,
+    tail: TailBuffers | None = None,
     stage: int = 0,
     timeout_ns: int = 1_000_000_000,
 ):
@@ -113,6 +140,8 @@ def launch_gemm(
 
     ``c`` ([M, N], row-major, rows may be padded) may live on another GPU with peer access.
     ``trace``: int64 ``[num_tiles, 5]`` to receive per-tile ``%globaltimer`` stamps (GPU only).
+    ``tail``: the split tail's buffers when ``config.split_tail`` splits this launch (see
+    :func:`tail_split`); None: fresh ones (a plain GEMM's call).
     """
     if trace is not None and interpreting():
         raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
@@ -131,6 +160,11 @@ def launch_gemm(
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
     queue = wait.queue if wait is not None else s.queue
+    split = tail_split(M, N, K, cfg, num_ctas, queue_consumer=wait is not None and wait.queue)
+    if split is not None and tail is None:
+        tail = TailBuffers.create(split, cfg, a.device)
+    elif split is not None and tail.split != split:
+        raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
     return gemm_kernel[(num_ctas,)](
         a_desc,
         b_desc,
@@ -152,6 +186,8 @@ def launch_gemm(
         dummy if epoch is None else epoch,
         dummy if err is None else err,
         dummy if trace is None else trace,
+        dummy if split is None else tail.workspace,
+        dummy if split is None else tail.counters,
         M,
         N,
         triton.cdiv(K, cfg.block_k),
@@ -159,6 +195,8 @@ def launch_gemm(
         s.consumer_tiles,
         stage,
         timeout_ns,
+        0 if split is None else split.first_pos,
+        1 if split is None else split.splits,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -172,7 +210,9 @@ def launch_gemm(
         MAX_SIGNALS=s.max_signals,
         TMA_STORE=tma_store,
         FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize and signal is None,  # the signal's CTA barrier needs every warp
+        # the signal's and the split tail's CTA barriers need every warp
+        WARP_SPECIALIZE=cfg.warp_specialize and signal is None and split is None,
+        SPLIT_TAIL=split is not None,
         TRACE=trace is not None,
         INTERPRET=interpreting(),
         num_stages=cfg.num_stages,

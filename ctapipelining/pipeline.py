@@ -23,6 +23,7 @@ included), and a producer of call ``i + 1`` never overwrites a buffer that a con
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 import triton
 
 from . import deps, fabric
-from .gemm import SignalHook, WaitHook, check_operands, check_tensor, grid_size, launch_gemm
+from .gemm import SignalHook, TailBuffers, WaitHook, check_operands, check_tensor, grid_size, launch_gemm, tail_split
 from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 
@@ -110,12 +111,14 @@ class Plan:
     epochs: list[torch.Tensor]
     errors: list[torch.Tensor]
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
+    tails: list[TailBuffers | None]  # per stage: the split tail's partials and arrival counters
     num_ctas: list[int]
     epoch_limit: int
     epoch: int = 0
 
     def state(self) -> list[torch.Tensor]:
-        return [t for link in self.links for t in link.state()] + self.epochs + self.errors
+        tails = [t.counters for t in self.tails if t is not None]  # partial after a timed-out launch
+        return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
 
 
 class Pipeline:
@@ -190,6 +193,14 @@ class Pipeline:
             )
         return cls([w.to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
 
+    def stage_config(self, s: int) -> GemmConfig:
+        """The configuration stage ``s`` runs: :attr:`config`, without a split tail for a
+        ``workqueue`` consumer (it runs whole tiles in readiness order). The sequential GEMMs
+        with these configurations give bitwise the chain's result."""
+        if s > 0 and self.policy.uses_queue and self.config.split_tail:
+            return dataclasses.replace(self.config, split_tail=False)
+        return self.config
+
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:
         """The buffers and scoreboards for inputs of ``M`` rows (built on first use)."""
@@ -203,6 +214,9 @@ class Pipeline:
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
+        splits = [
+            tail_split(M, w.shape[1], w.shape[0], self.stage_config(s), p) for s, (w, p) in enumerate(zip(ws, num_ctas))
+        ]
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
         plan = Plan(
             M=M,
@@ -214,6 +228,7 @@ class Pipeline:
                 torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
                 for g, d in zip(grids, devs)
             ],
+            tails=[None if sp is None else TailBuffers.create(sp, cfg, d) for sp, d in zip(splits, devs)],
             num_ctas=num_ctas,
             epoch_limit=limit,
         )
@@ -303,13 +318,14 @@ class Pipeline:
                     a,
                     self.weights[s],
                     c,
-                    self.config,
+                    self.stage_config(s),
                     plan.num_ctas[s],
                     wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
                     signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
                     epoch=plan.epochs[s],
                     err=plan.errors[s],
                     trace=plan.traces[s],
+                    tail=plan.tails[s],
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )

@@ -70,3 +70,23 @@ def test_trace_mode_is_free_when_off(report):
     # stamps: 4 reads of %globaltimer per tile in the plain kernel, none without TRACE
     assert report["plain+trace"]["globaltimer"] > 0 and report["plain"]["globaltimer"] == 0
     assert report["wait_workqueue+trace"]["globaltimer"] > report["wait_workqueue"]["globaltimer"]
+
+
+def test_split_tail_keeps_the_main_loop_pipelined_and_adds_only_gpu_scope_atomics(report):
+    """The split tail is a second K loop after the persistent one: the same shared memory
+    (both loops software-pipelined), an arrival counter (acq_rel) and its rearm at GPU scope,
+    partials read through L2, and no system-scope or spin instruction of its own."""
+    for name, base in [
+        ("plain+split_tail", "plain"),
+        ("plain+tma_store+split_tail", "plain+tma_store"),
+        ("signal_static+in_loop+split_tail", "signal_static+in_loop"),
+        ("wait_static+split_tail", "wait_static"),
+    ]:
+        r, b = report[name], report[base]
+        assert r["smem"] == b["smem"], name
+        assert r["wgmma"] == 2 * b["wgmma"] and r["ld_cg"] > 0, name
+        # the tail's own wait (consumer) repeats the prologue's spin and timeout report
+        assert r["atom_gpu"] == 2 * b["atom_gpu"] + 2 and r["ld_acquire_sys"] == 2 * b["ld_acquire_sys"], name
+    assert report["plain+split_tail"]["atom_sys"] == 0 and report["plain"]["atom_gpu"] == report["plain"]["ld_cg"] == 0
+    # the tail signals its tiles once: one more release at system scope than the producer without it
+    assert report["signal_static+in_loop+split_tail"]["atom_sys"] == report["signal_static+in_loop"]["atom_sys"] + 1

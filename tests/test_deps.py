@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ctapipelining import deps
 
@@ -89,3 +91,38 @@ def test_policies_and_epoch_arithmetic():
     assert deps.head_base(3, num_tiles=4, num_ctas=2) == 12
     lim = deps.epoch_limit(d, num_ctas=2)
     assert lim * (4 + 2) <= deps.INT32_MAX - 4 < (lim + 1) * (4 + 2)  # head moves T + P a run
+
+
+def test_split_tail_h200_workload():
+    """X[16384, 8192] @ [8192, 8192], 128x256x64 tiles, 132 SMs: 31 rounds + 4 tiles."""
+    split = deps.split_tail(4096, 132, 128, 16)
+    assert split == deps.TailSplit(first_pos=4092, tiles=4, splits=8)
+    assert split.items == 32
+    assert split.slice_of(0, 128) == (4092, 0, 16) and split.slice_of(31, 128) == (4095, 112, 128)
+
+
+def test_split_tail_none_without_a_partial_round_or_room():
+    assert deps.split_tail(4092, 132, 128, 16) is None  # whole rounds
+    assert deps.split_tail(100, 132, 128, 16) is None  # one partial round: the grid shrinks to it
+    assert deps.split_tail(132 + 100, 132, 128, 16) is None  # 100 tail tiles, 132 CTAs: no 2 slices each
+    assert deps.split_tail(4096, 132, 20, 16) is None  # K too short for two slices
+    with pytest.raises(ValueError, match="min_slice_k"):
+        deps.split_tail(4096, 132, 128, 0)
+
+
+@given(tiles=st.integers(1, 5000), ctas=st.integers(1, 200), k_tiles=st.integers(1, 300), min_k=st.integers(1, 32))
+def test_split_tail_covers_each_tail_tile_once_and_fits_the_grid(tiles, ctas, k_tiles, min_k):
+    split = deps.split_tail(tiles, ctas, k_tiles, min_k)
+    if split is None:
+        return
+    assert split.first_pos == tiles - tiles % ctas and split.first_pos % ctas == 0
+    assert 2 <= split.splits and split.items <= ctas  # every slice has a CTA that is idle after the full rounds
+    covered = {}
+    for i in range(split.items):
+        pos, k0, k1 = split.slice_of(i, k_tiles)
+        assert split.first_pos <= pos < tiles and k1 - k0 >= min_k
+        covered.setdefault(pos, []).append((k0, k1))
+    for pos in range(split.first_pos, tiles):  # the slices of a tile tile its K exactly, in order
+        ranges = covered[pos]
+        assert ranges[0][0] == 0 and ranges[-1][1] == k_tiles
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))

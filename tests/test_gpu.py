@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.deps import grouped_tile
+from ctapipelining.gemm import matmul, num_sms, tail_split
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
 BF16_TOL = 2e-2  # relative Frobenius error of a bf16 chain vs an fp32 reference
@@ -36,10 +37,12 @@ def fp32_chain(x, ws):
 
 
 def sequential_triton(x, ws, config):
-    """The same Triton GEMMs run one after another (no pipelining)."""
+    """The same Triton GEMMs run one after another (no pipelining). ``config``: one for
+    every stage, or a pipeline (each stage's own: a workqueue consumer splits no tail)."""
     y = x
-    for w in ws:
-        y = matmul(y.to(w.device), w, config=config)
+    for s, w in enumerate(ws):
+        cfg = config.stage_config(s) if isinstance(config, Pipeline) else config
+        y = matmul(y.to(w.device), w, config=cfg)
     return y
 
 
@@ -69,7 +72,7 @@ def test_pipeline_matches_sequential_bitwise(policy, M, dims):
         out = torch.full((M, dims[-1]), float("nan"), dtype=torch.bfloat16, device="cuda:1")
         y = pipe(x, out=out)
         assert not y.isnan().any()
-        assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+        assert torch.equal(y, sequential_triton(x, ws, pipe))
         assert rel_err(y, fp32_chain(x, ws)) < BF16_TOL
 
 
@@ -86,7 +89,80 @@ def test_signal_modes_bitwise(policy, tma_store, signal):
     for M in (16384, 3000):
         x = rand(M, 8192, device="cuda:0")
         pipe.plan(M).inputs[1].fill_(float("nan"))
-        assert torch.equal(pipe(x), sequential_triton(x, ws, cfg))
+        assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("M,K,N", [(16384, 8192, 8192), (3000, 5000, 7000)])
+def test_plain_split_tail(M, K, N, tma_store):
+    """The partial last round split along K: right, NaN-free, the same on every call, and
+    different from the unsplit GEMM only in the tail tiles (rounding of the partial sums)."""
+    cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True, tma_store=tma_store)
+    split = tail_split(M, N, K, cfg, num_sms(torch.device("cuda:0")))
+    assert split is not None
+    a, b = rand(M, K, device="cuda:0"), rand(K, N, device="cuda:0", scale=K**-0.5)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    matmul(a, b, out=out, config=cfg)
+    assert not out.isnan().any()
+    assert rel_err(out, a.float() @ b.float()) < BF16_TOL
+    for _ in range(3):
+        assert torch.equal(matmul(a, b, config=cfg), out)
+    whole = matmul(a, b, config=dataclasses.replace(cfg, split_tail=False))
+    differs = (whole != out).nonzero()[:, 0].unique()  # rows with a difference
+    tail_rows = set()
+    for pos in range(split.first_pos, split.first_pos + split.tiles):
+        pm = grouped_tile(pos, -(-M // cfg.block_m), -(-N // cfg.block_n), cfg.group_m) // -(-N // cfg.block_n)
+        tail_rows.update(range(pm * cfg.block_m, min(M, (pm + 1) * cfg.block_m)))
+    assert set(differs.tolist()) <= tail_rows
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize(
+    "tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (True, "next_tile"), (False, "now")]
+)
+def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
+    """Split tails in producers (both policies) and static consumers: NaN-poisoned buffers,
+    full size and ragged, eager and replayed from a CUDA graph, counters rearmed."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, tma_store=tma_store, signal=signal)
+    pipe = Pipeline(ws, policy=policy, config=cfg)
+    for M in (16384, 3000):
+        plan = pipe.plan(M)
+        assert plan.tails[0] is not None and (plan.tails[1] is None) == (policy == "workqueue")
+        for _ in range(2):
+            x = rand(M, 8192, device="cuda:0")
+            plan.inputs[1].fill_(float("nan"))
+            assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
+        assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
+    x = rand(16384, 8192, device="cuda:0")
+    out = torch.empty(16384, 8192, dtype=torch.bfloat16, device="cuda:1")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pipe(x, out=out, check=False)
+    for _ in range(3):
+        x.copy_(rand(16384, 8192, device="cuda:0"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        assert torch.equal(out, sequential_triton(x, ws, pipe))
+    pipe.check_errors()
+
+
+@pytest.mark.gpu2
+def test_split_tail_lone_consumer_times_out_and_recovers():
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
+    ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy="static", config=cfg, timeout_s=0.2)
+    x = rand(3000, 2048, device="cuda:0")
+    plan = pipe.plan(3000)
+    assert plan.tails[1] is not None
+    pipe._launch(plan, x, torch.empty(3000, 2048, dtype=torch.bfloat16, device="cuda:1"), only=[1])
+    with pytest.raises(PipelineTimeout, match="stage 1 on cuda:1"):
+        pipe.check_errors(plan)
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
 
 
 @pytest.mark.gpu2
@@ -100,7 +176,7 @@ def test_delayed_producer(policy):
     out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda:1")
     pipe._launch(plan, x, out, delay_cycles={0: 200_000_000})  # ~0.1 s before the producer starts
     pipe.check_errors(plan)
-    assert torch.equal(out, sequential_triton(x, ws, pipe.config))
+    assert torch.equal(out, sequential_triton(x, ws, pipe))
 
 
 @pytest.mark.gpu2
@@ -113,7 +189,7 @@ def test_200_back_to_back_calls(policy):
     pipe.check_errors()
     assert pipe.plan(2048).epoch == 200
     for x, y in zip(xs, ys):
-        assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+        assert torch.equal(y, sequential_triton(x, ws, pipe))
     link = pipe.plan(2048).links[0]
     assert torch.equal(link.counters.cpu(), 200 * torch.as_tensor(link.dep.need))
 
@@ -132,7 +208,7 @@ def test_lone_consumer_times_out_within_deadline(policy):
         pipe.check_errors(plan)
     assert time.perf_counter() - t0 < 2.0
     y = pipe(x)  # the next call works
-    assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+    assert torch.equal(y, sequential_triton(x, ws, pipe))
 
 
 @pytest.mark.gpu2
@@ -143,7 +219,7 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, policy=policy)
     x = rand(4096, 4096, device="cuda:0")
-    ref = sequential_triton(x, ws, pipe.config)
+    ref = sequential_triton(x, ws, pipe)
     plan = pipe.plan(4096)
     out = torch.full((4096, 4096), float("nan"), dtype=torch.bfloat16, device="cuda:1")
     pipe._launch(plan, x, out, delay_cycles={0: 200_000_000})  # a slow producer: ~0.1 s
@@ -173,7 +249,7 @@ def test_cuda_graph_capture_and_replay(policy):
         g.replay()
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
-        assert torch.equal(out, sequential_triton(x, ws, pipe.config))
+        assert torch.equal(out, sequential_triton(x, ws, pipe))
     pipe.check_errors()
 
 
@@ -185,7 +261,7 @@ def test_trace_mode(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, policy=policy, trace=True)
     x = rand(4096, 4096, device="cuda:0")
-    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe.config))
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
     stamps = pipe.traces(4096)
     for t in stamps:
         assert (t[:, :4] > 0).all(), "a tile was not stamped"
@@ -210,7 +286,7 @@ def test_chain_of_n_stages_on_n_gpus(n, policy):
         for buf in pipe.plan(3000).inputs[1:]:
             buf.fill_(float("nan"))
         y = pipe(x)
-        assert torch.equal(y, sequential_triton(x, ws, pipe.config))
+        assert torch.equal(y, sequential_triton(x, ws, pipe))
         assert rel_err(y, fp32_chain(x, ws)) < BF16_TOL * n
 
 

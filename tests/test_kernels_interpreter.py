@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ctapipelining import deps
-from ctapipelining.gemm import matmul
+from ctapipelining.gemm import matmul, tail_split
 from ctapipelining.kernels.gemm import GemmConfig, get_configs, tile_of_position
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.interpreter
 
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
 TOLERANCES = {torch.float16: 2e-3}
+SPLIT = dataclasses.replace(SMALL, split_tail=True, tail_slice_k=2)  # the interpreter runs 4 CTAs
 
 
 def rel_err(y, ref):
@@ -167,3 +168,55 @@ def test_bad_inputs_raise_before_launch():
 def test_configs_fit_shared_memory():
     assert get_configs() and all(c.smem_bytes() <= 227 * 1024 for c in get_configs())
     assert np.all([c.block_m % 16 == 0 for c in get_configs()])
+
+
+@pytest.mark.parametrize("M,K,N", [(48, 64, 32), (37, 80, 40)])
+def test_split_tail_matmul(M, K, N):
+    assert tail_split(M, N, K, SPLIT, 4) is not None
+    a, b = torch.randn(M, K).half(), torch.randn(K, N).half()
+    out = torch.full((M, N), float("nan"), dtype=torch.float16)
+    matmul(a, b, out=out, config=SPLIT)
+    assert not out.isnan().any()
+    assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
+    assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
+
+
+@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "next_tile"), (False, "now")])
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_split_tail_pipeline_matches_sequential(policy, tma_store, signal):
+    """Producers split their tails under both policies, a static consumer too (a workqueue
+    consumer runs whole tiles in readiness order); arrival counters are rearmed every run."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 32), (32, 64), (64, 24)]]
+    cfg = dataclasses.replace(SPLIT, tma_store=tma_store, signal=signal)
+    pipe = Pipeline(ws, policy=policy, config=cfg)
+    plan = pipe.plan(48)
+    assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 12 tiles on 4 CTAs, no tail
+    assert (plan.tails[2] is None) == (policy == "workqueue") == (not pipe.stage_config(2).split_tail)
+    for _ in range(3):
+        x = torch.randn(48, 64).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        ref = x
+        for s, w in enumerate(ws):
+            ref = matmul(ref, w, config=pipe.stage_config(s))
+        assert torch.equal(y, ref)
+        assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
+
+
+def test_split_tail_consumer_times_out_and_recovers():
+    ws = [torch.randn(16, 64).half(), (torch.randn(64, 32) / 8).half()]
+    pipe = Pipeline(ws, policy="static", config=SPLIT, timeout_s=0.05)
+    x = torch.randn(48, 16).half()
+    plan = pipe.plan(48)
+    assert plan.tails[1] is not None and any(t is plan.tails[1].counters for t in plan.state())
+    pipe._launch(plan, x, torch.empty(48, 32).half(), only=[1])
+    with pytest.raises(PipelineTimeout, match="stage 1 on cpu"):
+        pipe.check_errors(plan)
+    y = pipe(x)
+    assert torch.equal(y, matmul(matmul(x, ws[0], config=SPLIT), ws[1], config=SPLIT))
+
+
+def test_split_tail_config_is_checked():
+    with pytest.raises(ValueError, match="tail_slice_k"):
+        GemmConfig(split_tail=True, tail_slice_k=0)

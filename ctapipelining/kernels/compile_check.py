@@ -24,6 +24,8 @@ PATTERNS = {
     "bar_sync": r"\bbar\.sync|\bbarrier\.sync",
     "tma_store": r"cp\.async\.bulk\.tensor\.[0-9]d\.global\.shared",
     "bulk_wait_complete": r"cp\.async\.bulk\.wait_group [0-9]",
+    "atom_gpu": r"atom\.[a-z_.]*gpu",
+    "ld_cg": r"ld\.global\.cg",
 }
 VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "plain": (False, False, False),
@@ -52,7 +54,19 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
             sig[n] = "*bf16"
         elif n == "trace_ptr":
             sig[n] = "*i64"
-        elif n in ("M", "N", "k_tiles", "stride_cm", "consumer_tiles", "stage", "timeout_ns"):
+        elif n == "tail_ws":
+            sig[n] = "*fp32"
+        elif n in (
+            "M",
+            "N",
+            "k_tiles",
+            "stride_cm",
+            "consumer_tiles",
+            "stage",
+            "timeout_ns",
+            "tail_first",
+            "tail_splits",
+        ):
             sig[n] = "i32"
         elif n.isupper():
             sig[n] = "constexpr"
@@ -74,6 +88,7 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         TMA_STORE=False,
         FLATTEN=False,
         WARP_SPECIALIZE=False,
+        SPLIT_TAIL=False,
         TRACE=False,
     ) | {k.upper(): v for k, v in options.items()}
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
@@ -92,6 +107,10 @@ def report() -> dict:
     ]
     builds += [("signal_static+tma_store+in_loop", VARIANTS["signal_static"], {"signal_when": 2, "tma_store": True})]
     builds += [("signal_static+tma_store+next_tile", VARIANTS["signal_static"], {"signal_when": 1, "tma_store": True})]
+    builds += [("plain+split_tail", VARIANTS["plain"], {"split_tail": True})]
+    builds += [("plain+tma_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": True})]
+    builds += [("signal_static+in_loop+split_tail", VARIANTS["signal_static"], {"signal_when": 2, "split_tail": True})]
+    builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

@@ -28,6 +28,7 @@ import triton.language as tl
 from .sync import (
     bulk_store_wait,
     claim,
+    cta_barrier,
     fence_proxy_async,
     globaltimer,
     signal_tile,
@@ -52,6 +53,9 @@ class GemmConfig:
     ``tma_store``: write each tile with an asynchronous TMA store (else ordinary stores).
     ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store
     only) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
+    ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle,
+    slices of at least ``tail_slice_k`` K-steps (:class:`ctapipelining.deps.TailSplit`; plain
+    and ``static`` kernels and producers; a ``workqueue`` consumer's order is dynamic).
     """
 
     block_m: int = 128
@@ -64,12 +68,16 @@ class GemmConfig:
     warp_specialize: bool = False
     tma_store: bool = False
     signal: str = "now"
+    split_tail: bool = False
+    tail_slice_k: int = 16
 
     def __post_init__(self):
         if self.signal not in SIGNAL_MODES:
             raise ValueError(f"GemmConfig.signal must be one of {sorted(SIGNAL_MODES)}, got {self.signal!r}")
         if self.signal == "next_tile" and not self.tma_store:
             raise ValueError("GemmConfig(signal='next_tile') needs tma_store=True (it waits on bulk-store groups)")
+        if self.tail_slice_k < 1:
+            raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         loads = self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
@@ -136,17 +144,18 @@ def _signal_pending(
 
 @triton.jit
 def _mma_tile(
-    a_desc, b_desc, pm, pn, k_tiles, signal_at, pending, epoch, counters, signal_ptr, signal_counters, need,
+    a_desc, b_desc, pm, pn, k_begin, k_tiles, signal_at, pending, epoch, counters, signal_ptr, signal_counters, need,
     push_ptr, push_tiles, slots, tail, consumer_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
     TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The compute body: one output tile, fp32 accumulator. Under ``SIGNAL_IN_LOOP`` the
-    previous tile (``pending``) is signalled at step ``signal_at`` of the K loop, by when its
-    writes have drained; otherwise the loop is the plain GEMM's. Returns ``(acc, pending)``."""
+    """The compute body: one output tile (K-steps ``[k_begin, k_tiles)``: all of K but in a
+    split tail), fp32 accumulator. Under ``SIGNAL_IN_LOOP`` the previous tile (``pending``)
+    is signalled at step ``signal_at`` of the K loop, by when its writes have drained;
+    otherwise the loop is the plain GEMM's. Returns ``(acc, pending)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
+    for ki in range(k_begin, k_tiles):
         a = a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
@@ -160,11 +169,17 @@ def _mma_tile(
 
 
 @triton.jit
-def _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+def _store_tile(
+    c_desc, c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr
+):  # fmt: skip
+    """Write tile (pm, pn) of C: an asynchronous TMA store, or masked ordinary stores."""
+    if TMA_STORE:
+        c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
+    else:
+        offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -180,14 +195,11 @@ def _compute_store(
     pm = tile // num_n
     pn = tile % num_n
     acc, pending = _mma_tile(
-        a_desc, b_desc, pm, pn, k_tiles, k_tiles // 4, pending, epoch, counters, signal_ptr, signal_counters, need,
+        a_desc, b_desc, pm, pn, 0, k_tiles, k_tiles // 4, pending, epoch, counters, signal_ptr, signal_counters, need,
         push_ptr, push_tiles, slots, tail, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
         SIGNAL_IN_LOOP, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
-    if TMA_STORE:
-        c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
-    else:
-        _store_tile(c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N)
+    _store_tile(c_desc, c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N, TMA_STORE)
     return pending
 
 
@@ -296,7 +308,73 @@ def _process_tile(
     return pending
 
 
-@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles"])
+@triton.jit
+def _split_tail(
+    a_desc, b_desc, c_desc, c_ptr, tail_ws, tail_counters, tail_first, tail_splits, num_m, num_n, M, N, k_tiles,
+    stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
+    out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
+    stage, timeout_ns, trace_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WAIT_INPUT: tl.constexpr, SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """After the full rounds: this CTA's slice of the split tail (:class:`ctapipelining.deps.TailSplit`).
+
+    CTA ``i`` computes K-slice ``i % tail_splits`` of tail tile ``j = i // tail_splits`` (after
+    waiting for its input, in a consumer) and stores the fp32 partial in ``tail_ws`` (slot
+    ``i``). Ordering: every thread's partial stores, a CTA barrier, then one thread's
+    ``atom.add.acq_rel.gpu`` on the tile's arrival counter (release: the partials before the
+    count). The CTA that brings the count to ``tail_splits`` has acquired every other slice's
+    release; after a second barrier its threads read all partials from L2 (``.cg``), add them
+    in slice order (so the sum does not depend on who came last), store and signal the tile,
+    and set the counter back to 0 for the next launch.
+    """
+    item = tl.program_id(0)
+    j = item // tail_splits
+    if (tail_first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
+        part = item % tail_splits
+        tile = tile_of_position(tail_first + j, num_m, num_n, GROUP_M)
+        t_wait = _now(TRACE)
+        ready = True
+        if WAIT_INPUT:
+            ready = wait_counter(
+                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
+            )
+        if ready:
+            if WAIT_INPUT:
+                fence_proxy_async(INTERPRET)
+            t_start = _now(TRACE)
+            pm = tile // num_n
+            pn = tile % num_n
+            acc, _ = _mma_tile(
+                a_desc, b_desc, pm, pn, part * k_tiles // tail_splits, (part + 1) * k_tiles // tail_splits, -1, -1,
+                epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
+                out_slots, out_tail, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K, False, TMA_STORE, QUEUE, PUSH_BLOCK,
+                MAX_SIGNALS, INTERPRET,
+            )  # fmt: skip
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            partials = tail_ws + (j * tail_splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
+            tl.store(partials + part * (BLOCK_M * BLOCK_N) + offs, acc)
+            cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
+            arrived = tl.atomic_add(tail_counters + j, 1, sem="acq_rel", scope="gpu") + 1
+            if arrived == tail_splits:
+                tl.atomic_xchg(tail_counters + j, 0, sem="relaxed", scope="gpu")  # all slices are in: rearm
+                cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in range(tail_splits):
+                    acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+                _store_tile(c_desc, c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N, TMA_STORE)
+                t_stored = _now(TRACE)
+                if SIGNAL_OUTPUT:
+                    _signal_pending(
+                        tile, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
+                        out_push_tiles, out_slots, out_tail, consumer_tiles, TMA_STORE, QUEUE, PUSH_BLOCK,
+                        MAX_SIGNALS, INTERPRET,
+                    )  # fmt: skip
+                _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
+
+
+@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles", "tail_first", "tail_splits"])
 def gemm_kernel(
     a_desc,
     b_desc,
@@ -320,6 +398,9 @@ def gemm_kernel(
     epoch_ptr,
     err_ptr,
     trace_ptr,
+    # split tail: fp32 partials [tiles * splits, BLOCK_M * BLOCK_N], arrival counter per tail tile
+    tail_ws,
+    tail_counters,
     M,
     N,
     k_tiles,
@@ -327,6 +408,8 @@ def gemm_kernel(
     consumer_tiles,
     stage,
     timeout_ns,
+    tail_first,
+    tail_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -341,9 +424,11 @@ def gemm_kernel(
     TMA_STORE: tl.constexpr,
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_TAIL: tl.constexpr,
     TRACE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    tl.static_assert(not (SPLIT_TAIL and WAIT_INPUT and QUEUE), "a workqueue consumer runs tiles in readiness order")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -351,6 +436,10 @@ def gemm_kernel(
     if WAIT_INPUT or SIGNAL_OUTPUT:
         epoch = tl.load(epoch_ptr)
     pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled (TMA store)
+    # Without WAIT_INPUT `alive` is the constant True, so the plain GEMM has no branch on it.
+    alive = True
+    if WAIT_INPUT:
+        alive = tl.program_id(0) >= 0
     if WAIT_INPUT and QUEUE:
         # workqueue: claim ring positions until past this run's tiles; tiles in readiness order
         pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
@@ -368,12 +457,12 @@ def gemm_kernel(
             else:
                 pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
     else:
-        # plain or static: walk the tile order; under WAIT_INPUT wait on each tile's counter.
-        # Without WAIT_INPUT `alive` is the constant True, so the plain GEMM has no branch here.
-        alive = True
-        if WAIT_INPUT:
-            alive = tl.program_id(0) >= 0
-        for pos in tl.range(tl.program_id(0), num_tiles, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        # plain or static: walk the tile order (the full rounds only, with a split tail);
+        # under WAIT_INPUT wait on each tile's counter.
+        loop_end = num_tiles
+        if SPLIT_TAIL:
+            loop_end = tail_first
+        for pos in tl.range(tl.program_id(0), loop_end, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             tile = tile_of_position(pos, num_m, num_n, GROUP_M)
             t_wait = _now(TRACE)
             if WAIT_INPUT:
@@ -393,3 +482,11 @@ def gemm_kernel(
         out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK,
         MAX_SIGNALS, INTERPRET,
     )  # fmt: skip
+    if SPLIT_TAIL:
+        _split_tail(
+            a_desc, b_desc, c_desc, c_ptr, tail_ws, tail_counters, tail_first, tail_splits, num_m, num_n, M, N,
+            k_tiles, stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
+            out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
+            stage, timeout_ns, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WAIT_INPUT, SIGNAL_OUTPUT, QUEUE,
+            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+        )  # fmt: skip
