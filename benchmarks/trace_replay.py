@@ -1,0 +1,96 @@
+"""Where a graph-replayed chain spends its time: traced pipelines, captured and replayed.
+
+usage: python3 benchmarks/trace_replay.py OUT_DIR [M] [REPLAYS]
+
+``ctapipelining trace`` traces one *eager* call, whose consumer starts when the host gets to
+launching it. This replays each variant's traced pipeline ``REPLAYS`` times from a CUDA graph
+(as the benchmark does) and reads the stamps of the last replay, all on GPU 0's clock:
+when each stage's first tile started and last tile ended, when the full rounds were done,
+and, per consumer round, how long after the producer's same round the consumer round
+started. The single-stage "pipeline" is the plain GEMM with stamps (the floor's rounds).
+Writes OUT_DIR/trace_replay.json and a timeline PNG per variant.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ctapipelining import deps, trace
+from ctapipelining.bench import _capture
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.pipeline import Pipeline
+
+out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
+REPLAYS = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+K = 8192
+out_dir.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+x = torch.randn(M, K, device="cuda:0").bfloat16()
+link = trace.clock_offset(0, 1, rounds=200)
+VARIANTS = {
+    "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
+    "plain_split": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
+    "static": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
+    "static_split": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
+}
+
+
+def analyse(pipe: Pipeline, stamps: list[np.ndarray]) -> dict:
+    cfg = pipe.config
+    ms = lambda t: round(float(t) / 1e6, 4)  # noqa: E731
+    shifted = [t[:, :4].astype(np.float64) - (0.0 if s == 0 else link.offset_ns) for s, t in enumerate(stamps)]
+    t0 = shifted[0][:, trace.START].min()
+    out = dict(chain_ms=ms(shifted[-1][:, trace.DONE].max() - t0), stages=[])
+    round_ends = []
+    for s, t in enumerate(shifted):
+        grid = deps.TileGrid(M, pipe.weights[s].shape[1], cfg.block_m, cfg.block_n)
+        order = deps.tile_order(grid, cfg.group_m)  # order[pos] = tile
+        P = pipe.plan(M).num_ctas[s]
+        full = (grid.num_tiles // P) * P
+        start, done = t[order, trace.START] - t0, t[order, trace.DONE] - t0  # by position
+        rounds = [slice(r, min(r + P, grid.num_tiles)) for r in range(0, grid.num_tiles, P)]
+        round_ends.append([done[r].max() for r in rounds])
+        stage = dict(
+            first_start_ms=ms(start.min()),
+            full_rounds_done_ms=ms(done[:full].max()),
+            last_done_ms=ms(done.max()),
+            tile_us_median=round(float(np.median(t[:, trace.STORED] - t[:, trace.START]) / 1e3), 2),
+            waited_ms_per_cta=ms((t[:, trace.START] - t[:, trace.WAIT]).sum() / P),
+        )
+        if s > 0:  # consumer round r began (median tile) this long after producer round r ended
+            lag = [(np.median(start[r]) - round_ends[s - 1][i]) / 1e3 for i, r in enumerate(rounds)]
+            stage["round_lag_us"] = [round(float(v), 1) for v in lag]
+        out["stages"].append(stage)
+    return out
+
+
+report = dict(M=M, K=K, replays=REPLAYS, offset_ns=link.offset_ns, one_way_ns=link.one_way_ns, variants={})
+pipes = []  # a CUDA graph keeps addresses, not buffers: keep every pipeline alive
+for name, (ws, cfg) in VARIANTS.items():
+    pipe = Pipeline(ws, config=cfg, trace=True)
+    pipes.append(pipe)
+    out = torch.empty(M, ws[-1].shape[1], dtype=torch.bfloat16, device=ws[-1].device)
+    g = _capture(lambda pipe=pipe, out=out: pipe(x, out=out, check=False), [0, 1])
+    for _ in range(REPLAYS):
+        g.replay()
+    for d in (0, 1):
+        torch.cuda.synchronize(d)
+    pipe.check_errors()
+    stamps = pipe.traces(M)
+    report["variants"][name] = r = analyse(pipe, stamps)
+    offsets = [0.0, link.offset_ns][: len(ws)]
+    trace.plot_timeline(stamps, offsets, out_dir / f"replay_{name}.png", f"X[{M},{K}] replayed, {name}")
+    brief = {k: v for k, v in r.items() if k != "stages"} | {
+        f"stage{s}": {k: v for k, v in st.items() if k != "round_lag_us"} for s, st in enumerate(r["stages"])
+    }
+    print(name, json.dumps(brief), flush=True)
+    if len(r["stages"]) > 1:
+        print("  consumer round lag (us):", r["stages"][1]["round_lag_us"], flush=True)
+(out_dir / "trace_replay.json").write_text(json.dumps(report, indent=1))
