@@ -70,7 +70,6 @@ PLAIN = {
     "plain_g8_tma_flatten_split": split(PLAIN_CONFIG),
     "plain_g4_flatten (PIPELINE_CONFIG)": split(PIPELINE_CONFIG, False),
     "plain_g4_flatten_split": split(PIPELINE_CONFIG),
-    "plain_g4_flatten_split_4stages": dataclasses.replace(split(PIPELINE_CONFIG), num_stages=4),
 }
 for name, cfg in PLAIN.items():
 
@@ -107,16 +106,17 @@ def build_tp():
 guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
+align = lambda cfg: dataclasses.replace(cfg, align_rounds=True)  # noqa: E731
 PIPES = {
     "cta_static": dict(config=split(PIPELINE_CONFIG, False)),
     "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
+    "cta_static_aligned": dict(config=align(split(PIPELINE_CONFIG, False))),
+    "cta_static_split_aligned": dict(config=align(split(PIPELINE_CONFIG))),
     "cta_static_tma": dict(config=split(TMA, False)),
-    "cta_static_tma_split": dict(config=split(TMA)),
-    "cta_static_split_4stages": dict(config=dataclasses.replace(split(PIPELINE_CONFIG), num_stages=4)),
+    "cta_static_tma_split_aligned": dict(config=align(split(TMA))),
     "cta_workqueue": dict(policy="workqueue", config=split(PIPELINE_CONFIG, False)),
-    "cta_workqueue_split": dict(policy="workqueue", config=split(PIPELINE_CONFIG)),  # the producer's tail only
 }
-ALONE = ("cta_static", "cta_static_split", "cta_static_tma", "cta_static_tma_split")  # producer-alone lines
+ALONE = ("cta_static", "cta_static_split", "cta_static_tma_split_aligned")  # producer-alone lines
 pipes = {}
 for name, kw in PIPES.items():
 

@@ -119,9 +119,7 @@ def test_plain_split_tail(M, K, N, tma_store):
 
 @pytest.mark.gpu2
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-@pytest.mark.parametrize(
-    "tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (True, "next_tile"), (False, "now")]
-)
+@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (False, "now")])
 def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
     """Split tails in producers (both policies) and static consumers: NaN-poisoned buffers,
     full size and ragged, eager and replayed from a CUDA graph, counters rearmed."""
@@ -149,6 +147,22 @@ def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
         torch.cuda.synchronize(1)
         assert torch.equal(out, sequential_triton(x, ws, pipe))
     pipe.check_errors()
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_aligned_consumer_bitwise(tma_store):
+    """A static consumer on 128 CTAs (whole groups per round) with split-tail producers."""
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, align_rounds=True, tma_store=tma_store)
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy="static", config=cfg)
+    for M in (16384, 3100):
+        plan = pipe.plan(M)
+        assert plan.num_ctas == [num_sms(torch.device("cuda:0")), 128] and plan.tails[1] is None
+        for _ in range(2):
+            x = rand(M, 8192, device="cuda:0")
+            plan.inputs[1].fill_(float("nan"))
+            assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
 
 
 @pytest.mark.gpu2

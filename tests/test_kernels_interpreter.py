@@ -181,7 +181,7 @@ def test_split_tail_matmul(M, K, N):
     assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
-@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "next_tile"), (False, "now")])
+@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (False, "now")])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_split_tail_pipeline_matches_sequential(policy, tma_store, signal):
     """Producers split their tails under both policies, a static consumer too (a workqueue
@@ -220,3 +220,18 @@ def test_split_tail_consumer_times_out_and_recovers():
 def test_split_tail_config_is_checked():
     with pytest.raises(ValueError, match="tail_slice_k"):
         GemmConfig(split_tail=True, tail_slice_k=0)
+
+
+def test_aligned_consumer_ctas():
+    from ctapipelining.pipeline import aligned_ctas
+
+    cfg = GemmConfig(group_m=4, align_rounds=True)
+    assert aligned_ctas(132, deps.TileGrid(16384, 8192, 128, 256), cfg) == 128  # groups of 4 x 32 tiles
+    assert aligned_ctas(132, deps.TileGrid(16384, 4096, 128, 256), cfg) == 128  # two groups of 64
+    assert aligned_ctas(132, deps.TileGrid(16384, 7000, 128, 256), cfg) == 132  # 112 would idle 20 SMs
+    assert aligned_ctas(4, deps.TileGrid(48, 64, 16, 16), SMALL) == 4
+
+
+def test_split_tail_refuses_next_tile_signal():
+    with pytest.raises(ValueError, match="next_tile"):
+        GemmConfig(tma_store=True, signal="next_tile", split_tail=True)

@@ -56,6 +56,9 @@ class GemmConfig:
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle,
     slices of at least ``tail_slice_k`` K-steps (:class:`ctapipelining.deps.TailSplit`; plain
     and ``static`` kernels and producers; a ``workqueue`` consumer's order is dynamic).
+    ``align_rounds``: a ``static`` consumer runs on a multiple of its order's group
+    (``group_m`` row-blocks) of CTAs, when that idles at most 1/16 of the SMs, so each of its
+    rounds is whole groups (see :meth:`ctapipelining.pipeline.Pipeline.plan`).
     """
 
     block_m: int = 128
@@ -70,12 +73,16 @@ class GemmConfig:
     signal: str = "now"
     split_tail: bool = False
     tail_slice_k: int = 16
+    align_rounds: bool = False
 
     def __post_init__(self):
         if self.signal not in SIGNAL_MODES:
             raise ValueError(f"GemmConfig.signal must be one of {sorted(SIGNAL_MODES)}, got {self.signal!r}")
         if self.signal == "next_tile" and not self.tma_store:
             raise ValueError("GemmConfig(signal='next_tile') needs tma_store=True (it waits on bulk-store groups)")
+        if self.split_tail and self.signal == "next_tile":
+            # measured wrong on 2x H200 (benchmarks/results/2026-11-30-h200x2-s3): not understood, so refused
+            raise ValueError("GemmConfig(split_tail=True) does not support signal='next_tile'")
         if self.tail_slice_k < 1:
             raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
 
