@@ -18,6 +18,10 @@ A producer may signal a stored tile right after its store, or a quarter into its
 K loop, once the writes have drained (``GemmConfig.signal``; see :func:`_epilogue`). That is the
 one place the hooks reach into the K loop: a single branch at one step. With both hooks off the
 branches vanish at compile time and the kernel is the plain persistent GEMM.
+
+``SPLIT_TAIL`` (:func:`_split_tail`, :class:`ctapipelining.deps.TailSplit`) changes the schedule,
+not the protocol: the persistent loop runs the full rounds, and the partial last round's tiles
+are computed as K-slices by the CTAs that would otherwise idle, then summed in a fixed order.
 """
 
 from dataclasses import dataclass
@@ -103,7 +107,13 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   into the CTA's next tile (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286; signalling
 #   right after the store: 3.396; whole chain 3.414 vs 3.600 ms), flattened loop (tune-d: 3.329
 #   vs 3.378 ms). TMA-store producers measured 2% faster in tune-d and 1% slower in tune-c.
-PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, flatten=True, tma_store=True)
+# - split tail (2026-11-30-h200x2-s3/split-tail): the plain GEMM 1.9% faster (paired over 25
+#   interleaved repetitions, 0.981x [0.961-0.998]: faster in every one), so on by default there.
+#   In the chain it bought nothing (static 0.999x, TMA-store producers 1.007x, paired): off in
+#   PIPELINE_CONFIG.
+PLAIN_CONFIG = GemmConfig(
+    128, 256, 64, group_m=8, num_stages=3, num_warps=8, flatten=True, tma_store=True, split_tail=True
+)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, signal="in_loop")
 
 CONFIGS = [
