@@ -8,7 +8,8 @@ launching it. This replays each variant's traced pipeline ``REPLAYS`` times from
 when each stage's first tile started and last tile ended, when the full rounds were done,
 and, per consumer round, how long after the producer's same round the consumer round
 started. The single-stage "pipeline" is the plain GEMM with stamps (the floor's rounds).
-Writes OUT_DIR/trace_replay.json and a timeline PNG per variant.
+Writes OUT_DIR/trace_replay.json, the raw stamps (``trace_replay_stamps.npz``: per variant and
+stage ``[tiles, 5]`` ns, GPU-own clocks, and the offset) and a timeline PNG per variant.
 """
 
 import dataclasses
@@ -72,6 +73,7 @@ def analyse(pipe: Pipeline, stamps: list[np.ndarray]) -> dict:
 
 
 report = dict(M=M, K=K, replays=REPLAYS, offset_ns=link.offset_ns, one_way_ns=link.one_way_ns, variants={})
+raw = {}  # every stage's stamps, for analyses not thought of yet
 pipes = []  # a CUDA graph keeps addresses, not buffers: keep every pipeline alive
 for name, (ws, cfg) in VARIANTS.items():
     pipe = Pipeline(ws, config=cfg, trace=True)
@@ -84,6 +86,7 @@ for name, (ws, cfg) in VARIANTS.items():
         torch.cuda.synchronize(d)
     pipe.check_errors()
     stamps = pipe.traces(M)
+    raw.update({f"{name}_stage{s}": t for s, t in enumerate(stamps)})
     report["variants"][name] = r = analyse(pipe, stamps)
     offsets = [0.0, link.offset_ns][: len(ws)]
     trace.plot_timeline(stamps, offsets, out_dir / f"replay_{name}.png", f"X[{M},{K}] replayed, {name}")
@@ -94,3 +97,4 @@ for name, (ws, cfg) in VARIANTS.items():
     if len(r["stages"]) > 1:
         print("  consumer round lag (us):", r["stages"][1]["round_lag_us"], flush=True)
 (out_dir / "trace_replay.json").write_text(json.dumps(report, indent=1))
+np.savez_compressed(out_dir / "trace_replay_stamps.npz", offset_ns=link.offset_ns, **raw)
