@@ -37,8 +37,8 @@ x = torch.randn(M, K, device="cuda:0").bfloat16()
 link = trace.clock_offset(0, 1, rounds=200)
 VARIANTS = {
     "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
-    "static": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
-    "static_split": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
+    "static": ([A, B], PIPELINE_CONFIG),
+    "static_aligned": ([A, B], dataclasses.replace(PIPELINE_CONFIG, align_rounds=True)),
     "static_split_aligned": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True, align_rounds=True)),
 }
 

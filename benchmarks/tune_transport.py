@@ -66,10 +66,9 @@ methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.sele
 TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 split = lambda cfg, on=True: dataclasses.replace(cfg, split_tail=on)  # noqa: E731
 PLAIN = {
-    "plain_g8_tma_flatten (PLAIN_CONFIG)": split(PLAIN_CONFIG, False),
-    "plain_g8_tma_flatten_split": split(PLAIN_CONFIG),
+    "plain_g8_tma_flatten (PLAIN_CONFIG, split tail)": PLAIN_CONFIG,
+    "plain_g8_tma_flatten_whole_tail": split(PLAIN_CONFIG, False),
     "plain_g4_flatten (PIPELINE_CONFIG)": split(PIPELINE_CONFIG, False),
-    "plain_g4_flatten_split": split(PIPELINE_CONFIG),
 }
 for name, cfg in PLAIN.items():
 
@@ -109,14 +108,15 @@ guarded("tp", build_tp)
 align = lambda cfg: dataclasses.replace(cfg, align_rounds=True)  # noqa: E731
 PIPES = {
     "cta_static": dict(config=split(PIPELINE_CONFIG, False)),
-    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
-    "cta_static_aligned": dict(config=align(split(PIPELINE_CONFIG, False))),
-    "cta_static_split_aligned": dict(config=align(split(PIPELINE_CONFIG))),
     "cta_static_tma": dict(config=split(TMA, False)),
+    "cta_static_aligned": dict(config=align(split(PIPELINE_CONFIG, False))),
+    "cta_static_tma_aligned": dict(config=align(split(TMA, False))),
+    "cta_static_split_aligned": dict(config=align(split(PIPELINE_CONFIG))),
     "cta_static_tma_split_aligned": dict(config=align(split(TMA))),
     "cta_workqueue": dict(policy="workqueue", config=split(PIPELINE_CONFIG, False)),
+    "cta_workqueue_tma": dict(policy="workqueue", config=split(TMA, False)),
 }
-ALONE = ("cta_static", "cta_static_split", "cta_static_tma_split_aligned")  # producer-alone lines
+ALONE = ("cta_static", "cta_static_tma")  # producer-alone lines
 pipes = {}
 for name, kw in PIPES.items():
 
@@ -188,42 +188,3 @@ log(f"best micro-batching: {best_mb} {med[best_mb]:.4f} ms")
         dict(environment=environment(), M=M, K=K, reps=REPS, best_microbatch=best_mb, notes=notes, rows=rows), indent=1
     )
 )
-
-
-# -- one traced call per tail variant: when each stage's last tiles ran ------------------------
-def traced(name, cfg):
-    pipe = Pipeline(ws, policy="static", config=cfg, trace=True)
-    for _ in range(3):
-        pipe(rot.xs[0])
-    stamps = pipe.traces(M)
-    shifted = [t[:, :4] - (0 if s == 0 else link.offset_ns) for s, t in enumerate(stamps)]
-    t0 = shifted[0][:, trace.START].min()
-    row = dict(chain_ms=round(float((shifted[-1][:, trace.DONE].max() - t0) / 1e6), 4))
-    for s, t in enumerate(shifted):
-        done = np.sort(t[:, trace.DONE] - t0) / 1e6
-        P = pipe.plan(M).num_ctas[s]
-        row[f"stage{s}"] = dict(
-            first_start_ms=round(float((t[:, trace.START].min() - t0) / 1e6), 4),
-            full_rounds_done_ms=round(float(done[(len(done) // P) * P - 1]), 4),  # last tile of the full rounds
-            last_done_ms=round(float(done[-1]), 4),
-        )
-    trace.plot_timeline(stamps, [0.0, link.offset_ns], out_dir / f"timeline_{name}.png", f"X[{M},{K}] @ A @ B, {name}")
-    log(f"trace {name}: {row}")
-    return row
-
-
-try:
-    import numpy as np
-
-    from ctapipelining import trace
-
-    link = trace.clock_offset(0, 1, rounds=200)
-    traces = {
-        n: traced(n, c)
-        for n, c in [("static", split(PIPELINE_CONFIG, False)), ("static_split", split(PIPELINE_CONFIG))]
-    }
-    (out_dir / "traces.json").write_text(
-        json.dumps(dict(offset_ns=link.offset_ns, one_way_ns=link.one_way_ns, traces=traces), indent=1)
-    )
-except Exception:
-    traceback.print_exc()
