@@ -39,7 +39,7 @@ VARIANTS = {
     "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
     "static": ([A, B], PIPELINE_CONFIG),
     "static_aligned": ([A, B], dataclasses.replace(PIPELINE_CONFIG, align_rounds=True)),
-    "static_split_aligned": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True, align_rounds=True)),
+    "static_one_poller": ([A, B], dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")),
 }
 
 

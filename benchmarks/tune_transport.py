@@ -115,6 +115,11 @@ PIPES = {
     "cta_static_tma_split_aligned": dict(config=align(split(TMA))),
     "cta_workqueue": dict(policy="workqueue", config=split(PIPELINE_CONFIG, False)),
     "cta_workqueue_tma": dict(policy="workqueue", config=split(TMA, False)),
+    "cta_static_one_poller": dict(config=dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")),
+    "cta_static_tma_aligned_one_poller": dict(config=dataclasses.replace(align(TMA), poll="one_thread")),
+    "cta_workqueue_one_poller": dict(
+        policy="workqueue", config=dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")
+    ),
 }
 ALONE = ("cta_static", "cta_static_tma")  # producer-alone lines
 pipes = {}

@@ -235,3 +235,18 @@ def test_aligned_consumer_ctas():
 def test_split_tail_refuses_next_tile_signal():
     with pytest.raises(ValueError, match="next_tile"):
         GemmConfig(tma_store=True, signal="next_tile", split_tail=True)
+
+
+def test_poll_mode_is_checked():
+    with pytest.raises(ValueError, match="poll must be one of"):
+        GemmConfig(poll="some_threads")
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_one_thread_poll_chain(policy):
+    """Under the interpreter the waits poll with atomics either way; the flag must reach the
+    kernel and leave the result right."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 24)]]
+    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, poll="one_thread"))
+    x = torch.randn(50, 64).half()
+    assert rel_err(pipe(x), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]

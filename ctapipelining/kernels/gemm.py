@@ -43,6 +43,7 @@ from .sync import (
 # When a producer signals a stored tile (see _epilogue); GemmConfig.signal names them.
 SIGNAL_NOW, SIGNAL_NEXT_TILE, SIGNAL_IN_LOOP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 SIGNAL_MODES = {"now": SIGNAL_NOW.value, "next_tile": SIGNAL_NEXT_TILE.value, "in_loop": SIGNAL_IN_LOOP.value}
+POLL_MODES = ("every_thread", "one_thread")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class GemmConfig:
     ``align_rounds``: a ``static`` consumer runs on a multiple of its order's group
     (``group_m`` row-blocks) of CTAs, when that idles at most 1/16 of the SMs, so each of its
     rounds is whole groups (see :meth:`ctapipelining.pipeline.Pipeline.plan`).
+    ``poll``: who spins on a consumer's counter or ring slot, ``"every_thread"`` or
+    ``"one_thread"`` (see :func:`ctapipelining.kernels.sync.wait_geq`).
     """
 
     block_m: int = 128
@@ -78,6 +81,7 @@ class GemmConfig:
     split_tail: bool = False
     tail_slice_k: int = 16
     align_rounds: bool = False
+    poll: str = "every_thread"
 
     def __post_init__(self):
         if self.signal not in SIGNAL_MODES:
@@ -87,6 +91,8 @@ class GemmConfig:
         if self.split_tail and self.signal == "next_tile":
             # measured wrong on 2x H200 (benchmarks/results/2026-11-30-h200x2-s3): not understood, so refused
             raise ValueError("GemmConfig(split_tail=True) does not support signal='next_tile'")
+        if self.poll not in POLL_MODES:
+            raise ValueError(f"GemmConfig.poll must be one of {POLL_MODES}, got {self.poll!r}")
         if self.tail_slice_k < 1:
             raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
 
@@ -334,6 +340,7 @@ def _split_tail(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WAIT_INPUT: tl.constexpr, SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
+    ONE_POLLER: tl.constexpr,
 ):  # fmt: skip
     """After the full rounds: this CTA's slice of the split tail (:class:`ctapipelining.deps.TailSplit`).
 
@@ -355,7 +362,7 @@ def _split_tail(
         ready = True
         if WAIT_INPUT:
             ready = wait_counter(
-                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
+                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET, ONE_POLLER
             )
         if ready:
             if WAIT_INPUT:
@@ -442,6 +449,7 @@ def gemm_kernel(
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     SPLIT_TAIL: tl.constexpr,
+    ONE_POLLER: tl.constexpr,
     TRACE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -462,7 +470,7 @@ def gemm_kernel(
         pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
         while pos < num_tiles:
             t_wait = _now(TRACE)
-            tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
+            tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET, ONE_POLLER)
             if ok:
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
@@ -485,7 +493,16 @@ def gemm_kernel(
             if WAIT_INPUT:
                 if alive:  # after a timeout the CTA skips its remaining tiles
                     alive = wait_counter(
-                        in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
+                        in_counters,
+                        in_counter_of_tile,
+                        in_need,
+                        tile,
+                        epoch,
+                        err_ptr,
+                        stage,
+                        timeout_ns,
+                        INTERPRET,
+                        ONE_POLLER,
                     )
             if alive:
                 pending = _process_tile(
@@ -505,5 +522,5 @@ def gemm_kernel(
             k_tiles, stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
             out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
             stage, timeout_ns, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WAIT_INPUT, SIGNAL_OUTPUT, QUEUE,
-            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET, ONE_POLLER,
         )  # fmt: skip
