@@ -86,6 +86,8 @@ for name, (ws, cfg) in VARIANTS.items():
         torch.cuda.synchronize(d)
     pipe.check_errors()
     stamps = pipe.traces(M)
+    after = trace.clock_offset(0, 1, rounds=200)  # %globaltimer can jump: an offset measured later may differ
+    report.setdefault("offset_after_ns", {})[name] = after.offset_ns
     raw.update({f"{name}_stage{s}": t for s, t in enumerate(stamps)})
     report["variants"][name] = r = analyse(pipe, stamps)
     offsets = [0.0, link.offset_ns][: len(ws)]
