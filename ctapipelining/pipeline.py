@@ -127,11 +127,11 @@ def aligned_ctas(num_ctas: int, grid: deps.TileGrid, config: GemmConfig) -> int:
     A consumer tile can start once its producer row-blocks are written, and in the grouped
     order a group's row-blocks are all finished only at the group's end. With 132 CTAs and
     groups of 128 tiles (4 row-blocks x 32 tiles), round ``r`` of a consumer holds the first
-    ``4(r + 1)`` tiles of group ``r + 1``: those CTAs wait a round, and since every CTA
-    keeps its place in the order, they stay a round behind; the run ends two rounds after the
-    producer instead of one (``benchmarks/trace_replay.py``). On a multiple of the group size
-    (128) round ``r`` is group ``r`` and nothing falls behind. Used when it idles at most 1/16
-    of the CTAs; otherwise ``num_ctas``.
+    ``4(r + 1)`` tiles of group ``r + 1``: those CTAs wait for the producer's next round, and
+    since every CTA keeps its place in the order, they stay behind (in a replayed trace the
+    median consumer round fell a further round behind the producer's from round 16 on:
+    ``benchmarks/results/2026-11-30-h200x2-s3``). On a multiple of the group size (128) round
+    ``r`` is group ``r``. Used when it idles at most 1/16 of the CTAs; otherwise ``num_ctas``.
     """
     group = config.group_m * grid.num_n
     aligned = (num_ctas // group) * group
