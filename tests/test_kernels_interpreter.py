@@ -250,3 +250,22 @@ def test_one_thread_poll_chain(policy):
     pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, poll="one_thread"))
     x = torch.randn(50, 64).half()
     assert rel_err(pipe(x), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
+
+
+@pytest.mark.parametrize("split_tail", [False, True])
+def test_aligned_consumer_runs_whole_groups(monkeypatch, split_tail):
+    """With 17 'SMs' and consumer groups of 2 row-blocks x 2 tiles, the static consumer runs on
+    16 CTAs; the chain is still bitwise the sequential GEMMs (the producer may split its tail)."""
+    import ctapipelining.gemm as host
+
+    monkeypatch.setattr(host, "num_sms", lambda device: 17)
+    cfg = dataclasses.replace(SPLIT if split_tail else SMALL, align_rounds=True)
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 112), (112, 32)]]
+    pipe = Pipeline(ws, policy="static", config=cfg)
+    x = torch.randn(150, 64).half()
+    plan = pipe.plan(150)
+    assert plan.num_ctas == [17, 16]
+    assert (plan.tails[0] is not None) == split_tail and plan.tails[1] is None
+    plan.inputs[1].fill_(float("nan"))
+    ref = matmul(matmul(x, ws[0], config=pipe.stage_config(0)), ws[1], config=pipe.stage_config(1))
+    assert torch.equal(pipe(x), ref)
