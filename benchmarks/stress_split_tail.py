@@ -70,7 +70,6 @@ if torch.cuda.device_count() >= 2:
         "static_tma_in_loop_split": dataclasses.replace(TMA, split_tail=True),
         "static_tma_next_tile": dataclasses.replace(TMA, signal="next_tile"),
         "static_tma_now_split": dataclasses.replace(TMA, signal="now", split_tail=True),
-        "static_stores_in_loop_split_aligned": dataclasses.replace(PIPELINE_CONFIG, split_tail=True, align_rounds=True),
     }
     for name, cfg in variants.items():
         pipe = Pipeline([A, B], policy="static", config=cfg)

@@ -38,8 +38,7 @@ link = trace.clock_offset(0, 1, rounds=200)
 VARIANTS = {
     "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
     "static": ([A, B], PIPELINE_CONFIG),
-    "static_aligned": ([A, B], dataclasses.replace(PIPELINE_CONFIG, align_rounds=True)),
-    "static_one_poller": ([A, B], dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")),
+    "static_split": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
 }
 
 

@@ -63,7 +63,6 @@ def guarded(name, build):
 
 # -- floors ------------------------------------------------------------------------------------
 methods.append(Method("cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select))
-TMA = dataclasses.replace(PIPELINE_CONFIG, tma_store=True)
 split = lambda cfg, on=True: dataclasses.replace(cfg, split_tail=on)  # noqa: E731
 PLAIN = {
     "plain_g8_tma_flatten (PLAIN_CONFIG, split tail)": PLAIN_CONFIG,
@@ -105,23 +104,15 @@ def build_tp():
 guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
-align = lambda cfg: dataclasses.replace(cfg, align_rounds=True)  # noqa: E731
+STORES = dataclasses.replace(PIPELINE_CONFIG, tma_store=False)
 PIPES = {
-    "cta_static": dict(config=split(PIPELINE_CONFIG, False)),
-    "cta_static_tma": dict(config=split(TMA, False)),
-    "cta_static_aligned": dict(config=align(split(PIPELINE_CONFIG, False))),
-    "cta_static_tma_aligned": dict(config=align(split(TMA, False))),
-    "cta_static_split_aligned": dict(config=align(split(PIPELINE_CONFIG))),
-    "cta_static_tma_split_aligned": dict(config=align(split(TMA))),
-    "cta_workqueue": dict(policy="workqueue", config=split(PIPELINE_CONFIG, False)),
-    "cta_workqueue_tma": dict(policy="workqueue", config=split(TMA, False)),
-    "cta_static_one_poller": dict(config=dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")),
-    "cta_static_tma_aligned_one_poller": dict(config=dataclasses.replace(align(TMA), poll="one_thread")),
-    "cta_workqueue_one_poller": dict(
-        policy="workqueue", config=dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")
-    ),
+    "cta_static": dict(),
+    "cta_static_stores": dict(config=STORES),
+    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
+    "cta_workqueue": dict(policy="workqueue"),
+    "cta_workqueue_stores": dict(policy="workqueue", config=STORES),
 }
-ALONE = ("cta_static", "cta_static_tma")  # producer-alone lines
+ALONE = ("cta_static", "cta_static_stores")  # producer-alone lines
 pipes = {}
 for name, kw in PIPES.items():
 

@@ -213,7 +213,6 @@ def launch_gemm(
         # the signal's and the split tail's CTA barriers need every warp
         WARP_SPECIALIZE=cfg.warp_specialize and signal is None and split is None,
         SPLIT_TAIL=split is not None,
-        ONE_POLLER=cfg.poll == "one_thread",
         TRACE=trace is not None,
         INTERPRET=interpreting(),
         num_stages=cfg.num_stages,

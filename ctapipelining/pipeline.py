@@ -121,23 +121,6 @@ class Plan:
         return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
 
 
-def aligned_ctas(num_ctas: int, grid: deps.TileGrid, config: GemmConfig) -> int:
-    """CTAs for a ``static`` consumer so that each round is whole groups of its tile order.
-
-    A consumer tile can start once its producer row-blocks are written, and in the grouped
-    order a group's row-blocks are all finished only at the group's end. With 132 CTAs and
-    groups of 128 tiles (4 row-blocks x 32 tiles), round ``r`` of a consumer holds the first
-    ``4(r + 1)`` tiles of group ``r + 1``: those CTAs wait for the producer's next round, and
-    since every CTA keeps its place in the order, they stay behind (in a replayed trace the
-    median consumer round fell a further round behind the producer's from round 16 on:
-    ``benchmarks/results/2026-11-30-h200x2-s3``). On a multiple of the group size (128) round
-    ``r`` is group ``r``. Used when it idles at most 1/16 of the CTAs; otherwise ``num_ctas``.
-    """
-    group = config.group_m * grid.num_n
-    aligned = (num_ctas // group) * group
-    return aligned if aligned and 16 * (num_ctas - aligned) <= num_ctas else num_ctas
-
-
 class Pipeline:
     """A chain ``x @ W_0 @ W_1 @ ...`` with stage ``s`` on ``W_s``'s device.
 
@@ -212,11 +195,9 @@ class Pipeline:
 
     def stage_config(self, s: int) -> GemmConfig:
         """The configuration stage ``s`` runs: :attr:`config`, without a split tail for a
-        ``workqueue`` consumer (it runs whole tiles in readiness order) or an aligned one (its
-        grid differs from the plain GEMM's). The sequential GEMMs with these configurations
-        give bitwise the chain's result."""
-        consumer = s > 0 and (self.policy.uses_queue or self.config.align_rounds)
-        if consumer and self.config.split_tail:
+        ``workqueue`` consumer (it runs whole tiles in readiness order). The sequential GEMMs
+        with these configurations give bitwise the chain's result."""
+        if s > 0 and self.policy.uses_queue and self.config.split_tail:
             return dataclasses.replace(self.config, split_tail=False)
         return self.config
 
@@ -233,8 +214,6 @@ class Pipeline:
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
-        if cfg.align_rounds and not self.policy.uses_queue:
-            num_ctas[1:] = [aligned_ctas(p, g, cfg) for p, g in zip(num_ctas[1:], grids[1:])]
         splits = [
             tail_split(M, w.shape[1], w.shape[0], self.stage_config(s), p) for s, (w, p) in enumerate(zip(ws, num_ctas))
         ]

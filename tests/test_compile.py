@@ -90,12 +90,3 @@ def test_split_tail_keeps_the_main_loop_pipelined_and_adds_only_gpu_scope_atomic
     assert report["plain+split_tail"]["atom_sys"] == 0 and report["plain"]["atom_gpu"] == report["plain"]["ld_cg"] == 0
     # the tail signals its tiles once: one more release at system scope than the producer without it
     assert report["signal_static+in_loop+split_tail"]["atom_sys"] == report["signal_static+in_loop"]["atom_sys"] + 1
-
-
-def test_one_poller_spins_in_thread_0_then_broadcasts_one_acquiring_read(report):
-    for name in ("wait_static", "wait_workqueue"):
-        r, b = report[name + "+one_poller"], report[name]
-        assert r["spin_in_thread_0"] == 1 and b["spin_in_thread_0"] == 0, name
-        assert r["ld_acquire_sys"] == b["ld_acquire_sys"] == 1, name  # the bounded spin, once
-        assert r["ld_sys_acquire"] == b["ld_sys_acquire"] + 1, name  # the broadcast read
-        assert r["smem"] == b["smem"] and r["wgmma"] == b["wgmma"], name

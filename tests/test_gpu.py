@@ -150,53 +150,6 @@ def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("tma_store", [False, True])
-def test_aligned_consumer_bitwise(tma_store):
-    """A static consumer on 128 CTAs (whole groups per round) with split-tail producers."""
-    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, align_rounds=True, tma_store=tma_store)
-    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy="static", config=cfg)
-    for M in (16384, 3100):
-        plan = pipe.plan(M)
-        assert plan.num_ctas == [num_sms(torch.device("cuda:0")), 128] and plan.tails[1] is None
-        for _ in range(2):
-            x = rand(M, 8192, device="cuda:0")
-            plan.inputs[1].fill_(float("nan"))
-            assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
-
-
-@pytest.mark.gpu2
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_one_thread_poll_bitwise_and_bounded(policy):
-    """Thread 0 spins, one broadcast read: right results eager and replayed, and a lone
-    consumer still times out within its deadline and reports."""
-    cfg = dataclasses.replace(PIPELINE_CONFIG, poll="one_thread")
-    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, config=cfg, timeout_s=0.2)
-    for M in (16384, 3000):
-        x = rand(M, 8192, device="cuda:0")
-        pipe.plan(M).inputs[1].fill_(float("nan"))
-        assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
-    x = rand(16384, 8192, device="cuda:0")
-    out = torch.empty(16384, 8192, dtype=torch.bfloat16, device="cuda:1")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        pipe(x, out=out, check=False)
-    for _ in range(3):
-        x.copy_(rand(16384, 8192, device="cuda:0"))
-        g.replay()
-        torch.cuda.synchronize(1)
-        assert torch.equal(out, sequential_triton(x, ws, pipe))
-    pipe.check_errors()
-    plan = pipe.plan(3000)
-    t0 = time.perf_counter()
-    pipe._launch(plan, x[:3000], torch.empty(3000, 8192, dtype=torch.bfloat16, device="cuda:1"), only=[1])
-    with pytest.raises(PipelineTimeout, match="stage 1 on cuda:1"):
-        pipe.check_errors(plan)
-    assert time.perf_counter() - t0 < 2.0
-
-
-@pytest.mark.gpu2
 def test_split_tail_lone_consumer_times_out_and_recovers():
     cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
     ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])

@@ -222,50 +222,6 @@ def test_split_tail_config_is_checked():
         GemmConfig(split_tail=True, tail_slice_k=0)
 
 
-def test_aligned_consumer_ctas():
-    from ctapipelining.pipeline import aligned_ctas
-
-    cfg = GemmConfig(group_m=4, align_rounds=True)
-    assert aligned_ctas(132, deps.TileGrid(16384, 8192, 128, 256), cfg) == 128  # groups of 4 x 32 tiles
-    assert aligned_ctas(132, deps.TileGrid(16384, 4096, 128, 256), cfg) == 128  # two groups of 64
-    assert aligned_ctas(132, deps.TileGrid(16384, 7000, 128, 256), cfg) == 132  # 112 would idle 20 SMs
-    assert aligned_ctas(4, deps.TileGrid(48, 64, 16, 16), SMALL) == 4
-
-
 def test_split_tail_refuses_next_tile_signal():
     with pytest.raises(ValueError, match="next_tile"):
         GemmConfig(tma_store=True, signal="next_tile", split_tail=True)
-
-
-def test_poll_mode_is_checked():
-    with pytest.raises(ValueError, match="poll must be one of"):
-        GemmConfig(poll="some_threads")
-
-
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_one_thread_poll_chain(policy):
-    """Under the interpreter the waits poll with atomics either way; the flag must reach the
-    kernel and leave the result right."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 24)]]
-    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, poll="one_thread"))
-    x = torch.randn(50, 64).half()
-    assert rel_err(pipe(x), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
-
-
-@pytest.mark.parametrize("split_tail", [False, True])
-def test_aligned_consumer_runs_whole_groups(monkeypatch, split_tail):
-    """With 17 'SMs' and consumer groups of 2 row-blocks x 2 tiles, the static consumer runs on
-    16 CTAs; the chain is still bitwise the sequential GEMMs (the producer may split its tail)."""
-    import ctapipelining.gemm as host
-
-    monkeypatch.setattr(host, "num_sms", lambda device: 17)
-    cfg = dataclasses.replace(SPLIT if split_tail else SMALL, align_rounds=True)
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 112), (112, 32)]]
-    pipe = Pipeline(ws, policy="static", config=cfg)
-    x = torch.randn(150, 64).half()
-    plan = pipe.plan(150)
-    assert plan.num_ctas == [17, 16]
-    assert (plan.tails[0] is not None) == split_tail and plan.tails[1] is None
-    plan.inputs[1].fill_(float("nan"))
-    ref = matmul(matmul(x, ws[0], config=pipe.stage_config(0)), ws[1], config=pipe.stage_config(1))
-    assert torch.equal(pipe(x), ref)

@@ -26,8 +26,6 @@ PATTERNS = {
     "bulk_wait_complete": r"cp\.async\.bulk\.wait_group [0-9]",
     "atom_gpu": r"atom\.[a-z_.]*gpu",
     "ld_cg": r"ld\.global\.cg",
-    "ld_sys_acquire": r"ld\.global\.sys\.acquire",
-    "spin_in_thread_0": r"mov\.u32 %wx, %tid\.x",
 }
 VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "plain": (False, False, False),
@@ -91,7 +89,6 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         FLATTEN=False,
         WARP_SPECIALIZE=False,
         SPLIT_TAIL=False,
-        ONE_POLLER=False,
         TRACE=False,
     ) | {k.upper(): v for k, v in options.items()}
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
@@ -114,9 +111,6 @@ def report() -> dict:
     builds += [("plain+tma_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": True})]
     builds += [("signal_static+in_loop+split_tail", VARIANTS["signal_static"], {"signal_when": 2, "split_tail": True})]
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
-    builds += [
-        (name + "+one_poller", VARIANTS[name], {"one_poller": True}) for name in ("wait_static", "wait_workqueue")
-    ]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

@@ -43,7 +43,6 @@ from .sync import (
 # When a producer signals a stored tile (see _epilogue); GemmConfig.signal names them.
 SIGNAL_NOW, SIGNAL_NEXT_TILE, SIGNAL_IN_LOOP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 SIGNAL_MODES = {"now": SIGNAL_NOW.value, "next_tile": SIGNAL_NEXT_TILE.value, "in_loop": SIGNAL_IN_LOOP.value}
-POLL_MODES = ("every_thread", "one_thread")
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,6 @@ class GemmConfig:
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle,
     slices of at least ``tail_slice_k`` K-steps (:class:`ctapipelining.deps.TailSplit`; plain
     and ``static`` kernels and producers; a ``workqueue`` consumer's order is dynamic).
-    ``align_rounds``: a ``static`` consumer runs on a multiple of its order's group
-    (``group_m`` row-blocks) of CTAs, when that idles at most 1/16 of the SMs, so each of its
-    rounds is whole groups (see :meth:`ctapipelining.pipeline.Pipeline.plan`).
-    ``poll``: who spins on a consumer's counter or ring slot, ``"every_thread"`` or
-    ``"one_thread"`` (see :func:`ctapipelining.kernels.sync.wait_geq`).
     """
 
     block_m: int = 128
@@ -80,8 +74,6 @@ class GemmConfig:
     signal: str = "now"
     split_tail: bool = False
     tail_slice_k: int = 16
-    align_rounds: bool = False
-    poll: str = "every_thread"
 
     def __post_init__(self):
         if self.signal not in SIGNAL_MODES:
@@ -91,8 +83,6 @@ class GemmConfig:
         if self.split_tail and self.signal == "next_tile":
             # measured wrong on 2x H200 (benchmarks/results/2026-11-30-h200x2-s3): not understood, so refused
             raise ValueError("GemmConfig(split_tail=True) does not support signal='next_tile'")
-        if self.poll not in POLL_MODES:
-            raise ValueError(f"GemmConfig.poll must be one of {POLL_MODES}, got {self.poll!r}")
         if self.tail_slice_k < 1:
             raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
 
@@ -109,10 +99,14 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 # - plain GEMM: grouped order (B reused in L2), TMA-store epilogue, flattened persistent loop:
 #   0.90-0.95x cuBLAS in tune-a..d (flatten: 1-5% faster than without in each of them).
 # - pipeline: groups of 4 row-blocks (128 tiles, about one wave of 132 CTAs, so each wave
-#   completes consumer row-blocks), ordinary stores into the peer, each tile signalled a quarter
+#   completes consumer row-blocks), each tile signalled a quarter
 #   into the CTA's next tile (tune-c: producer alone 3.280 ms = the plain GEMM's 3.286; signalling
 #   right after the store: 3.396; whole chain 3.414 vs 3.600 ms), flattened loop (tune-d: 3.329
-#   vs 3.378 ms). TMA-store producers measured 2% faster in tune-d and 1% slower in tune-c.
+#   vs 3.378 ms). TMA-store producers: 1% slower in tune-c (signalled right after the store),
+#   then faster in every later run, paired per repetition over the whole chain: 0.980 (tune-d),
+#   0.988 (tune-g), 0.995 (final), 0.994 (final-check), 0.980 (s3/split-tail), 0.992
+#   (s3/final-variants): the default since session 3 (their writes into the peer are
+#   asynchronous bulk copies; ordinary stores hold the CTA until issued).
 # - split tail (2026-11-30-h200x2-s3/split-tail): the plain GEMM 1.9% faster (paired over 25
 #   interleaved repetitions, 0.981x [0.961-0.998]: faster in every one), so on by default there.
 #   In the chain it bought nothing (static 0.999x, TMA-store producers 1.007x, paired): off in
@@ -120,7 +114,9 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 PLAIN_CONFIG = GemmConfig(
     128, 256, 64, group_m=8, num_stages=3, num_warps=8, flatten=True, tma_store=True, split_tail=True
 )
-PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, signal="in_loop")
+PIPELINE_CONFIG = GemmConfig(
+    128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, tma_store=True, signal="in_loop"
+)
 
 CONFIGS = [
     PLAIN_CONFIG,
@@ -340,7 +336,6 @@ def _split_tail(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WAIT_INPUT: tl.constexpr, SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
     MAX_SIGNALS: tl.constexpr, TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
-    ONE_POLLER: tl.constexpr,
 ):  # fmt: skip
     """After the full rounds: this CTA's slice of the split tail (:class:`ctapipelining.deps.TailSplit`).
 
@@ -362,7 +357,7 @@ def _split_tail(
         ready = True
         if WAIT_INPUT:
             ready = wait_counter(
-                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET, ONE_POLLER
+                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
             )
         if ready:
             if WAIT_INPUT:
@@ -449,7 +444,6 @@ def gemm_kernel(
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     SPLIT_TAIL: tl.constexpr,
-    ONE_POLLER: tl.constexpr,
     TRACE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -470,7 +464,7 @@ def gemm_kernel(
         pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
         while pos < num_tiles:
             t_wait = _now(TRACE)
-            tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET, ONE_POLLER)
+            tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:
                 pending = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
@@ -493,16 +487,7 @@ def gemm_kernel(
             if WAIT_INPUT:
                 if alive:  # after a timeout the CTA skips its remaining tiles
                     alive = wait_counter(
-                        in_counters,
-                        in_counter_of_tile,
-                        in_need,
-                        tile,
-                        epoch,
-                        err_ptr,
-                        stage,
-                        timeout_ns,
-                        INTERPRET,
-                        ONE_POLLER,
+                        in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
                     )
             if alive:
                 pending = _process_tile(
@@ -522,5 +507,5 @@ def gemm_kernel(
             k_tiles, stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
             out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
             stage, timeout_ns, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WAIT_INPUT, SIGNAL_OUTPUT, QUEUE,
-            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET, ONE_POLLER,
+            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
         )  # fmt: skip

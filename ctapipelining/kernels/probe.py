@@ -25,10 +25,10 @@ def pingpong_kernel(local_flag, remote_flag, out, rounds, timeout_ns, SERVE: tl.
         if SERVE:
             t_send = globaltimer()
             tl.atomic_xchg(remote_flag, i, sem="release", scope="sys")
-            seen = wait_geq(local_flag, i, timeout_ns, False, False)
+            seen = wait_geq(local_flag, i, timeout_ns, False)
             t_recv = globaltimer()
         else:
-            seen = wait_geq(local_flag, i, timeout_ns, False, False)
+            seen = wait_geq(local_flag, i, timeout_ns, False)
             t_recv = globaltimer()
             tl.atomic_xchg(remote_flag, i, sem="release", scope="sys")
         i += 1

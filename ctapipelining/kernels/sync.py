@@ -32,10 +32,7 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
 1. every thread spins with ``ld.acquire.sys`` on the counter (``static``) or on the ring slot
    (``workqueue``), so each thread is ordered after the producers' releases without a
    block-wide barrier per poll; the loop is in one inline-PTX block bounded by a
-   ``%globaltimer`` deadline. With ``ONE_POLLER`` only thread 0 spins, and then one acquiring
-   read (a scalar atomic, which Triton runs in one thread and broadcasts through shared memory
-   behind a CTA barrier) gives every thread the same value, ordered after that acquire: 1/256
-   of the polling traffic on the counter's line, for one extra read and barrier per wait;
+   ``%globaltimer`` deadline;
 2. ``fence.proxy.async.global``: the data was written through the generic proxy and is read
    by TMA (the async proxy); the proxy fence orders the acquire before those reads;
 3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
@@ -63,30 +60,6 @@ _SPIN_PTX = tl.constexpr("""
 {
   .reg .pred %wp<2>;
   .reg .u64 %wt<2>;
-  mov.u64 %wt0, %globaltimer;
-  add.u64 %wt0, %wt0, $3;
-WAIT_LOOP:
-  ld.acquire.sys.global.b32 $0, [$1];
-  setp.ge.s32 %wp0, $0, $2;
-  @%wp0 bra WAIT_DONE;
-  mov.u64 %wt1, %globaltimer;
-  setp.lt.u64 %wp1, %wt1, %wt0;
-  @%wp1 bra WAIT_LOOP;
-WAIT_DONE:
-}
-""")
-
-
-# The same, in thread 0 only (the others leave at once with 0); see wait_geq.
-_SPIN_ONE_PTX = tl.constexpr("""
-{
-  .reg .pred %wp<3>;
-  .reg .u64 %wt<2>;
-  .reg .u32 %wx;
-  mov.u32 $0, 0;
-  mov.u32 %wx, %tid.x;
-  setp.ne.u32 %wp2, %wx, 0;
-  @%wp2 bra WAIT_DONE;
   mov.u64 %wt0, %globaltimer;
   add.u64 %wt0, %wt0, $3;
 WAIT_LOOP:
@@ -144,21 +117,15 @@ def cta_barrier(INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr, ONE_POLLER: tl.constexpr):
+def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
     """Spin until ``*ptr >= target`` (int32) with acquire at system scope, at most
-    ``timeout_ns``. Returns the last value seen, the same in every thread: ``< target`` means
-    the wait timed out. ``ONE_POLLER``: thread 0 spins, then one broadcast acquiring read."""
+    ``timeout_ns``. Returns the last value seen: ``< target`` means the wait timed out."""
     if INTERPRET:
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls = 0
         while (seen < target) & (polls < INTERPRET_POLLS):
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             polls += 1
-    elif ONE_POLLER:
-        tl.inline_asm_elementwise(
-            _SPIN_ONE_PTX, "=r,l,r,l", [ptr, target, timeout_ns.to(tl.uint64)], dtype=tl.int32, is_pure=False, pack=1
-        )
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     else:
         seen = tl.inline_asm_elementwise(
             _SPIN_PTX, "=r,l,r,l", [ptr, target, timeout_ns.to(tl.uint64)], dtype=tl.int32, is_pure=False, pack=1
@@ -181,15 +148,12 @@ def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
 
 
 @triton.jit
-def wait_counter(
-    counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr,
-    ONE_POLLER: tl.constexpr,
-):  # fmt: skip
+def wait_counter(counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``static`` policy prologue: wait until the counter of ``tile`` reaches ``epoch * need``.
     Returns True when the tile may run."""
     c = tl.load(counter_of_tile + tile)
     target = epoch * tl.load(need + c)
-    seen = wait_geq(counters + c, target, timeout_ns, INTERPRET, ONE_POLLER)
+    seen = wait_geq(counters + c, target, timeout_ns, INTERPRET)
     if seen < target:
         report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
     return seen >= target
@@ -204,9 +168,7 @@ def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
 
 
 @triton.jit
-def wait_slot(
-    slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr, ONE_POLLER: tl.constexpr
-):
+def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``workqueue`` policy prologue: wait for ring position ``pos`` of run ``epoch`` to be
     filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile``.
 
@@ -216,7 +178,7 @@ def wait_slot(
     target = epoch * num_tiles
     q = (epoch - 1) * num_tiles + pos
     if pos >= 0:
-        seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET, ONE_POLLER)
+        seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
         if seen < target:
             report_timeout(err_ptr, stage, -1, KIND_SLOT, q, seen, target)
     else:
