@@ -225,3 +225,9 @@ def test_split_tail_config_is_checked():
 def test_split_tail_refuses_next_tile_signal():
     with pytest.raises(ValueError, match="next_tile"):
         GemmConfig(tma_store=True, signal="next_tile", split_tail=True)
+
+
+def test_next_tile_refuses_the_flattened_loop():
+    with pytest.raises(ValueError, match="needs flatten=False"):
+        GemmConfig(tma_store=True, signal="next_tile", flatten=True)
+    assert GemmConfig(tma_store=True, signal="next_tile").flatten is False

@@ -55,8 +55,8 @@ class GemmConfig:
     ``for`` loop (plain and ``static`` kernels; the ``workqueue`` consumer loop is dynamic;
     a signalling kernel runs without warp specialisation: its CTA barrier needs every warp).
     ``tma_store``: write each tile with an asynchronous TMA store (else ordinary stores).
-    ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store
-    only) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
+    ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store,
+    loop not flattened) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle,
     slices of at least ``tail_slice_k`` K-steps (:class:`ctapipelining.deps.TailSplit`; plain
     and ``static`` kernels and producers; a ``workqueue`` consumer's order is dynamic).
@@ -80,8 +80,12 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.signal must be one of {sorted(SIGNAL_MODES)}, got {self.signal!r}")
         if self.signal == "next_tile" and not self.tma_store:
             raise ValueError("GemmConfig(signal='next_tile') needs tma_store=True (it waits on bulk-store groups)")
+        if self.signal == "next_tile" and self.flatten:
+            # 2x H200 (benchmarks/results/2026-11-30-h200x2-s3/next-tile): with Triton 3.6's flattened
+            # loop every CTA's last tile was signalled twice, so counters ran ahead of the data
+            raise ValueError("GemmConfig(signal='next_tile') needs flatten=False (flattened, it signals tiles twice)")
         if self.split_tail and self.signal == "next_tile":
-            # measured wrong on 2x H200 (benchmarks/results/2026-11-30-h200x2-s3): not understood, so refused
+            # its failures (2026-11-30-h200x2-s3/replay-trace) were flattened runs; unflattened: not run
             raise ValueError("GemmConfig(split_tail=True) does not support signal='next_tile'")
         if self.tail_slice_k < 1:
             raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
