@@ -68,7 +68,7 @@ if torch.cuda.device_count() >= 2:
     variants = {
         "static_stores_in_loop_split": dataclasses.replace(PIPELINE_CONFIG, split_tail=True),
         "static_tma_in_loop_split": dataclasses.replace(TMA, split_tail=True),
-        "static_tma_next_tile": dataclasses.replace(TMA, signal="next_tile"),
+        "static_tma_next_tile": dataclasses.replace(TMA, signal="next_tile", flatten=False),
         "static_tma_now_split": dataclasses.replace(TMA, signal="now", split_tail=True),
     }
     for name, cfg in variants.items():
