@@ -112,7 +112,8 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   (s3/final-variants): the default since session 3 (their writes into the peer are
 #   asynchronous bulk copies; ordinary stores hold the CTA until issued).
 # - split tail (2026-11-30-h200x2-s3/split-tail): the plain GEMM 1.9% faster (paired over 25
-#   interleaved repetitions, 0.981x [0.961-0.998]: faster in every one), so on by default there.
+#   interleaved repetitions, 0.981x [0.961-0.998]: faster in every one; 0.983x and 0.981x in
+#   final-variants and next-tile), so on by default there.
 #   In the chain it bought nothing (static 0.999x, TMA-store producers 1.007x, paired): off in
 #   PIPELINE_CONFIG.
 PLAIN_CONFIG = GemmConfig(
