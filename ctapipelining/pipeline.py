@@ -31,7 +31,17 @@ import torch
 import triton
 
 from . import deps, fabric
-from .gemm import SignalHook, TailBuffers, WaitHook, check_operands, check_tensor, grid_size, launch_gemm, tail_split
+from .gemm import (
+    SignalHook,
+    TailBuffers,
+    WaitHook,
+    check_operands,
+    check_tensor,
+    grid_size,
+    launch_gemm,
+    matmul,
+    tail_split,
+)
 from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 
@@ -200,6 +210,15 @@ class Pipeline:
         if s > 0 and self.policy.uses_queue and self.config.split_tail:
             return dataclasses.replace(self.config, split_tail=False)
         return self.config
+
+    def sequential(self, x: torch.Tensor) -> torch.Tensor:
+        """The same GEMMs one after another, each with its stage's configuration, no
+        pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
+        self.check_input(x)
+        y = x
+        for s, w in enumerate(self.weights):
+            y = matmul(y.to(w.device), w, config=self.stage_config(s))
+        return y
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:

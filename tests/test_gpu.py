@@ -39,10 +39,11 @@ def fp32_chain(x, ws):
 def sequential_triton(x, ws, config):
     """The same Triton GEMMs run one after another (no pipelining). ``config``: one for
     every stage, or a pipeline (each stage's own: a workqueue consumer splits no tail)."""
+    if isinstance(config, Pipeline):
+        return config.sequential(x)
     y = x
-    for s, w in enumerate(ws):
-        cfg = config.stage_config(s) if isinstance(config, Pipeline) else config
-        y = matmul(y.to(w.device), w, config=cfg)
+    for w in ws:
+        y = matmul(y.to(w.device), w, config=config)
     return y
 
 
