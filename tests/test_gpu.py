@@ -47,6 +47,26 @@ def sequential_triton(x, ws, config):
     return y
 
 
+def assert_replays_right(pipe, M, reps):
+    """Capture one call of ``pipe`` on ``M`` rows in a CUDA graph, replay it ``reps`` times on
+    fresh inputs into a NaN-poisoned output: each result bitwise the sequential GEMMs."""
+    K, N = pipe.weights[0].shape[0], pipe.weights[-1].shape[1]
+    x = rand(M, K, device="cuda:0")
+    out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda:1")
+    pipe(x, out=out)  # warm-up: compile and build the plan outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pipe(x, out=out, check=False)
+    for _ in range(reps):
+        x.copy_(rand(M, K, device="cuda:0"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        assert torch.equal(out, pipe.sequential(x))
+    pipe.check_errors()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(4096, 4096, 4096), (3000, 5000, 7000), (128, 8192, 8192), (1, 64, 64)])
 def test_plain_matmul(M, K, N):
@@ -142,19 +162,7 @@ def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
             plan.inputs[1].fill_(float("nan"))
             assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
-    x = rand(16384, 8192, device="cuda:0")
-    out = torch.empty(16384, 8192, dtype=torch.bfloat16, device="cuda:1")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        pipe(x, out=out, check=False)
-    for _ in range(3):
-        x.copy_(rand(16384, 8192, device="cuda:0"))
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        assert torch.equal(out, sequential_triton(x, ws, pipe))
-    pipe.check_errors()
+    assert_replays_right(pipe, 16384, 3)
 
 
 @pytest.mark.gpu2
@@ -243,20 +251,7 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_cuda_graph_capture_and_replay(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy)
-    x = rand(4096, 4096, device="cuda:0")
-    out = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda:1")
-    pipe(x, out=out)  # warm-up: compile and build the plan outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        pipe(x, out=out, check=False)
-    for _ in range(5):
-        x.copy_(rand(4096, 4096, device="cuda:0"))
-        g.replay()
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        assert torch.equal(out, sequential_triton(x, ws, pipe))
-    pipe.check_errors()
+    assert_replays_right(Pipeline(ws, policy=policy), 4096, 5)
 
 
 @pytest.mark.gpu2
