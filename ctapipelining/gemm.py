@@ -84,10 +84,11 @@ class TailBuffers:
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
 
 
-def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int, queue_consumer: bool = False):
+def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
-    with ``config.split_tail``, and never for a ``workqueue`` consumer (its order is dynamic)."""
-    if not config.split_tail or queue_consumer:
+    with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
+    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there)."""
+    if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
     return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), config.tail_slice_k)
@@ -165,7 +166,9 @@ def launch_gemm(
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
     queue = wait.queue if wait is not None else s.queue
-    split = tail_split(M, N, K, cfg, num_ctas, queue_consumer=wait is not None and wait.queue)
+    split = tail_split(M, N, K, cfg, num_ctas)
+    if split is not None and wait is not None and wait.queue:
+        raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
     if split is not None and tail is None:
         tail = TailBuffers.create(split, cfg, a.device)
     elif split is not None and tail.split != split:
