@@ -37,8 +37,9 @@ x = torch.randn(M, K, device="cuda:0").bfloat16()
 link = trace.clock_offset(0, 1, rounds=200)
 VARIANTS = {
     "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),
-    "static": ([A, B], PIPELINE_CONFIG),
-    "static_split": ([A, B], dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
+    "static_parts1": ([A, B], dataclasses.replace(PIPELINE_CONFIG, wait_parts=1)),
+    "static_parts4": ([A, B], dataclasses.replace(PIPELINE_CONFIG, wait_parts=4)),
+    "static_parts8": ([A, B], dataclasses.replace(PIPELINE_CONFIG, wait_parts=8)),
 }
 
 

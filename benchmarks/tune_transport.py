@@ -6,8 +6,8 @@ Everything that issue 3's speed target compares, replayed from CUDA graphs and t
 same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
 cuBLAS one layer; our plain GEMM under several configurations (the floor each pipeline
 variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
-variants (signal timing, TMA or ordinary stores into the peer, flattened loop, policy); each
-producer alone. (Earlier versions also timed a copy-engine transport; see the results README.) Every pipeline is
+variants (waiting for the input in parts, split tails, TMA or ordinary stores into the peer,
+policy); the producer alone. (Earlier versions also timed a copy-engine transport; see the results README.) Every pipeline is
 checked bitwise against the sequential Triton GEMMs (eager and replayed) before it is timed.
 Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 """
@@ -105,14 +105,17 @@ guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
 STORES = dataclasses.replace(PIPELINE_CONFIG, tma_store=False)
+parts = lambda n, cfg=PIPELINE_CONFIG: dataclasses.replace(cfg, wait_parts=n)  # noqa: E731
 PIPES = {
-    "cta_static": dict(),
+    "cta_static": dict(config=parts(1)),
+    "cta_static_parts2": dict(config=parts(2)),
+    "cta_static_parts4": dict(config=parts(4)),
+    "cta_static_parts8": dict(config=parts(8)),
+    "cta_static_parts4_split": dict(config=parts(4, split(PIPELINE_CONFIG))),
     "cta_static_stores": dict(config=STORES),
-    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
-    "cta_workqueue": dict(policy="workqueue"),
-    "cta_workqueue_stores": dict(policy="workqueue", config=STORES),
+    "cta_workqueue": dict(policy="workqueue", config=parts(1)),
 }
-ALONE = ("cta_static", "cta_static_stores")  # producer-alone lines
+ALONE = ("cta_static",)  # producer-alone lines
 pipes = {}
 for name, kw in PIPES.items():
 

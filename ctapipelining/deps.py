@@ -178,12 +178,14 @@ class Dependency:
 
     Attributes (all int32 NumPy arrays, ready to copy to a GPU)
     ----------
-    counter_of_tile : ``[consumer.num_tiles]`` the counter each consumer tile waits on.
+    counter_of_tile : ``[consumer.num_tiles]`` the counter each consumer tile waits on
+        before it starts (its part 0); part ``q`` is counter ``counter_of_tile[t] + q``.
     need : ``[num_counters]`` producer tiles that bump each counter.
     signal_ptr, signal_counters : CSR, producer tile ``p`` bumps
         ``signal_counters[signal_ptr[p]:signal_ptr[p + 1]]``.
     push_ptr, push_tiles : CSR, counter ``c`` readies consumer tiles
-        ``push_tiles[push_ptr[c]:push_ptr[c + 1]]`` (ascending ids).
+        ``push_tiles[push_ptr[c]:push_ptr[c + 1]]`` (ascending ids). A ``workqueue``
+        consumer runs whole tiles in readiness order, so it uses ``parts = 1``.
     """
 
     producer: TileGrid
@@ -196,6 +198,8 @@ class Dependency:
     push_ptr: np.ndarray
     push_tiles: np.ndarray
     _needs: tuple[tuple[int, ...], ...] = field(repr=False)
+    parts: int = 1
+    part_first_col: tuple[int, ...] = (0,)
 
     @property
     def num_counters(self) -> int:
@@ -203,7 +207,18 @@ class Dependency:
 
     def needs(self, consumer_tile: int) -> tuple[int, ...]:
         """Producer tile ids (ascending) that consumer tile ``consumer_tile`` reads."""
-        return self._needs[self.counter_of_tile[consumer_tile]]
+        c = int(self.counter_of_tile[consumer_tile])
+        return tuple(sorted(p for q in range(self.parts) for p in self._needs[c + q]))
+
+    def part_needs(self, consumer_tile: int, part: int) -> tuple[int, ...]:
+        """Producer tile ids that part ``part`` of ``consumer_tile``'s input is written by."""
+        if not 0 <= part < self.parts:
+            raise IndexError(f"part {part} outside {self.parts} parts")
+        return self._needs[int(self.counter_of_tile[consumer_tile]) + part]
+
+    def part_k_start(self, part: int) -> int:
+        """First consumer K index (a column of the producer's output) that part ``part`` covers."""
+        return self.part_first_col[part] * self.producer.block_n
 
     def signals(self, producer_tile: int) -> np.ndarray:
         return self.signal_counters[self.signal_ptr[producer_tile] : self.signal_ptr[producer_tile + 1]]
@@ -226,20 +241,36 @@ class Dependency:
         return int(np.diff(self.push_ptr).max())
 
 
+def part_columns(num_n: int, parts: int) -> tuple[int, ...]:
+    """First producer column-block of each of ``parts`` near-equal pieces of ``range(num_n)``."""
+    if not 1 <= parts <= num_n:
+        raise ValueError(f"parts must be in [1, {num_n}] (the producer's column-blocks), got {parts}")
+    return tuple(q * num_n // parts for q in range(parts))
+
+
 def build_dependency(
-    producer: TileGrid, consumer: TileGrid, rule: Rule | str = "gemm", consumer_k: int | None = None
+    producer: TileGrid,
+    consumer: TileGrid,
+    rule: Rule | str = "gemm",
+    consumer_k: int | None = None,
+    parts: int = 1,
 ) -> Dependency:
     """Dependency arrays from ``producer`` tiles to ``consumer`` tiles under ``rule``.
 
     Consumer tiles whose dependency sets are identical share one counter; counters are
     numbered in order of their first consumer tile (so a GEMM chain gets one counter per
-    consumer row-block, counter ``c`` == row-block ``c``).
+    consumer row-block, counter ``c`` == row-block ``c``). With ``parts > 1`` (GEMM rule)
+    each such set gets ``parts`` consecutive counters, one per piece of the producer's
+    columns (row-block ``r``, part ``q``: counter ``r * parts + q``).
     """
     if isinstance(rule, str):
         if rule not in RULES:
             raise ValueError(f"unknown rule {rule!r}; choose from {sorted(RULES)}")
         rule = RULES[rule]
     rule.check(producer, consumer, consumer_k)
+    if parts != 1 and not isinstance(rule, GemmRule):
+        raise ValueError(f"parts={parts}: only a GEMM consumer reads its input along a K loop (rule {rule.name!r})")
+    first_cols = part_columns(producer.num_n, parts)
     counter_of_key: dict[tuple, int] = {}
     counter_of_tile = np.empty(consumer.num_tiles, dtype=np.int32)
     needs: list[tuple[int, ...]] = []
@@ -250,10 +281,13 @@ def build_dependency(
         c = counter_of_key.get(key)
         if c is None:
             c = counter_of_key[key] = len(needs)
-            needs.append(tuple(pm * producer.num_n + pn for pm in rows for pn in cols))
-            push.append([])
+            bounds = [cols.start + f for f in first_cols] + [cols.stop]
+            for q in range(parts):
+                needs.append(tuple(pm * producer.num_n + pn for pm in rows for pn in range(bounds[q], bounds[q + 1])))
+                push.append([])
         counter_of_tile[t] = c
-        push[c].append(t)
+        for q in range(parts):
+            push[c + q].append(t)
     signal: list[list[int]] = [[] for _ in range(producer.num_tiles)]
     for c, tiles in enumerate(needs):
         for p in tiles:
@@ -271,6 +305,8 @@ def build_dependency(
         push_ptr=push_ptr,
         push_tiles=push_tiles,
         _needs=tuple(needs),
+        parts=parts,
+        part_first_col=first_cols,
     )
 
 
@@ -393,10 +429,10 @@ def get_policy(policy: Policy | str) -> Policy:
     return policy
 
 
-def wait_target(dep: Dependency, tile: int, epoch: int) -> tuple[int, int]:
-    """``(counter, value)``: consumer tile ``tile`` may run in ``epoch`` once
-    ``counter >= value``."""
-    c = int(dep.counter_of_tile[tile])
+def wait_target(dep: Dependency, tile: int, epoch: int, part: int = 0) -> tuple[int, int]:
+    """``(counter, value)``: consumer tile ``tile`` may start (``part > 0``: read part
+    ``part`` of its input) in ``epoch`` once ``counter >= value``."""
+    c = int(dep.counter_of_tile[tile]) + part
     return c, epoch * int(dep.need[c])
 
 

@@ -39,7 +39,11 @@ def num_sms(device: torch.device) -> int:
 
 @dataclass
 class WaitHook:
-    """This stage's scoreboard (in its own memory): wait on counters, or on the ring."""
+    """This stage's scoreboard (in its own memory): wait on counters, or on the ring.
+
+    ``parts > 1`` (``static``): each tile's input rows are counted in ``parts`` pieces of the
+    producer's ``part_cols`` column-blocks of ``part_block`` columns (counter
+    ``counter_of_tile[t] + q``; :func:`ctapipelining.deps.build_dependency`)."""
 
     counters: torch.Tensor
     counter_of_tile: torch.Tensor
@@ -47,6 +51,9 @@ class WaitHook:
     slots: torch.Tensor
     head: torch.Tensor
     queue: bool
+    parts: int = 1
+    part_cols: int = 1
+    part_block: int = 1
 
 
 @dataclass
@@ -166,6 +173,13 @@ def launch_gemm(
     if wait is not None and signal is not None and wait.queue != signal.queue:
         raise ValueError("a stage's input and output links must use the same policy")
     queue = wait.queue if wait is not None else s.queue
+    parts = 1 if wait is None else wait.parts
+    if parts > 1 and wait.queue:
+        raise ValueError("a workqueue consumer runs whole tiles in readiness order and cannot wait in parts")
+    if parts > 1 and (wait.part_cols < parts or wait.part_cols * wait.part_block < K):
+        raise ValueError(
+            f"{parts} parts of {wait.part_cols} producer column-blocks of {wait.part_block} do not cover K={K}"
+        )
     split = tail_split(M, N, K, cfg, num_ctas)
     if split is not None and wait is not None and wait.queue:
         raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
@@ -205,12 +219,16 @@ def launch_gemm(
         timeout_ns,
         0 if split is None else split.first_pos,
         1 if split is None else split.splits,
+        w.part_cols,
+        w.part_block,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         NUM_CTAS=num_ctas,
         WAIT_INPUT=wait is not None,
+        WAIT_PARTS=parts,
+        WAIT_AHEAD=cfg.num_stages if parts > 1 else 0,
         SIGNAL_OUTPUT=signal is not None,
         QUEUE=queue,
         SIGNAL_WHEN=signal_when,

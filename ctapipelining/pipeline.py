@@ -92,7 +92,11 @@ class Link:
         return [self.counters, self.slots, self.head, self.tail]
 
     def wait_hook(self, queue: bool) -> WaitHook:
-        return WaitHook(self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue)
+        d = self.dep
+        return WaitHook(
+            self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue,
+            d.parts, d.producer.num_n, d.producer.block_n,
+        )  # fmt: skip
 
     def signal_hook(self, queue: bool) -> SignalHook:
         return SignalHook(
@@ -144,6 +148,8 @@ class Pipeline:
         2x H200, benchmarks/results/2026-11-30-h200x2-s2/final) or ``"workqueue"`` (consumers run
         tiles in the order they became ready, the paper's policy).
     config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
+        Its ``wait_parts`` is capped at the producer's column-blocks; a ``workqueue`` consumer
+        runs whole tiles once they are ready, so it waits for whole row-blocks (one part).
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
@@ -229,7 +235,8 @@ class Pipeline:
         grids = [deps.TileGrid(M, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
         links, inputs = [], [None]
         for s in range(1, len(ws)):
-            dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0])
+            parts = 1 if self.policy.uses_queue else min(cfg.wait_parts, grids[s - 1].num_n)
+            dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]

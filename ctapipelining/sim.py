@@ -14,6 +14,8 @@ What is modelled
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
   whichever CTA is free first. The same :mod:`ctapipelining.deps` structures as the kernels.
+  ``wait_parts`` (static): a tile starts when part 0 of its input is visible and stalls at
+  the K fraction where each later part begins until that part is (``GemmConfig.wait_parts``).
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
@@ -193,8 +195,10 @@ class CtaResult:
 
 
 def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray | None, policy: str,
-                start_ns: float, remote: bool, signals: bool):  # fmt: skip
-    """Run one persistent GEMM stage; ``ready[tile]`` = when its input is visible (or None).
+                start_ns: float, remote: bool, signals: bool, part_frac: np.ndarray | None = None):  # fmt: skip
+    """Run one persistent GEMM stage; ``ready[tile]`` = when its input is visible (or None);
+    with ``part_frac`` (``static``), ``ready[tile, q]`` = when part ``q`` is, which the tile
+    first reads ``part_frac[q]`` of the way through its K loop.
     Returns per-tile rows ``[wait, start, stored, done, cta]`` (ns)."""
     T = grid.num_tiles
     P = min(cal.num_sms, T)
@@ -216,9 +220,17 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
         for pid in range(P):
             t = start_ns
             for tile in order[pid::P]:
-                begin = (max(t, ready[tile]) + fetch) if ready is not None else t
-                rows[tile] = (t, begin, begin + t_tile, begin + t_tile + post, pid)
-                t = begin + t_tile + post
+                if ready is None:
+                    begin = end = t
+                elif part_frac is None:
+                    begin = end = max(t, ready[tile]) + fetch
+                else:  # run to where each later part begins, stall there until it is visible
+                    begin = end = max(t, ready[tile, 0]) + fetch
+                    for q in range(1, len(part_frac)):
+                        end = max(end + (part_frac[q] - part_frac[q - 1]) * t_tile, ready[tile, q])
+                    end -= part_frac[-1] * t_tile
+                rows[tile] = (t, begin, end + t_tile, end + t_tile + post, pid)
+                t = end + t_tile + post
     if signals and cal.signal_lag > 0:  # signalled a fraction into the CTA's next tile
         for pid in range(P):
             mine = np.flatnonzero(rows[:, 4] == pid)
@@ -227,20 +239,33 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     return rows
 
 
-def simulate_cta(M: int, dims: list[int], cal: Calibration, policy: str = "static") -> CtaResult:
-    """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU."""
+def simulate_cta(
+    M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1
+) -> CtaResult:
+    """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU;
+    ``wait_parts`` > 1: static consumers wait for their input in parts (capped as the
+    pipeline caps them, at the producer's column-blocks)."""
+    if wait_parts > 1 and policy != "static":
+        raise ValueError("wait_parts > 1 needs the static policy")
     grids = [deps.TileGrid(M, n, cal.block_m, cal.block_n) for n in dims[1:]]
-    ready = None
+    ready, frac = None, None
     traces, ends = [], []
     for s, grid in enumerate(grids):
         last = s == len(grids) - 1
-        rows = _gemm_stage(grid, dims[s], cal, ready, policy, s * cal.launch_ns, remote=not last, signals=not last)
+        rows = _gemm_stage(
+            grid, dims[s], cal, ready, policy, s * cal.launch_ns, remote=not last, signals=not last, part_frac=frac
+        )
         traces.append(rows)
         ends.append(float(rows[:, 3].max()))
         if not last:
-            dep = deps.build_dependency(grid, grids[s + 1], "gemm")
-            fill = np.array([rows[list(dep.needs(c)), 3].max() for c in range(grids[s + 1].num_tiles)])
-            ready = fill + cal.t2_ns
+            dep = deps.build_dependency(grid, grids[s + 1], "gemm", parts=min(wait_parts, grid.num_n))
+            done = rows[:, 3]
+            ready = cal.t2_ns + np.array(
+                [[done[list(dep.part_needs(c, q))].max() for q in range(dep.parts)] for c in range(grids[s + 1].num_tiles)]
+            )
+            frac = np.array([dep.part_k_start(q) / dims[s + 1] for q in range(dep.parts)]) if dep.parts > 1 else None
+            if frac is None:
+                ready = ready[:, 0]
     return CtaResult(ends[-1] + cal.launch_ns, ends, traces)
 
 

@@ -126,3 +126,28 @@ def test_split_tail_covers_each_tail_tile_once_and_fits_the_grid(tiles, ctas, k_
         ranges = covered[pos]
         assert ranges[0][0] == 0 and ranges[-1][1] == k_tiles
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_parts_split_a_row_block_by_producer_columns():
+    """Each row-block gets one counter per part; a producer tile bumps the part its columns
+    fall in; the parts' producer tiles together are the whole row-block's."""
+    p, c = deps.TileGrid(8, 10, 4, 2), deps.TileGrid(8, 6, 4, 3)  # 5 producer column-blocks
+    d = deps.build_dependency(p, c, "gemm", consumer_k=10, parts=2)
+    assert d.parts == 2 and d.part_first_col == (0, 2) and [d.part_k_start(q) for q in range(2)] == [0, 4]
+    assert d.counter_of_tile.tolist() == [0, 0, 2, 2] and d.need.tolist() == [2, 3, 2, 3]
+    assert d.part_needs(0, 0) == (0, 1) and d.part_needs(0, 1) == (2, 3, 4) and d.part_needs(3, 1) == (7, 8, 9)
+    assert d.needs(1) == (0, 1, 2, 3, 4)
+    assert [d.signals(t).tolist() for t in range(p.num_tiles)] == [[0], [0], [1], [1], [1], [2], [2], [3], [3], [3]]
+    assert deps.wait_target(d, 2, epoch=3, part=1) == (3, 9)
+    one = deps.build_dependency(p, c, "gemm", consumer_k=10)
+    assert all(d.needs(t) == one.needs(t) for t in range(c.num_tiles))
+
+
+def test_parts_are_checked():
+    p = deps.TileGrid(8, 10, 4, 2)
+    with pytest.raises(ValueError, match=r"parts must be in \[1, 5\]"):
+        deps.build_dependency(p, deps.TileGrid(8, 6, 4, 3), "gemm", parts=6)
+    with pytest.raises(ValueError, match="only a GEMM consumer"):
+        deps.build_dependency(p, p, "elementwise", parts=2)
+    with pytest.raises(IndexError, match="part 2 outside 2 parts"):
+        deps.build_dependency(p, deps.TileGrid(8, 6, 4, 3), "gemm", parts=2).part_needs(0, 2)

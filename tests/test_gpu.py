@@ -312,3 +312,64 @@ def test_bad_placement_raises_before_launch():
     with pytest.raises(RuntimeError, match=f"needs {n + 1} GPUs; found {n}"):
         Pipeline.on_devices([a.cpu()] * (n + 1))
     assert pipe._plans == {}
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_wait_in_parts_bitwise(parts, split):
+    """A static consumer waiting for its input rows part by part inside its K loop: NaN-poisoned
+    input, full size and ragged, three calls each, every part's counter exactly epoch x need,
+    then replayed from a CUDA graph."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts, split_tail=split))
+    for M in (16384, 3000):
+        plan = pipe.plan(M)
+        assert plan.links[0].dep.parts == parts
+        for _ in range(3):
+            x = rand(M, 8192, device="cuda:0")
+            plan.inputs[1].fill_(float("nan"))
+            assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
+        link = plan.links[0]
+        assert torch.equal(link.counters.cpu(), plan.epoch * torch.as_tensor(link.dep.need))
+    assert_replays_right(pipe, 16384, 3)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("parts", [2, 8])
+def test_wait_in_parts_behind_a_slow_producer(parts):
+    """The producer's tiles take 4x the consumer's (K 16384 vs 4096, fewer columns), so the
+    consumer catches up and its in-loop waits really wait: a TMA load issued before its part's
+    wait would read NaN or stale rows. Also with the producer delayed before it starts."""
+    ws = weights([16384, 4096, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts))
+    M = 8192
+    plan = pipe.plan(M)
+    for delay in (0, 0, 100_000_000):
+        x = rand(M, 16384, device="cuda:0")
+        plan.inputs[1].fill_(float("nan"))
+        out = torch.full((M, 8192), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+        pipe._launch(plan, x, out, delay_cycles={0: delay} if delay else None)
+        pipe.check_errors(plan)
+        assert torch.equal(out, sequential_triton(x, ws, pipe))
+    assert_replays_right(pipe, M, 3)
+
+
+@pytest.mark.gpu2
+def test_wait_in_parts_missing_part_times_out_and_recovers():
+    """Only part 0 of every row-block is there: the consumer starts its tiles, times out inside
+    the K loop within its deadline naming part 1's counter, stores nothing; the next call works."""
+    ws = weights([2048, 2048, 2048], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=2), timeout_s=0.2)
+    x = rand(2048, 2048, device="cuda:0")
+    plan = pipe.plan(2048)
+    link = plan.links[0]
+    link.counters[0::2] = torch.as_tensor(link.dep.need[0::2], device="cuda:1")  # epoch 1, part 0 only
+    out = torch.full((2048, 2048), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+    t0 = time.perf_counter()
+    pipe._launch(plan, x, out, only=[1])
+    with pytest.raises(PipelineTimeout, match=r"stage 1 on cuda:1: CTA \d+ timed out waiting for tile \d+ \(counter \d*[13579] was 0"):
+        pipe.check_errors(plan)
+    assert time.perf_counter() - t0 < 2.0
+    assert out.isnan().all()
+    assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))

@@ -228,3 +228,59 @@ def test_next_tile_refuses_the_flattened_loop():
     with pytest.raises(ValueError, match="needs flatten=False"):
         GemmConfig(tma_store=True, signal="next_tile", flatten=True)
     assert GemmConfig(tma_store=True, signal="next_tile").flatten is False
+
+
+PARTS = dataclasses.replace(SMALL, signal="in_loop")
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("wait_parts", [2, 4, 16])
+def test_wait_in_parts_matches_sequential(wait_parts, split):
+    """A static consumer that waits for its input rows part by part inside its K loop gives
+    bitwise the sequential chain, epoch after epoch, with every part's counter full. K=128 in
+    steps of 16 with a 2-deep pipeline: parts start at K-steps 2, 4, 6, ... and are waited for
+    2 steps earlier (the first part after the first step before the tile); K=40 has 3
+    producer column-blocks, so its parts are capped at 3 and the later ones are waited for
+    before the tile; the middle stage both waits in parts and signals."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(32, 128), (128, 40), (40, 24)]]
+    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=wait_parts)
+    pipe = Pipeline(ws, policy="static", config=cfg)
+    plan = pipe.plan(48)
+    assert [lk.dep.parts for lk in plan.links] == [min(wait_parts, 8), min(wait_parts, 3)]
+    for epoch in range(1, 4):
+        x = torch.randn(48, 32).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        assert torch.equal(y, pipe.sequential(x))
+        for link in plan.links:
+            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+
+
+def test_a_missing_later_part_times_out_inside_the_k_loop_and_recovers():
+    """Part 0 of every row-block is there, part 1 never comes: the consumer starts its tiles,
+    waits inside the K loop, records part 1's counter, stores nothing, and the next call works."""
+    ws = [(torch.randn(16, 128) / 4).half(), (torch.randn(128, 16) / 11).half()]
+    pipe = Pipeline(ws, config=dataclasses.replace(PARTS, wait_parts=2), timeout_s=0.05)
+    x = torch.randn(20, 16).half()
+    plan = pipe.plan(20)
+    link = plan.links[0]
+    out = torch.full((20, 16), float("nan")).half()
+    link.counters[0::2] = torch.as_tensor(link.dep.need[0::2])  # epoch 1: part 0 of each row-block full
+    pipe._launch(plan, x, out, only=[1])
+    with pytest.raises(PipelineTimeout, match=r"stage 1 on cpu: CTA \d timed out waiting for tile \d+ \(counter 1 was 0"):
+        pipe.check_errors(plan)
+    assert out.isnan().all()  # no tile whose part timed out was stored
+    assert torch.equal(pipe(x), pipe.sequential(x))
+
+
+def test_wait_in_parts_is_checked():
+    with pytest.raises(ValueError, match="wait_parts must be an int >= 1"):
+        GemmConfig(wait_parts=0)
+    ws = [torch.randn(16, 64).half(), torch.randn(64, 16).half()]
+    cfg = dataclasses.replace(SMALL, wait_parts=2)
+    assert Pipeline(ws, config=cfg).plan(8).links[0].dep.parts == 2
+    wq = Pipeline(ws, policy="workqueue", config=cfg)  # runs whole tiles once ready: one part
+    assert wq.plan(8).links[0].dep.parts == 1
+    x = torch.randn(8, 16).half()
+    assert torch.equal(wq(x), wq.sequential(x))

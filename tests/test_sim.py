@@ -110,3 +110,21 @@ def test_signal_lag_moves_each_signal_into_the_next_tile():
         np.testing.assert_allclose(lagged[mine[:-1], 3], lagged[mine[1:], 1] + 0.25 * t_tile)
         assert lagged[mine[-1], 3] == pytest.approx(lagged[mine[-1], 2] + CAL.t1_ns)
     assert now[:, 3] == pytest.approx(now[:, 2] + CAL.t1_ns)
+
+
+def test_waiting_in_parts_helps_only_a_consumer_with_slack():
+    """A consumer that waits for its input rows part by part starts its tiles before their
+    right-hand columns are written. That shortens the chain when the consumer's tiles are
+    faster than the producer's (here the producer writes into the peer 7% slower, as the
+    replayed traces of 2026-11-30-h200x2-s3 measured), and it can never lengthen it: one
+    part is the whole row-block, and the K-fractions only let a tile start earlier."""
+    dims = [8192, 8192, 8192]
+    slow = replace(CAL, remote_factor=1.07)
+    t = {P: sim.simulate_cta(16384, dims, slow, "static", wait_parts=P).total_ns for P in (1, 2, 4, 8)}
+    assert t[1] > t[2] > t[4] > t[8] > sim.simulate_gemm(16384, 8192, 8192, slow)
+    assert t[4] < 0.985 * t[1]
+    even = replace(CAL, remote_factor=1.0)
+    t1, t4 = (sim.simulate_cta(16384, dims, even, "static", wait_parts=P).total_ns for P in (1, 4))
+    assert t4 <= t1 and t4 > 0.995 * t1
+    with pytest.raises(ValueError, match="static"):
+        sim.simulate_cta(2048, dims, CAL, "workqueue", wait_parts=2)

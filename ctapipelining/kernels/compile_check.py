@@ -66,6 +66,8 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
             "timeout_ns",
             "tail_first",
             "tail_splits",
+            "part_cols",
+            "part_block",
         ):
             sig[n] = "i32"
         elif n.isupper():
@@ -90,6 +92,8 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
         WARP_SPECIALIZE=False,
         SPLIT_TAIL=False,
         TRACE=False,
+        WAIT_PARTS=1,
+        WAIT_AHEAD=0,
     ) | {k.upper(): v for k, v in options.items()}
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
     return triton.compile(
@@ -111,6 +115,11 @@ def report() -> dict:
     builds += [("plain+tma_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": True})]
     builds += [("signal_static+in_loop+split_tail", VARIANTS["signal_static"], {"signal_when": 2, "split_tail": True})]
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
+    builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4, "wait_ahead": 3})]
+    builds += [
+        ("wait_static+parts+flatten+tma_store", VARIANTS["wait_static"], {"wait_parts": 4, "wait_ahead": 3, "flatten": True, "tma_store": True})
+    ]
+    builds += [("wait_static+flatten+tma_store", VARIANTS["wait_static"], {"flatten": True, "tma_store": True})]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

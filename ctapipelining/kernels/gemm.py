@@ -36,7 +36,7 @@ from .sync import (
     fence_proxy_async,
     globaltimer,
     signal_tile,
-    wait_counter,
+    wait_on,
     wait_slot,
 )
 
@@ -60,6 +60,11 @@ class GemmConfig:
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle,
     slices of at least ``tail_slice_k`` K-steps (:class:`ctapipelining.deps.TailSplit`; plain
     and ``static`` kernels and producers; a ``workqueue`` consumer's order is dynamic).
+    ``wait_parts``: a ``static`` consumer waits for its input rows in this many pieces of the
+    producer's columns, each just before the K-steps that read it, so a tile starts while its
+    rows' right-hand columns are still being written (1: the whole row-block before the tile;
+    :func:`ctapipelining.deps.build_dependency`, :func:`_part_step`). A ``workqueue``
+    consumer takes whole tiles once ready, so a pipeline gives it one part.
     """
 
     block_m: int = 128
@@ -74,6 +79,7 @@ class GemmConfig:
     signal: str = "now"
     split_tail: bool = False
     tail_slice_k: int = 16
+    wait_parts: int = 1
 
     def __post_init__(self):
         if self.signal not in SIGNAL_MODES:
@@ -89,6 +95,8 @@ class GemmConfig:
             raise ValueError("GemmConfig(split_tail=True) does not support signal='next_tile'")
         if self.tail_slice_k < 1:
             raise ValueError(f"GemmConfig.tail_slice_k must be >= 1, got {self.tail_slice_k}")
+        if not isinstance(self.wait_parts, int) or self.wait_parts < 1:
+            raise ValueError(f"GemmConfig.wait_parts must be an int >= 1, got {self.wait_parts!r}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         loads = self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
@@ -167,17 +175,48 @@ def _signal_pending(
 
 
 @triton.jit
+def _part_step(q, part_cols, part_block, BLOCK_K: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr):
+    """K-step at which a consumer waits for part ``q`` of its input rows (the producer's
+    column-blocks ``[q * part_cols // WAIT_PARTS, ...)``, ``part_block`` columns each; see
+    :func:`ctapipelining.deps.part_columns`): ``WAIT_AHEAD`` (the pipeline depth) steps before
+    the first step that reads it, because the software pipeline issues a step's TMA loads
+    ``num_stages - 1`` steps early. -1: the part is read so soon that it is waited for
+    before the tile."""
+    first = (q * part_cols // WAIT_PARTS) * part_block // BLOCK_K
+    return tl.maximum(first - WAIT_AHEAD, -1)
+
+
+@triton.jit
+def _wait_parts(
+    in_counters, c0, in_need, tile, epoch, part_cols, part_block, err_ptr, stage, timeout_ns, alive,
+    ALL: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Before a tile: wait for part 0 of its input (counter ``c0``) and for every part read
+    before the K loop can wait for it (``ALL``: every part). Returns whether the tile may run."""
+    for q in tl.static_range(WAIT_PARTS):
+        if ALL or q == 0 or _part_step(q, part_cols, part_block, BLOCK_K, WAIT_PARTS, WAIT_AHEAD) < 0:
+            if alive:
+                alive = wait_on(in_counters, c0 + q, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET)
+    return alive
+
+
+@triton.jit
 def _mma_tile(
     a_desc, b_desc, pm, pn, k_begin, k_tiles, signal_at, pending, epoch, counters, signal_ptr, signal_counters, need,
-    push_ptr, push_tiles, slots, tail, consumer_tiles,
+    push_ptr, push_tiles, slots, tail, consumer_tiles, tile, ok, in_counters, c0, in_need, part_cols, part_block,
+    err_ptr, stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
     TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
-    MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile (K-steps ``[k_begin, k_tiles)``: all of K but in a
-    split tail), fp32 accumulator. Under ``SIGNAL_IN_LOOP`` the previous tile (``pending``)
-    is signalled at step ``signal_at`` of the K loop, by when its writes have drained;
-    otherwise the loop is the plain GEMM's. Returns ``(acc, pending)``."""
+    split tail), fp32 accumulator. Two hooks may reach into the K loop, each a branch at one
+    step: under ``SIGNAL_IN_LOOP`` the previous tile (``pending``) is signalled at step
+    ``signal_at``, by when its writes have drained; with ``WAIT_PARTS > 1`` a consumer waits
+    for part ``q`` of its input rows (counter ``c0 + q``) at step :func:`_part_step` (a
+    timed-out wait clears ``ok`` and the tile is neither stored nor signalled). Otherwise
+    the loop is the plain GEMM's. Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_begin, k_tiles):
         a = a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
@@ -189,7 +228,12 @@ def _mma_tile(
                     pending, epoch, counters, signal_ptr, signal_counters, need, push_ptr, push_tiles, slots, tail,
                     consumer_tiles, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
                 )  # fmt: skip
-    return acc, pending
+        for q in tl.static_range(1, WAIT_PARTS):
+            if ki == _part_step(q, part_cols, part_block, BLOCK_K, WAIT_PARTS, WAIT_AHEAD):
+                if ok:
+                    ok = wait_on(in_counters, c0 + q, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET)
+                    fence_proxy_async(INTERPRET)  # the acquire before the TMA reads of that part
+    return acc, pending, ok
 
 
 @triton.jit
@@ -209,22 +253,26 @@ def _store_tile(
 @triton.jit
 def _compute_store(
     a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, counters, signal_ptr,
-    signal_counters, need, push_ptr, push_tiles, slots, tail, consumer_tiles,
+    signal_counters, need, push_ptr, push_tiles, slots, tail, consumer_tiles, ok, in_counters, c0, in_need,
+    part_cols, part_block, err_ptr, stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIGNAL_IN_LOOP: tl.constexpr,
     TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
-    MAX_SIGNALS: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The compute body for one tile, then its store (TMA: asynchronous). Returns the tile
-    still to signal (``SIGNAL_IN_LOOP`` signals the previous one a quarter into the K loop)."""
+    """The compute body for one tile, then its store (TMA: asynchronous) unless a part of its
+    input timed out. Returns ``(tile still to signal, ok)`` (``SIGNAL_IN_LOOP`` signals the
+    previous one a quarter into the K loop)."""
     pm = tile // num_n
     pn = tile % num_n
-    acc, pending = _mma_tile(
+    acc, pending, ok = _mma_tile(
         a_desc, b_desc, pm, pn, 0, k_tiles, k_tiles // 4, pending, epoch, counters, signal_ptr, signal_counters, need,
-        push_ptr, push_tiles, slots, tail, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
-        SIGNAL_IN_LOOP, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        push_ptr, push_tiles, slots, tail, consumer_tiles, tile, ok, in_counters, c0, in_need, part_cols, part_block,
+        err_ptr, stage, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+        SIGNAL_IN_LOOP, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, WAIT_PARTS, WAIT_AHEAD, INTERPRET,
     )  # fmt: skip
-    _store_tile(c_desc, c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N, TMA_STORE)
-    return pending
+    if ok:
+        _store_tile(c_desc, c_ptr, acc, pm, pn, M, N, stride_cm, BLOCK_M, BLOCK_N, TMA_STORE)
+    return pending, ok
 
 
 @triton.jit
@@ -305,31 +353,34 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE: tl.constexpr):
 def _process_tile(
     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
-    consumer_tiles, trace_ptr,
+    consumer_tiles, trace_ptr, ok, in_counters, c0, in_need, part_cols, part_block, err_ptr, stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_INPUT: tl.constexpr,
     SIGNAL_OUTPUT: tl.constexpr, SIGNAL_WHEN: tl.constexpr, QUEUE: tl.constexpr,
-    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr,
+    PUSH_BLOCK: tl.constexpr, MAX_SIGNALS: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr,
     TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One tile whose input is ready: proxy fence (its input came through the generic proxy),
-    compute and store, epilogue hook, trace row. Returns the tile still to signal."""
+    """One tile whose input is ready (with ``WAIT_PARTS > 1``: its first part): proxy fence
+    (its input came through the generic proxy), compute and store, epilogue hook, trace row.
+    Returns ``(tile still to signal, ok)``; ``ok`` is False when a later part timed out."""
     if WAIT_INPUT:
         fence_proxy_async(INTERPRET)
     t_start = _now(TRACE)
-    pending = _compute_store(
+    pending, ok = _compute_store(
         a_desc, b_desc, c_desc, c_ptr, tile, pending, num_n, M, N, k_tiles, stride_cm, epoch, out_counters,
         out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail,
-        consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K, SIGNAL_OUTPUT and SIGNAL_WHEN == SIGNAL_IN_LOOP, TMA_STORE, QUEUE,
-        PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        consumer_tiles, ok, in_counters, c0, in_need, part_cols, part_block, err_ptr, stage, timeout_ns,
+        BLOCK_M, BLOCK_N, BLOCK_K, SIGNAL_OUTPUT and SIGNAL_WHEN == SIGNAL_IN_LOOP, TMA_STORE, QUEUE,
+        PUSH_BLOCK, MAX_SIGNALS, WAIT_PARTS, WAIT_AHEAD, INTERPRET,
     )  # fmt: skip
-    t_stored = _now(TRACE)
-    pending = _epilogue(
-        tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
-        out_push_tiles, out_slots, out_tail, consumer_tiles,
-        SIGNAL_OUTPUT, SIGNAL_WHEN, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
-    )  # fmt: skip
-    _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
-    return pending
+    if ok:
+        t_stored = _now(TRACE)
+        pending = _epilogue(
+            tile, pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr,
+            out_push_tiles, out_slots, out_tail, consumer_tiles,
+            SIGNAL_OUTPUT, SIGNAL_WHEN, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, INTERPRET,
+        )  # fmt: skip
+        _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
+    return pending, ok
 
 
 @triton.jit
@@ -337,15 +388,16 @@ def _split_tail(
     a_desc, b_desc, c_desc, c_ptr, tail_ws, tail_counters, tail_first, tail_splits, num_m, num_n, M, N, k_tiles,
     stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
     out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
-    stage, timeout_ns, trace_ptr,
+    stage, timeout_ns, trace_ptr, part_cols, part_block,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WAIT_INPUT: tl.constexpr, SIGNAL_OUTPUT: tl.constexpr, QUEUE: tl.constexpr, PUSH_BLOCK: tl.constexpr,
-    MAX_SIGNALS: tl.constexpr, TMA_STORE: tl.constexpr, TRACE: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_SIGNALS: tl.constexpr, WAIT_PARTS: tl.constexpr, WAIT_AHEAD: tl.constexpr, TMA_STORE: tl.constexpr,
+    TRACE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """After the full rounds: this CTA's slice of the split tail (:class:`ctapipelining.deps.TailSplit`).
 
     CTA ``i`` computes K-slice ``i % tail_splits`` of tail tile ``j = i // tail_splits`` (after
-    waiting for its input, in a consumer) and stores the fp32 partial in ``tail_ws`` (slot
+    waiting for its input, in a consumer: every part of it) and stores the fp32 partial in ``tail_ws`` (slot
     ``i``). Ordering: every thread's partial stores, a CTA barrier, then one thread's
     ``atom.add.acq_rel.gpu`` on the tile's arrival counter (release: the partials before the
     count). The CTA that brings the count to ``tail_splits`` has acquired every other slice's
@@ -361,20 +413,21 @@ def _split_tail(
         t_wait = _now(TRACE)
         ready = True
         if WAIT_INPUT:
-            ready = wait_counter(
-                in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
-            )
+            ready = _wait_parts(
+                in_counters, tl.load(in_counter_of_tile + tile), in_need, tile, epoch, part_cols, part_block, err_ptr,
+                stage, timeout_ns, tl.program_id(0) >= 0, True, BLOCK_K, WAIT_PARTS, WAIT_AHEAD, INTERPRET,
+            )  # fmt: skip
         if ready:
             if WAIT_INPUT:
                 fence_proxy_async(INTERPRET)
             t_start = _now(TRACE)
             pm = tile // num_n
             pn = tile % num_n
-            acc, _ = _mma_tile(
+            acc, _, _ = _mma_tile(
                 a_desc, b_desc, pm, pn, part * k_tiles // tail_splits, (part + 1) * k_tiles // tail_splits, -1, -1,
                 epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                out_slots, out_tail, consumer_tiles, BLOCK_M, BLOCK_N, BLOCK_K, False, TMA_STORE, QUEUE, PUSH_BLOCK,
-                MAX_SIGNALS, INTERPRET,
+                out_slots, out_tail, consumer_tiles, tile, True, in_counters, 0, in_need, 0, 1, err_ptr, stage,
+                timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, False, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, 1, 0, INTERPRET,
             )  # fmt: skip
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail_ws + (j * tail_splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
@@ -398,7 +451,7 @@ def _split_tail(
                 _record(trace_ptr, tile, t_wait, t_start, t_stored, TRACE)
 
 
-@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles", "tail_first", "tail_splits"])
+@triton.jit(do_not_specialize=["stage", "timeout_ns", "consumer_tiles", "tail_first", "tail_splits", "part_cols"])
 def gemm_kernel(
     a_desc,
     b_desc,
@@ -434,12 +487,17 @@ def gemm_kernel(
     timeout_ns,
     tail_first,
     tail_splits,
+    # wait in parts: the producer's column-blocks and their width (see _part_step)
+    part_cols,
+    part_block,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_CTAS: tl.constexpr,
     WAIT_INPUT: tl.constexpr,
+    WAIT_PARTS: tl.constexpr,
+    WAIT_AHEAD: tl.constexpr,
     SIGNAL_OUTPUT: tl.constexpr,
     QUEUE: tl.constexpr,
     SIGNAL_WHEN: tl.constexpr,
@@ -453,6 +511,7 @@ def gemm_kernel(
     INTERPRET: tl.constexpr,
 ):
     tl.static_assert(not (SPLIT_TAIL and WAIT_INPUT and QUEUE), "a workqueue consumer runs tiles in readiness order")
+    tl.static_assert(WAIT_PARTS == 1 or (WAIT_INPUT and not QUEUE), "only a static consumer waits in parts")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -471,36 +530,43 @@ def gemm_kernel(
             t_wait = _now(TRACE)
             tile, ok = wait_slot(in_slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:
-                pending = _process_tile(
+                pending, _ = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, True, in_counters, 0, in_need, 0, 1, err_ptr,
+                    stage, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT, SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE,
+                    PUSH_BLOCK, MAX_SIGNALS, 1, 0, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
                 pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
     else:
         # plain or static: walk the tile order (the full rounds only, with a split tail);
-        # under WAIT_INPUT wait on each tile's counter.
+        # under WAIT_INPUT wait on each tile's counter (in parts: the first before the tile).
         loop_end = num_tiles
         if SPLIT_TAIL:
             loop_end = tail_first
         for pos in tl.range(tl.program_id(0), loop_end, NUM_CTAS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             tile = tile_of_position(pos, num_m, num_n, GROUP_M)
             t_wait = _now(TRACE)
+            c0 = 0
             if WAIT_INPUT:
-                if alive:  # after a timeout the CTA skips its remaining tiles
-                    alive = wait_counter(
-                        in_counters, in_counter_of_tile, in_need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET
-                    )
+                c0 = tl.load(in_counter_of_tile + tile)
+                # after a timeout the CTA skips its remaining tiles (alive stays False)
+                alive = _wait_parts(
+                    in_counters, c0, in_need, tile, epoch, part_cols, part_block, err_ptr, stage, timeout_ns, alive,
+                    False, BLOCK_K, WAIT_PARTS, WAIT_AHEAD, INTERPRET,
+                )  # fmt: skip
             if alive:
-                pending = _process_tile(
+                pending, ok = _process_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, pending, t_wait, num_n, M, N, k_tiles, stride_cm, epoch,
                     out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
-                    out_slots, out_tail, consumer_tiles, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT,
-                    SIGNAL_OUTPUT, SIGNAL_WHEN, QUEUE, PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+                    out_slots, out_tail, consumer_tiles, trace_ptr, alive, in_counters, c0, in_need, part_cols,
+                    part_block, err_ptr, stage, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, WAIT_INPUT, SIGNAL_OUTPUT,
+                    SIGNAL_WHEN, QUEUE, PUSH_BLOCK, MAX_SIGNALS, WAIT_PARTS, WAIT_AHEAD, TMA_STORE, TRACE, INTERPRET,
                 )  # fmt: skip
+                if WAIT_INPUT:
+                    alive = ok
     _flush(
         pending, epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
         out_slots, out_tail, consumer_tiles, SIGNAL_OUTPUT, TMA_STORE, QUEUE, PUSH_BLOCK,
@@ -511,6 +577,6 @@ def gemm_kernel(
             a_desc, b_desc, c_desc, c_ptr, tail_ws, tail_counters, tail_first, tail_splits, num_m, num_n, M, N,
             k_tiles, stride_cm, epoch, alive, in_counters, in_counter_of_tile, in_need, out_counters, out_signal_ptr,
             out_signal_counters, out_need, out_push_ptr, out_push_tiles, out_slots, out_tail, consumer_tiles, err_ptr,
-            stage, timeout_ns, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WAIT_INPUT, SIGNAL_OUTPUT, QUEUE,
-            PUSH_BLOCK, MAX_SIGNALS, TMA_STORE, TRACE, INTERPRET,
+            stage, timeout_ns, trace_ptr, part_cols, part_block, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WAIT_INPUT,
+            SIGNAL_OUTPUT, QUEUE, PUSH_BLOCK, MAX_SIGNALS, WAIT_PARTS, WAIT_AHEAD, TMA_STORE, TRACE, INTERPRET,
         )  # fmt: skip

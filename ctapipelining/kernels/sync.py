@@ -148,15 +148,22 @@ def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
 
 
 @triton.jit
-def wait_counter(counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
-    """``static`` policy prologue: wait until the counter of ``tile`` reaches ``epoch * need``.
-    Returns True when the tile may run."""
-    c = tl.load(counter_of_tile + tile)
+def wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
+    """Wait until counter ``c`` (one of ``tile``'s) reaches ``epoch * need[c]``; on timeout
+    record it. Returns True when the data behind the counter may be read."""
     target = epoch * tl.load(need + c)
     seen = wait_geq(counters + c, target, timeout_ns, INTERPRET)
     if seen < target:
         report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
     return seen >= target
+
+
+@triton.jit
+def wait_counter(counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
+    """``static`` policy prologue: wait until the counter of ``tile`` (its part 0) reaches
+    ``epoch * need``. Returns True when the tile may run."""
+    c = tl.load(counter_of_tile + tile)
+    return wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET)
 
 
 @triton.jit
