@@ -60,8 +60,8 @@ def producer_alone():
 
 
 PHASES = {
-    "local": lambda: (lambda: matmul(x, A, out=c_local, config=PIPELINE_CONFIG)),
-    "into_peer": lambda: (lambda: matmul(x, A, out=c_peer, config=PIPELINE_CONFIG)),
+    "local": lambda: lambda: matmul(x, A, out=c_local, config=PIPELINE_CONFIG),
+    "into_peer": lambda: lambda: matmul(x, A, out=c_peer, config=PIPELINE_CONFIG),
     "producer_alone": producer_alone,
     "chain": lambda: chain(PIPELINE_CONFIG),
     "chain_parts4": lambda: chain(dataclasses.replace(PIPELINE_CONFIG, wait_parts=4)),

@@ -239,9 +239,7 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     return rows
 
 
-def simulate_cta(
-    M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1
-) -> CtaResult:
+def simulate_cta(M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1) -> CtaResult:
     """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU;
     ``wait_parts`` > 1: static consumers wait for their input in parts (capped as the
     pipeline caps them, at the producer's column-blocks)."""
@@ -261,7 +259,10 @@ def simulate_cta(
             dep = deps.build_dependency(grid, grids[s + 1], "gemm", parts=min(wait_parts, grid.num_n))
             done = rows[:, 3]
             ready = cal.t2_ns + np.array(
-                [[done[list(dep.part_needs(c, q))].max() for q in range(dep.parts)] for c in range(grids[s + 1].num_tiles)]
+                [
+                    [done[list(dep.part_needs(c, q))].max() for q in range(dep.parts)]
+                    for c in range(grids[s + 1].num_tiles)
+                ]
             )
             frac = np.array([dep.part_k_start(q) / dims[s + 1] for q in range(dep.parts)]) if dep.parts > 1 else None
             if frac is None:

@@ -97,7 +97,10 @@ def test_waiting_in_parts_keeps_the_k_loop_pipelined(report):
     """Four parts: part 0's spin before the tile, and for parts 1-3 one spin that runs before
     the tile (a part read within the pipeline's first steps) and one inside the K loop; the
     loop keeps its 3-stage buffers (a few bytes more: scratch of the in-loop timeout reports)."""
-    for name, base in [("wait_static+parts", "wait_static"), ("wait_static+parts+flatten+tma_store", "wait_static+flatten+tma_store")]:
+    for name, base in [
+        ("wait_static+parts", "wait_static"),
+        ("wait_static+parts+flatten+tma_store", "wait_static+flatten+tma_store"),
+    ]:
         r, b = report[name], report[base]
         assert b["smem"] <= r["smem"] < b["smem"] + 1024, name
         assert r["tma_load"] == b["tma_load"] and r["wgmma"] == b["wgmma"], name

@@ -368,7 +368,9 @@ def test_wait_in_parts_missing_part_times_out_and_recovers():
     out = torch.full((2048, 2048), float("nan"), dtype=torch.bfloat16, device="cuda:1")
     t0 = time.perf_counter()
     pipe._launch(plan, x, out, only=[1])
-    with pytest.raises(PipelineTimeout, match=r"stage 1 on cuda:1: CTA \d+ timed out waiting for tile \d+ \(counter \d*[13579] was 0"):
+    with pytest.raises(
+        PipelineTimeout, match=r"stage 1 on cuda:1: CTA \d+ timed out waiting for tile \d+ \(counter \d*[13579] was 0"
+    ):
         pipe.check_errors(plan)
     assert time.perf_counter() - t0 < 2.0
     assert out.isnan().all()

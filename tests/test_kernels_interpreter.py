@@ -268,7 +268,9 @@ def test_a_missing_later_part_times_out_inside_the_k_loop_and_recovers():
     out = torch.full((20, 16), float("nan")).half()
     link.counters[0::2] = torch.as_tensor(link.dep.need[0::2])  # epoch 1: part 0 of each row-block full
     pipe._launch(plan, x, out, only=[1])
-    with pytest.raises(PipelineTimeout, match=r"stage 1 on cpu: CTA \d timed out waiting for tile \d+ \(counter 1 was 0"):
+    with pytest.raises(
+        PipelineTimeout, match=r"stage 1 on cpu: CTA \d timed out waiting for tile \d+ \(counter 1 was 0"
+    ):
         pipe.check_errors(plan)
     assert out.isnan().all()  # no tile whose part timed out was stored
     assert torch.equal(pipe(x), pipe.sequential(x))

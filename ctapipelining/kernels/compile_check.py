@@ -117,7 +117,11 @@ def report() -> dict:
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
     builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4, "wait_ahead": 3})]
     builds += [
-        ("wait_static+parts+flatten+tma_store", VARIANTS["wait_static"], {"wait_parts": 4, "wait_ahead": 3, "flatten": True, "tma_store": True})
+        (
+            "wait_static+parts+flatten+tma_store",
+            VARIANTS["wait_static"],
+            {"wait_parts": 4, "wait_ahead": 3, "flatten": True, "tma_store": True},
+        )
     ]
     builds += [("wait_static+flatten+tma_store", VARIANTS["wait_static"], {"flatten": True, "tma_store": True})]
     for name, flags, options in builds:

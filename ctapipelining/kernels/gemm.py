@@ -427,7 +427,8 @@ def _split_tail(
                 a_desc, b_desc, pm, pn, part * k_tiles // tail_splits, (part + 1) * k_tiles // tail_splits, -1, -1,
                 epoch, out_counters, out_signal_ptr, out_signal_counters, out_need, out_push_ptr, out_push_tiles,
                 out_slots, out_tail, consumer_tiles, tile, True, in_counters, 0, in_need, 0, 1, err_ptr, stage,
-                timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, False, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, 1, 0, INTERPRET,
+                timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, False, TMA_STORE, QUEUE, PUSH_BLOCK, MAX_SIGNALS, 1, 0,
+                INTERPRET,
             )  # fmt: skip
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail_ws + (j * tail_splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
