@@ -8,7 +8,8 @@ cuBLAS one layer; our plain GEMM under several configurations (the floor each pi
 variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
 variants (waiting for the input in parts, split tails, TMA or ordinary stores into the peer,
 policy); the producer alone. (Earlier versions also timed a copy-engine transport; see the
-results README.) Every pipeline is checked bitwise against the sequential Triton GEMMs (eager and replayed) before it is timed.
+results README.) Every pipeline is checked bitwise against the sequential Triton GEMMs (eager
+and replayed) before it is timed.
 Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 """
 
