@@ -185,10 +185,10 @@ def _bench_seq(
     for policy, pipe in pipes.items():
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
-    # plus the static pipeline with ordinary stores into the peer (the default until session 3)
+    # plus the static pipeline waiting for whole row-blocks before each tile (the default until session 4)
     x_static = torch.empty_like(xs[0])
-    pipes["static_stores"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, tma_store=False))
-    for name in ("workqueue", "static", "static_stores"):
+    pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
+    for name in ("workqueue", "static", "static_whole_rows"):
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
     progress(f"M={M}: {len(methods)} methods, interleaved")

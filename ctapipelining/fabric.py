@@ -57,17 +57,29 @@ def _enable_one(src: int, dst: int) -> None:
         lib.cudaGetLastError()
 
 
+_enabled: set[tuple[int, int]] = set()  # pairs enabled in this process (it lasts as long as the process)
+
+
 def enable_peer_access(devices: list[int]) -> None:
     """Let each device write into the memory of the next one (a chain's links).
 
-    Raises :class:`PeerAccessError` naming the pair when the hardware or driver cannot.
+    Pairs already enabled are skipped without a CUDA call, so a GEMM into a peer's memory can
+    be captured in a CUDA graph once it has run outside one (``cudaDeviceEnablePeerAccess`` is
+    not allowed during capture). Raises :class:`PeerAccessError` naming the pair when the
+    hardware or driver cannot.
     """
     for src, dst in zip(devices, devices[1:]):
-        if src == dst:
+        if src == dst or (src, dst) in _enabled:
             continue
+        if torch.cuda.is_current_stream_capturing():
+            raise PeerAccessError(
+                f"peer access cuda:{src} -> cuda:{dst} cannot be enabled during CUDA-graph capture: "
+                "run the call once before capturing it"
+            )
         if not torch.cuda.can_device_access_peer(src, dst):
             raise PeerAccessError(
                 f"cuda:{src} cannot access cuda:{dst}'s memory (no P2P over NVLink/PCIe between them): "
                 "CTA-pipelining needs peer access between consecutive stages"
             )
         _enable_one(src, dst)
+        _enabled.add((src, dst))

@@ -124,11 +124,16 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   final-variants and next-tile), so on by default there.
 #   In the chain it bought nothing (static 0.999x, TMA-store producers 1.007x, paired): off in
 #   PIPELINE_CONFIG.
+# - waiting in parts (2026-11-30-h200x2-s4/tune-parts, 25 interleaved repetitions, paired):
+#   a static consumer waiting for its rows in 2 / 4 / 8 parts ran the chain 0.976x / 0.951x /
+#   0.948x the whole-row-block wait; 8 vs 4 parts 0.997x (faster in 18 of 25). The consumer's
+#   tiles are faster than the producer's (which write into the peer), so it catches up and
+#   each round of it used to start only when a whole group of row-blocks was written.
 PLAIN_CONFIG = GemmConfig(
     128, 256, 64, group_m=8, num_stages=3, num_warps=8, flatten=True, tma_store=True, split_tail=True
 )
 PIPELINE_CONFIG = GemmConfig(
-    128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, tma_store=True, signal="in_loop"
+    128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, tma_store=True, signal="in_loop", wait_parts=8
 )
 
 CONFIGS = [
