@@ -31,4 +31,5 @@ for step in $STEPS; do
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done
-cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png trace_replay.log clocks.log 2>/dev/null; ls
+cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv 2>/dev/null
+ls -R
