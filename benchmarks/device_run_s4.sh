@@ -27,7 +27,7 @@ for step in $STEPS; do
       grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -12 ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
       tail -6 "$OUT/clocks.log" ;;
-    tune) timeout 240 python3 benchmarks/tune_transport.py "$OUT" 16384 8192 25 > "$OUT/tune.log" 2>&1
+    tune) timeout 300 python3 benchmarks/tune_transport.py "$OUT" 16384 8192 "${TUNE_REPS:-25}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done

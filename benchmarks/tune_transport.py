@@ -105,18 +105,16 @@ def build_tp():
 guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
-STORES = dataclasses.replace(PIPELINE_CONFIG, tma_store=False)
 parts = lambda n, cfg=PIPELINE_CONFIG: dataclasses.replace(cfg, wait_parts=n)  # noqa: E731
 PIPES = {
-    "cta_static": dict(config=parts(1)),
-    "cta_static_parts2": dict(config=parts(2)),
-    "cta_static_parts4": dict(config=parts(4)),
-    "cta_static_parts8": dict(config=parts(8)),
-    "cta_static_parts4_split": dict(config=parts(4, split(PIPELINE_CONFIG))),
-    "cta_static_stores": dict(config=STORES),
-    "cta_workqueue": dict(policy="workqueue", config=parts(1)),
+    f"cta_static (PIPELINE_CONFIG, {PIPELINE_CONFIG.wait_parts} parts)": dict(),
+    "cta_static_parts16": dict(config=parts(16)),
+    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
+    "cta_static_stores": dict(config=dataclasses.replace(PIPELINE_CONFIG, tma_store=False)),
+    "cta_static_whole_rows": dict(config=parts(1)),
+    "cta_workqueue": dict(policy="workqueue"),
 }
-ALONE = ("cta_static",)  # producer-alone lines
+ALONE = (next(iter(PIPES)),)  # producer-alone line
 pipes = {}
 for name, kw in PIPES.items():
 
