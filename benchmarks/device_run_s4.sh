@@ -20,7 +20,7 @@ for step in $STEPS; do
   case $step in
     tests) timeout 280 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
-    bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps 15 \
+    bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       grep -E "^\||static|WRONG|Error" "$OUT/bench.log" | tail -24 ;;
     trace) timeout 100 python3 benchmarks/trace_replay.py "$OUT" 16384 10 > "$OUT/trace_replay.log" 2>&1

@@ -5,7 +5,8 @@ usage: python3 benchmarks/trace_replay.py OUT_DIR [M] [REPLAYS]
 ``ctapipelining trace`` traces one *eager* call, whose consumer starts when the host gets to
 launching it. This replays each variant's traced pipeline ``REPLAYS`` times from a CUDA graph
 (as the benchmark does) and reads the stamps of the last replay, all on GPU 0's clock:
-when each stage's first tile started and last tile ended, when the full rounds were done,
+when each stage's first tile started and last tile ended (GPU 1's stamps placed by the clock
+offset measured right after that variant's replays), when the full rounds were done,
 and, per consumer round, how long after the producer's same round the consumer round
 started. The single-stage "pipeline" is the plain GEMM with stamps (the floor's rounds).
 Writes OUT_DIR/trace_replay.json, the raw stamps (``trace_replay_stamps.npz``: per variant and
@@ -43,10 +44,10 @@ VARIANTS = {
 }
 
 
-def analyse(pipe: Pipeline, stamps: list[np.ndarray]) -> dict:
+def analyse(pipe: Pipeline, stamps: list[np.ndarray], offset_ns: float) -> dict:
     cfg = pipe.config
     ms = lambda t: round(float(t) / 1e6, 4)  # noqa: E731
-    shifted = [t[:, :4].astype(np.float64) - (0.0 if s == 0 else link.offset_ns) for s, t in enumerate(stamps)]
+    shifted = [t[:, :4].astype(np.float64) - (0.0 if s == 0 else offset_ns) for s, t in enumerate(stamps)]
     t0 = shifted[0][:, trace.START].min()
     out = dict(chain_ms=ms(shifted[-1][:, trace.DONE].max() - t0), stages=[])
     round_ends = []
@@ -86,11 +87,14 @@ for name, (ws, cfg) in VARIANTS.items():
         torch.cuda.synchronize(d)
     pipe.check_errors()
     stamps = pipe.traces(M)
-    after = trace.clock_offset(0, 1, rounds=200)  # %globaltimer can jump: an offset measured later may differ
+    # the two GPUs' %globaltimer drift apart (~40 us/s in s4/bench): the offset measured right
+    # after this variant's replays, not the one of the run's start, places GPU 1's stamps
+    after = trace.clock_offset(0, 1, rounds=200)
     report.setdefault("offset_after_ns", {})[name] = after.offset_ns
     raw.update({f"{name}_stage{s}": t for s, t in enumerate(stamps)})
-    report["variants"][name] = r = analyse(pipe, stamps)
-    offsets = [0.0, link.offset_ns][: len(ws)]
+    raw[f"{name}_offset_ns"] = np.array(after.offset_ns)
+    report["variants"][name] = r = analyse(pipe, stamps, after.offset_ns)
+    offsets = [0.0, after.offset_ns][: len(ws)]
     trace.plot_timeline(stamps, offsets, out_dir / f"replay_{name}.png", f"X[{M},{K}] replayed, {name}")
     brief = {k: v for k, v in r.items() if k != "stages"} | {
         f"stage{s}": {k: v for k, v in st.items() if k != "round_lag_us"} for s, st in enumerate(r["stages"])
