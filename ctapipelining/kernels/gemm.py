@@ -15,9 +15,12 @@ Each CTA loops over tiles (persistent). Two constexpr hooks wrap the compute bod
   under ``QUEUE``, push newly ready consumer tiles.
 
 A producer may signal a stored tile right after its store, or a quarter into its next tile's
-K loop, once the writes have drained (``GemmConfig.signal``; see :func:`_epilogue`). That is the
-one place the hooks reach into the K loop: a single branch at one step. With both hooks off the
-branches vanish at compile time and the kernel is the plain persistent GEMM.
+K loop, once the writes have drained (``GemmConfig.signal``; see :func:`_epilogue`). A static
+consumer may wait for its input rows in parts (``GemmConfig.wait_parts``): part 0 before the
+tile, part ``q`` inside the K loop a pipeline depth before the first step that reads it
+(:func:`_part_step`). Those are the places the hooks reach into the K loop, each a branch at one
+step. With both hooks off the branches vanish at compile time and the kernel is the plain
+persistent GEMM.
 
 ``SPLIT_TAIL`` (:func:`_split_tail`, :class:`ctapipelining.deps.TailSplit`) changes the schedule,
 not the protocol: the persistent loop runs the full rounds, and the partial last round's tiles

@@ -34,7 +34,9 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
    block-wide barrier per poll; the loop is in one inline-PTX block bounded by a
    ``%globaltimer`` deadline;
 2. ``fence.proxy.async.global``: the data was written through the generic proxy and is read
-   by TMA (the async proxy); the proxy fence orders the acquire before those reads;
+   by TMA (the async proxy); the proxy fence orders the acquire before those reads. A consumer
+   that waits in parts does 1-2 again for each later part, inside its K loop, before the TMA
+   loads of that part are issued (:func:`ctapipelining.kernels.gemm._part_step` says when);
 3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
    the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
 
