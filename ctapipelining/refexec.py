@@ -9,7 +9,9 @@ use, and each tile's data is really computed with NumPy, so the executor checks 
 
 * every tile of every stage runs exactly once per run (epoch);
 * no consumer tile runs before all the producer tiles it reads were written in this run
-  (the intermediate buffers are also poisoned with NaN before each run);
+  (the intermediate buffers are also poisoned with NaN before each run); with
+  ``Chain(wait_parts=P)`` a static GEMM consumer reads its input rows in ``P`` pieces of K,
+  each after its own wait, as the kernels do, and no piece is read before it is written;
 * the result equals the sequential chain in float64 (up to float32 rounding);
 * there is no deadlock (a state where CTAs remain but none can run raises);
 * after ``E`` runs without any reset every counter is exactly ``E * need`` and the queue
@@ -63,11 +65,14 @@ def relu(x: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Chain:
-    """A chain of stages on an input ``[M, K0]``, with its tile grids and dependencies."""
+    """A chain of stages on an input ``[M, K0]``, with its tile grids and dependencies.
+    ``wait_parts``: the pieces a GEMM consumer waits for its input rows in (capped at the
+    producer's column-blocks, as :class:`ctapipelining.pipeline.Pipeline` caps them)."""
 
     M: int
     K0: int
     stages: list[Stage]
+    wait_parts: int = 1
     grids: list[deps.TileGrid] = field(init=False)
     links: list[deps.Dependency] = field(init=False)  # links[s-1]: stage s-1 -> stage s
     orders: list[np.ndarray] = field(init=False)
@@ -87,7 +92,12 @@ class Chain:
             self.orders.append(deps.tile_order(grid, st.group_m))
             k = st.n
         self.links = [
-            deps.build_dependency(self.grids[s - 1], self.grids[s], self.stages[s].kind)
+            deps.build_dependency(
+                self.grids[s - 1],
+                self.grids[s],
+                self.stages[s].kind,
+                parts=min(self.wait_parts, self.grids[s - 1].num_n) if self.stages[s].kind == "gemm" else 1,
+            )
             for s in range(1, len(self.stages))
         ]
 
@@ -159,6 +169,8 @@ class Executor:
             raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
         self.chain = chain
         self.policy = deps.get_policy(policy)
+        if self.policy.uses_queue and any(d.parts > 1 for d in chain.links):
+            raise ValueError("a workqueue consumer runs whole tiles once ready: build the chain with wait_parts=1")
         self.schedule = schedule
         self.rng = random.Random(seed)
         self.state = [LinkState.empty(d) for d in chain.links]
@@ -193,17 +205,33 @@ class Executor:
                 raise ProtocolViolation(f"stage {s}: slot {pos} holds {link.slots[pos % T]}, not a tile of epoch {e}")
             yield from self._run_tile(s, pid, tile, bufs, weights, written)
 
+    def _check_written(self, s, tile, producer_tiles, written):
+        missing = [p for p in producer_tiles if written[s - 1][p] != self.epoch]
+        if missing:
+            raise ProtocolViolation(f"stage {s} tile {tile} read producer tiles {missing} before they were written")
+
     def _run_tile(self, s, pid, tile, bufs, weights, written) -> Iterator[_Wait | None]:
+        """Compute a tile whose input (part 0 of it, when waiting in parts) is ready."""
         ch, e = self.chain, self.epoch
-        if s > 0:
-            dep = ch.links[s - 1]
-            missing = [p for p in dep.needs(tile) if written[s - 1][p] != e]
-            if missing:
-                raise ProtocolViolation(f"stage {s} tile {tile} ran before producer tiles {missing} were written")
         rows, cols = ch.grids[s].tile_slices(tile)
         src = bufs[s]
-        out = src[rows, :] @ weights[s][:, cols] if ch.stages[s].kind == "gemm" else relu(src[rows, cols])
-        self._log(s, pid, "run", tile)
+        dep = ch.links[s - 1] if s > 0 else None
+        if dep is not None and dep.parts > 1:
+            # the K loop reads the rows piece by piece, each after waiting for its counter
+            K, out = src.shape[1], np.zeros((rows.stop - rows.start, cols.stop - cols.start), np.float32)
+            self._log(s, pid, "run", tile)
+            for q in range(dep.parts):
+                if q > 0:
+                    c, v = deps.wait_target(dep, tile, e, part=q)
+                    yield _Wait(lambda c=c, v=v, counters=self.state[s - 1].counters: counters[c] >= v)
+                self._check_written(s, tile, dep.part_needs(tile, q), written)
+                k = slice(dep.part_k_start(q), dep.part_k_start(q + 1) if q + 1 < dep.parts else K)
+                out += src[rows, k] @ weights[s][k, cols]
+        else:
+            if dep is not None:
+                self._check_written(s, tile, dep.needs(tile), written)
+            out = src[rows, :] @ weights[s][:, cols] if ch.stages[s].kind == "gemm" else relu(src[rows, cols])
+            self._log(s, pid, "run", tile)
         bufs[s + 1][rows, cols] = out
         if written[s][tile] == e:
             raise ProtocolViolation(f"stage {s} tile {tile} ran twice in epoch {e}")

@@ -1,5 +1,7 @@
 """The reference executor: fixed cases, fault injection, and hypothesis fuzzing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -50,7 +52,7 @@ def test_early_push_is_caught(monkeypatch):
 
 def test_wrong_wait_target_is_caught(monkeypatch):
     monkeypatch.setattr(deps, "wait_target", lambda dep, t, e: (int(dep.counter_of_tile[t]), 0))
-    with pytest.raises(refexec.ProtocolViolation, match="before producer tiles"):
+    with pytest.raises(refexec.ProtocolViolation, match="read producer tiles .* before they were written"):
         refexec.run_chain(two_gemms(), "static", "consumers_first", seed=0)
 
 
@@ -89,7 +91,7 @@ def chains(draw):
             )
         )
         k = n
-    return Chain(M=m, K0=k0, stages=stages)
+    return Chain(M=m, K0=k0, stages=stages, wait_parts=draw(st.integers(1, 4)))
 
 
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,6 +103,42 @@ def chains(draw):
     seed=st.integers(0, 2**16),
 )
 def test_fuzz_protocol(chain, policy, schedule, epochs, seed):
+    if policy == "workqueue":
+        chain = dataclasses.replace(chain, wait_parts=1)  # it runs whole tiles once ready
     r = refexec.run_chain(chain, policy, schedule, epochs=epochs, seed=seed)
     # run_chain checks exactly-once, never-early, output, no deadlock and counters == E x need
     assert r.epochs == epochs and r.max_error < 1e-4
+
+
+def parted(parts):
+    return Chain(M=50, K0=20, stages=[Stage("gemm", 40, 16, 8, 4), Stage("gemm", 12, 8, 8, 3)], wait_parts=parts)
+
+
+@pytest.mark.parametrize("schedule", refexec.SCHEDULES)
+def test_waiting_in_parts_starts_tiles_before_their_rows_are_complete(schedule):
+    """With parts a consumer tile starts once the first piece of its rows is written and
+    reads each later piece only after its own wait; with one part it never starts early."""
+    r = refexec.run_chain(parted(3), "static", schedule, epochs=2, seed=5)
+    assert r.max_error < 1e-5
+
+    def early(report, chain):
+        step = {(e.epoch, e.stage, e.tile): e.step for e in report.events if e.kind == "run"}
+        dep = chain.links[0]
+        return [(e, t) for (e, s, t), at in step.items() if s == 1 and any(step[(e, 0, p)] > at for p in dep.needs(t))]
+
+    ch3, ch1 = parted(3), parted(1)
+    assert early(refexec.run_chain(ch3, "static", "consumers_first", seed=1), ch3)
+    assert not early(refexec.run_chain(ch1, "static", "consumers_first", seed=1), ch1)
+
+
+def test_a_part_read_before_its_wait_is_caught(monkeypatch):
+    real = deps.wait_target
+    monkeypatch.setattr(deps, "wait_target", lambda dep, t, e, part=0: real(dep, t, e) if part == 0 else (0, 0))
+    with pytest.raises(refexec.ProtocolViolation, match="read producer tiles .* before they were written"):
+        refexec.run_chain(parted(3), "static", "consumers_first", seed=0)
+
+
+def test_parts_need_the_static_policy():
+    with pytest.raises(ValueError, match="workqueue consumer runs whole tiles"):
+        refexec.Executor(parted(2), "workqueue")
+    assert parted(3).links[0].parts == 3 and parted(9).links[0].parts == 5  # 40 columns in blocks of 8
