@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fourth session's 2-GPU runs (nvidia-h200-x2), from the repository root:
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
-# Steps run in the order given: GPU tests; the bench; replayed traces with raw stamps; clocks
+# Steps run in the order given: GPU tests; the bench; the bench at 16384 with the hook costs
+# (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
 # and power under each phase of the chain; the tuning run (waiting in parts vs whole
 # row-blocks, interleaved with the baselines). Each step has its own timeout, so the call ends
 # within the device's 10 minutes. At most 8 files come back: PNGs and secondary logs travel
@@ -23,6 +24,11 @@ for step in $STEPS; do
     bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       grep -E "^\||static|WRONG|Error" "$OUT/bench.log" | tail -24 ;;
+    hooks) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps 25 \
+        --hooks-seq 16384 --out "$OUT/hooks" > "$OUT/hooks.log" 2>&1
+      grep -E "^\||static|prologue|signal|visib|WRONG|Error" "$OUT/hooks.log" | tail -24 ;;
+    eager) timeout 60 python3 benchmarks/profile_eager.py 16384 30 > "$OUT/profile_eager.log" 2>&1
+      head -12 "$OUT/profile_eager.log" ;;
     trace) timeout 100 python3 benchmarks/trace_replay.py "$OUT" 16384 10 > "$OUT/trace_replay.log" 2>&1
       grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -12 ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
@@ -31,5 +37,5 @@ for step in $STEPS; do
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done
-cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv 2>/dev/null
+cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv hooks/*.png hooks/*.csv 2>/dev/null
 ls -R

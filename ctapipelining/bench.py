@@ -253,11 +253,12 @@ def _capture(fn, devices):
 
 
 def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
-    """Each hook in isolation (Triton GEMM at [M, K] x [K, K]): signal cost, prologue cost,
-    cross-GPU visibility latency."""
+    """Each hook in isolation (Triton GEMM at [M, K] x [K, K]): signal cost, prologue cost
+    (static: waiting in parts, and for whole row-blocks), cross-GPU visibility latency."""
     import torch
 
     from .gemm import matmul
+    from .kernels.gemm import PIPELINE_CONFIG
     from .pipeline import Pipeline
     from .trace import clock_offset
 
@@ -267,18 +268,23 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
     x = torch.randn(M, K, device="cuda:0").bfloat16()
     rows: list[Row] = []
     out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
-    for policy in ("workqueue", "static"):
-        pipe = Pipeline([A, B], policy=policy)
+    whole_rows = dataclasses.replace(PIPELINE_CONFIG, wait_parts=1)
+    for policy, name, cfg in [
+        ("workqueue", "workqueue", None),
+        ("static", "static", None),
+        ("static", "static_whole_rows", whole_rows),
+    ]:
+        pipe = Pipeline([A, B], policy=policy, config=cfg)
         plan = pipe.plan(M)
         pipe(x)
-        progress(f"hooks {policy}: producer with signal")
+        progress(f"hooks {name}: producer with signal")
         # producer alone (the consumer never runs): the remote writes plus the signal epilogue
         producer = lambda pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[0])  # noqa: E731
         ms = time_method(producer, lambda i: None, devs, reps, warmup)
-        rows.append(Row(f"producer_signal_{policy}", M, ms))
+        rows.append(Row(f"producer_signal_{name}", M, ms))
         pipe.reset()
         # consumer alone with its whole input already signalled: the prologue (wait/pop) cost
-        progress(f"hooks {policy}: consumer prologue")
+        progress(f"hooks {name}: consumer prologue")
         consumer_ms = time_method(
             lambda pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[1], advance_epoch=False),
             lambda i, pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[0]),  # untimed: the producer's run
@@ -287,7 +293,7 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
             warmup,
         )
         pipe.check_errors(plan)
-        rows.append(Row(f"consumer_prologue_{policy}", M, consumer_ms))
+        rows.append(Row(f"consumer_prologue_{name}", M, consumer_ms))
         pipe.reset()
     progress("hooks: plain consumer GEMM on GPU1")
     x1 = x.to("cuda:1")
