@@ -6,8 +6,8 @@ Everything that issue 3's speed target compares, replayed from CUDA graphs and t
 same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
 cuBLAS one layer; our plain GEMM under several configurations (the floor each pipeline
 variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
-variants (waiting for the input in parts, split tails, TMA or ordinary stores into the peer,
-policy); the producer alone. (Earlier versions also timed a copy-engine transport; see the
+variants (waiting for the input in parts, the second GPU prefilling the first rows, policy);
+the producer alone. (Earlier versions also timed a copy-engine transport; see the
 results README.) Every pipeline is checked bitwise against the sequential Triton GEMMs (eager
 and replayed) before it is timed.
 Writes OUT_DIR/tune_transport.json and prints a table with ratios.
@@ -108,11 +108,11 @@ guarded("tp", build_tp)
 parts = lambda n, cfg=PIPELINE_CONFIG: dataclasses.replace(cfg, wait_parts=n)  # noqa: E731
 PIPES = {
     f"cta_static (PIPELINE_CONFIG, {PIPELINE_CONFIG.wait_parts} parts)": dict(),
-    "cta_static_parts16": dict(config=parts(16)),
-    "cta_static_split": dict(config=split(PIPELINE_CONFIG)),
-    "cta_static_stores": dict(config=dataclasses.replace(PIPELINE_CONFIG, tma_store=False)),
+    "cta_static_prefill512": dict(prefill_rows=512),
+    "cta_static_prefill1024": dict(prefill_rows=1024),
+    "cta_static_prefill2048": dict(prefill_rows=2048),
     "cta_static_whole_rows": dict(config=parts(1)),
-    "cta_workqueue": dict(policy="workqueue"),
+    "cta_workqueue_prefill1024": dict(policy="workqueue", prefill_rows=1024),
 }
 ALONE = (next(iter(PIPES)),)  # producer-alone line
 pipes = {}

@@ -13,6 +13,12 @@ addresses of the plan's buffers, not the buffers. After a call, :meth:`Pipeline.
 reads the error words: a timed-out wait raises :class:`PipelineTimeout` naming device, stage
 and tile, after which the state is reset so the next call works.
 
+Prefill (``prefill_rows=R``): the second GPU computes the first ``R`` rows of the first layer
+itself, from a copy of ``x[:R]`` and a replica of ``W_0``, before its consumer kernel starts.
+Those rows are the consumer's first tiles, so it has work while the producer's first round is
+still running, and the producer has ``R`` rows less to write across NVLink. Both GEMMs bump
+the same counters (the replica's tiles signal the consumer's scoreboard locally).
+
 Ordering with the caller: every stage's stream first waits for the current stream of every
 stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
 result are ordered with whatever the caller does on any of the devices (the caching allocator
@@ -67,6 +73,7 @@ class Link:
     need_producer: torch.Tensor
     push_ptr: torch.Tensor
     push_tiles: torch.Tensor
+    local: Link | None = None  # the CSR lists on the consumer's device, for a prefill GEMM there
 
     @classmethod
     def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
@@ -98,14 +105,18 @@ class Link:
             d.parts, d.producer.num_n, d.producer.block_n,
         )  # fmt: skip
 
-    def signal_hook(self, queue: bool) -> SignalHook:
+    def signal_hook(self, queue: bool, first_tile: int = 0, local: bool = False) -> SignalHook:
+        """The producer's hook; ``first_tile``: the producer tile id of the launch's tile 0
+        (a launch on rows ``[r, M)`` numbers its tiles from 0); ``local``: the CSR lists on the
+        consumer's device (a prefill GEMM there)."""
+        lists = self.local if local else self
         return SignalHook(
             self.counters,
-            self.signal_ptr,
-            self.signal_counters,
-            self.need_producer,
-            self.push_ptr,
-            self.push_tiles,
+            lists.signal_ptr[first_tile:],
+            lists.signal_counters,
+            lists.need_producer,
+            lists.push_ptr,
+            lists.push_tiles,
             self.slots,
             self.tail,
             self.dep.consumer.num_tiles,
@@ -129,9 +140,13 @@ class Plan:
     num_ctas: list[int]
     epoch_limit: int
     epoch: int = 0
+    prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
+    prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
+    prefill_ctas: int = 0
+    prefill_tail: TailBuffers | None = None
 
     def state(self) -> list[torch.Tensor]:
-        tails = [t.counters for t in self.tails if t is not None]  # partial after a timed-out launch
+        tails = [t.counters for t in self.tails + [self.prefill_tail] if t is not None]  # partial after a timeout
         return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
 
 
@@ -153,6 +168,10 @@ class Pipeline:
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
+    prefill_rows : the second GPU computes this many first rows of the first layer itself (see
+        the module docstring; a multiple of ``config.block_m``; at least one row-block is left
+        to the producer, so fewer for small inputs). It keeps a replica of ``W_0`` on that GPU.
+        Not with ``trace``.
     """
 
     def __init__(
@@ -162,6 +181,7 @@ class Pipeline:
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
         trace: bool = False,
+        prefill_rows: int = 0,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -182,6 +202,15 @@ class Pipeline:
                 )
             if self.weights[s].dtype != self.weights[0].dtype:
                 raise TypeError(f"stage {s} weight is {self.weights[s].dtype}, stage 0 is {self.weights[0].dtype}")
+        if not isinstance(prefill_rows, int) or prefill_rows < 0 or prefill_rows % self.config.block_m:
+            raise ValueError(
+                f"prefill_rows must be a multiple of block_m={self.config.block_m} (>= 0), got {prefill_rows!r}"
+            )
+        if prefill_rows and len(self.weights) < 2:
+            raise ValueError("prefill_rows needs a second stage to prefill")
+        if prefill_rows and trace:
+            raise ValueError("trace mode does not stamp a prefill GEMM: use prefill_rows=0 to trace")
+        self.prefill_rows = prefill_rows
         self.devices = [w.device for w in self.weights]
         self.on_gpu = self.devices[0].type == "cuda"
         if self.on_gpu:
@@ -193,6 +222,8 @@ class Pipeline:
                 )
             fabric.enable_peer_access(idx)
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
+        # the prefill GEMM's weight, on stage 1's device
+        self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows else None
         self._plans: dict[int, Plan] = {}
 
     @classmethod
@@ -221,10 +252,22 @@ class Pipeline:
         """The same GEMMs one after another, each with its stage's configuration, no
         pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
         self.check_input(x)
+        R = self._prefill(x.shape[0])
         y = x
         for s, w in enumerate(self.weights):
-            y = matmul(y.to(w.device), w, config=self.stage_config(s))
+            if s == 0 and R:  # as the pipeline splits it: rows [0, R) and [R, M) in their own GEMMs
+                y = torch.cat(
+                    [matmul(x[:R], w, config=self.stage_config(0)), matmul(x[R:], w, config=self.stage_config(0))]
+                )
+            else:
+                y = matmul(y.to(w.device), w, config=self.stage_config(s))
         return y
+
+    def _prefill(self, M: int) -> int:
+        """Rows the second GPU prefills for inputs of ``M`` rows: ``prefill_rows``, leaving at
+        least one row-block to the producer."""
+        bm = self.config.block_m
+        return max(0, min(self.prefill_rows, (M - 1) // bm * bm))
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:
@@ -239,10 +282,17 @@ class Pipeline:
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
-        num_ctas = [grid_size(M, w.shape[1], cfg, d) for w, d in zip(ws, devs)]
+        R = self._prefill(M)
+        if R:  # the prefill GEMM reads the CSR lists from its own device (this copy's scoreboard is unused)
+            links[0].local = Link.create(links[0].dep, devs[1], devs[1])
+        rows = [M - R] + [M] * (len(ws) - 1)  # the producer's own rows
+        num_ctas = [grid_size(m, w.shape[1], cfg, d) for m, w, d in zip(rows, ws, devs)]
         splits = [
-            tail_split(M, w.shape[1], w.shape[0], self.stage_config(s), p) for s, (w, p) in enumerate(zip(ws, num_ctas))
+            tail_split(m, w.shape[1], w.shape[0], self.stage_config(s), p)
+            for s, (m, w, p) in enumerate(zip(rows, ws, num_ctas))
         ]
+        prefill_ctas = grid_size(R, ws[0].shape[1], cfg, devs[1]) if R else 0
+        prefill_split = tail_split(R, ws[0].shape[1], ws[0].shape[0], self.stage_config(0), prefill_ctas) if R else None
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
         plan = Plan(
             M=M,
@@ -257,6 +307,10 @@ class Pipeline:
             tails=[None if sp is None else TailBuffers.create(sp, cfg, d) for sp, d in zip(splits, devs)],
             num_ctas=num_ctas,
             epoch_limit=limit,
+            prefill_rows=R,
+            prefill_x=torch.empty(R, ws[0].shape[0], dtype=ws[0].dtype, device=devs[1]) if R else None,
+            prefill_ctas=prefill_ctas,
+            prefill_tail=None if prefill_split is None else TailBuffers.create(prefill_split, cfg, devs[1]),
         )
         self._plans[M] = plan
         return plan
@@ -319,8 +373,9 @@ class Pipeline:
         subset (under ``workqueue``, a call without the consumer leaves the ring's head behind
         the epoch: :meth:`reset` before the next full call); ``advance_epoch=False`` launches
         against the current epoch (e.g. the consumer of a run whose producer already ran
-        alone); ``delay_cycles`` sleeps before a stage. Returns Triton's compiled-kernel
-        handle of each launched stage (None for the others)."""
+        alone); ``delay_cycles`` sleeps before a stage (after a prefill, which is launched
+        with stage 1). Returns Triton's compiled-kernel handle of each launched stage (None for
+        the others)."""
         if advance_epoch:
             if plan.epoch >= plan.epoch_limit:
                 self.reset(plan)
@@ -330,14 +385,23 @@ class Pipeline:
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
         kernels = [None] * n
+        R = plan.prefill_rows
+        first = R // self.config.block_m * plan.links[0].dep.producer.num_n if R else 0  # producer tile of row R
         for s in range(n):
-            a = x if s == 0 else plan.inputs[s]
-            c = out if s == n - 1 else plan.inputs[s + 1]
+            a = x[R:] if s == 0 else plan.inputs[s]
+            c = out if s == n - 1 else plan.inputs[s + 1][R:] if s == 0 else plan.inputs[s + 1]
             with self._on_stream(s, starts):
                 if advance_epoch:
                     plan.epochs[s].add_(1)
                 if only is not None and s not in only:
                     continue
+                if s == 1 and R:  # the prefill: rows [0, R) of stage 0, here, before the consumer
+                    plan.prefill_x.copy_(x[:R])
+                    launch_gemm(
+                        plan.prefill_x, self.prefill_weight, plan.inputs[1][:R], self.stage_config(0),
+                        plan.prefill_ctas, signal=plan.links[0].signal_hook(queue, local=True),
+                        epoch=plan.epochs[1], err=plan.errors[1], tail=plan.prefill_tail, timeout_ns=self.timeout_ns,
+                    )  # fmt: skip
                 if delay_cycles and s in delay_cycles:
                     torch.cuda._sleep(delay_cycles[s])
                 kernels[s] = launch_gemm(
@@ -347,7 +411,7 @@ class Pipeline:
                     self.stage_config(s),
                     plan.num_ctas[s],
                     wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
-                    signal=plan.links[s].signal_hook(queue) if s < n - 1 else None,
+                    signal=plan.links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else None,
                     epoch=plan.epochs[s],
                     err=plan.errors[s],
                     trace=plan.traces[s],

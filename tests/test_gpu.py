@@ -375,3 +375,26 @@ def test_wait_in_parts_missing_part_times_out_and_recovers():
     assert time.perf_counter() - t0 < 2.0
     assert out.isnan().all()
     assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_prefill_bitwise(policy):
+    """GPU 1 computes the first rows of layer 1 itself, from a copy of x's rows and a replica of
+    A, and signals them locally: NaN-poisoned input, full size and ragged, three calls each,
+    counters exactly epoch x need, a delayed producer, then replayed from a CUDA graph."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy, prefill_rows=1024)
+    for M in (16384, 3000):
+        plan = pipe.plan(M)
+        assert plan.prefill_rows == 1024
+        for delay in (0, 0, 100_000_000):
+            x = rand(M, 8192, device="cuda:0")
+            plan.inputs[1].fill_(float("nan"))
+            out = torch.full((M, 8192), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+            pipe._launch(plan, x, out, delay_cycles={0: delay} if delay else None)
+            pipe.check_errors(plan)
+            assert torch.equal(out, sequential_triton(x, ws, pipe))
+        link = plan.links[0]
+        assert torch.equal(link.counters.cpu(), plan.epoch * torch.as_tensor(link.dep.need))
+    assert_replays_right(pipe, 16384, 3)

@@ -287,3 +287,58 @@ def test_wait_in_parts_is_checked():
     assert wq.plan(8).links[0].dep.parts == 1
     x = torch.randn(8, 16).half()
     assert torch.equal(wq(x), wq.sequential(x))
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_prefill_matches_sequential(policy, split, parts):
+    """Stage 1 computes the first rows of stage 0 itself (a copy of x's rows, a replica of
+    W_0) and both GEMMs signal the same counters: NaN-poisoned buffers, three epochs, every
+    counter epoch x need, bitwise the sequential GEMMs split the same way; a 3-stage chain."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(32, 64), (64, 40), (40, 24)]]
+    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=parts)
+    pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=32)
+    plan = pipe.plan(50)
+    assert plan.prefill_rows == 32 and plan.prefill_x.shape == (32, 32)
+    for epoch in range(1, 4):
+        x = torch.randn(50, 32).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        assert torch.equal(y, pipe.sequential(x))
+        assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
+        for link in plan.links:
+            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+            if policy == "workqueue":
+                assert int(link.tail) == epoch * link.dep.consumer.num_tiles
+    assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails + [plan.prefill_tail] if t is not None)
+
+
+def test_prefill_leaves_the_producer_a_row_block_and_is_checked():
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, config=SMALL, prefill_rows=64)
+    assert [pipe.plan(M).prefill_rows for M in (100, 64, 20, 16, 8)] == [64, 48, 16, 0, 0]
+    x = torch.randn(20, 16).half()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    with pytest.raises(ValueError, match="multiple of block_m=16"):
+        Pipeline(ws, config=SMALL, prefill_rows=24)
+    with pytest.raises(ValueError, match="second stage"):
+        Pipeline(ws[:1], config=SMALL, prefill_rows=16)
+    with pytest.raises(ValueError, match="trace mode"):
+        Pipeline(ws, config=SMALL, prefill_rows=16, trace=True)
+
+
+def test_prefilled_consumer_without_producer_times_out_past_the_prefill():
+    """The consumer launched alone still gets its prefilled rows (the prefill is launched with
+    it), then times out on the first row-block the producer owns; the next call is right."""
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05, prefill_rows=16)
+    x = torch.randn(40, 16).half()
+    plan = pipe.plan(40)
+    pipe._launch(plan, x, torch.empty(40, 16).half(), only=[1])
+    with pytest.raises(
+        PipelineTimeout, match=r"stage 1 on cpu: CTA \d timed out waiting for tile \d+ \(counter [12] was 0"
+    ):
+        pipe.check_errors(plan)
+    assert torch.equal(pipe(x), pipe.sequential(x))
