@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
+# the bench's prefill line (Pipeline(prefill_rows=...)): two groups of 4 row-blocks of 128, the best of
+# 512 / 1024 / 2048 at M=16384 on 2x H200 (2026-11-30-h200x2-s4/prefill: 0.962x / 0.947x / 1.011x
+# the same pipeline without it, paired over 30 repetitions)
+PREFILL_ROWS = 1024
 
 
 @dataclass
@@ -186,9 +190,12 @@ def _bench_seq(
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
     # plus the static pipeline waiting for whole row-blocks before each tile (the default until session 4)
+    # and the static pipeline whose second GPU prefills the first PREFILL_ROWS rows of layer 1
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
-    for name in ("workqueue", "static", "static_whole_rows"):
+    if len(ws) >= 2:
+        pipes["static_prefill"] = Pipeline(ws, prefill_rows=PREFILL_ROWS)
+    for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_prefill") if k in pipes]:
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
     progress(f"M={M}: {len(methods)} methods, interleaved")
