@@ -26,8 +26,9 @@ from pathlib import Path
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
 # the bench's prefill line (Pipeline(prefill_rows=...)): two groups of 4 row-blocks of 128, the best of
-# 512 / 1024 / 2048 at M=16384 on 2x H200 (2026-11-30-h200x2-s4/prefill: 0.962x / 0.947x / 1.011x
-# the same pipeline without it, paired over 30 repetitions)
+# 512 / 1024 / 2048 at M=16384 in one tuning run on 2x H200 (2026-11-30-h200x2-s4/prefill: 0.962x /
+# 0.947x / 1.011x the same pipeline without it, paired over 30 repetitions); in the bench minutes
+# later 1.028x (prefill-bench), so not a default
 PREFILL_ROWS = 1024
 
 
