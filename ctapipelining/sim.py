@@ -8,8 +8,10 @@ What is modelled
   ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile (the kernels'
   ``signal="in_loop"``), the CTA's last tile at once. Not modelled: ``GemmConfig.split_tail``
   (``PLAIN_CONFIG`` splits its partial last round: measured 1.6-1.9% faster than with a whole
-  last round) and per-CTA variation of the tile time (measured static consumers fall a round
-  behind mid-run, which did not move the chain's end: ``2026-11-30-h200x2-s3/README.md``).
+  last round), per-CTA variation of the tile time (measured static consumers fall a round
+  behind mid-run, which did not move the chain's end: ``2026-11-30-h200x2-s3/README.md``),
+  ``Pipeline(prefill_rows=...)``, and the two GPUs' power limits (a producer writing into the
+  peer clocks down ~5%: ``2026-11-30-h200x2-s4/README.md``; ``remote_factor`` stands for it).
 * **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
