@@ -56,10 +56,31 @@ class PipelineTimeout(RuntimeError):
     """A stage waited past its deadline for an input that never came."""
 
 
+def _int32_on(arr, device) -> torch.Tensor:
+    return torch.as_tensor(arr, dtype=torch.int32).to(device)
+
+
+@dataclass
+class SignalLists:
+    """A producer's read-only CSR lists (:class:`ctapipelining.deps.Dependency`), on the device
+    of the GEMM that signals with them."""
+
+    signal_ptr: torch.Tensor
+    signal_counters: torch.Tensor
+    need: torch.Tensor
+    push_ptr: torch.Tensor
+    push_tiles: torch.Tensor
+
+    @classmethod
+    def create(cls, dep: deps.Dependency, device: torch.device) -> SignalLists:
+        arrays = (dep.signal_ptr, dep.signal_counters, dep.need, dep.push_ptr, dep.push_tiles)
+        return cls(*(_int32_on(a, device) for a in arrays))
+
+
 @dataclass
 class Link:
     """Scoreboard and ring of stage ``s`` (consumer memory) and stage ``s - 1``'s CSR lists
-    (producer memory), for one ``M``."""
+    (producer memory; a prefill GEMM on the consumer's device gets a copy there), for one ``M``."""
 
     dep: deps.Dependency
     counters: torch.Tensor
@@ -68,30 +89,21 @@ class Link:
     slots: torch.Tensor
     head: torch.Tensor
     tail: torch.Tensor
-    signal_ptr: torch.Tensor
-    signal_counters: torch.Tensor
-    need_producer: torch.Tensor
-    push_ptr: torch.Tensor
-    push_tiles: torch.Tensor
-    local: Link | None = None  # the CSR lists on the consumer's device, for a prefill GEMM there
+    lists: SignalLists
+    local_lists: SignalLists | None = None
 
     @classmethod
     def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
-        i32 = dict(dtype=torch.int32)
-        on = lambda arr, dev: torch.as_tensor(arr, **i32).to(dev)  # noqa: E731
+        i32 = dict(dtype=torch.int32, device=consumer)
         return cls(
             dep=dep,
-            counters=torch.zeros(dep.num_counters, device=consumer, **i32),
-            counter_of_tile=on(dep.counter_of_tile, consumer),
-            need_consumer=on(dep.need, consumer),
-            slots=torch.zeros(dep.consumer.num_tiles, device=consumer, **i32),
-            head=torch.zeros(1, device=consumer, **i32),
-            tail=torch.zeros(1, device=consumer, **i32),
-            signal_ptr=on(dep.signal_ptr, producer),
-            signal_counters=on(dep.signal_counters, producer),
-            need_producer=on(dep.need, producer),
-            push_ptr=on(dep.push_ptr, producer),
-            push_tiles=on(dep.push_tiles, producer),
+            counters=torch.zeros(dep.num_counters, **i32),
+            counter_of_tile=_int32_on(dep.counter_of_tile, consumer),
+            need_consumer=_int32_on(dep.need, consumer),
+            slots=torch.zeros(dep.consumer.num_tiles, **i32),
+            head=torch.zeros(1, **i32),
+            tail=torch.zeros(1, **i32),
+            lists=SignalLists.create(dep, producer),
         )
 
     def state(self) -> list[torch.Tensor]:
@@ -109,12 +121,12 @@ class Link:
         """The producer's hook; ``first_tile``: the producer tile id of the launch's tile 0
         (a launch on rows ``[r, M)`` numbers its tiles from 0); ``local``: the CSR lists on the
         consumer's device (a prefill GEMM there)."""
-        lists = self.local if local else self
+        lists = self.local_lists if local else self.lists
         return SignalHook(
             self.counters,
             lists.signal_ptr[first_tile:],
             lists.signal_counters,
-            lists.need_producer,
+            lists.need,
             lists.push_ptr,
             lists.push_tiles,
             self.slots,
@@ -283,8 +295,8 @@ class Pipeline:
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         R = self._prefill(M)
-        if R:  # the prefill GEMM reads the CSR lists from its own device (this copy's scoreboard is unused)
-            links[0].local = Link.create(links[0].dep, devs[1], devs[1])
+        if R:  # the prefill GEMM reads the CSR lists from its own device
+            links[0].local_lists = SignalLists.create(links[0].dep, devs[1])
         rows = [M - R] + [M] * (len(ws) - 1)  # the producer's own rows
         num_ctas = [grid_size(m, w.shape[1], cfg, d) for m, w, d in zip(rows, ws, devs)]
         splits = [
@@ -388,8 +400,9 @@ class Pipeline:
         R = plan.prefill_rows
         first = R // self.config.block_m * plan.links[0].dep.producer.num_n if R else 0  # producer tile of row R
         for s in range(n):
-            a = x[R:] if s == 0 else plan.inputs[s]
-            c = out if s == n - 1 else plan.inputs[s + 1][R:] if s == 0 else plan.inputs[s + 1]
+            own = slice(R if s == 0 else 0, None)  # stage 0's producer owns rows [R, M)
+            a = (x if s == 0 else plan.inputs[s])[own]
+            c = (out if s == n - 1 else plan.inputs[s + 1])[own]
             with self._on_stream(s, starts):
                 if advance_epoch:
                     plan.epochs[s].add_(1)
