@@ -296,13 +296,15 @@ def test_prefill_matches_sequential(policy, split, parts):
     """Stage 1 computes the first rows of stage 0 itself (a copy of x's rows, a replica of
     W_0) and both GEMMs signal the same counters: NaN-poisoned buffers, three epochs, every
     counter epoch x need, bitwise the sequential GEMMs split the same way; a 3-stage chain."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(32, 64), (64, 40), (40, 24)]]
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 40), (40, 24)]]
     cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=parts)
     pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=32)
     plan = pipe.plan(50)
-    assert plan.prefill_rows == 32 and plan.prefill_x.shape == (32, 32)
+    assert plan.prefill_rows == 32 and plan.prefill_x.shape == (32, 64)
+    # 6 tiles each for the prefill and the producer on 4 CTAs: both split a 2-tile tail
+    assert (plan.prefill_tail is not None) == (plan.tails[0] is not None) == split
     for epoch in range(1, 4):
-        x = torch.randn(50, 32).half()
+        x = torch.randn(50, 64).half()
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
         y = pipe(x)
