@@ -10,7 +10,8 @@ What is modelled
   (``PLAIN_CONFIG`` splits its partial last round: measured 1.6-1.9% faster than with a whole
   last round), per-CTA variation of the tile time (measured static consumers fall a round
   behind mid-run, which did not move the chain's end: ``2026-11-30-h200x2-s3/README.md``),
-  ``Pipeline(prefill_rows=...)``, and the two GPUs' power limits (a producer writing into the
+  the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
+  GPUs' power limits (a producer writing into the
   peer clocks down ~5%: ``2026-11-30-h200x2-s4/README.md``; ``remote_factor`` stands for it).
 * **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
@@ -18,6 +19,8 @@ What is modelled
   whichever CTA is free first. The same :mod:`ctapipelining.deps` structures as the kernels.
   ``wait_parts`` (static): a tile starts when part 0 of its input is visible and stalls at
   the K fraction where each later part begins until that part is (``GemmConfig.wait_parts``).
+  ``prefill_rows``: the second GPU copies ``x[:R]``, computes those rows of layer 1 at the
+  local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``).
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
@@ -241,20 +244,35 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     return rows
 
 
-def simulate_cta(M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1) -> CtaResult:
+def simulate_cta(
+    M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1, prefill_rows: int = 0
+) -> CtaResult:
     """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU;
     ``wait_parts`` > 1: static consumers wait for their input in parts (capped as the
-    pipeline caps them, at the producer's column-blocks)."""
+    pipeline caps them, at the producer's column-blocks); ``prefill_rows``: the second GPU
+    first copies ``x[:R]`` and computes those rows of stage 0 itself (writing locally), then
+    starts its consumer, while stage 0's GPU computes the rest (as
+    :class:`ctapipelining.pipeline.Pipeline` does)."""
     if wait_parts > 1 and policy != "static":
         raise ValueError("wait_parts > 1 needs the static policy")
-    grids = [deps.TileGrid(M, n, cal.block_m, cal.block_n) for n in dims[1:]]
+    bm = cal.block_m
+    R = max(0, min(prefill_rows, (M - 1) // bm * bm)) if len(dims) > 2 else 0
+    grids = [deps.TileGrid(M, n, bm, cal.block_n) for n in dims[1:]]
     ready, frac = None, None
     traces, ends = [], []
+    start_next = 0.0
     for s, grid in enumerate(grids):
         last = s == len(grids) - 1
-        rows = _gemm_stage(
-            grid, dims[s], cal, ready, policy, s * cal.launch_ns, remote=not last, signals=not last, part_frac=frac
-        )
+        start = s * cal.launch_ns + (start_next if s == 1 else 0.0)
+        own = deps.TileGrid(M - R, grid.N, bm, cal.block_n) if s == 0 and R else grid
+        rows = _gemm_stage(own, dims[s], cal, ready, policy, start, remote=not last, signals=not last, part_frac=frac)
+        if own is not grid:  # stage 0 owns rows [R, M); the prefill GEMM on GPU 1 computes [0, R) first
+            copy = cal.copy_ns(R * dims[0] * 2)
+            pre = _gemm_stage(
+                deps.TileGrid(R, grid.N, bm, cal.block_n), dims[0], cal, None, policy, copy, remote=False, signals=True
+            )
+            start_next = float(pre[:, 3].max())
+            rows = np.concatenate([pre, rows])  # row-major tile ids: the prefill's rows come first
         traces.append(rows)
         ends.append(float(rows[:, 3].max()))
         if not last:

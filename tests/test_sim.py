@@ -128,3 +128,18 @@ def test_waiting_in_parts_helps_only_a_consumer_with_slack():
     assert t4 <= t1 and t4 > 0.995 * t1
     with pytest.raises(ValueError, match="static"):
         sim.simulate_cta(2048, dims, CAL, "workqueue", wait_parts=2)
+
+
+def test_prefill_pays_only_when_the_producer_is_the_slower_side():
+    """The second GPU computing the first rows of layer 1 itself (``prefill_rows``) starts its
+    consumer later but takes work off a producer slowed by writing into the peer. The model
+    says it pays only when that slowdown is large, and only for a small prefill: its GPU has
+    two rounds of layer 1 more to do, then all of layer 2."""
+    dims = [8192, 8192, 8192]
+    t = lambda cal, R: sim.simulate_cta(16384, dims, cal, "static", wait_parts=8, prefill_rows=R).total_ns  # noqa: E731
+    even, slow = replace(CAL, remote_factor=1.0), replace(CAL, remote_factor=1.07)
+    assert t(slow, 512) < 0.98 * t(slow, 0)
+    assert t(even, 1024) > t(even, 0) and t(slow, 2048) > t(slow, 0)
+    assert t(even, 0) == sim.simulate_cta(16384, dims, even, "static", wait_parts=8).total_ns
+    two = sim.simulate_cta(16384, dims, even, "static", wait_parts=8, prefill_rows=1024).trace[0]
+    assert len(two) == 16384 // CAL.block_m * (8192 // CAL.block_n)  # prefill and producer tiles, one row each
