@@ -47,6 +47,23 @@ def sequential_triton(x, ws, config):
     return y
 
 
+def assert_calls_right(pipe, M, delays=(0, 0, 100_000_000)):
+    """Eager calls of ``pipe`` on ``M`` rows, one per entry of ``delays`` (cycles the producer
+    sleeps before it starts, ~0.05 s at 100M), each on a fresh input with NaN-poisoned buffers:
+    each result bitwise the sequential GEMMs, and the first link's counters epoch x need."""
+    K, N = pipe.weights[0].shape[0], pipe.weights[-1].shape[1]
+    plan = pipe.plan(M)
+    for delay in delays:
+        x = rand(M, K, device="cuda:0")
+        plan.inputs[1].fill_(float("nan"))
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda:1")
+        pipe._launch(plan, x, out, delay_cycles={0: delay} if delay else None)
+        pipe.check_errors(plan)
+        assert torch.equal(out, sequential_triton(x, pipe.weights, pipe))
+    link = plan.links[0]
+    assert torch.equal(link.counters.cpu(), plan.epoch * torch.as_tensor(link.dep.need))
+
+
 def assert_replays_right(pipe, M, reps):
     """Capture one call of ``pipe`` on ``M`` rows in a CUDA graph, replay it ``reps`` times on
     fresh inputs into a NaN-poisoned output: each result bitwise the sequential GEMMs."""
@@ -343,16 +360,8 @@ def test_wait_in_parts_behind_a_slow_producer(parts):
     wait would read NaN or stale rows. Also with the producer delayed before it starts."""
     ws = weights([16384, 4096, 8192], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts))
-    M = 8192
-    plan = pipe.plan(M)
-    for delay in (0, 0, 100_000_000):
-        x = rand(M, 16384, device="cuda:0")
-        plan.inputs[1].fill_(float("nan"))
-        out = torch.full((M, 8192), float("nan"), dtype=torch.bfloat16, device="cuda:1")
-        pipe._launch(plan, x, out, delay_cycles={0: delay} if delay else None)
-        pipe.check_errors(plan)
-        assert torch.equal(out, sequential_triton(x, ws, pipe))
-    assert_replays_right(pipe, M, 3)
+    assert_calls_right(pipe, 8192)
+    assert_replays_right(pipe, 8192, 3)
 
 
 @pytest.mark.gpu2
@@ -386,15 +395,6 @@ def test_prefill_bitwise(policy):
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, policy=policy, prefill_rows=1024)
     for M in (16384, 3000):
-        plan = pipe.plan(M)
-        assert plan.prefill_rows == 1024
-        for delay in (0, 0, 100_000_000):
-            x = rand(M, 8192, device="cuda:0")
-            plan.inputs[1].fill_(float("nan"))
-            out = torch.full((M, 8192), float("nan"), dtype=torch.bfloat16, device="cuda:1")
-            pipe._launch(plan, x, out, delay_cycles={0: delay} if delay else None)
-            pipe.check_errors(plan)
-            assert torch.equal(out, sequential_triton(x, ws, pipe))
-        link = plan.links[0]
-        assert torch.equal(link.counters.cpu(), plan.epoch * torch.as_tensor(link.dep.need))
+        assert pipe.plan(M).prefill_rows == 1024
+        assert_calls_right(pipe, M)
     assert_replays_right(pipe, 16384, 3)

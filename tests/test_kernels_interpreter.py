@@ -233,6 +233,23 @@ def test_next_tile_refuses_the_flattened_loop():
 PARTS = dataclasses.replace(SMALL, signal="in_loop")
 
 
+def assert_epochs_right(pipe, M, epochs=3):
+    """``epochs`` calls on fresh inputs with NaN-poisoned buffers: each bitwise the sequential
+    GEMMs (and near the float64 chain), every counter epoch x need, the ring's tail epoch x T."""
+    plan, ws = pipe.plan(M), pipe.weights
+    for epoch in range(1, epochs + 1):
+        x = torch.randn(M, ws[0].shape[0]).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        y = pipe(x)
+        assert torch.equal(y, pipe.sequential(x))
+        assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
+        for link in plan.links:
+            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+            if pipe.policy.uses_queue:
+                assert int(link.tail) == epoch * link.dep.consumer.num_tiles
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("wait_parts", [2, 4, 16])
 def test_wait_in_parts_matches_sequential(wait_parts, split):
@@ -247,14 +264,7 @@ def test_wait_in_parts_matches_sequential(wait_parts, split):
     pipe = Pipeline(ws, policy="static", config=cfg)
     plan = pipe.plan(48)
     assert [lk.dep.parts for lk in plan.links] == [min(wait_parts, 8), min(wait_parts, 3)]
-    for epoch in range(1, 4):
-        x = torch.randn(48, 32).half()
-        for buf in plan.inputs[1:]:
-            buf.fill_(float("nan"))
-        y = pipe(x)
-        assert torch.equal(y, pipe.sequential(x))
-        for link in plan.links:
-            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
+    assert_epochs_right(pipe, 48)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # the K loop runs on over unwritten rows
@@ -303,17 +313,7 @@ def test_prefill_matches_sequential(policy, split, parts):
     assert plan.prefill_rows == 32 and plan.prefill_x.shape == (32, 64)
     # 6 tiles each for the prefill and the producer on 4 CTAs: both split a 2-tile tail
     assert (plan.prefill_tail is not None) == (plan.tails[0] is not None) == split
-    for epoch in range(1, 4):
-        x = torch.randn(50, 64).half()
-        for buf in plan.inputs[1:]:
-            buf.fill_(float("nan"))
-        y = pipe(x)
-        assert torch.equal(y, pipe.sequential(x))
-        assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
-        for link in plan.links:
-            assert link.counters.tolist() == (epoch * link.dep.need).tolist()
-            if policy == "workqueue":
-                assert int(link.tail) == epoch * link.dep.consumer.num_tiles
+    assert_epochs_right(pipe, 50)
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails + [plan.prefill_tail] if t is not None)
 
 
