@@ -236,8 +236,10 @@ def launch_gemm(
         MAX_SIGNALS=s.max_signals,
         TMA_STORE=tma_store,
         FLATTEN=cfg.flatten,
-        # the signal's and the split tail's CTA barriers need every warp
-        WARP_SPECIALIZE=cfg.warp_specialize and signal is None and split is None,
+        # the signal's and the split tail's CTA barriers need every warp; a wait orders the TMA
+        # loads after it in the program order of the thread that issues them, which a separate
+        # load partition would not keep
+        WARP_SPECIALIZE=cfg.warp_specialize and signal is None and wait is None and split is None,
         SPLIT_TAIL=split is not None,
         TRACE=trace is not None,
         INTERPRET=interpreting(),

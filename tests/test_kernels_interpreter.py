@@ -344,3 +344,25 @@ def test_prefilled_consumer_without_producer_times_out_past_the_prefill():
     ):
         pipe.check_errors(plan)
     assert torch.equal(pipe(x), pipe.sequential(x))
+
+
+def test_warp_specialisation_only_for_kernels_without_hooks(monkeypatch):
+    """Triton's warp specialisation moves the TMA loads into a partition of their own: a wait
+    would no longer precede them in the issuing thread's order, and the signal's barrier needs
+    every warp. So only a kernel without hooks (and without a split tail) may use it."""
+    import ctapipelining.gemm as host
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["WARP_SPECIALIZE"])
+
+    monkeypatch.setattr(host, "gemm_kernel", Recorder())
+    cfg = dataclasses.replace(SMALL, warp_specialize=True)
+    a, b, c = torch.randn(32, 16).half(), torch.randn(16, 32).half(), torch.empty(32, 32).half()
+    one = torch.zeros(1, dtype=torch.int32)
+    host.launch_gemm(a, b, c, cfg, 4)
+    host.launch_gemm(a, b, c, cfg, 4, wait=host.WaitHook(one, one, one, one, one, False), epoch=one)
+    host.launch_gemm(a, b, c, cfg, 4, signal=host.SignalHook(one, one, one, one, one, one, one, one, 1, 1, 1, False))
+    assert seen == [True, False, False]

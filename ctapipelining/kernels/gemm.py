@@ -56,7 +56,8 @@ class GemmConfig:
     :func:`ctapipelining.deps.tile_order` for why it matters to a producer). ``num_stages``:
     TMA pipeline depth. ``flatten`` / ``warp_specialize``: Triton's options for the persistent
     ``for`` loop (plain and ``static`` kernels; the ``workqueue`` consumer loop is dynamic;
-    a signalling kernel runs without warp specialisation: its CTA barrier needs every warp).
+    a signalling kernel runs without warp specialisation: its CTA barrier needs every warp;
+    so does a waiting one: its TMA loads must follow the wait in the issuing thread's order).
     ``tma_store``: write each tile with an asynchronous TMA store (else ordinary stores).
     ``signal``: when a producer signals a stored tile: ``"now"``, ``"next_tile"`` (TMA store,
     loop not flattened) or ``"in_loop"`` (see :func:`ctapipelining.kernels.gemm._epilogue`).
