@@ -1,7 +1,7 @@
 """Device-side synchronisation of CTA-pipelining: signal, bounded wait, queue claim/push, fences.
 
 These ``@triton.jit`` functions are the only code a kernel needs beyond its compute body:
-a *prologue* (:func:`wait_counter` or :func:`claim` + :func:`wait_slot`, then
+a *prologue* (:func:`wait_on` a tile's counter, or :func:`claim` + :func:`wait_slot`, then
 :func:`fence_proxy_async`) and an *epilogue* (:func:`signal_tile`). The data structures are
 those of :mod:`ctapipelining.deps`; the reference executor runs the same logic on the CPU.
 
@@ -151,21 +151,14 @@ def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
 
 @triton.jit
 def wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
-    """Wait until counter ``c`` (one of ``tile``'s) reaches ``epoch * need[c]``; on timeout
-    record it. Returns True when the data behind the counter may be read."""
+    """``static`` policy: wait until counter ``c`` (one of ``tile``'s: the whole row-block, or
+    one part of it) reaches ``epoch * need[c]``; on timeout record it. Returns True when the
+    data behind the counter may be read."""
     target = epoch * tl.load(need + c)
     seen = wait_geq(counters + c, target, timeout_ns, INTERPRET)
     if seen < target:
         report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
     return seen >= target
-
-
-@triton.jit
-def wait_counter(counters, counter_of_tile, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
-    """``static`` policy prologue: wait until the counter of ``tile`` (its part 0) reaches
-    ``epoch * need``. Returns True when the tile may run."""
-    c = tl.load(counter_of_tile + tile)
-    return wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET)
 
 
 @triton.jit
