@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The fourth session's 2-GPU runs (nvidia-h200-x2), from the repository root:
+# The fourth and fifth sessions' 2-GPU runs (nvidia-h200-x2), from the repository root:
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
 # Steps run in the order given: GPU tests; the bench; the bench at 16384 with the hook costs
 # (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
-# and power under each phase of the chain; the tuning run (waiting in parts vs whole
+# and power under each phase of the chain; which agent moving the output costs GPU 0 its
+# clock (transport, fifth session); the tuning run (waiting in parts vs whole
 # row-blocks, interleaved with the baselines). Each step has its own timeout, so the call ends
 # within the device's 10 minutes. At most 8 files come back: PNGs and secondary logs travel
 # in extras.tar.gz.
@@ -31,6 +32,8 @@ for step in $STEPS; do
       head -12 "$OUT/profile_eager.log" ;;
     trace) timeout 100 python3 benchmarks/trace_replay.py "$OUT" 16384 10 > "$OUT/trace_replay.log" 2>&1
       grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -12 ;;
+    transport) timeout 120 python3 benchmarks/transport_power.py "$OUT" 16384 1.5 > "$OUT/transport.log" 2>&1
+      tail -16 "$OUT/transport.log" ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
       tail -6 "$OUT/clocks.log" ;;
     tune) timeout 300 python3 benchmarks/tune_transport.py "$OUT" 16384 8192 "${TUNE_REPS:-25}" > "$OUT/tune.log" 2>&1
