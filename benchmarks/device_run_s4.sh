@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fourth and fifth sessions' 2-GPU runs (nvidia-h200-x2), from the repository root:
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
-# Steps run in the order given: GPU tests; the bench; the bench at 16384 with the hook costs
+# Steps run in the order given: GPU tests; the bench; the bench at 16384 with REST_MS idle
+# before each timed run (rested); the bench at 16384 with the hook costs
 # (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
 # and power under each phase of the chain; which agent moving the output costs GPU 0 its
 # clock (transport, fifth session); the tuning run (waiting in parts vs whole
@@ -25,6 +26,9 @@ for step in $STEPS; do
     bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       grep -E "^\||static|WRONG|Error" "$OUT/bench.log" | tail -24 ;;
+    rested) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
+        --hooks-seq 0 --rest-ms "${REST_MS:-50}" --out "$OUT/rested" > "$OUT/rested.log" 2>&1
+      grep -E "^\||static|WRONG|Error|seq" "$OUT/rested.log" | tail -24 ;;
     hooks) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps 25 \
         --hooks-seq 16384 --out "$OUT/hooks" > "$OUT/hooks.log" 2>&1
       grep -E "^\||static|prologue|signal|visib|WRONG|Error" "$OUT/hooks.log" | tail -24 ;;
@@ -40,5 +44,5 @@ for step in $STEPS; do
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done
-cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv hooks/*.png hooks/*.csv 2>/dev/null
+cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv rested/*.png rested/*.csv hooks/*.png hooks/*.csv 2>/dev/null
 ls -R

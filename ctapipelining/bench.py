@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ class Row:
     ms: list[float] = field(repr=False)
     chunk: int | None = None
     note: str = ""
+    positions: list[int] = field(default_factory=list, repr=False)  # place in each repetition's order
 
     @property
     def median(self) -> float:
@@ -71,38 +73,78 @@ class Method:
     note: str = ""
 
 
-def time_interleaved(methods: list[Method], devices, reps: int, warmup: int) -> dict[str, list[float]]:
+def time_interleaved(
+    methods: list[Method],
+    devices,
+    reps: int,
+    warmup: int,
+    *,
+    order: str = "shuffled",
+    rest_ms: float = 0.0,
+    seed: int = 0,
+    positions: dict[str, list[int]] | None = None,
+) -> dict[str, list[float]]:
     """Milliseconds of ``reps`` runs of every method (host clock, all ``devices`` synchronised
     around each run). Methods take turns within each repetition, so a drift of the GPUs'
-    clocks during the run affects all of them alike and their ratios stay fair."""
+    clocks during the run affects all of them alike and their ratios stay fair.
+
+    ``order="shuffled"`` (default) runs each repetition's methods in a fresh random order
+    (``random.Random(seed)``, so a run can be repeated); ``"fixed"`` in the order given. Why
+    shuffle: an H200 running our GEMM sits at its 700 W cap (2026-11-30-h200x2-s5/transport),
+    so the clock a call gets depends on the energy of the call just before it. In a fixed order
+    each method always follows the same neighbour, a bias no number of repetitions removes.
+    ``rest_ms``: idle time before each timed run (after the devices are synchronised), so every
+    run starts from a rested GPU rather than from its predecessor's power state.
+    ``positions`` (optional): filled with each method's place in every repetition.
+    """
     import torch
+
+    if order not in ("shuffled", "fixed"):
+        raise ValueError(f"order must be 'shuffled' or 'fixed', got {order!r}")
+    if rest_ms < 0:
+        raise ValueError(f"rest_ms must be >= 0, got {rest_ms}")
+    rng = random.Random(seed)
+
+    def turn():
+        ms = list(methods)
+        if order == "shuffled":
+            rng.shuffle(ms)
+        return ms
 
     def sync():
         for d in devices:
             torch.cuda.synchronize(d)
 
     for i in range(warmup):
-        for m in methods:
+        for m in turn():
             m.prepare(i)
             m.run()
             # one method at a time, as in the timed runs: some methods' streams do not wait for
             # the caller's (TP), and nothing should overlap a pipeline whose CTAs need every SM
             sync()
     out: dict[str, list[float]] = {m.name: [] for m in methods}
+    if positions is not None:
+        positions.update({m.name: [] for m in methods})
     for i in range(reps):
-        for m in methods:
+        for place, m in enumerate(turn()):
             m.prepare(i)
             sync()
+            if rest_ms:
+                time.sleep(rest_ms / 1e3)
             t0 = time.perf_counter()
             m.run()
             sync()
             out[m.name].append((time.perf_counter() - t0) * 1e3)
+            if positions is not None:
+                positions[m.name].append(place)
     return out
 
 
-def time_method(run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int):
+def time_method(
+    run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int, rest_ms: float = 0.0
+):
     """Milliseconds of ``reps`` runs of one method (see :func:`time_interleaved`)."""
-    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup)["m"]
+    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup, rest_ms=rest_ms)["m"]
 
 
 def environment() -> dict:
@@ -146,7 +188,15 @@ class Rotation:
 
 
 def _bench_seq(
-    M: int, K: int, chunks: list[int], reps: int, warmup: int, nsets: int, progress, gpus: int = 2
+    M: int,
+    K: int,
+    chunks: list[int],
+    reps: int,
+    warmup: int,
+    nsets: int,
+    progress,
+    gpus: int = 2,
+    protocol: dict | None = None,
 ) -> list[Row]:
     """Every method on ``X[M, K]`` through ``gpus`` layers ``[K, K]``, layer ``s`` on cuda:``s``
     (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP)."""
@@ -172,6 +222,13 @@ def _bench_seq(
         Method("floor_cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select),
         Method("floor_triton", lambda: matmul(rot.x, A, out=c0), rot.select),
         Method("triton_remote_write", lambda: matmul(rot.x, A, out=peer), rot.select),
+    ]
+    # our GEMM captured in a CUDA graph, as the pipelines' and micro-batching's lines are: the
+    # floor without Python's launch cost (the eager line above includes it)
+    x_floor = torch.empty_like(xs[0])
+    floor_graph = _capture(lambda: matmul(x_floor, A, out=c0), [0])
+    methods += [
+        Method("floor_triton_graph", floor_graph.replay, lambda i: x_floor.copy_(rot.get(i))),
         Method("sequential", seq, lambda i: seq.x.copy_(rot.get(i))),
     ]
     if gpus == 2:  # Megatron TP of the 2-layer MLP
@@ -200,12 +257,13 @@ def _bench_seq(
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
     progress(f"M={M}: {len(methods)} methods, interleaved")
-    times = time_interleaved(methods, devs, reps, warmup)
+    places: dict[str, list[int]] = {}
+    times = time_interleaved(methods, devs, reps, warmup, positions=places, **(protocol or {}))
     for name, pipe in pipes.items():
         pipe.check_errors()
         if not torch.equal(pipe(xs[0]), pipe.sequential(xs[0])):
             raise AssertionError(f"cta_{name}: output differs from the sequential Triton GEMMs at M={M}")
-    return [Row(m.name.split("/")[0], M, times[m.name], m.chunk, m.note) for m in methods]
+    return [Row(m.name.split("/")[0], M, times[m.name], m.chunk, m.note, places[m.name]) for m in methods]
 
 
 def _bench_fig7(M: int, K: int, gpus: int, reps: int, warmup: int, nsets: int, progress) -> list[Row]:
@@ -319,8 +377,10 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
 
 
 def table(summaries: list[dict]) -> str:
-    """Fixed-width table with each method's median as a ratio to the Triton floor."""
+    """Fixed-width table with each method's median as a ratio to the Triton floor (our GEMM
+    replayed from a CUDA graph where the run has that line, else called eagerly)."""
     floors = {s["seq"]: s["median_ms"] for s in summaries if s["method"] == "floor_triton"}
+    floors |= {s["seq"]: s["median_ms"] for s in summaries if s["method"] == "floor_triton_graph"}
     lines = [f"{'method':28s} {'seq':>6s} {'chunk':>6s} {'median':>9s} {'min':>8s} {'max':>8s} {'/floor':>7s}"]
     for s in summaries:
         f = floors.get(s["seq"])
@@ -333,35 +393,41 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def headline(summaries: list[dict]) -> list[dict]:
+def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]:
     """Per sequence length: the best CTA-pipelining line over best micro-batching, TP and the
-    floor (the faster of cuBLAS and our Triton GEMM)."""
+    floor (the fastest of cuBLAS and our Triton GEMM). With ``raw`` (the results' raw rows,
+    times in repetition order), also the paired ratio to the best micro-batching: the median of
+    the per-repetition ratios, each repetition's two runs taken minutes apart at most."""
     out = []
     for seq in sorted({s["seq"] for s in summaries}):
         rows = [s for s in summaries if s["seq"] == seq]
         cta = [s for s in rows if s["method"].startswith("cta_")]
         mb = [s for s in rows if s["method"] == "microbatch"]
         tp = [s for s in rows if s["method"] == "tp"]
-        floors = [s for s in rows if s["method"] in ("floor_cublas", "floor_triton")]
+        floors = [s for s in rows if s["method"] in ("floor_cublas", "floor_triton", "floor_triton_graph")]
         if not (cta and mb and floors):
             continue
         best = min(cta, key=lambda s: s["median_ms"])
         best_mb = min(mb, key=lambda s: s["median_ms"])
         floor = min(s["median_ms"] for s in floors)
-        out.append(
-            dict(
-                seq=seq,
-                cta_method=best["method"],
-                cta_ms=best["median_ms"],
-                best_microbatch_ms=best_mb["median_ms"],
-                best_chunk=best_mb["chunk"],
-                tp_ms=tp[0]["median_ms"] if tp else None,
-                floor_ms=floor,
-                cta_over_microbatch=round(best["median_ms"] / best_mb["median_ms"], 4),
-                cta_over_tp=round(best["median_ms"] / tp[0]["median_ms"], 4) if tp else None,
-                cta_over_floor=round(best["median_ms"] / floor, 4),
-            )
+        h = dict(
+            seq=seq,
+            cta_method=best["method"],
+            cta_ms=best["median_ms"],
+            best_microbatch_ms=best_mb["median_ms"],
+            best_chunk=best_mb["chunk"],
+            tp_ms=tp[0]["median_ms"] if tp else None,
+            floor_ms=floor,
+            cta_over_microbatch=round(best["median_ms"] / best_mb["median_ms"], 4),
+            cta_over_tp=round(best["median_ms"] / tp[0]["median_ms"], 4) if tp else None,
+            cta_over_floor=round(best["median_ms"] / floor, 4),
         )
+        if raw is not None:
+            ms = {(r["method"], r["seq"], r["chunk"]): r["ms"] for r in raw}
+            a, b = ms.get((best["method"], seq, None)), ms.get(("microbatch", seq, best_mb["chunk"]))
+            if a and b and len(a) == len(b):
+                h["cta_over_microbatch_paired"] = round(statistics.median(x / y for x, y in zip(a, b)), 4)
+        out.append(h)
     return out
 
 
@@ -443,6 +509,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated between runs")
+    p.add_argument(
+        "--order", choices=("shuffled", "fixed"), default="shuffled",
+        help="methods' order within a repetition: a fresh random one each time (seeded), or as listed",
+    )  # fmt: skip
+    p.add_argument("--rest-ms", type=float, default=0.0, help="idle milliseconds before each timed run")
     p.add_argument("--hooks-seq", type=int, default=16384, help="M of the hook-cost measurements (0: skip)")
     p.add_argument("--fig7-seq", type=int, default=0, help="M of the TP vs CTA x TP comparison (0: skip)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON, CSV, PNG")
@@ -479,8 +550,8 @@ def run(args) -> int:
             _print_predictions(args.seq, args.k)
         print("\n`ctapipelining demo` runs the protocol on the CPU; `--plot-only FILE` re-draws recorded results.")
         return 2
-    if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2:
-        raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2")
+    if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2 or args.rest_ms < 0:
+        raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2, --rest-ms >= 0")
     try:
         from tqdm import tqdm
     except ImportError:  # progress is optional
@@ -495,9 +566,10 @@ def run(args) -> int:
         else:
             print(msg, file=sys.stderr, flush=True)
 
+    protocol = dict(order=args.order, rest_ms=args.rest_ms, seed=0)
     rows: list[Row] = []
     for M in args.seq:
-        rows += _bench_seq(M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus)
+        rows += _bench_seq(M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol)
         torch.cuda.empty_cache()
     if args.hooks_seq:
         rows += _bench_hooks(args.hooks_seq, args.k, args.reps, args.warmup, progress)
@@ -506,13 +578,15 @@ def run(args) -> int:
     if bar:
         bar.close()
     sums = [r.summary() for r in rows]
+    raw = [dict(asdict(r)) for r in rows]
     results = dict(
         gpus=args.gpus,
         environment=environment(),
         k=args.k,
         summaries=sums,
-        headline=headline(sums),
-        raw=[dict(asdict(r)) for r in rows],
+        protocol=protocol,
+        headline=headline(sums, raw),
+        raw=raw,
     )
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     with open(args.out / "results.csv", "w", newline="") as f:

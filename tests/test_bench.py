@@ -1,6 +1,7 @@
 """Tables, headline ratios and plots from a recorded device run (no GPU needed)."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,47 @@ def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--seq", "1024,x"])
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def _methods(calls):
+    return [bench.Method(name, lambda name=name: calls.append(name)) for name in "abcde"]
+
+
+def test_shuffled_order_runs_every_method_once_per_repetition_in_changing_orders():
+    calls, places = [], {}
+    times = bench.time_interleaved(_methods(calls), [], reps=12, warmup=2, positions=places)
+    assert len(calls) == 14 * 5
+    reps = [calls[i : i + 5] for i in range(10, len(calls), 5)]  # after the warm-up
+    assert all(sorted(r) == list("abcde") for r in reps)
+    assert len({tuple(r) for r in reps}) > 6  # not one fixed order: no method always follows the same one
+    assert {name: len(v) for name, v in times.items()} == dict.fromkeys("abcde", 12)
+    for i, r in enumerate(reps):  # positions say where each method ran in repetition i
+        assert [places[name][i] for name in r] == list(range(5))
+    # seeded: the same run again gives the same orders
+    again = []
+    bench.time_interleaved(_methods(again), [], reps=12, warmup=2)
+    assert again == calls
+
+
+def test_fixed_order_and_rest_before_each_timed_run():
+    calls = []
+    times = bench.time_interleaved(_methods(calls), [], reps=3, warmup=1, order="fixed", rest_ms=20)
+    assert calls == list("abcde") * 4
+    assert all(t < 15 for v in times.values() for t in v)  # the rest is not timed
+    with pytest.raises(ValueError, match="order"):
+        bench.time_interleaved(_methods([]), [], reps=1, warmup=0, order="random")
+    with pytest.raises(ValueError, match="rest_ms"):
+        bench.time_interleaved(_methods([]), [], reps=1, warmup=0, rest_ms=-1)
+
+
+def test_paired_ratio_in_the_headline(results):
+    raw = [dict(r) for r in results["raw"]]
+    heads = {h["seq"]: h for h in bench.headline(results["summaries"], raw)}
+    h = heads[16384]
+    cta = next(r["ms"] for r in raw if r["method"] == h["cta_method"] and r["seq"] == 16384)
+    mb = next(
+        r["ms"] for r in raw if r["method"] == "microbatch" and r["seq"] == 16384 and r["chunk"] == h["best_chunk"]
+    )
+    ratios = [a / b for a, b in zip(cta, mb)]  # repetition i of one against repetition i of the other
+    assert h["cta_over_microbatch_paired"] == pytest.approx(statistics.median(ratios), abs=1e-4)
+    assert "cta_over_microbatch_paired" not in bench.headline(results["summaries"])[0]
