@@ -25,10 +25,10 @@ for step in $STEPS; do
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
     bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
-      grep -E "^\||static|WRONG|Error" "$OUT/bench.log" | tail -24 ;;
+      grep -E "^(method|floor|triton|tp|micro|cta|sequential)|\"seq\"|WRONG|Error" "$OUT/bench.log" | tail -50 ;;
     rested) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --rest-ms "${REST_MS:-50}" --out "$OUT/rested" > "$OUT/rested.log" 2>&1
-      grep -E "^\||static|WRONG|Error|seq" "$OUT/rested.log" | tail -24 ;;
+      grep -E "^(method|floor|triton|tp|micro|cta|sequential)|\"seq\"|WRONG|Error" "$OUT/rested.log" | tail -24 ;;
     hooks) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps 25 \
         --hooks-seq 16384 --out "$OUT/hooks" > "$OUT/hooks.log" 2>&1
       grep -E "^\||static|prologue|signal|visib|WRONG|Error" "$OUT/hooks.log" | tail -24 ;;
