@@ -2,7 +2,7 @@
 # The fourth and fifth sessions' 2-GPU runs (nvidia-h200-x2), from the repository root:
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
 # Steps run in the order given: GPU tests; the bench; the bench at 16384 with REST_MS idle
-# before each timed run (rested); the bench at 16384 with the hook costs
+# before each timed run (rested); the bench at 16384 in fixed and in shuffled order (order); the bench at 16384 with the hook costs
 # (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
 # and power under each phase of the chain; which agent moving the output costs GPU 0 its
 # clock (transport, fifth session); the tuning run (waiting in parts vs whole
@@ -29,13 +29,17 @@ for step in $STEPS; do
     rested) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --rest-ms "${REST_MS:-50}" --out "$OUT/rested" > "$OUT/rested.log" 2>&1
       grep -E "^(method|floor|triton|tp|micro|cta|sequential)|\"seq\"|WRONG|Error" "$OUT/rested.log" | tail -24 ;;
+    order) for o in fixed shuffled; do  # the same bench at 16384 in both orders, same VM
+        timeout 150 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
+          --hooks-seq 0 --order $o --out "$OUT/order-$o" > "$OUT/order-$o.log" 2>&1
+        grep -E '"seq"|WRONG|Error' "$OUT/order-$o.log" | tail -3; done ;;
     hooks) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps 25 \
         --hooks-seq 16384 --out "$OUT/hooks" > "$OUT/hooks.log" 2>&1
       grep -E "^\||static|prologue|signal|visib|WRONG|Error" "$OUT/hooks.log" | tail -24 ;;
     eager) timeout 60 python3 benchmarks/profile_eager.py 16384 30 > "$OUT/profile_eager.log" 2>&1
       head -12 "$OUT/profile_eager.log" ;;
-    trace) timeout 100 python3 benchmarks/trace_replay.py "$OUT" 16384 10 > "$OUT/trace_replay.log" 2>&1
-      grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -12 ;;
+    trace) timeout 120 python3 benchmarks/trace_replay.py "$OUT" 16384 10 "${REST_MS:-0}" > "$OUT/trace_replay.log" 2>&1
+      grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -40 ;;
     transport) timeout 120 python3 benchmarks/transport_power.py "$OUT" 16384 1.5 > "$OUT/transport.log" 2>&1
       tail -16 "$OUT/transport.log" ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
@@ -44,5 +48,5 @@ for step in $STEPS; do
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done
-cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv rested/*.png rested/*.csv hooks/*.png hooks/*.csv 2>/dev/null
+cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv rested/*.png rested/*.csv order-*/*.png order-*/*.csv hooks/*.png hooks/*.csv 2>/dev/null
 ls -R
