@@ -5,7 +5,8 @@
 # before each timed run (rested); the bench at 16384 in fixed and in shuffled order (order); the bench at 16384 with the hook costs
 # (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
 # and power under each phase of the chain; which agent moving the output costs GPU 0 its
-# clock (transport, fifth session); the tuning run (waiting in parts vs whole
+# clock (transport, fifth session); where a call from idle GPUs loses time writing into the
+# peer (rest); the tuning run (waiting in parts vs whole
 # row-blocks, interleaved with the baselines). Each step has its own timeout, so the call ends
 # within the device's 10 minutes. At most 8 files come back: PNGs and secondary logs travel
 # in extras.tar.gz.
@@ -40,6 +41,8 @@ for step in $STEPS; do
       head -12 "$OUT/profile_eager.log" ;;
     trace) timeout 120 python3 benchmarks/trace_replay.py "$OUT" 16384 10 "${REST_MS:-0}" > "$OUT/trace_replay.log" 2>&1
       grep -v "^\s*$" "$OUT/trace_replay.log" | cut -c1-600 | tail -40 ;;
+    rest) timeout 150 python3 benchmarks/rested_remote.py "$OUT" 16384 20 "${REST_MS:-50}" > "$OUT/rested_remote.log" 2>&1
+      tail -10 "$OUT/rested_remote.log" ;;
     transport) timeout 120 python3 benchmarks/transport_power.py "$OUT" 16384 1.5 > "$OUT/transport.log" 2>&1
       tail -16 "$OUT/transport.log" ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
