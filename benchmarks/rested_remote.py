@@ -81,14 +81,15 @@ def spin_gpu1():
 
 
 def ping():
-    # cudaMemcpyPeerAsync on the side stream alone (torch's peer copy would also sync with
-    # GPU 1's current stream, which is not part of the capture)
+    # a device-to-device cudaMemcpyAsync on the side stream alone, peer access on (torch's peer
+    # copy would also sync with GPU 1's current stream, which is not part of the capture, and
+    # cudaMemcpyPeerAsync cannot be captured: CUDA error 900)
     v = ctypes.c_void_p
-    rc = _cudart().cudaMemcpyPeerAsync(
-        v(ping_dst.data_ptr()), 1, v(ping_src.data_ptr()), 0, ctypes.c_size_t(4096), v(side0.cuda_stream)
+    rc = _cudart().cudaMemcpyAsync(
+        v(ping_dst.data_ptr()), v(ping_src.data_ptr()), ctypes.c_size_t(4096), 3, v(side0.cuda_stream)
     )
     if rc != 0:
-        raise RuntimeError(f"cudaMemcpyPeerAsync failed with CUDA error {rc}")
+        raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
 
 
 gemm_local = lambda: matmul(x, A, out=c_local, config=PIPELINE_CONFIG)  # noqa: E731
