@@ -10,8 +10,8 @@ Each variant below is one CUDA graph, replayed after ``REST_MS`` of idle GPUs (s
 interleaved, ``bench.time_interleaved``):
 
 * ``local`` / ``remote``: our GEMM writing into GPU 0 / into GPU 1;
-* ``remote_gpu1_busy``: ``remote`` while GPU 1 runs a spin kernel (``torch.cuda._sleep``):
-  does the receiving GPU's idle state slow the writes?
+* ``remote_gpu1_busy``: ``remote`` while GPU 1 starts with a short spin kernel
+  (``torch.cuda._sleep``): does waking the receiving GPU speed the writes up?
 * ``remote_ping``: ``remote`` with a 4 KiB copy engine copy into GPU 1 issued beside it at the
   start: does traffic on the link ahead of the GEMM's first stores wake it in time?
 * ``chain`` / ``chain_ping``: the default pipeline, without / with that ping.
@@ -51,7 +51,7 @@ ping_dst = torch.zeros(1024, dtype=torch.int32, device="cuda:1")
 side0, side1 = torch.cuda.Stream(0), torch.cuda.Stream(1)
 pipe = Pipeline([A, B], config=PIPELINE_CONFIG)
 enable_peer_access([0, 1])
-SPIN_CYCLES = 8_000_000  # ~4 ms at 1.98 GHz: longer than the GEMM
+SPIN_CYCLES = 200_000  # 0.1 ms at 1.98 GHz, 0.6 ms at an idle 345 MHz: well inside the GEMM
 
 
 def beside(side, work):
