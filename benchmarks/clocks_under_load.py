@@ -19,14 +19,12 @@ Writes OUT_DIR/clocks_under_load.json.
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import _capture, environment
+from ctapipelining.bench import _capture, chain_operands, environment, run_for, sample_gpus
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
@@ -36,10 +34,7 @@ M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 1.5
 K = 8192
 out_dir.mkdir(parents=True, exist_ok=True)
-torch.manual_seed(0)
-A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
-x = torch.randn(M, K, device="cuda:0").bfloat16()
+x, A, B = chain_operands(M, K)
 c_local = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
 c_peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
 out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
@@ -68,29 +63,6 @@ PHASES = {
 }
 
 
-def sample(seconds_fn):
-    """Run ``seconds_fn()`` while nvidia-smi samples; returns (its result, rows per GPU)."""
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-         "-lms", "50"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        result = seconds_fn()
-    finally:
-        smi.terminate()
-        text, _ = smi.communicate(timeout=10)
-    rows = {0: [], 1: []}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4 and parts[0] in ("0", "1"):
-            try:
-                rows[int(parts[0])].append(tuple(float(p) for p in parts[1:]))
-            except ValueError:
-                pass
-    return result, rows
-
-
 report = dict(environment=environment(), M=M, K=K, seconds=SECONDS, phases={})
 for name, make in PHASES.items():
     fn = make()
@@ -100,23 +72,10 @@ for name, make in PHASES.items():
     for d in (0, 1):
         torch.cuda.synchronize(d)
 
-    def run(g=g):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        calls, t0 = 0, time.perf_counter()
-        start.record()
-        while time.perf_counter() - t0 < SECONDS:
-            for _ in range(20):
-                g.replay()
-            calls += 20
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-        end.record()
-        torch.cuda.synchronize(0)
-        return calls, start.elapsed_time(end) / calls
-
-    (calls, ms), rows = sample(run)
+    (calls, ms), rows = sample_gpus(lambda g=g: run_for(g.replay, SECONDS, batch=20))
     phase = dict(calls=calls, ms_per_call=round(ms, 4))
     for d, r in rows.items():
+        r = [v for v in r if all(isinstance(t, float) for t in v)]  # no "[N/A]" readings
         if r:
             phase[f"gpu{d}"] = dict(
                 samples=len(r),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import Method, environment, time_interleaved
+from ctapipelining.bench import Method, chain_operands, environment, time_interleaved
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
@@ -39,10 +39,7 @@ REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 REST_MS = float(sys.argv[4]) if len(sys.argv) > 4 else 50.0
 K = 8192
 out_dir.mkdir(parents=True, exist_ok=True)
-torch.manual_seed(0)
-A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
-x = torch.randn(M, K, device="cuda:0").bfloat16()
+x, A, B = chain_operands(M, K)
 c_local = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
 c_peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
 out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")

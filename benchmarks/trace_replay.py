@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ctapipelining import deps, trace
-from ctapipelining.bench import _capture
+from ctapipelining.bench import _capture, chain_operands
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 
@@ -36,10 +36,7 @@ REPLAYS = int(sys.argv[3]) if len(sys.argv) > 3 else 10
 REST_MS = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 K = 8192
 out_dir.mkdir(parents=True, exist_ok=True)
-torch.manual_seed(0)
-A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
-x = torch.randn(M, K, device="cuda:0").bfloat16()
+x, A, B = chain_operands(M, K)
 link = trace.clock_offset(0, 1, rounds=200)
 VARIANTS = {
     "plain": ([A], dataclasses.replace(PIPELINE_CONFIG, split_tail=False)),

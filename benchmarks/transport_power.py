@@ -25,14 +25,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from ctapipelining.bench import environment
+from ctapipelining.bench import chain_operands, environment, run_for, sample_gpus
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
@@ -54,9 +53,7 @@ def _copy(src, dst, n, BLOCK: tl.constexpr, NPROG: tl.constexpr):
 
 
 enable_peer_access([0, 1, 0])
-torch.manual_seed(0)
-A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-x = torch.randn(M, K, device="cuda:0").bfloat16()
+x, A, _ = chain_operands(M, K)
 c_local = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
 c_peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
 src0 = torch.randn(M, K, device="cuda:0").bfloat16()  # what the transfers move: the output's size
@@ -131,51 +128,19 @@ def reasons_field():
 
 
 REASONS = reasons_field()
-
-
-def sample(fn):
-    """Run ``fn()`` while nvidia-smi samples; returns (its result, rows per GPU)."""
-    query = "index,clocks.sm,power.draw,temperature.gpu" + (f",{REASONS}" if REASONS else "")
-    smi = subprocess.Popen(
-        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        result = fn()
-    finally:
-        smi.terminate()
-        text, _ = smi.communicate(timeout=10)
-    rows = {0: [], 1: []}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 4 and parts[0] in ("0", "1"):
-            try:
-                rows[int(parts[0])].append([float(p) for p in parts[1:4]] + parts[4:5])
-            except ValueError:
-                pass
-    return result, rows
+FIELDS = ("clocks.sm", "power.draw", "temperature.gpu") + ((REASONS,) if REASONS else ())
 
 
 def run(call):
     for _ in range(5):
         call()
-    for d in (0, 1):
-        torch.cuda.synchronize(d)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls, t0 = 0, time.perf_counter()
-    start.record()
-    while time.perf_counter() - t0 < SECONDS:
-        for _ in range(10):
-            call()
-        calls += 10
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-    end.record()
-    torch.cuda.synchronize(0)
-    return calls, start.elapsed_time(end) / calls
+    return run_for(call, SECONDS)
 
 
 def summary(rows):
+    rows = [r for r in rows if all(isinstance(v, float) for v in r[:3])]  # no "[N/A]" readings
+    if not rows:
+        return dict(samples=0)
     out = dict(
         samples=len(rows),
         sm_mhz_median=statistics.median(r[0] for r in rows),
@@ -183,7 +148,7 @@ def summary(rows):
         temp_c_max=max(r[2] for r in rows),
     )
     if REASONS and rows and len(rows[0]) > 3:
-        masks = [int(r[3], 16) for r in rows if r[3].startswith("0x")]
+        masks = [int(r[3], 16) for r in rows if str(r[3]).startswith("0x")]
         if masks:
             out["reasons_mode"] = hex(statistics.mode(masks))
             out["sw_power_cap_fraction"] = round(sum(bool(m & 0x4) for m in masks) / len(masks), 2)
@@ -196,7 +161,7 @@ for order in (list(PHASES), list(reversed(PHASES))):
     results = {}
     for name in order:
         try:
-            (calls, ms), rows = sample(lambda name=name: run(PHASES[name]))
+            (calls, ms), rows = sample_gpus(lambda name=name: run(PHASES[name]), FIELDS)
         except Exception as e:  # e.g. CuPy missing: report and go on
             results[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             print(name, results[name], flush=True)

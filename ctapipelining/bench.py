@@ -174,6 +174,77 @@ def environment() -> dict:
 # --------------------------------------------------------------------------- GPU measurements
 
 
+def chain_operands(M: int, K: int, seed: int = 0):
+    """The paper's 2-layer workload across cuda:0 -> cuda:1, for the benchmark scripts:
+    ``(x [M, K], A [K, K])`` on cuda:0 and ``B [K, K]`` on cuda:1, bf16, drawn in that order
+    after ``torch.manual_seed(seed)`` as ``A, B, x``; weights scaled by 1/sqrt(K) so the
+    activations stay O(1) through the chain."""
+    import torch
+
+    torch.manual_seed(seed)
+    A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
+    B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+    x = torch.randn(M, K, device="cuda:0").bfloat16()
+    return x, A, B
+
+
+def run_for(call: Callable[[], object], seconds: float, batch: int = 10) -> tuple[int, float]:
+    """Call ``call`` back to back for about ``seconds`` (both GPUs synchronised every ``batch``
+    calls); returns ``(calls, ms per call)`` by CUDA events on cuda:0: sustained throughput,
+    the GPUs at their steady clocks, unlike the single calls :func:`time_interleaved` times."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.perf_counter()
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            call()
+        calls += batch
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+    end.record()
+    torch.cuda.synchronize(0)
+    return calls, start.elapsed_time(end) / calls
+
+
+def parse_smi(text: str, nfields: int) -> dict[int, list[list]]:
+    """Rows of ``nvidia-smi --query-gpu=index,F1,..,Fn --format=csv,noheader,nounits`` output
+    by GPU index; each field a float where it reads as one (clocks, watts), else the string
+    (a hex bit mask, ``[N/A]``). Lines of another shape (warnings, a cut last line) are skipped."""
+    rows: dict[int, list[list]] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != nfields + 1 or not parts[0].isdigit():
+            continue
+        values = []
+        for p in parts[1:]:
+            try:
+                values.append(float(p))
+            except ValueError:
+                values.append(p)
+        rows.setdefault(int(parts[0]), []).append(values)
+    return rows
+
+
+def sample_gpus(fn: Callable[[], object], fields=("clocks.sm", "power.draw", "temperature.gpu"), interval_ms=50):
+    """Run ``fn()`` while ``nvidia-smi`` samples ``fields`` of every GPU every ``interval_ms``.
+    Returns ``(fn's result, parse_smi(...))``: what a GPU's clock and power did during a phase."""
+    import subprocess
+
+    query = ",".join(("index", *fields))
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        result = fn()
+    finally:
+        smi.terminate()
+        text, _ = smi.communicate(timeout=10)
+    return result, parse_smi(text, len(fields))
+
+
 class Rotation:
     """Input sets used in turn: ``select(i)`` (untimed) picks set ``i``, ``x`` is the current one."""
 

@@ -103,3 +103,17 @@ def test_paired_ratio_in_the_headline(results):
     ratios = [a / b for a, b in zip(cta, mb)]  # repetition i of one against repetition i of the other
     assert h["cta_over_microbatch_paired"] == pytest.approx(statistics.median(ratios), abs=1e-4)
     assert "cta_over_microbatch_paired" not in bench.headline(results["summaries"])[0]
+
+
+def test_parse_smi_keeps_numbers_masks_and_skips_other_lines():
+    text = (
+        "0, 1425, 691.19, 62, 0x0000000000000004\n"
+        "1, 1980, 141.85, 48, 0x0000000000000000\n"
+        "WARNING: infoROM is corrupted at gpu 0000:00:05.0\n"
+        "0, [N/A], 690.00, 61, 0x0000000000000004\n"
+        "1, 1980, 14"  # cut off when nvidia-smi was stopped
+    )
+    rows = bench.parse_smi(text, 4)
+    assert rows[0] == [[1425.0, 691.19, 62.0, "0x0000000000000004"], ["[N/A]", 690.0, 61.0, "0x0000000000000004"]]
+    assert rows[1] == [[1980.0, 141.85, 48.0, "0x0000000000000000"]]
+    assert bench.parse_smi("", 3) == {}
