@@ -2,14 +2,14 @@
 # The fourth and fifth sessions' 2-GPU runs (nvidia-h200-x2), from the repository root:
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
 # Steps run in the order given: GPU tests; the bench; the bench at 16384 with REST_MS idle
-# before each timed run (rested); the bench at 16384 in fixed and in shuffled order (order); the bench at 16384 with the hook costs
-# (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
+# before each timed run (rested); the bench at 16384 in fixed and in shuffled order (order);
+# the bench at 16384 with the hook costs (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
 # and power under each phase of the chain; which agent moving the output costs GPU 0 its
 # clock (transport, fifth session); where a call from idle GPUs loses time writing into the
 # peer (rest); the tuning run (waiting in parts vs whole
 # row-blocks, interleaved with the baselines). Each step has its own timeout, so the call ends
-# within the device's 10 minutes. At most 8 files come back: PNGs and secondary logs travel
-# in extras.tar.gz.
+# within the device's 10 minutes. At most 8 files come back: all but env.txt and gpu-tests.log
+# travel in all.tar.gz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,5 +51,8 @@ for step in $STEPS; do
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done
-cd "$OUT" && tar czf extras.tar.gz --remove-files ./*.png ./*.npz trace_replay.log clocks.log bench/*.png bench/*.csv rested/*.png rested/*.csv order-*/*.png order-*/*.csv hooks/*.png hooks/*.csv 2>/dev/null
-ls -R
+# at most 8 files come back from $OUT: everything but env.txt and gpu-tests.log travels in one tarball
+# (the list is made before the tarball exists, so the tarball is never in it)
+cd "$OUT" && find . -type f ! -name env.txt ! -name gpu-tests.log -printf '%P\n' > ../.out-files \
+  && [ -s ../.out-files ] && tar czf all.tar.gz --remove-files -T ../.out-files && find . -type d -empty -delete
+rm -f ../.out-files; ls -R
