@@ -7,9 +7,11 @@ persistent CTAs start each tile as soon as its input rows have landed.
 
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
-back-to-back calls need no reset, and a call can be captured in a CUDA graph (pass ``out=``,
-``check=False``). Keep the ``Pipeline`` alive as long as such a graph: the graph holds the
-addresses of the plan's buffers, not the buffers. After a call, :meth:`Pipeline.check_errors`
+back-to-back calls need no reset, and a call can be captured in a CUDA graph:
+:meth:`Pipeline.capture` returns a :class:`GraphedCall` that keeps the graph together with
+everything it points to. (Captured by hand, with ``out=`` and ``check=False``, keep the
+``Pipeline`` alive as long as the graph: it holds the addresses of the plan's buffers, not the
+buffers.) After a call, :meth:`Pipeline.check_errors`
 reads the error words: a timed-out wait raises :class:`PipelineTimeout` naming device, stage
 and tile, after which the state is reset so the next call works.
 
@@ -160,6 +162,57 @@ class Plan:
     def state(self) -> list[torch.Tensor]:
         tails = [t.counters for t in self.tails + [self.prefill_tail] if t is not None]  # partial after a timeout
         return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
+
+
+@dataclass(eq=False)
+class GraphedCall:
+    """One call of a :class:`Pipeline` on ``M`` rows, captured in a CUDA graph
+    (:meth:`Pipeline.capture`): the lowest-latency way to run it again and again.
+
+    It holds everything the graph's addresses point to, so none of it can be freed while the
+    graph lives: the pipeline (its plan's buffers), the static input ``x`` ``[M, K_0]`` on
+    stage 0's device and the output ``out`` ``[M, N_last]`` on the last stage's device. Each
+    replay overwrites ``out``. A replay is ordered like an eager call: it waits for the current
+    stream of every stage's device and those streams wait for it, so the caller may fill ``x``
+    and read ``out`` on its own streams.
+    """
+
+    pipeline: Pipeline
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor
+    out: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy ``x`` (the shape, dtype and device of :attr:`x`) in, replay, return :attr:`out`."""
+        if not isinstance(x, torch.Tensor) or x.shape != self.x.shape or x.dtype != self.x.dtype:
+            raise ValueError(
+                f"this graph was captured for x {tuple(self.x.shape)} {self.x.dtype}, "
+                f"got {getattr(x, 'shape', type(x))} {getattr(x, 'dtype', '')}"
+            )
+        if x.device != self.x.device:
+            raise ValueError(f"x is on {x.device}; the graph reads its input on {self.x.device}")
+        if x.data_ptr() != self.x.data_ptr():
+            self.x.copy_(x)
+        return self.replay()
+
+    def replay(self) -> torch.Tensor:
+        """Run the captured call on whatever :attr:`x` holds now; returns :attr:`out`. Errors
+        are not read here (that synchronises): call :meth:`check_errors` now and then."""
+        devices = self.pipeline.devices
+        first = torch.cuda.current_stream(devices[0])
+        others = [torch.cuda.current_stream(d) for d in devices[1:]]
+        for st in others:
+            first.wait_event(st.record_event())
+        with torch.cuda.device(devices[0]), torch.cuda.stream(first):
+            self.graph.replay()
+        done = first.record_event()
+        for st in others:
+            st.wait_event(done)
+        return self.out
+
+    def check_errors(self) -> None:
+        """Raise :class:`PipelineTimeout` if a replay timed out (see :meth:`Pipeline.check_errors`)."""
+        self.pipeline.check_errors(self.pipeline.plan(self.x.shape[0]))
 
 
 class Pipeline:
@@ -372,6 +425,30 @@ class Pipeline:
             self.check_errors(plan)
         return out
 
+    def capture(self, M: int, out: torch.Tensor | None = None) -> GraphedCall:
+        """Capture one call on ``M`` rows in a CUDA graph, after an eager warm-up call (which
+        compiles the kernels, builds the plan and checks it ran clean).
+
+        Returns a :class:`GraphedCall`: ``y = graphed(x)`` copies ``x`` in and replays, or fill
+        ``graphed.x`` yourself and ``graphed.replay()``. It keeps this pipeline, its static
+        input and its output (``out``, or a new ``[M, N_last]`` tensor) alive as long as the
+        graph. To capture the pipeline inside a larger graph of your own instead, call it with
+        ``out=`` and ``check=False`` under your capture, after one call outside it.
+        """
+        if not self.on_gpu:
+            raise RuntimeError("capture needs the stages on CUDA devices (CUDA graphs do not exist on the CPU)")
+        if not isinstance(M, int) or M < 1:
+            raise ValueError(f"M must be a positive int, got {M!r}")
+        w0 = self.weights[0]
+        x = torch.zeros(M, w0.shape[0], dtype=w0.dtype, device=self.devices[0])
+        out = self(x, out=out)  # the warm-up call (checks out's shape, dtype and device too)
+        self._sync()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
+            self(x, out=out, check=False)
+        self._sync()
+        return GraphedCall(self, graph, x, out)
+
     def _launch(
         self,
         plan: Plan,
@@ -494,4 +571,4 @@ class Pipeline:
                 raise PipelineTimeout("; ".join(msgs) + ". State reset; the next call starts clean.")
 
 
-__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link"]
+__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link", "GraphedCall"]

@@ -4,7 +4,9 @@
 """
 
 import dataclasses
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -263,6 +265,32 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
 def test_cuda_graph_capture_and_replay(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
     assert_replays_right(Pipeline(ws, policy=policy), 4096, 5)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_capture_returns_a_call_that_keeps_what_its_graph_needs(policy):
+    """``Pipeline.capture``: the graphed call keeps the pipeline alive on its own, its replays
+    on fresh inputs are bitwise right and ordered with the caller's streams (``out`` poisoned
+    and read on cuda:1's current stream with no explicit synchronisation), a wrong input is
+    refused."""
+    ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy)
+    graphed, alive = pipe.capture(3000), weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert alive() is graphed.pipeline
+    for _ in range(3):
+        x = rand(3000, 4096, device="cuda:0")
+        graphed.out.fill_(float("nan"))
+        y = graphed(x)
+        assert y is graphed.out
+        assert torch.equal(y, sequential_triton(x, ws, graphed.pipeline))
+    graphed.check_errors()
+    with pytest.raises(ValueError, match="captured for x"):
+        graphed(rand(2999, 4096, device="cuda:0"))
+    with pytest.raises(ValueError, match="x is on cuda:1"):
+        graphed(rand(3000, 4096, device="cuda:1"))
 
 
 @pytest.mark.gpu2

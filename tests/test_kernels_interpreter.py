@@ -162,6 +162,8 @@ def test_bad_inputs_raise_before_launch():
         pipe(torch.randn(8, 16).half(), out=torch.empty(8, 17).half())
     with pytest.raises(ValueError, match="inner dimensions"):
         matmul(a, a)
+    with pytest.raises(RuntimeError, match="CUDA devices"):
+        pipe.capture(8)
     assert pipe._plans == {}  # nothing was built or launched for the bad calls
 
 
