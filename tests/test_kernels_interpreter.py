@@ -167,6 +167,24 @@ def test_bad_inputs_raise_before_launch():
     assert pipe._plans == {}  # nothing was built or launched for the bad calls
 
 
+def test_graphed_call_refuses_an_input_it_was_not_captured_for():
+    """The input checks of ``GraphedCall`` (its graph needs CUDA; the checks run before it)."""
+    from ctapipelining.pipeline import GraphedCall
+
+    a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
+    pipe = Pipeline([a, b], config=SMALL)
+    graphed = GraphedCall(pipe, graph=None, x=torch.zeros(8, 16).half(), out=torch.zeros(8, 16).half())
+    with pytest.raises(ValueError, match=r"captured for x \(8, 16\) torch.float16, got torch.Size\(\[9, 16\]\)"):
+        graphed(torch.zeros(9, 16).half())
+    with pytest.raises(ValueError, match="captured for x"):
+        graphed(torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="captured for x"):
+        graphed([[0.0] * 16] * 8)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="x is on cuda:0"):
+            graphed(torch.zeros(8, 16, device="cuda:0").half())
+
+
 def test_configs_fit_shared_memory():
     assert get_configs() and all(c.smem_bytes() <= 227 * 1024 for c in get_configs())
     assert np.all([c.block_m % 16 == 0 for c in get_configs()])
