@@ -140,11 +140,9 @@ def time_interleaved(
     return out
 
 
-def time_method(
-    run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int, rest_ms: float = 0.0
-):
+def time_method(run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int):
     """Milliseconds of ``reps`` runs of one method (see :func:`time_interleaved`)."""
-    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup, rest_ms=rest_ms)["m"]
+    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup)["m"]
 
 
 def environment() -> dict:
@@ -468,7 +466,8 @@ def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]
     """Per sequence length: the best CTA-pipelining line over best micro-batching, TP and the
     floor (the fastest of cuBLAS and our Triton GEMM). With ``raw`` (the results' raw rows,
     times in repetition order), also the paired ratio to the best micro-batching: the median of
-    the per-repetition ratios, each repetition's two runs taken minutes apart at most."""
+    the per-repetition ratios, each repetition's two runs taken a second apart at most."""
+    ms = {(r["method"], r["seq"], r["chunk"]): r["ms"] for r in raw or []}
     out = []
     for seq in sorted({s["seq"] for s in summaries}):
         rows = [s for s in summaries if s["seq"] == seq]
@@ -494,7 +493,6 @@ def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]
             cta_over_floor=round(best["median_ms"] / floor, 4),
         )
         if raw is not None:
-            ms = {(r["method"], r["seq"], r["chunk"]): r["ms"] for r in raw}
             a, b = ms.get((best["method"], seq, None)), ms.get(("microbatch", seq, best_mb["chunk"]))
             if a and b and len(a) == len(b):
                 h["cta_over_microbatch_paired"] = round(statistics.median(x / y for x, y in zip(a, b)), 4)
