@@ -214,6 +214,10 @@ class GraphedCall:
         """Raise :class:`PipelineTimeout` if a replay timed out (see :meth:`Pipeline.check_errors`)."""
         self.pipeline.check_errors(self.pipeline.plan(self.x.shape[0]))
 
+    def __repr__(self) -> str:  # not the tensors' contents (a copy from the GPU)
+        devices = ", ".join(str(d) for d in self.pipeline.devices)
+        return f"GraphedCall(x={list(self.x.shape)} -> out={list(self.out.shape)}, {self.x.dtype}, on {devices})"
+
 
 class Pipeline:
     """A chain ``x @ W_0 @ W_1 @ ...`` with stage ``s`` on ``W_s``'s device.

@@ -174,6 +174,7 @@ def test_graphed_call_refuses_an_input_it_was_not_captured_for():
     a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
     pipe = Pipeline([a, b], config=SMALL)
     graphed = GraphedCall(pipe, graph=None, x=torch.zeros(8, 16).half(), out=torch.zeros(8, 16).half())
+    assert repr(graphed) == "GraphedCall(x=[8, 16] -> out=[8, 16], torch.float16, on cpu, cpu)"
     with pytest.raises(ValueError, match=r"captured for x \(8, 16\) torch.float16, got torch.Size\(\[9, 16\]\)"):
         graphed(torch.zeros(9, 16).half())
     with pytest.raises(ValueError, match="captured for x"):
