@@ -228,9 +228,9 @@ class Pipeline:
         each on its own CUDA device (consecutive devices need peer access). Under the Triton
         interpreter they may all be CPU tensors; stages then run one after another.
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
-        counter; the default: 3-9% faster than ``"workqueue"`` at every size measured on
-        2x H200, benchmarks/results/2026-11-30-h200x2-s2/final) or ``"workqueue"`` (consumers run
-        tiles in the order they became ready, the paper's policy).
+        counter; the default: 2-10% faster than ``"workqueue"`` at every size measured on
+        2x H200, benchmarks/results/2026-11-30-h200x2-s2/final and -s5/bench) or
+        ``"workqueue"`` (consumers run tiles in the order they became ready, the paper's policy).
     config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
         Its ``wait_parts`` is capped at the producer's column-blocks; a ``workqueue`` consumer
         runs whole tiles once they are ready, so it waits for whole row-blocks (one part).
