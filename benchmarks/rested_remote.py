@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import Method, chain_operands, environment, time_interleaved
+from ctapipelining.bench import Method, chain_operands, environment, fork_join, time_interleaved
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
@@ -52,24 +52,8 @@ SPIN_CYCLES = 200_000  # 0.1 ms at 1.98 GHz, 0.6 ms at an idle 345 MHz: well ins
 
 
 def beside(side, work):
-    """Run ``work`` on ``side`` (another stream, either GPU), forked from and joined to cuda:0's."""
-
-    def call(fn):
-        def run():
-            main = torch.cuda.current_stream(0)
-            fork = torch.cuda.Event()
-            fork.record(main)
-            side.wait_event(fork)
-            with torch.cuda.stream(side):
-                work()
-            fn()
-            join = torch.cuda.Event()
-            join.record(side)
-            main.wait_event(join)
-
-        return run
-
-    return call
+    """``fn`` with ``work`` run on ``side`` (another stream, either GPU) beside it."""
+    return lambda fn: lambda: fork_join(side, work, fn)
 
 
 def spin_gpu1():

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ctapipelining.bench import chain_operands, environment, run_for, sample_gpus
+from ctapipelining.bench import chain_operands, environment, fork_join, run_for, sample_gpus
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
@@ -89,23 +89,9 @@ def sm_pull():
 
 def lockstep(gemm, transfer, side):
     """One call: the transfer starts with the GEMM, and the next call waits for both."""
-
-    def call():
-        s0 = torch.cuda.current_stream(0)
-        if transfer is None:
-            gemm()
-            return
-        begun = torch.cuda.Event()
-        begun.record(s0)
-        side.wait_event(begun)
-        transfer()
-        done = torch.cuda.Event()
-        done.record(side)
-        if gemm is not None:
-            gemm()
-        s0.wait_event(done)
-
-    return call
+    if transfer is None:
+        return gemm
+    return lambda: fork_join(side, transfer, gemm)
 
 
 PHASES = {
@@ -162,7 +148,7 @@ for order in (list(PHASES), list(reversed(PHASES))):
     for name in order:
         try:
             (calls, ms), rows = sample_gpus(lambda name=name: run(PHASES[name]), FIELDS)
-        except Exception as e:  # e.g. CuPy missing: report and go on
+        except Exception as e:  # e.g. a transfer the driver refuses: report and go on
             results[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             print(name, results[name], flush=True)
             continue

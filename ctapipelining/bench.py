@@ -206,6 +206,25 @@ def run_for(call: Callable[[], object], seconds: float, batch: int = 10) -> tupl
     return calls, start.elapsed_time(end) / calls
 
 
+def fork_join(side, work: Callable[[], object], fn: Callable[[], object] | None = None) -> None:
+    """Run ``work()`` on stream ``side`` (of either GPU) beside ``fn()`` on cuda:0's current
+    stream: ``side`` starts after what that stream holds so far, and the stream goes on only
+    once ``side`` is done. Capturable in a CUDA graph whose capture runs on cuda:0."""
+    import torch
+
+    main = torch.cuda.current_stream(0)
+    fork = torch.cuda.Event()
+    fork.record(main)
+    side.wait_event(fork)
+    with torch.cuda.stream(side):
+        work()
+    if fn is not None:
+        fn()
+    join = torch.cuda.Event()
+    join.record(side)
+    main.wait_event(join)
+
+
 def parse_smi(text: str, nfields: int) -> dict[int, list[list]]:
     """Rows of ``nvidia-smi --query-gpu=index,F1,..,Fn --format=csv,noheader,nounits`` output
     by GPU index; each field a float where it reads as one (clocks, watts), else the string

@@ -11,9 +11,9 @@ back-to-back calls need no reset, and a call can be captured in a CUDA graph:
 :meth:`Pipeline.capture` returns a :class:`GraphedCall` that keeps the graph together with
 everything it points to. (Captured by hand, with ``out=`` and ``check=False``, keep the
 ``Pipeline`` alive as long as the graph: it holds the addresses of the plan's buffers, not the
-buffers.) After a call, :meth:`Pipeline.check_errors`
-reads the error words: a timed-out wait raises :class:`PipelineTimeout` naming device, stage
-and tile, after which the state is reset so the next call works.
+buffers.) After a call, :meth:`Pipeline.check_errors` reads the error words: a timed-out wait
+raises :class:`PipelineTimeout` naming device, stage and tile, after which the state is reset
+so the next call works.
 
 Prefill (``prefill_rows=R``): the second GPU computes the first ``R`` rows of the first layer
 itself, from a copy of ``x[:R]`` and a replica of ``W_0``, before its consumer kernel starts.
