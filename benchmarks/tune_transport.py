@@ -6,7 +6,8 @@ Everything that issue 3's speed target compares, replayed from CUDA graphs and t
 same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
 cuBLAS one layer; our plain GEMM under several configurations (the floor each pipeline
 variant is held against); cuBLAS micro-batching at every chunk; Megatron TP; CTA-pipelining
-variants (waiting for the input in parts, the second GPU prefilling the first rows, policy);
+variants (waiting for the input in parts, the second GPU prefilling the first rows, the first GPU
+draining the last rows, split tails, policy);
 the producer alone. (Earlier versions also timed a copy-engine transport; see the
 results README.) Every pipeline is checked bitwise against the sequential Triton GEMMs (eager
 and replayed) before it is timed.
@@ -105,14 +106,18 @@ def build_tp():
 guarded("tp", build_tp)
 
 # -- CTA-pipelining ----------------------------------------------------------------------------
-parts = lambda n, cfg=PIPELINE_CONFIG: dataclasses.replace(cfg, wait_parts=n)  # noqa: E731
+ends = lambda r, d, **kw: dict(prefill_rows=r, drain_rows=d, **kw)  # noqa: E731
+split_pipe = dict(config=split(PIPELINE_CONFIG))
 PIPES = {
     f"cta_static (PIPELINE_CONFIG, {PIPELINE_CONFIG.wait_parts} parts)": dict(),
-    "cta_static_prefill512": dict(prefill_rows=512),
-    "cta_static_prefill1024": dict(prefill_rows=1024),
-    "cta_static_prefill2048": dict(prefill_rows=2048),
-    "cta_static_whole_rows": dict(config=parts(1)),
-    "cta_workqueue_prefill1024": dict(policy="workqueue", prefill_rows=1024),
+    "cta_static_split": split_pipe,
+    "cta_static_drain512": ends(0, 512),
+    "cta_static_p512_d512": ends(512, 512),
+    "cta_static_p512_d512_split": ends(512, 512, **split_pipe),
+    "cta_static_p384_d512": ends(384, 512),
+    "cta_static_p768_d512_split": ends(768, 512, **split_pipe),
+    "cta_static_p1024_d1024_split": ends(1024, 1024, **split_pipe),
+    "cta_workqueue_p512_d512": ends(512, 512, policy="workqueue"),
 }
 ALONE = (next(iter(PIPES)),)  # producer-alone line
 pipes = {}
@@ -178,6 +183,15 @@ for m in methods:
         f"{med[m.name] / med[best_mb]:9.3f} {med[m.name] / med.get('tp', float('nan')):7.3f}  {m.note[:60]}"
     )
 log(f"best micro-batching: {best_mb} {med[best_mb]:.4f} ms")
+# paired: the median over repetitions of each method's time over another's in the same repetition
+base = next(iter(PIPES))
+paired = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
+for r in rows:
+    if r["method"].startswith("cta_") and base in times:
+        r["paired_over_static"] = round(paired(r["method"], base), 4)
+        r["paired_over_best_mb"] = round(paired(r["method"], best_mb), 4)
+        r_static, r_mb = r["paired_over_static"], r["paired_over_best_mb"]
+        log(f"paired {r['method']:34s} / cta_static {r_static:.4f}  / {best_mb} {r_mb:.4f}")
 (out_dir / "tune_transport.json").write_text(
     json.dumps(
         dict(environment=environment(), M=M, K=K, reps=REPS, best_microbatch=best_mb, notes=notes, rows=rows), indent=1

@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
-# the bench's prefill line (Pipeline(prefill_rows=...)): two groups of 4 row-blocks of 128, the best of
-# 512 / 1024 / 2048 at M=16384 in one tuning run on 2x H200 (2026-11-30-h200x2-s4/prefill: 0.962x /
-# 0.947x / 1.011x the same pipeline without it, paired over 30 repetitions); in the bench minutes
-# later 1.028x (prefill-bench), so not a default
-PREFILL_ROWS = 1024
+# the bench's line with both ends filled (Pipeline(prefill_rows=..., drain_rows=...)): the second GPU
+# computes the first 4 row-blocks of layer 1 (about its idle first round), the first GPU the last 4
+# row-blocks of both layers (about its idle last round: 128 tiles, one round of 132 CTAs). A prefill
+# alone lost in every paired run of sessions 4 and 5 (the second GPU's path only grows); the
+# discrete-event model (ctapipelining.sim) puts both ends together at 0.97x the chain without them
+ENDS = dict(prefill_rows=512, drain_rows=512)
 
 
 @dataclass
@@ -336,12 +337,12 @@ def _bench_seq(
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
     # plus the static pipeline waiting for whole row-blocks before each tile (the default until session 4)
-    # and the static pipeline whose second GPU prefills the first PREFILL_ROWS rows of layer 1
+    # and the static pipeline with both ends filled (ENDS)
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
-    if len(ws) >= 2:
-        pipes["static_prefill"] = Pipeline(ws, prefill_rows=PREFILL_ROWS)
-    for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_prefill") if k in pipes]:
+    if len(ws) == 2:
+        pipes["static_ends"] = Pipeline(ws, **ENDS)
+    for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_ends") if k in pipes]:
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
     progress(f"M={M}: {len(methods)} methods, interleaved")

@@ -21,6 +21,14 @@ Those rows are the consumer's first tiles, so it has work while the producer's f
 still running, and the producer has ``R`` rows less to write across NVLink. Both GEMMs bump
 the same counters (the replica's tiles signal the consumer's scoreboard locally).
 
+Drain (``drain_rows=D``, two stages): the first GPU computes the last ``D`` rows of the whole
+chain itself, after its producer kernel: those rows of layer 1 into a local buffer, then of
+layer 2 with a replica of ``W_1``, written into the output on the second GPU. The consumer runs
+rows ``[0, M - D)`` only. Why: a two-stage chain has two idle ends. The second GPU waits about
+one round for the producer's first row-blocks (what a prefill fills), and the first GPU idles
+while the consumer computes the rows of the producer's last round (what a drain fills). With
+both, each GPU has about half the chain's work and neither waits for the other at the ends.
+
 Ordering with the caller: every stage's stream first waits for the current stream of every
 stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
 result are ordered with whatever the caller does on any of the devices (the caching allocator
@@ -158,9 +166,14 @@ class Plan:
     prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
     prefill_ctas: int = 0
     prefill_tail: TailBuffers | None = None
+    drain_rows: int = 0  # last rows of the chain computed on stage 0's GPU (see Pipeline)
+    drain_h: torch.Tensor | None = None  # [drain_rows, N_0] on stage 0's device: the drain's layer 1
+    drain_ctas: tuple[int, int] = (0, 0)  # the drain's two GEMMs
+    drain_tails: tuple[TailBuffers | None, TailBuffers | None] = (None, None)
 
     def state(self) -> list[torch.Tensor]:
-        tails = [t.counters for t in self.tails + [self.prefill_tail] if t is not None]  # partial after a timeout
+        ends = [self.prefill_tail, *self.drain_tails]
+        tails = [t.counters for t in self.tails + ends if t is not None]  # partial after a timeout
         return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
 
 
@@ -241,6 +254,10 @@ class Pipeline:
         the module docstring; a multiple of ``config.block_m``; at least one row-block is left
         to the producer, so fewer for small inputs). It keeps a replica of ``W_0`` on that GPU.
         Not with ``trace``.
+    drain_rows : the first GPU computes this many last rows of the whole chain itself, after
+        its producer (see the module docstring; two stages only; a multiple of
+        ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
+        a replica of ``W_1`` on that GPU. Not with ``trace``.
     """
 
     def __init__(
@@ -251,6 +268,7 @@ class Pipeline:
         timeout_s: float = 1.0,
         trace: bool = False,
         prefill_rows: int = 0,
+        drain_rows: int = 0,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -271,15 +289,16 @@ class Pipeline:
                 )
             if self.weights[s].dtype != self.weights[0].dtype:
                 raise TypeError(f"stage {s} weight is {self.weights[s].dtype}, stage 0 is {self.weights[0].dtype}")
-        if not isinstance(prefill_rows, int) or prefill_rows < 0 or prefill_rows % self.config.block_m:
-            raise ValueError(
-                f"prefill_rows must be a multiple of block_m={self.config.block_m} (>= 0), got {prefill_rows!r}"
-            )
+        for name, rows in (("prefill_rows", prefill_rows), ("drain_rows", drain_rows)):
+            if not isinstance(rows, int) or rows < 0 or rows % self.config.block_m:
+                raise ValueError(f"{name} must be a multiple of block_m={self.config.block_m} (>= 0), got {rows!r}")
+            if rows and trace:
+                raise ValueError(f"trace mode does not stamp the {name[:-5]} GEMMs: use {name}=0 to trace")
         if prefill_rows and len(self.weights) < 2:
             raise ValueError("prefill_rows needs a second stage to prefill")
-        if prefill_rows and trace:
-            raise ValueError("trace mode does not stamp a prefill GEMM: use prefill_rows=0 to trace")
-        self.prefill_rows = prefill_rows
+        if drain_rows and len(self.weights) != 2:
+            raise ValueError(f"drain_rows needs a chain of exactly two stages, got {len(self.weights)}")
+        self.prefill_rows, self.drain_rows = prefill_rows, drain_rows
         self.devices = [w.device for w in self.weights]
         self.on_gpu = self.devices[0].type == "cuda"
         if self.on_gpu:
@@ -291,8 +310,9 @@ class Pipeline:
                 )
             fabric.enable_peer_access(idx)
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
-        # the prefill GEMM's weight, on stage 1's device
+        # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's
         self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows else None
+        self.drain_weight = self.weights[1].to(self.devices[0]) if drain_rows else None
         self._plans: dict[int, Plan] = {}
 
     @classmethod
@@ -321,22 +341,26 @@ class Pipeline:
         """The same GEMMs one after another, each with its stage's configuration, no
         pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
         self.check_input(x)
-        R = self._prefill(x.shape[0])
+        M = x.shape[0]
+        R, D = self._ends(M)
         y = x
         for s, w in enumerate(self.weights):
-            if s == 0 and R:  # as the pipeline splits it: rows [0, R) and [R, M) in their own GEMMs
-                y = torch.cat(
-                    [matmul(x[:R], w, config=self.stage_config(0)), matmul(x[R:], w, config=self.stage_config(0))]
-                )
-            else:
-                y = matmul(y.to(w.device), w, config=self.stage_config(s))
+            # cut as the pipeline cuts the rows: the prefill [0, R), the drain [M - D, M) (whose
+            # GEMMs run stage 0's configuration), the pipelined rest
+            cuts = sorted({0, M} | ({R, M - D} if s == 0 else {M - D} if s == 1 else set()))
+            y = y.to(w.device)
+            y = torch.cat(
+                [matmul(y[a:b], w, config=self.stage_config(0 if a == M - D else s)) for a, b in zip(cuts, cuts[1:])]
+            )
         return y
 
-    def _prefill(self, M: int) -> int:
-        """Rows the second GPU prefills for inputs of ``M`` rows: ``prefill_rows``, leaving at
-        least one row-block to the producer."""
+    def _ends(self, M: int) -> tuple[int, int]:
+        """``(R, D)``: rows the second GPU prefills and the first GPU drains for inputs of ``M``
+        rows: ``prefill_rows`` and ``drain_rows``, each cut so that the producer keeps at least
+        one row (the drain is cut first)."""
         bm = self.config.block_m
-        return max(0, min(self.prefill_rows, (M - 1) // bm * bm))
+        D = max(0, min(self.drain_rows, (M - 1) // bm * bm))
+        return max(0, min(self.prefill_rows, (M - D - 1) // bm * bm)), D
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:
@@ -344,24 +368,32 @@ class Pipeline:
         if M in self._plans:
             return self._plans[M]
         cfg, ws, devs = self.config, self.weights, self.devices
-        grids = [deps.TileGrid(M, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
+        R, D = self._ends(M)
+        P = M - D  # the rows the pipelined stages carry
+        grids = [deps.TileGrid(P, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
         links, inputs = [], [None]
         for s in range(1, len(ws)):
             parts = 1 if self.policy.uses_queue else min(cfg.wait_parts, grids[s - 1].num_n)
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
-            inputs.append(torch.empty(M, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
-        R = self._prefill(M)
+            inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         if R:  # the prefill GEMM reads the CSR lists from its own device
             links[0].local_lists = SignalLists.create(links[0].dep, devs[1])
-        rows = [M - R] + [M] * (len(ws) - 1)  # the producer's own rows
-        num_ctas = [grid_size(m, w.shape[1], cfg, d) for m, w, d in zip(rows, ws, devs)]
-        splits = [
-            tail_split(m, w.shape[1], w.shape[0], self.stage_config(s), p)
-            for s, (m, w, p) in enumerate(zip(rows, ws, num_ctas))
-        ]
-        prefill_ctas = grid_size(R, ws[0].shape[1], cfg, devs[1]) if R else 0
-        prefill_split = tail_split(R, ws[0].shape[1], ws[0].shape[0], self.stage_config(0), prefill_ctas) if R else None
+
+        def gemm(rows: int, w: torch.Tensor, device, s: int = 0) -> tuple[int, TailBuffers | None]:
+            """A launch's persistent grid and split-tail buffers (None: no split tail)."""
+            if not rows:
+                return 0, None
+            ctas = grid_size(rows, w.shape[1], cfg, device)
+            split = tail_split(rows, w.shape[1], w.shape[0], self.stage_config(s), ctas)
+            return ctas, None if split is None else TailBuffers.create(split, cfg, device)
+
+        # the stages (the producer owns rows [R, P)), the prefill on stage 1's device, and the
+        # drain's two GEMMs on stage 0's device, both in stage 0's configuration
+        stages = [gemm(P - R if s == 0 else P, w, d, s) for s, (w, d) in enumerate(zip(ws, devs))]
+        prefill = gemm(R, ws[0], devs[1]) if R else (0, None)
+        drain = [gemm(D, ws[0], devs[0]), gemm(D, ws[1], devs[0])] if D else [(0, None)] * 2
+        num_ctas = [c for c, _ in stages]
         limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
         plan = Plan(
             M=M,
@@ -373,13 +405,17 @@ class Pipeline:
                 torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
                 for g, d in zip(grids, devs)
             ],
-            tails=[None if sp is None else TailBuffers.create(sp, cfg, d) for sp, d in zip(splits, devs)],
+            tails=[t for _, t in stages],
             num_ctas=num_ctas,
             epoch_limit=limit,
             prefill_rows=R,
             prefill_x=torch.empty(R, ws[0].shape[0], dtype=ws[0].dtype, device=devs[1]) if R else None,
-            prefill_ctas=prefill_ctas,
-            prefill_tail=None if prefill_split is None else TailBuffers.create(prefill_split, cfg, devs[1]),
+            prefill_ctas=prefill[0],
+            prefill_tail=prefill[1],
+            drain_rows=D,
+            drain_h=torch.empty(D, ws[0].shape[1], dtype=ws[0].dtype, device=devs[0]) if D else None,
+            drain_ctas=(drain[0][0], drain[1][0]),
+            drain_tails=(drain[0][1], drain[1][1]),
         )
         self._plans[M] = plan
         return plan
@@ -478,10 +514,11 @@ class Pipeline:
         callers = self._caller_streams()
         starts = [c.record_event() for c in callers]
         kernels = [None] * n
-        R = plan.prefill_rows
+        R, D = plan.prefill_rows, plan.drain_rows
+        P = x.shape[0] - D  # the pipelined stages' rows
         first = R // self.config.block_m * plan.links[0].dep.producer.num_n if R else 0  # producer tile of row R
         for s in range(n):
-            own = slice(R if s == 0 else 0, None)  # stage 0's producer owns rows [R, M)
+            own = slice(R if s == 0 else 0, P)  # stage 0's producer owns rows [R, P)
             a = (x if s == 0 else plan.inputs[s])[own]
             c = (out if s == n - 1 else plan.inputs[s + 1])[own]
             with self._on_stream(s, starts):
@@ -513,10 +550,23 @@ class Pipeline:
                     stage=s,
                     timeout_ns=self.timeout_ns,
                 )
+                if s == 0 and D:  # the drain, here, after the producer
+                    self._drain(plan, x[P:], out[P:])
         for caller in callers:  # none on the CPU
             for st in self.streams:
                 caller.wait_stream(st)
         return kernels
+
+    def _drain(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The last rows of both layers on stage 0's device (on its current stream): ``x``
+        ``[D, K_0]`` into ``plan.drain_h``, then that times the replica of ``W_1`` into
+        ``out`` ``[D, N_1]``, which lies on the last stage's device (a peer write)."""
+        gemms = [(x, self.weights[0], plan.drain_h), (plan.drain_h, self.drain_weight, out)]
+        for (a, w, c), ctas, tail in zip(gemms, plan.drain_ctas, plan.drain_tails):
+            launch_gemm(
+                a, w, c, self.stage_config(0), ctas, epoch=plan.epochs[0], err=plan.errors[0], tail=tail,
+                timeout_ns=self.timeout_ns,
+            )  # fmt: skip
 
     def _caller_streams(self) -> list:
         """The streams a call forks from and joins back to: the current stream of every stage's

@@ -20,7 +20,10 @@ What is modelled
   ``wait_parts`` (static): a tile starts when part 0 of its input is visible and stalls at
   the K fraction where each later part begins until that part is (``GemmConfig.wait_parts``).
   ``prefill_rows``: the second GPU copies ``x[:R]``, computes those rows of layer 1 at the
-  local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``).
+  local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``). ``drain_rows``
+  (two stages): the first GPU computes the last ``D`` rows of both layers after its producer,
+  the second of them writing into the peer, and the consumer runs the rows before them
+  (``Pipeline(drain_rows=...)``).
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
@@ -245,17 +248,27 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
 
 
 def simulate_cta(
-    M: int, dims: list[int], cal: Calibration, policy: str = "static", wait_parts: int = 1, prefill_rows: int = 0
+    M: int,
+    dims: list[int],
+    cal: Calibration,
+    policy: str = "static",
+    wait_parts: int = 1,
+    prefill_rows: int = 0,
+    drain_rows: int = 0,
 ) -> CtaResult:
     """A chain ``X[M, dims[0]] @ W_0[dims[0], dims[1]] @ ...`` with one stage per GPU;
     ``wait_parts`` > 1: static consumers wait for their input in parts (capped as the
     pipeline caps them, at the producer's column-blocks); ``prefill_rows``: the second GPU
     first copies ``x[:R]`` and computes those rows of stage 0 itself (writing locally), then
-    starts its consumer, while stage 0's GPU computes the rest (as
-    :class:`ctapipelining.pipeline.Pipeline` does)."""
+    starts its consumer, while stage 0's GPU computes the rest; ``drain_rows`` (two stages):
+    stage 0's GPU computes the last rows of both layers after its producer, and the consumer
+    stops before them (as :class:`ctapipelining.pipeline.Pipeline` does). Stage 0's end
+    includes its drain."""
     if wait_parts > 1 and policy != "static":
         raise ValueError("wait_parts > 1 needs the static policy")
     bm = cal.block_m
+    D = max(0, min(drain_rows, (M - 1) // bm * bm)) if len(dims) == 3 else 0
+    M -= D  # the pipelined rows
     R = max(0, min(prefill_rows, (M - 1) // bm * bm)) if len(dims) > 2 else 0
     grids = [deps.TileGrid(M, n, bm, cal.block_n) for n in dims[1:]]
     ready, frac = None, None
@@ -287,7 +300,11 @@ def simulate_cta(
             frac = np.array([dep.part_k_start(q) / dims[s + 1] for q in range(dep.parts)]) if dep.parts > 1 else None
             if frac is None:
                 ready = ready[:, 0]
-    return CtaResult(ends[-1] + cal.launch_ns, ends, traces)
+    for s in range(2 if D else 0):  # the drain, on stage 0's GPU after its producer
+        grid = deps.TileGrid(D, dims[s + 1], bm, cal.block_n)
+        rows = _gemm_stage(grid, dims[s], cal, None, "static", ends[0] + cal.launch_ns, remote=s == 1, signals=False)
+        ends[0] = float(rows[:, 3].max())
+    return CtaResult(max(ends) + cal.launch_ns, ends, traces)
 
 
 def simulate_gemm(M: int, K: int, N: int, cal: Calibration) -> float:

@@ -414,3 +414,18 @@ def test_prefill_bitwise(policy):
         assert pipe.plan(M).prefill_rows == 1024
         assert_calls_right(pipe, M)
     assert_replays_right(pipe, 16384, 3)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_drain_bitwise(policy):
+    """GPU 0 computes the last rows of both layers itself after its producer (a replica of B),
+    writing them into the output on GPU 1, while GPU 1 prefills the first rows: NaN-poisoned
+    input and output, full size and ragged, three calls each, counters exactly epoch x need,
+    a delayed producer, then replayed from a CUDA graph."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, policy=policy, prefill_rows=512, drain_rows=512)
+    for M in (16384, 3000):
+        assert (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) == (512, 512)
+        assert_calls_right(pipe, M)
+    assert_replays_right(pipe, 16384, 3)

@@ -367,6 +367,47 @@ def test_prefilled_consumer_without_producer_times_out_past_the_prefill():
     assert torch.equal(pipe(x), pipe.sequential(x))
 
 
+@pytest.mark.parametrize("prefill", [0, 16])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_drain_matches_sequential(policy, split, prefill):
+    """Stage 0's device computes the last rows of both layers itself (a replica of W_1) after
+    its producer, and the consumer runs only the rows before them: NaN-poisoned buffers, three
+    epochs, every counter epoch x need over the pipelined rows only, bitwise the sequential
+    GEMMs cut the same way, with and without a prefill at the other end."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 80), (80, 40)]]
+    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=4)
+    pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=prefill, drain_rows=32)
+    plan = pipe.plan(90)
+    assert (plan.prefill_rows, plan.drain_rows) == (prefill, 32)
+    assert plan.inputs[1].shape == (58, 80) and plan.drain_h.shape == (32, 80)
+    assert plan.links[0].dep.consumer.M == 58  # the consumer's rows end where the drain's begin
+    # the drain's GEMMs: 2 x 5 and 2 x 3 tiles on 4 CTAs, a 2-tile tail each when split
+    assert plan.drain_ctas == (4, 4) and all((t is not None) == split for t in plan.drain_tails)
+    assert pipe.drain_weight.shape == ws[1].shape
+    assert_epochs_right(pipe, 90)
+    assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails + list(plan.drain_tails) if t is not None)
+
+
+def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
+    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
+    pipe = Pipeline(ws, config=SMALL, prefill_rows=32, drain_rows=32)
+    # the drain is cut first, then the prefill, so the producer keeps at least one row
+    ends = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (100, 64, 40, 20, 16)}
+    assert ends == {100: (32, 32), 64: (16, 32), 40: (0, 32), 20: (0, 16), 16: (0, 0)}
+    for M in (100, 40, 20, 16):
+        x = torch.randn(M, 16).half()
+        assert torch.equal(pipe(x), pipe.sequential(x))
+    with pytest.raises(ValueError, match="drain_rows must be a multiple of block_m=16"):
+        Pipeline(ws, config=SMALL, drain_rows=8)
+    with pytest.raises(ValueError, match="exactly two stages, got 1"):
+        Pipeline(ws[:1], config=SMALL, drain_rows=16)
+    with pytest.raises(ValueError, match="exactly two stages, got 3"):
+        Pipeline([*ws, torch.randn(16, 16).half()], config=SMALL, drain_rows=16)
+    with pytest.raises(ValueError, match="trace mode does not stamp the drain GEMMs"):
+        Pipeline(ws, config=SMALL, drain_rows=16, trace=True)
+
+
 def test_warp_specialisation_only_for_kernels_without_hooks(monkeypatch):
     """Triton's warp specialisation moves the TMA loads into a partition of their own: a wait
     would no longer precede them in the issuing thread's order, and the signal's barrier needs
