@@ -110,14 +110,15 @@ ends = lambda r, d, **kw: dict(prefill_rows=r, drain_rows=d, **kw)  # noqa: E731
 split_pipe = dict(config=split(PIPELINE_CONFIG))
 PIPES = {
     f"cta_static (PIPELINE_CONFIG, {PIPELINE_CONFIG.wait_parts} parts)": dict(),
-    "cta_static_split": split_pipe,
-    "cta_static_drain512": ends(0, 512),
     "cta_static_p512_d512": ends(512, 512),
     "cta_static_p512_d512_split": ends(512, 512, **split_pipe),
-    "cta_static_p384_d512": ends(384, 512),
+    "cta_static_p640_d512_split": ends(640, 512, **split_pipe),
     "cta_static_p768_d512_split": ends(768, 512, **split_pipe),
-    "cta_static_p1024_d1024_split": ends(1024, 1024, **split_pipe),
-    "cta_workqueue_p512_d512": ends(512, 512, policy="workqueue"),
+    "cta_static_p768_d640_split": ends(768, 640, **split_pipe),
+    "cta_static_p896_d640_split": ends(896, 640, **split_pipe),
+    "cta_static_p1024_d640_split": ends(1024, 640, **split_pipe),
+    "cta_static_p1152_d1024_split": ends(1152, 1024, **split_pipe),
+    "cta_static_p1280_d1024_split": ends(1280, 1024, **split_pipe),
 }
 ALONE = (next(iter(PIPES)),)  # producer-alone line
 pipes = {}

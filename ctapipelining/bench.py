@@ -27,11 +27,13 @@ from pathlib import Path
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
 # the bench's line with both ends filled (Pipeline(prefill_rows=..., drain_rows=...)): the second GPU
-# computes the first 4 row-blocks of layer 1 (about its idle first round), the first GPU the last 4
-# row-blocks of both layers (about its idle last round: 128 tiles, one round of 132 CTAs). A prefill
-# alone lost in every paired run of sessions 4 and 5 (the second GPU's path only grows); the
-# discrete-event model (ctapipelining.sim) puts both ends together at 0.97x the chain without them
-ENDS = dict(prefill_rows=512, drain_rows=512)
+# computes the first 6 row-blocks of layer 1 (about its idle first round), the first GPU the last 4
+# row-blocks of both layers (about its idle last round: 128 tiles, one round of 132 CTAs), every
+# GEMM with a split tail (the consumer's last round has 8 tiles). The best of six variants at
+# M=16384 on 2x H200 (2026-11-30-h200x2-s6/e1: 0.972x the chain without ends, paired over 30
+# repetitions; 512 rows each end without split tails 1.000x, with them 0.982x). A prefill alone lost
+# in every paired run of sessions 4 and 5 (the second GPU's path only grows), a drain alone 1.033x.
+ENDS = dict(prefill_rows=768, drain_rows=512)
 
 
 @dataclass
@@ -341,7 +343,7 @@ def _bench_seq(
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
     if len(ws) == 2:
-        pipes["static_ends"] = Pipeline(ws, **ENDS)
+        pipes["static_ends"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True), **ENDS)
     for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_ends") if k in pipes]:
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
