@@ -16,6 +16,7 @@ Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -55,8 +56,7 @@ def guarded(name, build):
     """Build one method; a failure is printed and recorded, never fatal."""
     try:
         m = build()
-        if m is not None:
-            methods.append(m)
+        methods.extend(m if isinstance(m, list) else [m] if m is not None else [])
     except Exception as e:
         notes[name] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         log(f"{name}: {notes[name]}")
@@ -120,7 +120,12 @@ PIPES = {
     "cta_static_p1152_d1024_split": ends(1152, 1024, **split_pipe),
     "cta_static_p1280_d1024_split": ends(1280, 1024, **split_pipe),
 }
-ALONE = (next(iter(PIPES)),)  # producer-alone line
+if os.environ.get("TUNE_PEER") == "1":  # the prefill reading x across NVLink (run its GPU test first)
+    PIPES["cta_static_p768_d512_split_peer"] = ends(768, 512, prefill_copy=False, **split_pipe)
+# each GPU's path alone (on pipelines of their own): stage 0's (the producer's remote writes and
+# signals, then a drain) and stage 1's (a prefill, then the consumer, its input already signalled
+# by an untimed stage-0 replay just before). The longer one is the chain's critical path.
+ALONE = (next(iter(PIPES)), "cta_static_p768_d512_split", "cta_static_p1024_d640_split")
 pipes = {}
 for name, kw in PIPES.items():
 
@@ -147,17 +152,29 @@ for name, kw in PIPES.items():
 
     guarded(name, build)
     if name in pipes and name in ALONE:
-        # the producer alone (remote writes and signals), replayed, on a pipeline of its own:
-        # a call without the consumer would leave a work-queue's head behind the epoch
 
-        def build_producer(name=name, kw=PIPES[name]):
-            pipe = Pipeline(ws, **({"policy": "static"} | kw))
-            pipes[name + "_producer_alone"] = pipe  # a graph does not keep its pipeline's buffers alive
-            plan = pipe.plan(M)
-            g = _capture(lambda: pipe._launch(plan, x_static, out, only=[0]), DEVS)
-            return Method(name + "_producer_alone", g.replay, feed)
+        def build_paths(name=name, kw=PIPES[name]):
+            # two pipelines: stage 0 replayed alone advances the epoch without the prefill's signals
+            graphs = []
+            for side in ("gpu0", "gpu1"):
+                pipe = Pipeline(ws, **({"policy": "static"} | kw))
+                pipes[f"{name}_{side}_path"] = pipe  # a graph does not keep its pipeline's buffers alive
+                plan = pipe.plan(M)
+                launch = pipe._launch
+                g0 = _capture(lambda f=launch, p=plan: f(p, x_static, out, only=[0]), DEVS)
+                g1 = _capture(lambda f=launch, p=plan: f(p, x_static, out, only=[1], advance_epoch=False), DEVS)
+                graphs.append((g0, g1))
 
-        guarded(name + "_producer_alone", build_producer)
+            def stage0_first(i, g0=graphs[1][0]):  # untimed: this epoch's producer, so the consumer never waits
+                feed(i)
+                g0.replay()
+
+            return [
+                Method(name + "_gpu0_path", graphs[0][0].replay, feed),
+                Method(name + "_gpu1_path", graphs[1][1].replay, stage0_first),
+            ]
+
+        guarded(name + "_paths", build_paths)
 
 # -- time everything, interleaved --------------------------------------------------------------
 log(f"timing {len(methods)} methods x {REPS} reps, interleaved")
