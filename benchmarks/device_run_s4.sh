@@ -3,13 +3,14 @@
 #   OUT=dir STEPS="tests bench trace clocks tune" bash benchmarks/device_run_s4.sh COMMIT
 # Steps run in the order given: GPU tests; the bench; the bench at 16384 with REST_MS idle
 # before each timed run (rested); the bench at 16384 in fixed and in shuffled order (order);
-# the bench at 16384 with the hook costs (hooks); the host time of eager calls (eager); replayed traces with raw stamps; clocks
-# and power under each phase of the chain; which agent moving the output costs GPU 0 its
-# clock (transport, fifth session); where a call from idle GPUs loses time writing into the
-# peer (rest); the tuning run (waiting in parts vs whole
-# row-blocks, interleaved with the baselines). Each step has its own timeout, so the call ends
-# within the device's 10 minutes. At most 8 files come back: all but env.txt and gpu-tests.log
-# travel in all.tar.gz.
+# the bench at 16384 with the hook costs (hooks); the host time of eager calls (eager);
+# replayed traces with raw stamps; clocks and power under each phase of the chain; which agent
+# moving the output costs GPU 0 its clock (transport, fifth session); where a call from idle
+# GPUs loses time writing into the peer (rest); the tuning run (pipeline variants interleaved
+# with the baselines; sixth session: prefill and drain rows, each GPU's path alone).
+# BENCH_ENDS=R,D sets the bench's ends line. Each step has its own timeout, so the call ends
+# within the device's 10 minutes. At most 8 files come back: all but env.txt and
+# gpu-tests.log travel in all.tar.gz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,7 +26,7 @@ for step in $STEPS; do
     tests) timeout 280 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
     bench) timeout 290 python3 -m ctapipelining.cli bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
-        --hooks-seq 0 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+        --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       grep -E "^(method|floor|triton|tp|micro|cta|sequential)|\"seq\"|WRONG|Error" "$OUT/bench.log" | tail -50 ;;
     rested) timeout 200 python3 -m ctapipelining.cli bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-15}" \
         --hooks-seq 0 --rest-ms "${REST_MS:-50}" --out "$OUT/rested" > "$OUT/rested.log" 2>&1

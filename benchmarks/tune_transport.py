@@ -16,7 +16,6 @@ Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import traceback
@@ -110,22 +109,18 @@ ends = lambda r, d, **kw: dict(prefill_rows=r, drain_rows=d, **kw)  # noqa: E731
 split_pipe = dict(config=split(PIPELINE_CONFIG))
 PIPES = {
     f"cta_static (PIPELINE_CONFIG, {PIPELINE_CONFIG.wait_parts} parts)": dict(),
-    "cta_static_p512_d512": ends(512, 512),
-    "cta_static_p512_d512_split": ends(512, 512, **split_pipe),
-    "cta_static_p640_d512_split": ends(640, 512, **split_pipe),
     "cta_static_p768_d512_split": ends(768, 512, **split_pipe),
-    "cta_static_p768_d640_split": ends(768, 640, **split_pipe),
-    "cta_static_p896_d640_split": ends(896, 640, **split_pipe),
+    "cta_static_p1024_d512_split": ends(1024, 512, **split_pipe),
+    "cta_static_p1152_d512_split": ends(1152, 512, **split_pipe),
+    "cta_static_p1280_d512_split": ends(1280, 512, **split_pipe),
     "cta_static_p1024_d640_split": ends(1024, 640, **split_pipe),
-    "cta_static_p1152_d1024_split": ends(1152, 1024, **split_pipe),
-    "cta_static_p1280_d1024_split": ends(1280, 1024, **split_pipe),
+    "cta_static_p1280_d640_split": ends(1280, 640, **split_pipe),
+    "cta_static_p1408_d640_split": ends(1408, 640, **split_pipe),
 }
-if os.environ.get("TUNE_PEER") == "1":  # the prefill reading x across NVLink (run its GPU test first)
-    PIPES["cta_static_p768_d512_split_peer"] = ends(768, 512, prefill_copy=False, **split_pipe)
 # each GPU's path alone (on pipelines of their own): stage 0's (the producer's remote writes and
 # signals, then a drain) and stage 1's (a prefill, then the consumer, its input already signalled
 # by an untimed stage-0 replay just before). The longer one is the chain's critical path.
-ALONE = (next(iter(PIPES)), "cta_static_p768_d512_split", "cta_static_p1024_d640_split")
+ALONE = ("cta_static_p768_d512_split", "cta_static_p1152_d512_split", "cta_static_p1280_d640_split")
 pipes = {}
 for name, kw in PIPES.items():
 

@@ -288,9 +288,11 @@ def _bench_seq(
     progress,
     gpus: int = 2,
     protocol: dict | None = None,
+    ends: tuple[int, int] = (ENDS["prefill_rows"], ENDS["drain_rows"]),
 ) -> list[Row]:
     """Every method on ``X[M, K]`` through ``gpus`` layers ``[K, K]``, layer ``s`` on cuda:``s``
-    (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP)."""
+    (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP).
+    ``ends``: the prefill and drain rows of the ``cta_static_ends`` line ((0, 0): no such line)."""
     import torch
 
     from .baselines import MicroBatch, Sequential, TensorParallel
@@ -342,8 +344,9 @@ def _bench_seq(
     # and the static pipeline with both ends filled (ENDS)
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
-    if len(ws) == 2:
-        pipes["static_ends"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True), **ENDS)
+    if len(ws) == 2 and any(ends):
+        split = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
+        pipes["static_ends"] = Pipeline(ws, config=split, prefill_rows=ends[0], drain_rows=ends[1])
     for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_ends") if k in pipes]:
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
@@ -605,6 +608,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="methods' order within a repetition: a fresh random one each time (seeded), or as listed",
     )  # fmt: skip
     p.add_argument("--rest-ms", type=float, default=0.0, help="idle milliseconds before each timed run")
+    p.add_argument(
+        "--ends",
+        type=_ints,
+        default=[ENDS["prefill_rows"], ENDS["drain_rows"]],
+        help="prefill,drain rows of the cta_static_ends line (0,0: no such line)",
+    )
     p.add_argument("--hooks-seq", type=int, default=16384, help="M of the hook-cost measurements (0: skip)")
     p.add_argument("--fig7-seq", type=int, default=0, help="M of the TP vs CTA x TP comparison (0: skip)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON, CSV, PNG")
@@ -632,6 +641,10 @@ def run(args) -> int:
         for p in plot(results, args.out):
             print("wrote", p)
         return 0
+    if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2 or args.rest_ms < 0:
+        raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2, --rest-ms >= 0")
+    if len(args.ends) != 2 or min(args.ends) < 0:
+        raise SystemExit(f"--ends takes two row counts >= 0 (prefill,drain), got {args.ends}")
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -641,8 +654,6 @@ def run(args) -> int:
             _print_predictions(args.seq, args.k)
         print("\n`ctapipelining demo` runs the protocol on the CPU; `--plot-only FILE` re-draws recorded results.")
         return 2
-    if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2 or args.rest_ms < 0:
-        raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2, --rest-ms >= 0")
     try:
         from tqdm import tqdm
     except ImportError:  # progress is optional
@@ -660,7 +671,9 @@ def run(args) -> int:
     protocol = dict(order=args.order, rest_ms=args.rest_ms, seed=0)
     rows: list[Row] = []
     for M in args.seq:
-        rows += _bench_seq(M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol)
+        rows += _bench_seq(
+            M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, tuple(args.ends)
+        )
         torch.cuda.empty_cache()
     if args.hooks_seq:
         rows += _bench_hooks(args.hooks_seq, args.k, args.reps, args.warmup, progress)
@@ -676,6 +689,7 @@ def run(args) -> int:
         k=args.k,
         summaries=sums,
         protocol=protocol,
+        ends=dict(prefill_rows=args.ends[0], drain_rows=args.ends[1]),
         headline=headline(sums, raw),
         raw=raw,
     )

@@ -163,7 +163,7 @@ class Plan:
     epoch_limit: int
     epoch: int = 0
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
-    prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device (None: read in place)
+    prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
     prefill_ctas: int = 0
     prefill_tail: TailBuffers | None = None
     drain_rows: int = 0  # last rows of the chain computed on stage 0's GPU (see Pipeline)
@@ -258,8 +258,6 @@ class Pipeline:
         its producer (see the module docstring; two stages only; a multiple of
         ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
         a replica of ``W_1`` on that GPU. Not with ``trace``.
-    prefill_copy : the prefill copies ``x``'s first rows to its GPU before its GEMM (True), or
-        its GEMM reads them from stage 0's memory across NVLink (False).
     """
 
     def __init__(
@@ -271,7 +269,6 @@ class Pipeline:
         trace: bool = False,
         prefill_rows: int = 0,
         drain_rows: int = 0,
-        prefill_copy: bool = True,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -301,7 +298,7 @@ class Pipeline:
             raise ValueError("prefill_rows needs a second stage to prefill")
         if drain_rows and len(self.weights) != 2:
             raise ValueError(f"drain_rows needs a chain of exactly two stages, got {len(self.weights)}")
-        self.prefill_rows, self.drain_rows, self.prefill_copy = prefill_rows, drain_rows, bool(prefill_copy)
+        self.prefill_rows, self.drain_rows = prefill_rows, drain_rows
         self.devices = [w.device for w in self.weights]
         self.on_gpu = self.devices[0].type == "cuda"
         if self.on_gpu:
@@ -412,9 +409,7 @@ class Pipeline:
             num_ctas=num_ctas,
             epoch_limit=limit,
             prefill_rows=R,
-            prefill_x=torch.empty(R, ws[0].shape[0], dtype=ws[0].dtype, device=devs[1])
-            if R and self.prefill_copy
-            else None,
+            prefill_x=torch.empty(R, ws[0].shape[0], dtype=ws[0].dtype, device=devs[1]) if R else None,
             prefill_ctas=prefill[0],
             prefill_tail=prefill[1],
             drain_rows=D,
@@ -532,9 +527,11 @@ class Pipeline:
                 if only is not None and s not in only:
                     continue
                 if s == 1 and R:  # the prefill: rows [0, R) of stage 0, here, before the consumer
-                    xr = x[:R] if plan.prefill_x is None else plan.prefill_x.copy_(x[:R])
+                    # a copy first: the GEMM reading x across NVLink with TMA took 1.29x the whole
+                    # chain (2026-11-30-h200x2-s6/e3)
+                    plan.prefill_x.copy_(x[:R])
                     launch_gemm(
-                        xr, self.prefill_weight, plan.inputs[1][:R], self.stage_config(0),
+                        plan.prefill_x, self.prefill_weight, plan.inputs[1][:R], self.stage_config(0),
                         plan.prefill_ctas, signal=plan.links[0].signal_hook(queue, local=True),
                         epoch=plan.epochs[1], err=plan.errors[1], tail=plan.prefill_tail, timeout_ns=self.timeout_ns,
                     )  # fmt: skip

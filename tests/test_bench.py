@@ -55,10 +55,15 @@ def test_bench_without_gpus_says_so_and_shows_the_model(tmp_path, capsys):
     assert "NOT measured" in out and "\n  2048 " in out
 
 
-def test_bad_arguments(capsys):
+def test_bad_arguments(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--seq", "1024,x"])
     assert "comma-separated integers" in capsys.readouterr().err
+    # checked before anything looks for GPUs
+    with pytest.raises(SystemExit, match="--ends takes two row counts"):
+        cli.main(["bench", "--ends", "512", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--reps must be >= 3"):
+        cli.main(["bench", "--reps", "2", "--out", str(tmp_path)])
 
 
 def _methods(calls):

@@ -429,13 +429,3 @@ def test_drain_bitwise(policy):
         assert (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) == (512, 512)
         assert_calls_right(pipe, M)
     assert_replays_right(pipe, 16384, 3)
-
-
-@pytest.mark.gpu2
-def test_prefill_reading_x_across_nvlink_bitwise():
-    """The prefill GEMM on GPU 1 reads x's first rows from GPU 0's memory with TMA (no copy):
-    NaN-poisoned buffers, three calls, a delayed producer, bitwise the sequential GEMMs."""
-    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, prefill_rows=768, drain_rows=512, prefill_copy=False)
-    assert pipe.plan(16384).prefill_x is None
-    assert_calls_right(pipe, 16384)

@@ -389,15 +389,6 @@ def test_drain_matches_sequential(policy, split, prefill):
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails + list(plan.drain_tails) if t is not None)
 
 
-def test_prefill_may_read_x_in_place():
-    """``prefill_copy=False``: the prefill GEMM reads x's first rows where they are (on a GPU:
-    across NVLink) instead of a copy on its device; the result is the same bitwise."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 40)]]
-    pipe = Pipeline(ws, config=PARTS, prefill_rows=32, drain_rows=16, prefill_copy=False)
-    assert pipe.plan(70).prefill_x is None and pipe.plan(70).prefill_rows == 32
-    assert_epochs_right(pipe, 70, epochs=2)
-
-
 def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
     ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
     pipe = Pipeline(ws, config=SMALL, prefill_rows=32, drain_rows=32)
