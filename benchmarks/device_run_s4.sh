@@ -8,7 +8,7 @@
 # moving the output costs GPU 0 its clock (transport, fifth session); where a call from idle
 # GPUs loses time writing into the peer (rest); the tuning run (pipeline variants interleaved
 # with the baselines; sixth session: prefill and drain rows, each GPU's path alone).
-# BENCH_ENDS=R,D sets the bench's ends line. Each step has its own timeout, so the call ends
+# BENCH_ENDS=R,D sets the bench's ends line; TUNE_M the tuning run's rows, TUNE_ENDS its ends. Each step has its own timeout, so the call ends
 # within the device's 10 minutes. At most 8 files come back: all but env.txt and
 # gpu-tests.log travel in all.tar.gz.
 set -uo pipefail
@@ -48,7 +48,7 @@ for step in $STEPS; do
       tail -16 "$OUT/transport.log" ;;
     clocks) timeout 70 python3 benchmarks/clocks_under_load.py "$OUT" 16384 1.5 > "$OUT/clocks.log" 2>&1
       tail -6 "$OUT/clocks.log" ;;
-    tune) timeout 300 python3 benchmarks/tune_transport.py "$OUT" 16384 8192 "${TUNE_REPS:-25}" > "$OUT/tune.log" 2>&1
+    tune) timeout 300 python3 benchmarks/tune_transport.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-25}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|micro|tp|cta|best)|WRONG|FAILED|Error" "$OUT/tune.log" | tail -30 ;;
   esac
 done

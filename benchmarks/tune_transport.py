@@ -1,6 +1,7 @@
 """Pipeline variants and GEMM configurations at one shape, all in one interleaved run.
 
 usage: python3 benchmarks/tune_transport.py OUT_DIR [M] [K] [REPS]
+       TUNE_ENDS="R,D R,D ..." (optional): the pipelines with these prefill,drain rows instead
 
 Everything that issue 3's speed target compares, replayed from CUDA graphs and timed by the
 same interleaved harness as ``ctapipelining bench`` (so only ratios inside this run count):
@@ -16,6 +17,7 @@ Writes OUT_DIR/tune_transport.json and prints a table with ratios.
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -117,6 +119,9 @@ PIPES = {
     "cta_static_p1280_d640_split": ends(1280, 640, **split_pipe),
     "cta_static_p1408_d640_split": ends(1408, 640, **split_pipe),
 }
+if os.environ.get("TUNE_ENDS"):  # e.g. "768,512 1280,512": these ends (split tails) instead
+    pairs = [tuple(map(int, e.split(","))) for e in os.environ["TUNE_ENDS"].split()]
+    PIPES = {next(iter(PIPES)): dict()} | {f"cta_static_p{r}_d{d}_split": ends(r, d, **split_pipe) for r, d in pairs}
 # each GPU's path alone (on pipelines of their own): stage 0's (the producer's remote writes and
 # signals, then a drain) and stage 1's (a prefill, then the consumer, its input already signalled
 # by an untimed stage-0 replay just before). The longer one is the chain's critical path.
