@@ -26,14 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
-# the bench's line with both ends filled (Pipeline(prefill_rows=..., drain_rows=...)): the second GPU
-# computes the first 6 row-blocks of layer 1 (about its idle first round), the first GPU the last 4
-# row-blocks of both layers (about its idle last round: 128 tiles, one round of 132 CTAs), every
-# GEMM with a split tail (the consumer's last round has 8 tiles). The best of six variants at
-# M=16384 on 2x H200 (2026-11-30-h200x2-s6/e1: 0.972x the chain without ends, paired over 30
-# repetitions; 512 rows each end without split tails 1.000x, with them 0.982x). A prefill alone lost
-# in every paired run of sessions 4 and 5 (the second GPU's path only grows), a drain alone 1.033x.
-ENDS = dict(prefill_rows=768, drain_rows=512)
 
 
 @dataclass
@@ -288,16 +280,17 @@ def _bench_seq(
     progress,
     gpus: int = 2,
     protocol: dict | None = None,
-    ends: tuple[int, int] = (ENDS["prefill_rows"], ENDS["drain_rows"]),
+    ends: str | tuple[int, int] = "balanced",
 ) -> list[Row]:
     """Every method on ``X[M, K]`` through ``gpus`` layers ``[K, K]``, layer ``s`` on cuda:``s``
     (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP).
-    ``ends``: the prefill and drain rows of the ``cta_static_ends`` line ((0, 0): no such line)."""
+    ``ends``: the ``cta_static_ends`` line's ``Pipeline(ends="balanced")``, or its prefill and
+    drain rows ((0, 0): no such line)."""
     import torch
 
     from .baselines import MicroBatch, Sequential, TensorParallel
     from .gemm import matmul
-    from .kernels.gemm import PIPELINE_CONFIG
+    from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG
     from .pipeline import Pipeline
 
     devs = list(range(gpus))
@@ -341,12 +334,13 @@ def _bench_seq(
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
     # plus the static pipeline waiting for whole row-blocks before each tile (the default until session 4)
-    # and the static pipeline with both ends filled (ENDS)
+    # and the static pipeline with both ends filled (ends: "balanced", or explicit rows with split tails)
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
-    if len(ws) == 2 and any(ends):
-        split = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-        pipes["static_ends"] = Pipeline(ws, config=split, prefill_rows=ends[0], drain_rows=ends[1])
+    if len(ws) == 2 and ends == "balanced":
+        pipes["static_ends"] = Pipeline(ws, ends="balanced")
+    elif len(ws) == 2 and any(ends):
+        pipes["static_ends"] = Pipeline(ws, config=ENDS_CONFIG, prefill_rows=ends[0], drain_rows=ends[1])
     for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_ends") if k in pipes]:
         graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
         methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
@@ -595,6 +589,19 @@ def _ints(s: str) -> list[int]:
     return v
 
 
+def _ends_arg(s: str) -> str | tuple[int, int]:
+    """``--ends``: ``"balanced"`` or two row counts ``R,D`` >= 0."""
+    if s == "balanced":
+        return s
+    try:
+        rows = tuple(int(v) for v in s.split(","))
+    except ValueError:
+        rows = ()
+    if len(rows) != 2 or min(rows) < 0:
+        raise SystemExit(f"--ends takes 'balanced' or two row counts >= 0 (prefill,drain), got {s!r}")
+    return rows
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="rows of X (comma-separated)")
     p.add_argument("--k", type=int, default=8192, help="hidden size: A and B are [k, k]")
@@ -610,9 +617,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rest-ms", type=float, default=0.0, help="idle milliseconds before each timed run")
     p.add_argument(
         "--ends",
-        type=_ints,
-        default=[ENDS["prefill_rows"], ENDS["drain_rows"]],
-        help="prefill,drain rows of the cta_static_ends line (0,0: no such line)",
+        default="balanced",
+        help="the cta_static_ends line: 'balanced' (Pipeline(ends='balanced')) or prefill,drain rows (0,0: no line)",
     )
     p.add_argument("--hooks-seq", type=int, default=16384, help="M of the hook-cost measurements (0: skip)")
     p.add_argument("--fig7-seq", type=int, default=0, help="M of the TP vs CTA x TP comparison (0: skip)")
@@ -643,8 +649,7 @@ def run(args) -> int:
         return 0
     if args.reps < 3 or args.warmup < 0 or args.sets < 1 or args.gpus < 2 or args.rest_ms < 0:
         raise SystemExit("--reps must be >= 3, --warmup >= 0, --sets >= 1, --gpus >= 2, --rest-ms >= 0")
-    if len(args.ends) != 2 or min(args.ends) < 0:
-        raise SystemExit(f"--ends takes two row counts >= 0 (prefill,drain), got {args.ends}")
+    ends = _ends_arg(args.ends)
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -672,7 +677,7 @@ def run(args) -> int:
     rows: list[Row] = []
     for M in args.seq:
         rows += _bench_seq(
-            M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, tuple(args.ends)
+            M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, ends
         )
         torch.cuda.empty_cache()
     if args.hooks_seq:
@@ -689,7 +694,7 @@ def run(args) -> int:
         k=args.k,
         summaries=sums,
         protocol=protocol,
-        ends=dict(prefill_rows=args.ends[0], drain_rows=args.ends[1]),
+        ends=ends if ends == "balanced" else dict(prefill_rows=ends[0], drain_rows=ends[1]),
         headline=headline(sums, raw),
         raw=raw,
     )

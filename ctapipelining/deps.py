@@ -392,6 +392,25 @@ def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) ->
     return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None
 
 
+def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms: int) -> tuple[int, int]:
+    """``(R, D)``: the rows a two-stage chain's second GPU prefills and its first GPU drains
+    (``Pipeline(ends="balanced")``), so that the two GPUs' paths are about as long.
+
+    ``D``: the most whole row-blocks whose tiles fit one round of ``num_sms`` CTAs in both drain
+    GEMMs (layer 1 has ``N0`` columns, layer 2 ``N1``), at least one: a GEMM's partial round
+    costs as much as a full one. ``R``: three row-blocks plus ``M / 16`` rows, rounded down to
+    a row-block. It grows with ``M`` because the producer's writes into the peer slow its GPU
+    in proportion to its work. Fitted on 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles),
+    where the best prefill with a 512-row drain was 512 rows at M=2048, 768-896 at 8192 and
+    1280-1536 at 16384 (benchmarks/results/2026-11-30-h200x2-s6/t*). For other shapes and
+    machines, measure (``benchmarks/tune_transport.py`` with ``TUNE_ENDS``) and pass the rows.
+    """
+    tiles_per_row_block = max(-(-N0 // block_n), -(-N1 // block_n))
+    D = max(1, num_sms // tiles_per_row_block) * block_m
+    R = (3 * block_m + M // 16) // block_m * block_m
+    return R, D
+
+
 # --------------------------------------------------------------------------- policies
 
 PolicyName = Literal["workqueue", "static"]

@@ -28,6 +28,7 @@ rows ``[0, M - D)`` only. Why: a two-stage chain has two idle ends. The second G
 one round for the producer's first row-blocks (what a prefill fills), and the first GPU idles
 while the consumer computes the rows of the producer's last round (what a drain fills). With
 both, each GPU has about half the chain's work and neither waits for the other at the ends.
+``ends="balanced"`` sizes both for each input height (:func:`ctapipelining.deps.balanced_ends`).
 
 Ordering with the caller: every stage's stream first waits for the current stream of every
 stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
@@ -56,9 +57,10 @@ from .gemm import (
     grid_size,
     launch_gemm,
     matmul,
+    num_sms,
     tail_split,
 )
-from .kernels.gemm import PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
+from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 
 
@@ -258,6 +260,11 @@ class Pipeline:
         its producer (see the module docstring; two stages only; a multiple of
         ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
         a replica of ``W_1`` on that GPU. Not with ``trace``.
+    ends : ``"balanced"`` (two stages): both of the above, sized for each input height by
+        :func:`ctapipelining.deps.balanced_ends` (fitted on 2x H200 at K = N = 8192: 0.83x,
+        0.94x and 0.94x the chain without them at M = 2048, 8192 and 16384), with split tails
+        (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
+        Not with explicit ``prefill_rows`` / ``drain_rows``.
     """
 
     def __init__(
@@ -269,11 +276,21 @@ class Pipeline:
         trace: bool = False,
         prefill_rows: int = 0,
         drain_rows: int = 0,
+        ends: str | None = None,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
         self.policy = deps.get_policy(policy)
-        self.config = config or PIPELINE_CONFIG
+        if ends not in (None, "balanced"):
+            raise ValueError(f"ends must be None or 'balanced', got {ends!r}")
+        if ends and (prefill_rows or drain_rows):
+            raise ValueError("ends='balanced' sizes prefill_rows and drain_rows itself: pass one or the other")
+        if ends and trace:
+            raise ValueError("trace mode does not stamp the prefill and drain GEMMs: use ends=None to trace")
+        if ends and len(weights) != 2:
+            raise ValueError(f"ends='balanced' needs a chain of exactly two stages, got {len(weights)}")
+        self.ends = ends
+        self.config = config or (ENDS_CONFIG if ends else PIPELINE_CONFIG)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
@@ -311,8 +328,8 @@ class Pipeline:
             fabric.enable_peer_access(idx)
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's
-        self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows else None
-        self.drain_weight = self.weights[1].to(self.devices[0]) if drain_rows else None
+        self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows or ends else None
+        self.drain_weight = self.weights[1].to(self.devices[0]) if drain_rows or ends else None
         self._plans: dict[int, Plan] = {}
 
     @classmethod
@@ -356,11 +373,15 @@ class Pipeline:
 
     def _ends(self, M: int) -> tuple[int, int]:
         """``(R, D)``: rows the second GPU prefills and the first GPU drains for inputs of ``M``
-        rows: ``prefill_rows`` and ``drain_rows``, each cut so that the producer keeps at least
-        one row (the drain is cut first)."""
-        bm = self.config.block_m
-        D = max(0, min(self.drain_rows, (M - 1) // bm * bm))
-        return max(0, min(self.prefill_rows, (M - D - 1) // bm * bm)), D
+        rows: ``prefill_rows`` and ``drain_rows`` (or :func:`ctapipelining.deps.balanced_ends`),
+        each cut so that the producer keeps at least one row (the drain is cut first)."""
+        cfg, R, D = self.config, self.prefill_rows, self.drain_rows
+        if self.ends == "balanced":
+            n0, n1 = (w.shape[1] for w in self.weights)
+            R, D = deps.balanced_ends(M, n0, n1, cfg.block_m, cfg.block_n, num_sms(self.devices[0]))
+        bm = cfg.block_m
+        D = max(0, min(D, (M - 1) // bm * bm))
+        return max(0, min(R, (M - D - 1) // bm * bm)), D
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:

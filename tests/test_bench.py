@@ -60,8 +60,11 @@ def test_bad_arguments(capsys, tmp_path):
         cli.main(["bench", "--seq", "1024,x"])
     assert "comma-separated integers" in capsys.readouterr().err
     # checked before anything looks for GPUs
-    with pytest.raises(SystemExit, match="--ends takes two row counts"):
+    with pytest.raises(SystemExit, match="--ends takes .balanced. or two row counts"):
         cli.main(["bench", "--ends", "512", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="got 'auto'"):
+        cli.main(["bench", "--ends", "auto", "--out", str(tmp_path)])
+    assert bench._ends_arg("balanced") == "balanced" and bench._ends_arg("1408,512") == (1408, 512)
     with pytest.raises(SystemExit, match="--reps must be >= 3"):
         cli.main(["bench", "--reps", "2", "--out", str(tmp_path)])
 

@@ -151,3 +151,28 @@ def test_parts_are_checked():
         deps.build_dependency(p, p, "elementwise", parts=2)
     with pytest.raises(IndexError, match="part 2 outside 2 parts"):
         deps.build_dependency(p, deps.TileGrid(8, 6, 4, 3), "gemm", parts=2).part_needs(0, 2)
+
+
+def test_balanced_ends_on_the_h200_workload():
+    """The rule reproduces the best ends measured on 2x H200 (K = N = 8192, 128x256 tiles, 132
+    SMs; benchmarks/results/2026-11-30-h200x2-s6/t*): a drain of 4 row-blocks (128 tiles, one
+    round) and a prefill of 3 row-blocks plus M / 16 rows."""
+    ends = {M: deps.balanced_ends(M, 8192, 8192, 128, 256, 132) for M in (2048, 8192, 16384)}
+    assert ends == {2048: (512, 512), 8192: (896, 512), 16384: (1408, 512)}
+
+
+@given(
+    M=st.integers(1, 1 << 16),
+    n0=st.integers(1, 1 << 15),
+    n1=st.integers(1, 1 << 15),
+    bm=st.sampled_from([16, 64, 128]),
+    bn=st.sampled_from([16, 128, 256]),
+    sms=st.integers(1, 200),
+)
+def test_balanced_ends_are_row_blocks_and_the_drain_fits_one_round(M, n0, n1, bm, bn, sms):
+    R, D = deps.balanced_ends(M, n0, n1, bm, bn, sms)
+    assert R % bm == 0 and D % bm == 0 and R >= 0 and D >= bm
+    per_row_block = max(-(-n0 // bn), -(-n1 // bn))
+    # both drain GEMMs in one round of the CTAs, unless even one row-block needs more
+    assert D // bm * per_row_block <= max(sms, per_row_block)
+    assert (D // bm + 1) * per_row_block > sms

@@ -429,3 +429,16 @@ def test_drain_bitwise(policy):
         assert (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) == (512, 512)
         assert_calls_right(pipe, M)
     assert_replays_right(pipe, 16384, 3)
+
+
+@pytest.mark.gpu2
+def test_balanced_ends_bitwise():
+    """``ends="balanced"`` sizes both ends per input height (1408 + 512 rows at 16384, cut for
+    small inputs): NaN-poisoned buffers, three calls each, a delayed producer, then replayed."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, ends="balanced")
+    for M, ends in ((16384, (1408, 512)), (3000, (512, 512)), (640, (0, 512))):
+        plan = pipe.plan(M)
+        assert (plan.prefill_rows, plan.drain_rows) == ends
+        assert_calls_right(pipe, M)
+    assert_replays_right(pipe, 16384, 3)

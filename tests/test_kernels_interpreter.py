@@ -389,6 +389,30 @@ def test_drain_matches_sequential(policy, split, prefill):
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails + list(plan.drain_tails) if t is not None)
 
 
+def test_balanced_ends_size_both_ends_per_input_height():
+    """``ends="balanced"``: prefill and drain rows from :func:`deps.balanced_ends` for each
+    ``M`` (the interpreter's 4 CTAs and 4 tiles per row-block: a one-row-block drain, a prefill
+    of 3 row-blocks + M / 16 rows), cut for small inputs, split tails by default, bitwise the
+    sequential GEMMs; it refuses explicit rows, other chain lengths and trace mode."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 64), (64, 48)]]
+    pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, signal="in_loop"), ends="balanced")
+    assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
+    assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
+    got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 100, 40, 16)}
+    assert got == {256: (64, 16), 100: (48, 16), 40: (16, 16), 16: (0, 0)}
+    assert_epochs_right(pipe, 256, epochs=2)
+    x = torch.randn(40, 64).half()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    with pytest.raises(ValueError, match="pass one or the other"):
+        Pipeline(ws, ends="balanced", drain_rows=16)
+    with pytest.raises(ValueError, match="exactly two stages, got 3"):
+        Pipeline([*ws, torch.randn(48, 16).half()], ends="balanced")
+    with pytest.raises(ValueError, match="trace mode"):
+        Pipeline(ws, ends="balanced", trace=True)
+    with pytest.raises(ValueError, match="ends must be None or 'balanced'"):
+        Pipeline(ws, ends="auto")
+
+
 def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
     ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
     pipe = Pipeline(ws, config=SMALL, prefill_rows=32, drain_rows=32)

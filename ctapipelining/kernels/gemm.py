@@ -27,6 +27,7 @@ not the protocol: the persistent loop runs the full rounds, and the partial last
 are computed as K-slices by the CTAs that would otherwise idle, then summed in a fixed order.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -139,6 +140,12 @@ PLAIN_CONFIG = GemmConfig(
 PIPELINE_CONFIG = GemmConfig(
     128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, tma_store=True, signal="in_loop", wait_parts=8
 )
+# - both ends filled (Pipeline(ends="balanced"): a prefill on the second GPU, a drain on the first):
+#   with split tails the whole chain took 0.972-0.982x the one without ends at 512 + 512 rows
+#   (2026-11-30-h200x2-s6/e1, e3, e4, paired over 30 repetitions), without them 1.000x (e1, e2): the
+#   consumer's last round is 8 tiles and the prefill's is partial, and split, they take a fraction
+#   of a round.
+ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
 
 CONFIGS = [
     PLAIN_CONFIG,
