@@ -284,7 +284,8 @@ def _bench_seq(
 ) -> list[Row]:
     """Every method on ``X[M, K]`` through ``gpus`` layers ``[K, K]``, layer ``s`` on cuda:``s``
     (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP).
-    ``ends``: the ``cta_static_ends`` line's ``Pipeline(ends="balanced")``, or its prefill and
+    ``ends``: the ``cta_static_ends`` line's ``Pipeline(ends="balanced")`` (then also
+    ``cta_static_ends_tuned``: the same after :meth:`Pipeline.tune_ends`), or its prefill and
     drain rows ((0, 0): no such line)."""
     import torch
 
@@ -339,11 +340,19 @@ def _bench_seq(
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
     if len(ws) == 2 and ends == "balanced":
         pipes["static_ends"] = Pipeline(ws, ends="balanced")
+        pipes["static_ends_tuned"] = tuned = Pipeline(ws, ends="balanced")
+        tuned.tune_ends(M)
     elif len(ws) == 2 and any(ends):
         pipes["static_ends"] = Pipeline(ws, config=ENDS_CONFIG, prefill_rows=ends[0], drain_rows=ends[1])
-    for name in [k for k in ("workqueue", "static", "static_whole_rows", "static_ends") if k in pipes]:
-        graph = _capture(lambda pipe=pipes[name]: pipe(x_static, out=out, check=False), devs)
-        methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i))))
+    names = ("workqueue", "static", "static_whole_rows", "static_ends", "static_ends_tuned")
+    for name in [k for k in names if k in pipes]:
+        pipe = pipes[name]
+        graph = _capture(lambda pipe=pipe: pipe(x_static, out=out, check=False), devs)
+        R, D = pipe._ends(M)
+        note = f"prefill {R}, drain {D} rows" if R or D else ""
+        if M in pipe.tuning:  # what tune_ends measured: median ms per (prefill, drain)
+            note += "; tuned from " + ", ".join(f"{r},{d}: {ms:.4f}" for (r, d), ms in pipe.tuning[M].items())
+        methods.append(Method(f"cta_{name}_graph", graph.replay, lambda i: x_static.copy_(rot.get(i)), note=note))
     progress(f"M={M}: {len(methods)} methods, interleaved")
     places: dict[str, list[int]] = {}
     times = time_interleaved(methods, devs, reps, warmup, positions=places, **(protocol or {}))

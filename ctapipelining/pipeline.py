@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,9 @@ from .gemm import (
 )
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
+
+# tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all
+TUNE_FACTORS = (0.5, 0.75, 1.0, 1.25)
 
 
 class PipelineTimeout(RuntimeError):
@@ -331,6 +335,8 @@ class Pipeline:
         self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows or ends else None
         self.drain_weight = self.weights[1].to(self.devices[0]) if drain_rows or ends else None
         self._plans: dict[int, Plan] = {}
+        self.tuned_ends: dict[int, tuple[int, int]] = {}  # M -> (R, D) chosen by tune_ends
+        self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
 
     @classmethod
     def on_devices(cls, weights: list[torch.Tensor], devices: list[int] | None = None, **kw) -> Pipeline:
@@ -373,23 +379,90 @@ class Pipeline:
 
     def _ends(self, M: int) -> tuple[int, int]:
         """``(R, D)``: rows the second GPU prefills and the first GPU drains for inputs of ``M``
-        rows: ``prefill_rows`` and ``drain_rows`` (or :func:`ctapipelining.deps.balanced_ends`),
-        each cut so that the producer keeps at least one row (the drain is cut first)."""
+        rows: what :meth:`tune_ends` chose, else ``prefill_rows`` and ``drain_rows`` (or
+        :func:`ctapipelining.deps.balanced_ends`), cut by :meth:`_cut_ends`."""
+        if M in self.tuned_ends:
+            return self.tuned_ends[M]
         cfg, R, D = self.config, self.prefill_rows, self.drain_rows
         if self.ends == "balanced":
             n0, n1 = (w.shape[1] for w in self.weights)
             R, D = deps.balanced_ends(M, n0, n1, cfg.block_m, cfg.block_n, num_sms(self.devices[0]))
-        bm = cfg.block_m
+        return self._cut_ends(M, R, D)
+
+    def _cut_ends(self, M: int, R: int, D: int) -> tuple[int, int]:
+        """``R`` and ``D`` cut so that the producer keeps at least one row (the drain first)."""
+        bm = self.config.block_m
         D = max(0, min(D, (M - 1) // bm * bm))
         return max(0, min(R, (M - D - 1) // bm * bm)), D
+
+    def end_candidates(self, M: int, factors=TUNE_FACTORS) -> list[tuple[int, int]]:
+        """What :meth:`tune_ends` tries on ``M`` rows: no ends at all, and the rule's drain with
+        the rule's prefill times each of ``factors`` (rounded down to row-blocks), each cut as
+        a call would cut it; without repeats."""
+        if self.ends != "balanced":
+            raise ValueError("end candidates come from Pipeline(ends='balanced')")
+        bm = self.config.block_m
+        n0, n1 = (w.shape[1] for w in self.weights)
+        R, D = deps.balanced_ends(M, n0, n1, bm, self.config.block_n, num_sms(self.devices[0]))
+        cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors]
+        return list(dict.fromkeys(cands))
+
+    def tune_ends(self, M: int, reps: int = 10, factors=TUNE_FACTORS) -> tuple[int, int]:
+        """Time the chain on ``M`` rows with each of :meth:`end_candidates` and keep the fastest
+        for ``M``: later calls on ``M`` rows use it. Why: the best prefill depends on the two
+        GPUs' own speeds under load, which differ from machine to machine (on 2x H200 the rule's
+        1408 + 512 rows took 0.94x the chain without ends on one machine and 1.00-1.02x on
+        another, 2026-11-30-h200x2-s6/t16384 and f1).
+
+        Each candidate is captured in a CUDA graph and replayed ``reps`` times on random
+        input, all candidates taking turns (:func:`ctapipelining.bench.time_interleaved`); the
+        medians are kept in :attr:`tuning` ``[M]``. GPU only, ``ends="balanced"`` only, and
+        before the first call on ``M`` rows (a graph captured earlier points at that plan).
+        Returns ``(prefill_rows, drain_rows)``.
+        """
+        from .bench import Method, time_interleaved
+
+        if self.ends != "balanced":
+            raise ValueError("tune_ends needs Pipeline(ends='balanced') (it keeps the weight replicas)")
+        if not self.on_gpu:
+            raise RuntimeError("tune_ends times CUDA graphs: it needs the stages on GPUs")
+        if M in self._plans:
+            raise RuntimeError(f"tune_ends({M}) must come before the first call on {M} rows (it builds their plan)")
+        w0 = self.weights[0]
+        x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
+        out = torch.empty(M, self.weights[-1].shape[1], dtype=w0.dtype, device=self.devices[-1])
+        plans, graphs, methods = {}, [], []
+        for cand in self.end_candidates(M, factors):
+            plan = plans[cand] = self._build_plan(M, *cand)
+            self._launch(plan, x, out)  # compiles; checked below
+            self.check_errors(plan)
+            self._sync()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.devices[0]), torch.cuda.graph(g):
+                self._launch(plan, x, out)
+            graphs.append(g)
+            methods.append(Method(f"{cand[0]},{cand[1]}", g.replay))
+        times = time_interleaved(methods, [d.index for d in self.devices], reps, warmup=2)
+        for plan in plans.values():
+            self.check_errors(plan)
+        del graphs  # before the plans they point at
+        medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
+        best = min(medians, key=medians.get)
+        self.tuning[M] = medians
+        self.tuned_ends[M] = best
+        self._plans[M] = plans[best]
+        return best
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:
         """The buffers and scoreboards for inputs of ``M`` rows (built on first use)."""
-        if M in self._plans:
-            return self._plans[M]
+        if M not in self._plans:
+            self._plans[M] = self._build_plan(M, *self._ends(M))
+        return self._plans[M]
+
+    def _build_plan(self, M: int, R: int, D: int) -> Plan:
+        """A plan for ``M`` rows whose second GPU prefills ``R`` and first GPU drains ``D``."""
         cfg, ws, devs = self.config, self.weights, self.devices
-        R, D = self._ends(M)
         P = M - D  # the rows the pipelined stages carry
         grids = [deps.TileGrid(P, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
         links, inputs = [], [None]
@@ -438,7 +511,6 @@ class Pipeline:
             drain_ctas=(drain[0][0], drain[1][0]),
             drain_tails=(drain[0][1], drain[1][1]),
         )
-        self._plans[M] = plan
         return plan
 
     def reset(self, plan: Plan | None = None) -> None:

@@ -442,3 +442,21 @@ def test_balanced_ends_bitwise():
         assert (plan.prefill_rows, plan.drain_rows) == ends
         assert_calls_right(pipe, M)
     assert_replays_right(pipe, 16384, 3)
+
+
+@pytest.mark.gpu2
+def test_tune_ends_keeps_the_fastest_candidate():
+    """``tune_ends`` times every candidate on this machine, keeps the fastest for those rows
+    (its plan is the one later calls use, bitwise right), records each median, and refuses a
+    second time (a graph may point at that plan by then)."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, ends="balanced")
+    best = pipe.tune_ends(16384, reps=5)
+    medians = pipe.tuning[16384]
+    assert set(medians) == set(pipe.end_candidates(16384)) and best == min(medians, key=medians.get)
+    assert all(1.0 < ms < 10.0 for ms in medians.values())  # a 16384-row chain takes ~3.3 ms here
+    plan = pipe.plan(16384)
+    assert (plan.prefill_rows, plan.drain_rows) == best == pipe.tuned_ends[16384]
+    assert_calls_right(pipe, 16384, delays=(0, 0))
+    with pytest.raises(RuntimeError, match="must come before the first call"):
+        pipe.tune_ends(16384)

@@ -413,6 +413,28 @@ def test_balanced_ends_size_both_ends_per_input_height():
         Pipeline(ws, ends="auto")
 
 
+def test_end_candidates_and_what_tune_ends_refuses():
+    """``tune_ends`` tries no ends, and the rule's drain with 0.5 / 0.75 / 1 / 1.25 times the
+    rule's prefill (row-blocks, cut as a call cuts them, no repeats). It times CUDA graphs, so
+    on the CPU it refuses, as it does for a pipeline without ``ends="balanced"``."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 64), (64, 48)]]
+    pipe = Pipeline(ws, config=SPLIT, ends="balanced")
+    # the rule at M=256: 64 + 16 rows (see test_balanced_ends_size_both_ends_per_input_height)
+    assert pipe.end_candidates(256) == [(0, 0), (32, 16), (48, 16), (64, 16), (80, 16)]
+    assert pipe.end_candidates(40) == [(0, 0), (16, 16)]  # every prefill cut to one row-block
+    with pytest.raises(RuntimeError, match="needs the stages on GPUs"):
+        pipe.tune_ends(256)
+    with pytest.raises(ValueError, match="ends='balanced'"):
+        Pipeline(ws, config=SPLIT).tune_ends(256)
+    with pytest.raises(ValueError, match="ends='balanced'"):
+        Pipeline(ws, config=SPLIT).end_candidates(256)
+    # what it chose is what a call on those rows uses
+    pipe.tuned_ends[256] = (32, 16)
+    assert (pipe.plan(256).prefill_rows, pipe.plan(256).drain_rows) == (32, 16)
+    x = torch.randn(256, 64).half()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+
+
 def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
     ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
     pipe = Pipeline(ws, config=SMALL, prefill_rows=32, drain_rows=32)
