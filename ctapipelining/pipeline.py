@@ -407,18 +407,21 @@ class Pipeline:
         cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors]
         return list(dict.fromkeys(cands))
 
-    def tune_ends(self, M: int, reps: int = 10, factors=TUNE_FACTORS) -> tuple[int, int]:
+    def tune_ends(self, M: int, reps: int = 30, warmup: int = 10, factors=TUNE_FACTORS) -> tuple[int, int]:
         """Time the chain on ``M`` rows with each of :meth:`end_candidates` and keep the fastest
         for ``M``: later calls on ``M`` rows use it. Why: the best prefill depends on the two
         GPUs' own speeds under load, which differ from machine to machine (on 2x H200 the rule's
         1408 + 512 rows took 0.94x the chain without ends on one machine and 1.00-1.02x on
         another, 2026-11-30-h200x2-s6/t16384 and f1).
 
-        Each candidate is captured in a CUDA graph and replayed ``reps`` times on random
-        input, all candidates taking turns (:func:`ctapipelining.bench.time_interleaved`); the
-        medians are kept in :attr:`tuning` ``[M]``. GPU only, ``ends="balanced"`` only, and
-        before the first call on ``M`` rows (a graph captured earlier points at that plan).
-        Returns ``(prefill_rows, drain_rows)``.
+        Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
+        times timed, on random input, all candidates taking turns in a shuffled order
+        (:func:`ctapipelining.bench.time_interleaved`): GPUs that start from idle run below
+        their power cap at first, which would favour whichever candidate runs first (with 2
+        warm-up replays, every candidate's median came out ~6% above the bench's in
+        2026-11-30-h200x2-s6/f2). The medians are kept in :attr:`tuning` ``[M]``. GPU only,
+        ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
+        earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
         from .bench import Method, time_interleaved
 
@@ -442,12 +445,13 @@ class Pipeline:
                 self._launch(plan, x, out)
             graphs.append(g)
             methods.append(Method(f"{cand[0]},{cand[1]}", g.replay))
-        times = time_interleaved(methods, [d.index for d in self.devices], reps, warmup=2)
+        times = time_interleaved(methods, [d.index for d in self.devices], reps, warmup)
         for plan in plans.values():
             self.check_errors(plan)
         del graphs  # before the plans they point at
         medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
         best = min(medians, key=medians.get)
+        self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
         self.tuning[M] = medians
         self.tuned_ends[M] = best
         self._plans[M] = plans[best]
