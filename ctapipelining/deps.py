@@ -398,16 +398,22 @@ def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms:
 
     ``D``: the most whole row-blocks whose tiles fit one round of ``num_sms`` CTAs in both drain
     GEMMs (layer 1 has ``N0`` columns, layer 2 ``N1``), at least one: a GEMM's partial round
-    costs as much as a full one. ``R``: three row-blocks plus ``M / 16`` rows, rounded down to
-    a row-block. It grows with ``M`` because the producer's writes into the peer slow its GPU
-    in proportion to its work. Fitted on 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles),
-    where the best prefill with a 512-row drain was 512 rows at M=2048, 768-896 at 8192 and
-    1280-1536 at 16384 (benchmarks/results/2026-11-30-h200x2-s6/t*). For other shapes and
-    machines, measure (``benchmarks/tune_transport.py`` with ``TUNE_ENDS``) and pass the rows.
+    costs as much as a full one. ``R``: ``D`` plus ``M / 64`` rows, rounded down to a
+    row-block: one round each way, and a little more for a longer chain, because the
+    producer's writes into the peer slow its GPU in proportion to its work.
+
+    Measured on 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles, so ``D`` = 512), prefill
+    rows against the chain without ends, paired (benchmarks/results/2026-11-30-h200x2-s6/):
+    at M=2048, 512 rows (this rule) 0.81-0.83x, sharply better than 256 or 768; at 8192, 640
+    (this rule) chosen by :meth:`Pipeline.tune_ends` in two machines of three, 0.95x; at
+    16384, 768 (this rule) 0.972-0.979x in four machines, while the best prefill varied from
+    machine to machine between 640 (0.967-0.981x, three machines) and 1280-1536 (0.935-0.948x,
+    two others, where 1408 lost 0.3-2% in a third). So this is a safe middle;
+    :meth:`Pipeline.tune_ends` measures the machine at hand.
     """
     tiles_per_row_block = max(-(-N0 // block_n), -(-N1 // block_n))
     D = max(1, num_sms // tiles_per_row_block) * block_m
-    R = (3 * block_m + M // 16) // block_m * block_m
+    R = (D + M // 64) // block_m * block_m
     return R, D
 
 

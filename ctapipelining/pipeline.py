@@ -65,7 +65,7 @@ from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all
-TUNE_FACTORS = (0.5, 0.75, 1.0, 1.25)
+TUNE_FACTORS = (0.5, 1.0, 1.5, 2.0)
 
 
 class PipelineTimeout(RuntimeError):
@@ -265,8 +265,8 @@ class Pipeline:
         ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
         a replica of ``W_1`` on that GPU. Not with ``trace``.
     ends : ``"balanced"`` (two stages): both of the above, sized for each input height by
-        :func:`ctapipelining.deps.balanced_ends` (fitted on 2x H200 at K = N = 8192: 0.83x,
-        0.94x and 0.94x the chain without them at M = 2048, 8192 and 16384), with split tails
+        :func:`ctapipelining.deps.balanced_ends` (measured on 2x H200 at K = N = 8192: 0.81-0.83x,
+        ~0.95x and 0.97-0.98x the chain without them at M = 2048, 8192 and 16384), with split tails
         (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
         Not with explicit ``prefill_rows`` / ``drain_rows``.
     """
@@ -410,9 +410,9 @@ class Pipeline:
     def tune_ends(self, M: int, reps: int = 30, warmup: int = 10, factors=TUNE_FACTORS) -> tuple[int, int]:
         """Time the chain on ``M`` rows with each of :meth:`end_candidates` and keep the fastest
         for ``M``: later calls on ``M`` rows use it. Why: the best prefill depends on the two
-        GPUs' own speeds under load, which differ from machine to machine (on 2x H200 the rule's
-        1408 + 512 rows took 0.94x the chain without ends on one machine and 1.00-1.02x on
-        another, 2026-11-30-h200x2-s6/t16384 and f1).
+        GPUs' own speeds under load, which differ from machine to machine (on 2x H200 at
+        M=16384, 1408 + 512 rows took 0.94x the chain without ends on one machine and 1.00-1.02x
+        on another, 2026-11-30-h200x2-s6/t16384 and f1).
 
         Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
         times timed, on random input, all candidates taking turns in a shuffled order

@@ -433,11 +433,11 @@ def test_drain_bitwise(policy):
 
 @pytest.mark.gpu2
 def test_balanced_ends_bitwise():
-    """``ends="balanced"`` sizes both ends per input height (1408 + 512 rows at 16384, cut for
+    """``ends="balanced"`` sizes both ends per input height (768 + 512 rows at 16384, cut for
     small inputs): NaN-poisoned buffers, three calls each, a delayed producer, then replayed."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, ends="balanced")
-    for M, ends in ((16384, (1408, 512)), (3000, (512, 512)), (640, (0, 512))):
+    for M, ends in ((16384, (768, 512)), (3000, (512, 512)), (640, (0, 512))):
         plan = pipe.plan(M)
         assert (plan.prefill_rows, plan.drain_rows) == ends
         assert_calls_right(pipe, M)

@@ -392,14 +392,15 @@ def test_drain_matches_sequential(policy, split, prefill):
 def test_balanced_ends_size_both_ends_per_input_height():
     """``ends="balanced"``: prefill and drain rows from :func:`deps.balanced_ends` for each
     ``M`` (the interpreter's 4 CTAs and 4 tiles per row-block: a one-row-block drain, a prefill
-    of 3 row-blocks + M / 16 rows), cut for small inputs, split tails by default, bitwise the
+    of that + M / 64 rows), cut for small inputs, split tails by default, bitwise the
     sequential GEMMs; it refuses explicit rows, other chain lengths and trace mode."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 64), (64, 48)]]
     pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, signal="in_loop"), ends="balanced")
     assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
     assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
-    got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 100, 40, 16)}
-    assert got == {256: (64, 16), 100: (48, 16), 40: (16, 16), 16: (0, 0)}
+    assert pipe._ends(1024) == (32, 16)
+    got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 40, 16)}
+    assert got == {256: (16, 16), 40: (16, 16), 16: (0, 0)}
     assert_epochs_right(pipe, 256, epochs=2)
     x = torch.randn(40, 64).half()
     assert torch.equal(pipe(x), pipe.sequential(x))
@@ -414,14 +415,15 @@ def test_balanced_ends_size_both_ends_per_input_height():
 
 
 def test_end_candidates_and_what_tune_ends_refuses():
-    """``tune_ends`` tries no ends, and the rule's drain with 0.5 / 0.75 / 1 / 1.25 times the
-    rule's prefill (row-blocks, cut as a call cuts them, no repeats). It times CUDA graphs, so
-    on the CPU it refuses, as it does for a pipeline without ``ends="balanced"``."""
+    """``tune_ends`` tries no ends, and the rule's drain with 0.5 / 1 / 1.5 / 2 times the rule's
+    prefill (row-blocks, cut as a call cuts them, no repeats). It times CUDA graphs, so on the
+    CPU it refuses, as it does for a pipeline without ``ends="balanced"``."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 64), (64, 48)]]
     pipe = Pipeline(ws, config=SPLIT, ends="balanced")
-    # the rule at M=256: 64 + 16 rows (see test_balanced_ends_size_both_ends_per_input_height)
-    assert pipe.end_candidates(256) == [(0, 0), (32, 16), (48, 16), (64, 16), (80, 16)]
-    assert pipe.end_candidates(40) == [(0, 0), (16, 16)]  # every prefill cut to one row-block
+    # the rule at M=1024: 32 + 16 rows (see test_balanced_ends_size_both_ends_per_input_height)
+    assert pipe.end_candidates(1024) == [(0, 0), (16, 16), (32, 16), (48, 16), (64, 16)]
+    # at 40 rows half a row-block of prefill rounds to none, and every larger one is cut to one
+    assert pipe.end_candidates(40) == [(0, 0), (0, 16), (16, 16)]
     with pytest.raises(RuntimeError, match="needs the stages on GPUs"):
         pipe.tune_ends(256)
     with pytest.raises(ValueError, match="ends='balanced'"):
