@@ -12,7 +12,7 @@ import triton.language as tl
 from ctapipelining import deps
 from ctapipelining.gemm import matmul, tail_split
 from ctapipelining.kernels.gemm import GemmConfig, get_configs, tile_of_position
-from ctapipelining.pipeline import Pipeline, PipelineTimeout
+from ctapipelining.pipeline import Pipeline, PipelineTimeout, faster_by
 
 pytestmark = pytest.mark.interpreter
 
@@ -435,6 +435,13 @@ def test_end_candidates_and_what_tune_ends_refuses():
     assert (pipe.plan(256).prefill_rows, pipe.plan(256).drain_rows) == (32, 16)
     x = torch.randn(256, 64).half()
     assert torch.equal(pipe(x), pipe.sequential(x))
+
+
+def test_tuning_leaves_the_rule_only_for_a_clear_win():
+    ms = {(0, 0): 3.50, (384, 512): 3.40, (768, 512): 3.41, (1152, 512): 3.30}
+    assert faster_by(ms, (768, 512), 0.02) == (1152, 512)  # 3.2% faster
+    assert faster_by({**ms, (1152, 512): 3.36}, (768, 512), 0.02) == (768, 512)  # 1.5%: noise
+    assert faster_by(ms, (1152, 512), 0.0) == (1152, 512)  # the default is the fastest
 
 
 def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
