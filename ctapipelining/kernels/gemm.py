@@ -141,10 +141,10 @@ PIPELINE_CONFIG = GemmConfig(
     128, 256, 64, group_m=4, num_stages=3, num_warps=8, flatten=True, tma_store=True, signal="in_loop", wait_parts=8
 )
 # - both ends filled (Pipeline(ends="balanced"): a prefill on the second GPU, a drain on the first):
-#   with split tails the whole chain took 0.972-0.982x the one without ends at 512 + 512 rows
-#   (2026-11-30-h200x2-s6/e1, e3, e4, paired over 30 repetitions), without them 1.000x (e1, e2): the
-#   consumer's last round is 8 tiles and the prefill's is partial, and split, they take a fraction
-#   of a round.
+#   512 + 512 rows took 0.982x / 0.991x / 0.985x the chain without ends with split tails and
+#   1.000x / 1.002x / 0.989x without them (2026-11-30-h200x2-s6/e1, e2, e3, paired over 30
+#   repetitions), and only with them did larger prefills pay: the drain leaves the consumer a last
+#   round of 8 tiles and a prefill a partial round, each a full round's time unless split.
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
 
 CONFIGS = [
