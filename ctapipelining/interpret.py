@@ -8,6 +8,7 @@ fp16, because Triton 3.6's interpreter computes ``tl.dot`` on bf16 operands wron
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
@@ -51,4 +52,16 @@ def run_interpreted_chain(M: int = 40, K: int = 32, N: int = 48, seed: int = 0, 
         lines.append(
             f"[{policy}] next call after the timeout: rel. error {float((y.double() - ref).norm() / ref.norm()):.1e}"
         )
+    # both idle ends filled: the second stage prefills the first rows of layer 1, the first
+    # stage drains the last rows of both layers (on GPUs: each on its own device)
+    pipe = Pipeline([a, b], config=dataclasses.replace(cfg, split_tail=True, tail_slice_k=1), ends="balanced")
+    y = pipe(x)
+    plan = pipe.plan(M)
+    same = torch.equal(y, pipe.sequential(x))
+    lines.append(
+        f"[static, ends='balanced'] prefill {plan.prefill_rows} + drain {plan.drain_rows} of {M} rows: "
+        f"bitwise equal to the sequential GEMMs cut the same way: {same}"
+    )
+    if not same:
+        raise AssertionError("ends='balanced': output differs from the sequential GEMMs")
     return lines

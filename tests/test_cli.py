@@ -13,6 +13,7 @@ def test_demo_without_gpu_runs_the_protocol(capsys):
     assert "No GPU pair found" in out
     assert out.count("OK") == 2
     assert "lone consumer -> PipelineTimeout" in out and "ERROR" not in out
+    assert "prefill 16 + drain 16 of 40 rows: bitwise equal to the sequential GEMMs cut the same way: True" in out
 
 
 def test_demo_command_in_a_fresh_process():
