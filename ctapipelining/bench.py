@@ -348,7 +348,7 @@ def _bench_seq(
     for name in [k for k in names if k in pipes]:
         pipe = pipes[name]
         graph = _capture(lambda pipe=pipe: pipe(x_static, out=out, check=False), devs)
-        R, D = pipe._ends(M)
+        R, D = pipe.ends_for(M)
         note = f"prefill {R}, drain {D} rows" if R or D else ""
         if M in pipe.tuning:  # what tune_ends measured: median ms per (prefill, drain)
             note += "; tuned from " + ", ".join(f"{r},{d}: {ms:.4f}" for (r, d), ms in pipe.tuning[M].items())

@@ -276,8 +276,8 @@ class Pipeline:
         ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
         a replica of ``W_1`` on that GPU. Not with ``trace``.
     ends : ``"balanced"`` (two stages): both of the above, sized for each input height by
-        :func:`ctapipelining.deps.balanced_ends` (measured on 2x H200 at K = N = 8192: 0.81-0.83x,
-        ~0.95x and 0.97-0.98x the chain without them at M = 2048, 8192 and 16384), with split tails
+        :func:`ctapipelining.deps.balanced_ends` (measured on 2x H200 at K = N = 8192: 0.81x,
+        0.94x and 0.97x the chain without them at M = 2048, 8192 and 16384), with split tails
         (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
         Not with explicit ``prefill_rows`` / ``drain_rows``.
     """
@@ -376,7 +376,7 @@ class Pipeline:
         pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
         self.check_input(x)
         M = x.shape[0]
-        R, D = self._ends(M)
+        R, D = self.ends_for(M)
         y = x
         for s, w in enumerate(self.weights):
             # cut as the pipeline cuts the rows: the prefill [0, R), the drain [M - D, M) (whose
@@ -388,17 +388,19 @@ class Pipeline:
             )
         return y
 
-    def _ends(self, M: int) -> tuple[int, int]:
-        """``(R, D)``: rows the second GPU prefills and the first GPU drains for inputs of ``M``
-        rows: what :meth:`tune_ends` chose, else ``prefill_rows`` and ``drain_rows`` (or
+    def ends_for(self, M: int) -> tuple[int, int]:
+        """``(R, D)``: the rows the second GPU prefills and the first GPU drains in a call on
+        ``M`` rows: what :meth:`tune_ends` chose, else ``prefill_rows`` and ``drain_rows`` (or
         :func:`ctapipelining.deps.balanced_ends`), cut by :meth:`_cut_ends`."""
         if M in self.tuned_ends:
             return self.tuned_ends[M]
-        cfg, R, D = self.config, self.prefill_rows, self.drain_rows
-        if self.ends == "balanced":
-            n0, n1 = (w.shape[1] for w in self.weights)
-            R, D = deps.balanced_ends(M, n0, n1, cfg.block_m, cfg.block_n, num_sms(self.devices[0]))
+        R, D = self._rule_ends(M) if self.ends == "balanced" else (self.prefill_rows, self.drain_rows)
         return self._cut_ends(M, R, D)
+
+    def _rule_ends(self, M: int) -> tuple[int, int]:
+        """:func:`ctapipelining.deps.balanced_ends` for this chain on ``M`` rows (not cut)."""
+        cfg, (n0, n1) = self.config, (w.shape[1] for w in self.weights)
+        return deps.balanced_ends(M, n0, n1, cfg.block_m, cfg.block_n, num_sms(self.devices[0]))
 
     def _cut_ends(self, M: int, R: int, D: int) -> tuple[int, int]:
         """``R`` and ``D`` cut so that the producer keeps at least one row (the drain first)."""
@@ -412,9 +414,7 @@ class Pipeline:
         a call would cut it; without repeats."""
         if self.ends != "balanced":
             raise ValueError("end candidates come from Pipeline(ends='balanced')")
-        bm = self.config.block_m
-        n0, n1 = (w.shape[1] for w in self.weights)
-        R, D = deps.balanced_ends(M, n0, n1, bm, self.config.block_n, num_sms(self.devices[0]))
+        bm, (R, D) = self.config.block_m, self._rule_ends(M)
         cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors]
         return list(dict.fromkeys(cands))
 
@@ -430,10 +430,11 @@ class Pipeline:
 
         Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
         times timed, on random input, all candidates taking turns in a shuffled order
-        (:func:`ctapipelining.bench.time_interleaved`): GPUs that start from idle run below
-        their power cap at first, which would favour whichever candidate runs first (with 2
-        warm-up replays, every candidate's median came out ~6% above the bench's in
-        2026-11-30-h200x2-s6/f2). The medians are kept in :attr:`tuning` ``[M]``. GPU only,
+        (:func:`ctapipelining.bench.time_interleaved`). These are calls back to back, both GPUs
+        at their power cap all the time: every candidate's median came out ~6% above the same
+        chain's in the bench, where GPU 1 idles while single-GPU methods run
+        (2026-11-30-h200x2-s6/f2, f3, f5), and the best prefill there can differ (see
+        :data:`TUNE_MARGIN`). The medians are kept in :attr:`tuning` ``[M]``. GPU only,
         ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
         earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
@@ -464,7 +465,7 @@ class Pipeline:
             self.check_errors(plan)
         del graphs  # before the plans they point at
         medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
-        best = faster_by(medians, self._ends(M), margin)
+        best = faster_by(medians, self.ends_for(M), margin)
         self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
         self.tuning[M] = medians
         self.tuned_ends[M] = best
@@ -475,7 +476,7 @@ class Pipeline:
     def plan(self, M: int) -> Plan:
         """The buffers and scoreboards for inputs of ``M`` rows (built on first use)."""
         if M not in self._plans:
-            self._plans[M] = self._build_plan(M, *self._ends(M))
+            self._plans[M] = self._build_plan(M, *self.ends_for(M))
         return self._plans[M]
 
     def _build_plan(self, M: int, R: int, D: int) -> Plan:

@@ -451,7 +451,7 @@ def test_tune_ends_keeps_the_fastest_candidate():
     right), records each median, and refuses a second time (a graph may point at that plan)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
     pipe = Pipeline(ws, ends="balanced")
-    rule = pipe._ends(16384)
+    rule = pipe.ends_for(16384)
     best = pipe.tune_ends(16384, reps=5)
     medians = pipe.tuning[16384]
     assert set(medians) == set(pipe.end_candidates(16384)) and rule == (768, 512)

@@ -398,7 +398,7 @@ def test_balanced_ends_size_both_ends_per_input_height():
     pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, signal="in_loop"), ends="balanced")
     assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
     assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
-    assert pipe._ends(1024) == (32, 16)
+    assert pipe.ends_for(1024) == (32, 16)
     got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 40, 16)}
     assert got == {256: (16, 16), 40: (16, 16), 16: (0, 0)}
     assert_epochs_right(pipe, 256, epochs=2)
