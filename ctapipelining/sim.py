@@ -23,7 +23,9 @@ What is modelled
   local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``). ``drain_rows``
   (two stages): the first GPU computes the last ``D`` rows of both layers after its producer,
   the second of them writing into the peer, and the consumer runs the rows before them
-  (``Pipeline(drain_rows=...)``).
+  (``Pipeline(drain_rows=...)``). Without split tails in the model, it predicts 512 + 512 rows
+  at 0.97x the chain without them, where the kernels measured 1.00x without split tails and
+  0.98-0.99x with them (2026-11-30-h200x2-s6/e1-e3): it is optimistic for the ends.
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
