@@ -413,7 +413,9 @@ class Pipeline:
         the rule's prefill times each of ``factors`` (rounded down to row-blocks), each cut as
         a call would cut it; without repeats."""
         if self.ends != "balanced":
-            raise ValueError("end candidates come from Pipeline(ends='balanced')")
+            raise ValueError(
+                "tune_ends and end_candidates need Pipeline(ends='balanced') (it keeps the weight replicas)"
+            )
         bm, (R, D) = self.config.block_m, self._rule_ends(M)
         cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors]
         return list(dict.fromkeys(cands))
@@ -440,8 +442,7 @@ class Pipeline:
         """
         from .bench import Method, time_interleaved
 
-        if self.ends != "balanced":
-            raise ValueError("tune_ends needs Pipeline(ends='balanced') (it keeps the weight replicas)")
+        cands = self.end_candidates(M, factors)  # refuses a pipeline without ends="balanced"
         if not self.on_gpu:
             raise RuntimeError("tune_ends times CUDA graphs: it needs the stages on GPUs")
         if M in self._plans:
@@ -450,7 +451,7 @@ class Pipeline:
         x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
         out = torch.empty(M, self.weights[-1].shape[1], dtype=w0.dtype, device=self.devices[-1])
         plans, graphs, methods = {}, [], []
-        for cand in self.end_candidates(M, factors):
+        for cand in cands:
             plan = plans[cand] = self._build_plan(M, *cand)
             self._launch(plan, x, out)  # compiles; checked below
             self.check_errors(plan)
