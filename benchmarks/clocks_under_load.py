@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import _capture, chain_operands, environment, run_for, sample_gpus
+from ctapipelining.bench import chain_operands
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import capture, environment, run_for, sample_gpus
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
@@ -66,7 +67,7 @@ PHASES = {
 report = dict(environment=environment(), M=M, K=K, seconds=SECONDS, phases={})
 for name, make in PHASES.items():
     fn = make()
-    g = _capture(fn, [0, 1])
+    g = capture(fn, [0, 1])
     for _ in range(5):
         g.replay()
     for d in (0, 1):

@@ -16,10 +16,10 @@ import sys
 import torch
 
 from ctapipelining.baselines import MicroBatch, TensorParallel
-from ctapipelining.bench import _capture
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
+from ctapipelining.timing import capture
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "accounting"
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
@@ -52,7 +52,7 @@ def accounting():
             ref = pipe(x)
             torch.cuda.synchronize(1)
             call = lambda pipe=pipe: pipe(x, out=out, check=False)  # noqa: E731
-            run = call if mode == "eager" else _capture(call, [0, 1]).replay
+            run = call if mode == "eager" else capture(call, [0, 1]).replay
             first_bad, wrong = None, 0
             for i in range(CALLS):
                 run()
@@ -89,11 +89,11 @@ def neighbours():
     mb = MicroBatch(ws, M, 1024)
     other = Pipeline(ws, policy="workqueue")
     other_plan = other.plan(M)
-    g_other = _capture(lambda: other._launch(other_plan, x, out, only=[0]), [0, 1])
-    g_plain = _capture(lambda: matmul(x, ws[0], out=c0), [0, 1])
+    g_other = capture(lambda: other._launch(other_plan, x, out, only=[0]), [0, 1])
+    g_plain = capture(lambda: matmul(x, ws[0], out=c0), [0, 1])
     static = Pipeline(ws)
     KEEP.extend([other, static])
-    g_static = _capture(lambda: static(x, out=out, check=False), [0, 1])
+    g_static = capture(lambda: static(x, out=out, check=False), [0, 1])
     return {
         "nothing": lambda: None,
         "tp (eager, NCCL)": tp,
@@ -110,7 +110,7 @@ def neighbours_check():
         pipe = Pipeline(ws, policy="workqueue")
         KEEP.append(pipe)
         pipe(x)
-        g = _capture(lambda pipe=pipe: pipe(x, out=out, check=False), [0, 1])
+        g = capture(lambda pipe=pipe: pipe(x, out=out, check=False), [0, 1])
         plan, link = pipe.plan(M), pipe.plan(M).links[0]
         T, P = link.dep.consumer.num_tiles, plan.num_ctas[1]
         bad = None

@@ -7,7 +7,7 @@ gave our GEMM writing into GPU 1 0.37 ms more than writing locally (0.03 ms back
 and its replayed traces (``s5c``) show the chain's producer stalled in its second round (median
 tile 298 us against 106 us) where it waits for its first round's remote stores to complete.
 Each variant below is one CUDA graph, replayed after ``REST_MS`` of idle GPUs (shuffled,
-interleaved, ``bench.time_interleaved``):
+interleaved, ``timing.time_interleaved``):
 
 * ``local`` / ``remote``: our GEMM writing into GPU 0 / into GPU 1;
 * ``remote_gpu1_busy``: ``remote`` while GPU 1 starts with a short spin kernel
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import Method, chain_operands, environment, fork_join, time_interleaved
+from ctapipelining.bench import chain_operands
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import Method, environment, fork_join, time_interleaved
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from ctapipelining import deps, trace
-from ctapipelining.bench import _capture, chain_operands
+from ctapipelining.bench import chain_operands
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import capture
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
@@ -87,7 +88,7 @@ for name, (ws, cfg) in VARIANTS.items():
     pipe = Pipeline(ws, config=cfg, trace=True)
     pipes.append(pipe)
     out = torch.empty(M, ws[-1].shape[1], dtype=torch.bfloat16, device=ws[-1].device)
-    g = _capture(lambda pipe=pipe, out=out: pipe(x, out=out, check=False), [0, 1])
+    g = capture(lambda pipe=pipe, out=out: pipe(x, out=out, check=False), [0, 1])
     for _ in range(REPLAYS):
         g.replay()
     if name.endswith("_rested"):  # the traced (last) replay starts from idle GPUs

@@ -31,10 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ctapipelining.bench import chain_operands, environment, fork_join, run_for, sample_gpus
+from ctapipelining.bench import chain_operands
 from ctapipelining.fabric import _cudart, enable_peer_access
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.timing import environment, fork_join, run_for, sample_gpus
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384

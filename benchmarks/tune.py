@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.bench import Rotation, Row, environment, time_method
+from ctapipelining.bench import Row
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import Rotation, environment, time_method
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384

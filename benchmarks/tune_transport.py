@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from ctapipelining.baselines import MicroBatch, TensorParallel
-from ctapipelining.bench import Method, Rotation, _capture, environment, time_interleaved
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import Method, Rotation, capture, environment, time_interleaved
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 M = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
@@ -76,7 +76,7 @@ for name, cfg in PLAIN.items():
 
     def build(cfg=cfg, name=name):
         log(f"compiling {name}")
-        g = _capture(lambda: matmul(x_static, A, out=c0, config=cfg), DEVS)
+        g = capture(lambda: matmul(x_static, A, out=c0, config=cfg), DEVS)
         return Method(name, g.replay, feed, note=str(dataclasses.asdict(cfg)))
 
     guarded(name, build)
@@ -135,7 +135,7 @@ for name, kw in PIPES.items():
         # the same Triton GEMMs one after another, each with its stage's configuration
         refs = [pipe.sequential(x) for x in rot.xs]
         eager_ok = all(torch.equal(pipe(x), r) for x, r in zip(rot.xs, refs))
-        g = _capture(lambda: pipe(x_static, out=out, check=False), DEVS)
+        g = capture(lambda: pipe(x_static, out=out, check=False), DEVS)
         replay_ok = True
         for i in range(3):
             feed(i)
@@ -161,8 +161,8 @@ for name, kw in PIPES.items():
                 pipes[f"{name}_{side}_path"] = pipe  # a graph does not keep its pipeline's buffers alive
                 plan = pipe.plan(M)
                 launch = pipe._launch
-                g0 = _capture(lambda f=launch, p=plan: f(p, x_static, out, only=[0]), DEVS)
-                g1 = _capture(lambda f=launch, p=plan: f(p, x_static, out, only=[1], advance_epoch=False), DEVS)
+                g0 = capture(lambda f=launch, p=plan: f(p, x_static, out, only=[0]), DEVS)
+                g1 = capture(lambda f=launch, p=plan: f(p, x_static, out, only=[1], advance_epoch=False), DEVS)
                 graphs.append((g0, g1))
 
             def stage0_first(i, g0=graphs[1][0]):  # untimed: this epoch's producer, so the consumer never waits

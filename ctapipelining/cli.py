@@ -1,4 +1,9 @@
-"""The ``ctapipelining`` command: ``demo`` (the main job) and ``bench``."""
+"""The ctapipelining command: demo (the main job), bench, trace, sim and plan.
+
+Every subcommand's module is imported here to build its options; those modules import Triton
+kernels and CUDA code only inside the functions that run them, so ``--help`` stays fast and the
+CPU demo can switch the Triton interpreter on before the kernels are first imported.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import argparse
 import sys
 
 import numpy as np
+
+from . import bench, refexec, sim, trace
+from .argtypes import HelpFormatter, UsageError, positive_int
+from .demo_gpu import demo_gpu
+from .interpret import run_interpreted_chain
 
 
 def _gpu_count() -> int:
@@ -25,8 +35,6 @@ def _fmt(tiles: list[int], limit: int = 16) -> str:
 def demo_cpu(args) -> int:
     """The protocol at small size on the CPU: the reference executor, then the Triton kernels
     under the interpreter."""
-    from . import refexec
-
     ch = refexec.Chain(
         M=args.m,
         K0=args.k,
@@ -48,8 +56,6 @@ def demo_cpu(args) -> int:
         print(f"  consumer tiles run,   in order (last run): {_fmt(r.order(1, 'run', epoch=args.epochs))}")
         print(f"  output vs float64 reference: max rel. error {r.max_error:.2e}  OK")
     if not args.no_interpreter:
-        from .interpret import run_interpreted_chain
-
         print("\nTriton kernels under the interpreter (TRITON_INTERPRET=1):")
         for line in run_interpreted_chain(seed=args.seed):
             print("  " + line)
@@ -61,52 +67,60 @@ def demo(args) -> int:
     if ngpu < 2:
         print(f"No GPU pair found ({ngpu} CUDA device(s)): running the protocol on the CPU instead.\n")
         return demo_cpu(args)
-    from .demo_gpu import demo_gpu
-
     return demo_gpu(args, ngpu)
 
 
+COMMANDS = {
+    "demo": "run a 2-stage GEMM chain: on 2+ GPUs if present, else the protocol and kernels on the CPU",
+    "bench": "time every method in one run (2+ GPUs), or re-plot recorded results",
+    "trace": "one traced call on 2 GPUs: timeline PNG and the protocol's costs T1, T2, T3",
+    "sim": "the calibrated model: validation, Figures 4 and 7 at 2/4/8 GPUs (CPU)",
+    "plan": "the fastest layout (stages x TP, policy, or no pipelining) of a chain, by the model (CPU)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: a subcommand per entry of :data:`COMMANDS`, each with its options."""
+    ap = argparse.ArgumentParser(
+        prog="ctapipelining",
+        description=__doc__.split("\n")[0],
+        epilog="'ctapipelining COMMAND --help' lists a command's options.",
+        formatter_class=HelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, fn):
+        p = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name], formatter_class=HelpFormatter)
+        p.set_defaults(fn=fn, usage_error=p.error)
+        return p
+
+    d = command("demo", demo)
+    d.add_argument("--m", type=positive_int, default=96, help="rows of X (CPU)")
+    d.add_argument("--k", type=positive_int, default=64, help="width of X (CPU)")
+    d.add_argument("--n", type=positive_int, default=64, help="width of both layers' outputs (CPU)")
+    d.add_argument("--block-m", type=positive_int, default=16, help="tile rows (CPU)")
+    d.add_argument("--block-n", type=positive_int, default=32, help="tile columns (CPU)")
+    d.add_argument("--ctas", type=positive_int, default=4, help="persistent CTAs per stage (CPU)")
+    d.add_argument("--epochs", type=positive_int, default=3, help="back-to-back runs without reset (CPU)")
+    d.add_argument("--seed", type=int, default=0, help="random seed of the inputs and the interleaving")
+    d.add_argument("--no-interpreter", action="store_true", help="skip the Triton interpreter part (CPU)")
+    d.add_argument("--gpu-m", type=positive_int, default=8192, help="rows of X on GPUs")
+    d.add_argument("--gpu-k", type=positive_int, default=8192, help="hidden size on GPUs")
+    bench.add_arguments(command("bench", bench.run))
+    trace.add_arguments(command("trace", trace.run))
+    sim.add_arguments(command("sim", sim.run))
+    sim.add_arguments(command("plan", sim.run_plan), plan_args=True)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ctapipelining", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run a 2-stage GEMM chain (GPUs if present, else the CPU protocol)")
-    d.add_argument("--m", type=int, default=96)
-    d.add_argument("--k", type=int, default=64)
-    d.add_argument("--n", type=int, default=64)
-    d.add_argument("--block-m", type=int, default=16)
-    d.add_argument("--block-n", type=int, default=32)
-    d.add_argument("--ctas", type=int, default=4, help="persistent CTAs per stage")
-    d.add_argument("--epochs", type=int, default=3, help="back-to-back runs without reset")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-interpreter", action="store_true", help="skip the Triton interpreter part")
-    d.add_argument("--gpu-m", type=int, default=8192, help="rows of X on GPUs")
-    d.add_argument("--gpu-k", type=int, default=8192, help="hidden size on GPUs")
-    d.set_defaults(fn=demo)
-    from . import bench
-
-    b = sub.add_parser("bench", help="time every method in one run (2 GPUs), or re-plot recorded results")
-    bench.add_arguments(b)
-    b.set_defaults(fn=bench.run)
-    from . import trace
-
-    t = sub.add_parser("trace", help="one traced call on 2 GPUs: timeline PNG and the costs T1, T2, T3")
-    trace.add_arguments(t)
-    t.set_defaults(fn=trace.run)
-    from . import sim
-
-    m = sub.add_parser("sim", help="the calibrated model: validation, Figures 4 and 7 at 2/4/8 GPUs (CPU)")
-    sim.add_arguments(m)
-    m.set_defaults(fn=sim.run)
-    pl = sub.add_parser("plan", help="fastest layout (stages x TP, policy, or no pipelining) for a chain (CPU)")
-    sim.add_arguments(pl, plan_args=True)
-    pl.set_defaults(fn=sim.run_plan)
+    ap = parser()
     args = ap.parse_args(argv)
-    for name in ("m", "k", "n", "block_m", "block_n", "ctas", "epochs", "gpu_m", "gpu_k", "gpus"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     np.set_printoptions(linewidth=120)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UsageError as e:  # a mistake only the subcommand could see: reported as argparse would
+        args.usage_error(str(e))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
-"""``ctapipelining demo`` with 2+ GPUs: the real CTA-pipelined chain, checked and timed."""
+"""``ctapipelining demo`` with 2+ GPUs: the real CTA-pipelined chain, checked and timed.
+
+The GEMM and the pipeline are imported inside :func:`demo_gpu`: importing them fixes Triton's
+mode, and the CLI imports this module on CPU-only machines too, where the demo runs the kernels
+under the interpreter instead.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
 
+from .timing import time_method
+
 
 def demo_gpu(args, ngpu: int) -> int:
     import torch
 
-    from .bench import time_method
     from .gemm import matmul
     from .pipeline import Pipeline
 

@@ -41,26 +41,40 @@ TP degree: each shard pair is a pipelined chain, then an all-reduce inside the l
 :func:`simulate_cta` can also return the per-tile timeline in the trace mode's format, so
 predicted and measured timelines can be drawn with :func:`ctapipelining.trace.plot_timeline`.
 
-Calibration (:meth:`Calibration.from_results`) reads a ``bench`` results file and a ``trace``
-summary of the same machine; :attr:`Calibration.source` says which.
+Calibration
+-----------
+:meth:`Calibration.default` is the 2x H200 calibration shipped with the package
+(``ctapipelining/data/calibration-2xh200.json``); :meth:`Calibration.from_results` fits one on a
+``bench`` results file, a ``trace`` summary and a GEMM tuning run of the same machine
+(``ctapipelining sim --results FOLDER``). :attr:`Calibration.source` names the files and
+:attr:`Calibration.device` the machine and versions. The packaged file is written by
+:meth:`Calibration.save` from the committed runs it names in its ``source``::
+
+    final = Path("benchmarks/results/2026-11-30-h200x2-s2/final")
+    cal = Calibration.from_results(final, tune="benchmarks/results/2026-11-30-h200x2/tune1.json")
+    environment = json.loads((final / "results.json").read_text())["environment"]
+    cal.save("ctapipelining/data/calibration-2xh200.json", environment)
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import importlib.resources
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from . import deps
+from .argtypes import UsageError, chain_dims, existing_file, existing_path, positive_int
+from .trace import plot_timeline
 
+# the checkout this module lies in: file names in a calibration's source are relative to it
 REPO = Path(__file__).parent.parent
-# the final run of the current kernels (in-loop signalling), and an older GEMM-only tuning run
-DEFAULT_RESULTS = REPO / "benchmarks/results/2026-11-30-h200x2-s2/final"
-DEFAULT_TUNE = REPO / "benchmarks/results/2026-11-30-h200x2/tune1.json"
+PACKAGED = "calibration-2xh200.json"  # under ctapipelining/data
 
 
 def _rel(path: Path) -> str:
@@ -69,6 +83,18 @@ def _rel(path: Path) -> str:
         return Path(path).resolve().relative_to(REPO.resolve()).as_posix()
     except ValueError:
         return Path(path).as_posix()
+
+
+def _device(environment: dict | None) -> str:
+    """``"2x NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0)"`` from a results file's ``environment``."""
+    env = environment or {}
+    gpus = env.get("gpus") or []
+    if gpus and len(set(gpus)) == 1:
+        what = f"{len(gpus)}x {gpus[0]}"
+    else:
+        what = " + ".join(gpus) or "unknown device"
+    versions = [f"{name} {env[key]}" for key, name in (("torch", "torch"), ("triton", "Triton")) if env.get(key)]
+    return f"{what} ({', '.join(versions)})" if versions else what
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,15 @@ class Calibration:
     # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
     # to the calibrated 128x256 tile), measured in a tuning run
     tile_shapes: tuple = ((128, 128, 1.13),)
-    source: str = "defaults"
+    source: str = "defaults"  # the files fitted on, " + "-separated
+    device: str = "unknown device"  # the machine and versions they were measured with
+
+    @property
+    def label(self) -> str:
+        """The device and the folder of the results fitted on, for reports."""
+        if self.source == "defaults":
+            return "built-in defaults"
+        return f"{self.device}, runs in {Path(self.source.split(' + ')[0]).parent.as_posix()}"
 
     # -- the pieces ---------------------------------------------------------------------------
     def tile_ns(self, K: int) -> float:
@@ -125,22 +159,62 @@ class Calibration:
 
     # -- calibration ------------------------------------------------------------------------
     @classmethod
+    def default(cls) -> Calibration:
+        """The calibration shipped with the package: 2x H200 (see :attr:`device`, :attr:`source`)."""
+        return _packaged()
+
+    @classmethod
+    def load(cls, path: Path | str) -> Calibration:
+        """A calibration written by :meth:`save`."""
+        return cls._from_json(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def _from_json(cls, data: dict) -> Calibration:
+        src, params = data["source"], dict(data["parameters"])
+        params["tile_shapes"] = tuple(tuple(shape) for shape in params["tile_shapes"])
+        return cls(**params, source=" + ".join(src["files"]) or "defaults", device=src["device"])
+
+    def save(self, path: Path | str, environment: dict | None = None) -> Path:
+        """Write the parameters and their source (the files fitted on, the device; with
+        ``environment``, a results file's, the versions and date too) as JSON that :meth:`load`
+        reads back to an equal calibration."""
+        src: dict = dict(files=[] if self.source == "defaults" else self.source.split(" + "), device=self.device)
+        if environment:
+            src["environment"] = {k: environment[k] for k in ("date", "torch", "triton", "python", "gpus", "p2p")
+                                  if k in environment}  # fmt: skip
+        params = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "device")}
+        Path(path).write_text(json.dumps(dict(source=src, parameters=params), indent=1) + "\n")
+        return Path(path)
+
+    @classmethod
     def from_results(
-        cls, results: Path | str | None = None, trace: Path | str | None = None, tune: Path | str | None = None
+        cls, results: Path | str, trace: Path | str | None = None, tune: Path | str | None = None
     ) -> Calibration:
-        """Fit the parameters on a ``bench`` results JSON (and a ``trace`` JSON for T1..T3).
+        """Fit the parameters on a ``bench`` results JSON (or a folder holding ``results.json``),
+        a ``trace`` JSON for T1..T3 (by default the ``timeline_static_*.json`` of the largest M
+        beside the results, if any) and a GEMM tuning run's JSON for the 128x128 tile's cost
+        (``benchmarks/tune.py``; by default none). What a file does not give keeps the class
+        default.
 
         Only single-method measurements are fitted: the Triton and cuBLAS floors, the
         sequential chain (copy bandwidth), TP compute and TP (all-reduce), the producer with
         its signal (remote factor). Micro-batching and CTA-pipelining are not used, so the
         model's predictions for them can be checked against measurement.
         """
-        from .kernels.gemm import PIPELINE_CONFIG  # here: importing the kernels fixes Triton's mode
+        # the signal lag the kernels use now; imported here, not at the top, because importing the
+        # kernels fixes Triton's mode (interpreter or GPU), which the CLI's demo chooses first
+        from .kernels.gemm import PIPELINE_CONFIG
 
-        results = Path(results) if results else DEFAULT_RESULTS / "results.json"
-        trace = Path(trace) if trace else DEFAULT_RESULTS / "timeline_static_16384.json"
-        tune = Path(tune) if tune else DEFAULT_TUNE
-        r = json.loads(Path(results).read_text())
+        results = Path(results)
+        if results.is_dir():
+            results = results / "results.json"
+        if trace is None:
+            found = {int(p.stem.split("_")[-1]): p for p in results.parent.glob("timeline_static_*.json")
+                     if p.stem.split("_")[-1].isdigit()}  # fmt: skip
+            trace = found[max(found)] if found else None
+        trace = Path(trace) if trace else None
+        tune = Path(tune) if tune else None
+        r = json.loads(results.read_text())
         K = int(r.get("k", 8192))
         med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] * 1e6 for s in r["summaries"]}
         seqs = sorted({s["seq"] for s in r["summaries"] if s["method"] == "floor_triton"})
@@ -157,7 +231,7 @@ class Calibration:
         tp_factor = med[("tp_compute", big, None)] / (2 * (a + b * big / 2))  # two eager half-width GEMMs
         ar = [(m * K * 2, med[("tp", m, None)] - med[("tp_compute", m, None)]) for m in seqs]
         ar_slope, ar_icpt = np.polyfit([x for x, _ in ar], [y for _, y in ar], 1)
-        t = json.loads(Path(trace).read_text()) if Path(trace).exists() else {}
+        t = json.loads(trace.read_text()) if trace else {}
         t1 = t.get("T1_signal", {}).get("median_us", base.t1_ns / 1e3) * 1e3
         # remote factor: the producer alone (remote writes + signals, an eager call) over the
         # plain GEMM (eager), both without the eager overhead, less the signals' own share
@@ -167,7 +241,7 @@ class Calibration:
             gpu_floor = med[("floor_triton", big, None)] - icpt
             remote = (prod - icpt - waves[seqs.index(big)] * t1) / gpu_floor
         shapes = base.tile_shapes
-        if tune.exists():  # 128x128 vs 128x256, both grouped by 8, same run
+        if tune:  # 128x128 vs 128x256, both grouped by 8, same run
             tr = {row["method"]: row["median_ms"] for row in json.loads(tune.read_text())["rows"]}
             if "plain 128x128 g8 st4" in tr and "plain g8 {}" in tr:
                 shapes = ((128, 128, tr["plain 128x128 g8 st4"] / tr["plain g8 {}"]),)
@@ -185,13 +259,20 @@ class Calibration:
             tp_factor=float(tp_factor),
             p2p_gbps=nbytes / copy if copy > 0 else base.p2p_gbps,
             allreduce_alpha_ns=float(max(ar_icpt, 0.0)),
-            allreduce_busbw_gbps=1.0 / ar_slope if ar_slope > 0 else base.allreduce_busbw_gbps,
+            allreduce_busbw_gbps=float(1.0 / ar_slope) if ar_slope > 0 else base.allreduce_busbw_gbps,
             eager_overhead_ns=float(max(icpt, 0.0)),
-            source=f"{_rel(results)} + {_rel(trace)}" + (f" + {_rel(tune)}" if tune.exists() else ""),
+            source=" + ".join(_rel(p) for p in (results, trace, tune) if p),
+            device=_device(r.get("environment")),
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.cache
+def _packaged() -> Calibration:
+    text = (importlib.resources.files(__package__) / "data" / PACKAGED).read_text()
+    return Calibration._from_json(json.loads(text))
 
 
 # --------------------------------------------------------------------------- methods
@@ -387,7 +468,7 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
     """
     if gpus < 1 or len(dims) < 2 or M < 1:
         raise ValueError("plan needs M >= 1, at least one layer (two dims) and at least one GPU")
-    cal = cal or Calibration.from_results()
+    cal = cal or Calibration.default()
     layers = len(dims) - 1
     out = [
         Layout(
@@ -532,17 +613,40 @@ def plot_figures(fig4: list[dict], fig7: list[dict], out_dir: Path) -> list[Path
     return paths
 
 
+def _calibration(args) -> Calibration:
+    """The packaged calibration, or one fitted on ``--results`` (with ``--trace``, ``--tune``)."""
+    if args.results is None:
+        if args.trace or args.tune:
+            raise UsageError("--trace and --tune calibrate together with --results: give --results too")
+        return Calibration.default()
+    try:
+        return Calibration.from_results(args.results, args.trace, args.tune)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # not a bench results file, or a broken one
+        raise UsageError(f"cannot calibrate on {args.results}: {type(e).__name__}: {e}") from None
+
+
+def _measured(path: Path) -> None:
+    try:
+        r = json.loads(Path(path).read_text())
+        r["summaries"][0]["median_ms"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise UsageError(f"--validate {path}: not a bench results file ({type(e).__name__}: {e})") from None
+
+
 def run(args) -> int:
     """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
-    from .trace import plot_timeline
-
-    cal = Calibration.from_results(args.results, args.trace)
-    print(f"calibrated on {cal.source}")
+    cal = _calibration(args)
+    for path in args.validate:
+        _measured(path)
+    print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal))
     for path in args.validate:
         rows = validate(cal, path)
         report["validation"][_rel(path)] = rows
+        if not rows:
+            print(f"\nvalidation against {_rel(path)}: no method measured at 2048, 8192 or 16384 rows")
+            continue
         worst = max(rows, key=lambda r: abs(r["error_pct"]))
         print(
             f"\nvalidation against {_rel(path)}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})"
@@ -572,10 +676,10 @@ def run(args) -> int:
 
 def run_plan(args) -> int:
     """``ctapipelining plan``: the fastest layout of a chain on a number of GPUs."""
-    cal = Calibration.from_results(args.results, args.trace)
+    cal = _calibration(args)
     layouts = plan(args.m, args.dims, args.gpus, cal)
     print(f"chain X[{args.m},{args.dims[0]}] through {len(args.dims) - 1} layers {args.dims} on {args.gpus} GPUs "
-          f"(model calibrated on {Path(cal.source.split(' + ')[0]).parent.name})")  # fmt: skip
+          f"(model calibrated on {cal.label})")  # fmt: skip
     for i, lay in enumerate(layouts):
         mark = "->" if i == 0 else "  "
         print(f" {mark} {lay.predicted_ms:8.3f} ms  {lay.method:10s} stages={lay.stages} tp={lay.tp}  {lay.detail}")
@@ -583,16 +687,25 @@ def run_plan(args) -> int:
 
 
 def add_arguments(p, plan_args: bool = False) -> None:
-    p.add_argument("--results", type=Path, default=None, help="bench results JSON to calibrate on")
-    p.add_argument("--trace", type=Path, default=None, help="trace summary JSON (T1, T2, T3)")
+    """The options of ``ctapipelining sim`` (``plan_args``: of ``ctapipelining plan``)."""
+    p.add_argument(
+        "--results", type=existing_path, default=None,
+        help="bench results JSON, or its folder, to calibrate on (default: the packaged 2x H200 calibration)",
+    )  # fmt: skip
+    p.add_argument(
+        "--trace", type=existing_file, default=None,
+        help="trace summary JSON for T1, T2, T3 (default: the timeline_static_*.json beside --results)",
+    )  # fmt: skip
+    p.add_argument("--tune", type=existing_file, default=None, help="GEMM tuning JSON for the 128x128 tile's cost")
     if plan_args:
-        from .bench import _ints
-
-        p.add_argument("--m", type=int, required=True, help="rows of X")
-        p.add_argument("--dims", type=_ints, required=True, help="K0,N0,N1,...: the chain's widths")
-        p.add_argument("--gpus", type=int, required=True)
+        p.add_argument("--m", type=positive_int, required=True, help="rows of X")
+        p.add_argument("--dims", type=chain_dims, required=True, help="K0,N0,N1,...: the chain's widths")
+        p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to lay the chain out on")
     else:
-        p.add_argument("--validate", type=Path, nargs="*", default=[DEFAULT_RESULTS / "results.json"])
-        p.add_argument("--seq", type=int, default=16384)
-        p.add_argument("--k", type=int, default=8192)
-        p.add_argument("--out", type=Path, default=Path("sim-out"))
+        p.add_argument(
+            "--validate", type=existing_file, nargs="*", default=[], metavar="RESULTS",
+            help="bench results JSONs to compare the predictions with",
+        )  # fmt: skip
+        p.add_argument("--seq", type=positive_int, default=16384, help="rows of X of the predicted timeline")
+        p.add_argument("--k", type=positive_int, default=8192, help="hidden size of the predicted timeline")
+        p.add_argument("--out", type=Path, default=Path("sim-out"), help="folder for sim.json and the PNGs")

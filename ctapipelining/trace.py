@@ -18,16 +18,22 @@ and 3b:
 
 The two GPUs' clocks differ by an offset, estimated from the ping-pong's last round
 (:func:`clock_offset`), and GPU ``s``'s stamps are shifted onto GPU 0's axis.
+
+The summaries and the timeline need NumPy only (the simulator draws its predicted timelines
+with :func:`plot_timeline`); the functions that run on GPUs import the kernels, the fabric and
+the pipeline inside themselves, so importing this module compiles nothing and needs no CUDA.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import deps
+from .argtypes import positive_int
 
 WAIT, START, STORED, DONE, CTA = range(5)
 
@@ -42,7 +48,7 @@ def clock_offset(a: int = 0, b: int = 1, rounds: int = 1000, samples: int = 5) -
     """Ping-pong a flag between GPUs ``a`` and ``b``; median over ``samples`` runs."""
     import torch
 
-    from .fabric import enable_peer_access
+    from .fabric import enable_peer_access  # GPU-only: see the module docstring
     from .kernels.probe import pingpong_kernel
 
     enable_peer_access([a, b])
@@ -128,11 +134,9 @@ def plot_timeline(traces: list[np.ndarray], offsets_ns: list[float], path: Path,
 
 def run(args) -> int:
     """``ctapipelining trace``: one traced call of a 2-stage chain; PNG, JSON and T1/T2/T3."""
-    import json
-
     import torch
 
-    from .pipeline import Pipeline
+    from .pipeline import Pipeline  # GPU-only: see the module docstring
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:
@@ -161,7 +165,8 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--k", type=int, default=8192)
-    p.add_argument("--policy", choices=["workqueue", "static"], default="workqueue")
-    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    """The options of ``ctapipelining trace``."""
+    p.add_argument("--seq", type=positive_int, default=16384, help="rows of X")
+    p.add_argument("--k", type=positive_int, default=8192, help="hidden size: A and B are [k, k]")
+    p.add_argument("--policy", choices=["workqueue", "static"], default="workqueue", help="the consumer's policy")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the timeline PNG and JSON")

@@ -55,49 +55,38 @@ def test_bench_without_gpus_says_so_and_shows_the_model(tmp_path, capsys):
     assert "NOT measured" in out and "\n  2048 " in out
 
 
-def test_bad_arguments(capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--seq", "1024,x"])
-    assert "comma-separated integers" in capsys.readouterr().err
-    # checked before anything looks for GPUs
-    with pytest.raises(SystemExit, match="--ends takes .balanced. or two row counts"):
-        cli.main(["bench", "--ends", "512", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="got 'auto'"):
-        cli.main(["bench", "--ends", "auto", "--out", str(tmp_path)])
-    assert bench._ends_arg("balanced") == "balanced" and bench._ends_arg("1408,512") == (1408, 512)
-    with pytest.raises(SystemExit, match="--reps must be >= 3"):
-        cli.main(["bench", "--reps", "2", "--out", str(tmp_path)])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seq", "1024,x"], "argument --seq: expected comma-separated integers, got '1024,x'"),
+        (["--ends", "512"], "argument --ends: takes 'balanced' or two row counts >= 0 (prefill,drain), got '512'"),
+        (["--ends", "auto"], "got 'auto'"),
+        (["--reps", "2"], "argument --reps: must be >= 3, got 2"),
+        (["--rest-ms", "-1"], "argument --rest-ms: must be >= 0, got -1"),
+        (["--plot-only", "missing.json"], "argument --plot-only: no such file: missing.json"),
+    ],
+)
+def test_bad_arguments_end_in_one_line_and_status_2(argv, message, capsys, tmp_path):
+    """Checked while parsing, before anything looks for GPUs."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("ctapipelining bench: error: ") and message in err
+    assert not (tmp_path / "results.json").exists()
 
 
-def _methods(calls):
-    return [bench.Method(name, lambda name=name: calls.append(name)) for name in "abcde"]
+def test_ends_argument():
+    assert bench.ends_arg("balanced") == "balanced" and bench.ends_arg("1408,512") == (1408, 512)
+    assert bench.ends_arg("0,0") == (0, 0)
 
 
-def test_shuffled_order_runs_every_method_once_per_repetition_in_changing_orders():
-    calls, places = [], {}
-    times = bench.time_interleaved(_methods(calls), [], reps=12, warmup=2, positions=places)
-    assert len(calls) == 14 * 5
-    reps = [calls[i : i + 5] for i in range(10, len(calls), 5)]  # after the warm-up
-    assert all(sorted(r) == list("abcde") for r in reps)
-    assert len({tuple(r) for r in reps}) > 6  # not one fixed order: no method always follows the same one
-    assert {name: len(v) for name, v in times.items()} == dict.fromkeys("abcde", 12)
-    for i, r in enumerate(reps):  # positions say where each method ran in repetition i
-        assert [places[name][i] for name in r] == list(range(5))
-    # seeded: the same run again gives the same orders
-    again = []
-    bench.time_interleaved(_methods(again), [], reps=12, warmup=2)
-    assert again == calls
-
-
-def test_fixed_order_and_rest_before_each_timed_run():
-    calls = []
-    times = bench.time_interleaved(_methods(calls), [], reps=3, warmup=1, order="fixed", rest_ms=20)
-    assert calls == list("abcde") * 4
-    assert all(t < 15 for v in times.values() for t in v)  # the rest is not timed
-    with pytest.raises(ValueError, match="order"):
-        bench.time_interleaved(_methods([]), [], reps=1, warmup=0, order="random")
-    with pytest.raises(ValueError, match="rest_ms"):
-        bench.time_interleaved(_methods([]), [], reps=1, warmup=0, rest_ms=-1)
+def test_plot_only_rejects_a_file_that_is_not_a_results_file(tmp_path, capsys):
+    (tmp_path / "trace.json").write_text('{"T1_signal": {}}')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--plot-only", str(tmp_path / "trace.json"), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "not a bench results file (KeyError: 'summaries')" in capsys.readouterr().err
 
 
 def test_paired_ratio_in_the_headline(results):
@@ -111,17 +100,3 @@ def test_paired_ratio_in_the_headline(results):
     ratios = [a / b for a, b in zip(cta, mb)]  # repetition i of one against repetition i of the other
     assert h["cta_over_microbatch_paired"] == pytest.approx(statistics.median(ratios), abs=1e-4)
     assert "cta_over_microbatch_paired" not in bench.headline(results["summaries"])[0]
-
-
-def test_parse_smi_keeps_numbers_masks_and_skips_other_lines():
-    text = (
-        "0, 1425, 691.19, 62, 0x0000000000000004\n"
-        "1, 1980, 141.85, 48, 0x0000000000000000\n"
-        "WARNING: infoROM is corrupted at gpu 0000:00:05.0\n"
-        "0, [N/A], 690.00, 61, 0x0000000000000004\n"
-        "1, 1980, 14"  # cut off when nvidia-smi was stopped
-    )
-    rows = bench.parse_smi(text, 4)
-    assert rows[0] == [[1425.0, 691.19, 62.0, "0x0000000000000004"], ["[N/A]", 690.0, 61.0, "0x0000000000000004"]]
-    assert rows[1] == [[1980.0, 141.85, 48.0, "0x0000000000000000"]]
-    assert bench.parse_smi("", 3) == {}

@@ -1,0 +1,7 @@
+"""``python -m ctapipelining``: the ``ctapipelining`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

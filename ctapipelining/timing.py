@@ -1,0 +1,244 @@
+"""Timing GPU work fairly, and recording what it ran on.
+
+:func:`time_interleaved` is the one harness every measurement of the project goes through (the
+bench, :meth:`Pipeline.tune_ends`, the GPU demo, the scripts under ``benchmarks/``): an untimed
+``prepare`` (pick an input set, so caches do not flatter), all devices synchronised, host clock,
+the method, all devices synchronised again; methods take turns within each repetition.
+:func:`run_for` measures sustained throughput instead, :func:`sample_gpus` what the GPUs' clocks
+and power did meanwhile, and :func:`environment` the versions and devices a result belongs to.
+
+This module depends on the standard library and torch only, never on other modules of the
+package, so anything may import it. torch is imported inside the functions that need it: the
+CLI imports this module to build its parser, and ``--help`` should not pay for torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Method:
+    """One timed thing: ``prepare(i)`` (untimed: pick input set ``i``) then ``run()``."""
+
+    name: str
+    run: Callable[[], object]
+    prepare: Callable[[int], object] = lambda i: None
+    chunk: int | None = None
+    note: str = ""
+
+
+def time_interleaved(
+    methods: list[Method],
+    devices,
+    reps: int,
+    warmup: int,
+    *,
+    order: str = "shuffled",
+    rest_ms: float = 0.0,
+    seed: int = 0,
+    positions: dict[str, list[int]] | None = None,
+) -> dict[str, list[float]]:
+    """Milliseconds of ``reps`` runs of every method (host clock, all ``devices`` synchronised
+    around each run). Methods take turns within each repetition, so a drift of the GPUs'
+    clocks during the run affects all of them alike and their ratios stay fair.
+
+    ``order="shuffled"`` (default) runs each repetition's methods in a fresh random order
+    (``random.Random(seed)``, so a run can be repeated); ``"fixed"`` in the order given. Why
+    shuffle: an H200 running our GEMM sits at its 700 W cap (2026-11-30-h200x2-s5/transport),
+    so the clock a call gets depends on the energy of the call just before it. In a fixed order
+    each method always follows the same neighbour, a bias no number of repetitions removes.
+    ``rest_ms``: idle time before each timed run (after the devices are synchronised), so every
+    run starts from a rested GPU rather than from its predecessor's power state.
+    ``positions`` (optional): filled with each method's place in every repetition.
+    """
+    if order not in ("shuffled", "fixed"):
+        raise ValueError(f"order must be 'shuffled' or 'fixed', got {order!r}")
+    if rest_ms < 0:
+        raise ValueError(f"rest_ms must be >= 0, got {rest_ms}")
+    rng = random.Random(seed)
+
+    def turn():
+        ms = list(methods)
+        if order == "shuffled":
+            rng.shuffle(ms)
+        return ms
+
+    def sync():
+        if devices:
+            import torch
+
+            for d in devices:
+                torch.cuda.synchronize(d)
+
+    for i in range(warmup):
+        for m in turn():
+            m.prepare(i)
+            m.run()
+            # one method at a time, as in the timed runs: some methods' streams do not wait for
+            # the caller's (TP), and nothing should overlap a pipeline whose CTAs need every SM
+            sync()
+    out: dict[str, list[float]] = {m.name: [] for m in methods}
+    if positions is not None:
+        positions.update({m.name: [] for m in methods})
+    for i in range(reps):
+        for place, m in enumerate(turn()):
+            m.prepare(i)
+            sync()
+            if rest_ms:
+                time.sleep(rest_ms / 1e3)
+            t0 = time.perf_counter()
+            m.run()
+            sync()
+            out[m.name].append((time.perf_counter() - t0) * 1e3)
+            if positions is not None:
+                positions[m.name].append(place)
+    return out
+
+
+def time_method(run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int):
+    """Milliseconds of ``reps`` runs of one method (see :func:`time_interleaved`)."""
+    return time_interleaved([Method("m", run, prepare)], devices, reps, warmup)["m"]
+
+
+def capture(fn: Callable[[], object], devices):
+    """Warm ``fn`` up (``devices`` synchronised after it), then capture it in a CUDA graph on
+    cuda:0's stream; returns the ``torch.cuda.CUDAGraph``."""
+    import torch
+
+    fn()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.device(0), torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def run_for(call: Callable[[], object], seconds: float, batch: int = 10) -> tuple[int, float]:
+    """Call ``call`` back to back for about ``seconds`` (both GPUs synchronised every ``batch``
+    calls); returns ``(calls, ms per call)`` by CUDA events on cuda:0: sustained throughput,
+    the GPUs at their steady clocks, unlike the single calls :func:`time_interleaved` times."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.perf_counter()
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            call()
+        calls += batch
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+    end.record()
+    torch.cuda.synchronize(0)
+    return calls, start.elapsed_time(end) / calls
+
+
+def fork_join(side, work: Callable[[], object], fn: Callable[[], object] | None = None) -> None:
+    """Run ``work()`` on stream ``side`` (of either GPU) beside ``fn()`` on cuda:0's current
+    stream: ``side`` starts after what that stream holds so far, and the stream goes on only
+    once ``side`` is done. Capturable in a CUDA graph whose capture runs on cuda:0."""
+    import torch
+
+    main = torch.cuda.current_stream(0)
+    fork = torch.cuda.Event()
+    fork.record(main)
+    side.wait_event(fork)
+    with torch.cuda.stream(side):
+        work()
+    if fn is not None:
+        fn()
+    join = torch.cuda.Event()
+    join.record(side)
+    main.wait_event(join)
+
+
+class Rotation:
+    """Input sets used in turn: ``select(i)`` (untimed) picks set ``i``, ``x`` is the current one."""
+
+    def __init__(self, xs):
+        self.xs, self.x = xs, xs[0]
+
+    def get(self, i):
+        return self.xs[i % len(self.xs)]
+
+    def select(self, i):
+        self.x = self.get(i)
+
+
+def parse_smi(text: str, nfields: int) -> dict[int, list[list]]:
+    """Rows of ``nvidia-smi --query-gpu=index,F1,..,Fn --format=csv,noheader,nounits`` output
+    by GPU index; each field a float where it reads as one (clocks, watts), else the string
+    (a hex bit mask, ``[N/A]``). Lines of another shape (warnings, a cut last line) are skipped."""
+    rows: dict[int, list[list]] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != nfields + 1 or not parts[0].isdigit():
+            continue
+        values = []
+        for p in parts[1:]:
+            try:
+                values.append(float(p))
+            except ValueError:
+                values.append(p)
+        rows.setdefault(int(parts[0]), []).append(values)
+    return rows
+
+
+def sample_gpus(fn: Callable[[], object], fields=("clocks.sm", "power.draw", "temperature.gpu"), interval_ms=50):
+    """Run ``fn()`` while ``nvidia-smi`` samples ``fields`` of every GPU every ``interval_ms``.
+    Returns ``(fn's result, parse_smi(...))``: what a GPU's clock and power did during a phase."""
+    query = ",".join(("index", *fields))
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        result = fn()
+    finally:
+        smi.terminate()
+        text, _ = smi.communicate(timeout=10)
+    return result, parse_smi(text, len(fields))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """What a measurement ran on: date, versions, the command, the NVLink-related environment
+    variables, and the GPUs with their peer access. Triton's version comes from its package
+    metadata, so this module needs no Triton import."""
+    import torch
+
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        triton=_version("triton"),
+        python=platform.python_version(),
+        command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        env={
+            k: os.environ.get(k)
+            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        },
+    )
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        env["p2p"] = {
+            f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j
+        }
+    return env

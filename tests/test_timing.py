@@ -1,0 +1,55 @@
+"""The timing harness without a GPU: the order methods take turns in, what is timed, and the
+parsing of nvidia-smi's samples."""
+
+import pytest
+
+from ctapipelining import bench, timing
+
+
+def _methods(calls):
+    return [timing.Method(name, lambda name=name: calls.append(name)) for name in "abcde"]
+
+
+def test_shuffled_order_runs_every_method_once_per_repetition_in_changing_orders():
+    calls, places = [], {}
+    times = timing.time_interleaved(_methods(calls), [], reps=12, warmup=2, positions=places)
+    assert len(calls) == 14 * 5
+    reps = [calls[i : i + 5] for i in range(10, len(calls), 5)]  # after the warm-up
+    assert all(sorted(r) == list("abcde") for r in reps)
+    assert len({tuple(r) for r in reps}) > 6  # not one fixed order: no method always follows the same one
+    assert {name: len(v) for name, v in times.items()} == dict.fromkeys("abcde", 12)
+    for i, r in enumerate(reps):  # positions say where each method ran in repetition i
+        assert [places[name][i] for name in r] == list(range(5))
+    # seeded: the same run again gives the same orders
+    again = []
+    timing.time_interleaved(_methods(again), [], reps=12, warmup=2)
+    assert again == calls
+
+
+def test_fixed_order_and_rest_before_each_timed_run():
+    calls = []
+    times = timing.time_interleaved(_methods(calls), [], reps=3, warmup=1, order="fixed", rest_ms=20)
+    assert calls == list("abcde") * 4
+    assert all(t < 15 for v in times.values() for t in v)  # the rest is not timed
+    with pytest.raises(ValueError, match="order"):
+        timing.time_interleaved(_methods([]), [], reps=1, warmup=0, order="random")
+    with pytest.raises(ValueError, match="rest_ms"):
+        timing.time_interleaved(_methods([]), [], reps=1, warmup=0, rest_ms=-1)
+
+
+def test_bench_still_offers_what_pipeline_imports_from_it():
+    assert bench.Method is timing.Method and bench.time_interleaved is timing.time_interleaved
+
+
+def test_parse_smi_keeps_numbers_masks_and_skips_other_lines():
+    text = (
+        "0, 1425, 691.19, 62, 0x0000000000000004\n"
+        "1, 1980, 141.85, 48, 0x0000000000000000\n"
+        "WARNING: infoROM is corrupted at gpu 0000:00:05.0\n"
+        "0, [N/A], 690.00, 61, 0x0000000000000004\n"
+        "1, 1980, 14"  # cut off when nvidia-smi was stopped
+    )
+    rows = timing.parse_smi(text, 4)
+    assert rows[0] == [[1425.0, 691.19, 62.0, "0x0000000000000004"], ["[N/A]", 690.0, 61.0, "0x0000000000000004"]]
+    assert rows[1] == [[1980.0, 141.85, 48.0, "0x0000000000000000"]]
+    assert timing.parse_smi("", 3) == {}
