@@ -373,13 +373,10 @@ def simulate_cta(
         ends.append(float(rows[:, 3].max()))
         if not last:
             dep = deps.build_dependency(grid, grids[s + 1], "gemm", parts=min(wait_parts, grid.num_n))
-            done = rows[:, 3]
-            ready = cal.t2_ns + np.array(
-                [
-                    [done[list(dep.part_needs(c, q))].max() for q in range(dep.parts)]
-                    for c in range(grids[s + 1].num_tiles)
-                ]
-            )
+            # each counter fills when the last producer tile that signals it is done
+            filled = np.full(dep.num_counters, -np.inf)
+            np.maximum.at(filled, dep.signal_counters, np.repeat(rows[:, 3], np.diff(dep.signal_ptr)))
+            ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
             frac = np.array([dep.part_k_start(q) / dims[s + 1] for q in range(dep.parts)]) if dep.parts > 1 else None
             if frac is None:
                 ready = ready[:, 0]

@@ -33,12 +33,14 @@ def test_headline_ratios_are_recomputed_from_medians(results):
     assert h["cta_over_microbatch"] == pytest.approx(h["cta_ms"] / h["best_microbatch_ms"], abs=1e-4)
 
 
-def test_plots_and_plot_only_cli(results, tmp_path, capsys):
-    paths = bench.plot(results, tmp_path)
-    assert {p.name for p in paths} == {"fig4_reduction_vs_microbatch.png", "fig5_latency_vs_seq.png"}
-    assert all(p.stat().st_size > 10_000 for p in paths)
+def test_plots_and_plot_only_cli(tmp_path, capsys):
+    """``bench --plot-only``: the table, then both figures (drawn by :func:`bench.plot`)."""
     assert cli.main(["bench", "--plot-only", str(RECORDED), "--out", str(tmp_path / "again")]) == 0
-    assert "cta_workqueue" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cta_workqueue" in out and out.count("wrote") == 2
+    paths = sorted((tmp_path / "again").iterdir())
+    assert [p.name for p in paths] == ["fig4_reduction_vs_microbatch.png", "fig5_latency_vs_seq.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
 
 
 def test_plots_without_a_tp_line(results, tmp_path):

@@ -94,7 +94,7 @@ def chains(draw):
     return Chain(M=m, K0=k0, stages=stages, wait_parts=draw(st.integers(1, 4)))
 
 
-@settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     chain=chains(),
     policy=st.sampled_from(["workqueue", "static"]),

@@ -173,12 +173,17 @@ def test_prefill_pays_only_when_the_producer_is_the_slower_side():
     says it pays only when that slowdown is large, and only for a small prefill: its GPU has
     two rounds of layer 1 more to do, then all of layer 2."""
     dims = [8192, 8192, 8192]
-    t = lambda cal, R: sim.simulate_cta(16384, dims, cal, "static", wait_parts=8, prefill_rows=R).total_ns  # noqa: E731
+    runs = {}
+
+    def t(cal, R):
+        runs[cal, R] = sim.simulate_cta(16384, dims, cal, "static", wait_parts=8, prefill_rows=R)
+        return runs[cal, R].total_ns
+
     even, slow = replace(CAL, remote_factor=1.0), replace(CAL, remote_factor=1.07)
     assert t(slow, 512) < 0.98 * t(slow, 0)
     assert t(even, 1024) > t(even, 0) and t(slow, 2048) > t(slow, 0)
     assert t(even, 0) == sim.simulate_cta(16384, dims, even, "static", wait_parts=8).total_ns
-    two = sim.simulate_cta(16384, dims, even, "static", wait_parts=8, prefill_rows=1024).trace[0]
+    two = runs[even, 1024].trace[0]
     assert len(two) == 16384 // CAL.block_m * (8192 // CAL.block_n)  # prefill and producer tiles, one row each
 
 
@@ -189,10 +194,11 @@ def test_both_ends_filled_pay_where_either_alone_does_not():
     chain's work, and one round (4 row-blocks of 128, 128 tiles) each way is the right size."""
     dims = [8192, 8192, 8192]
     t = lambda R, D: sim.simulate_cta(16384, dims, CAL, "static", wait_parts=8, prefill_rows=R, drain_rows=D)  # noqa: E731
-    none, both = t(0, 0).total_ns, t(512, 512).total_ns
+    filled = t(512, 512)
+    none, both = t(0, 0).total_ns, filled.total_ns
     assert both < 0.98 * none
     assert t(512, 0).total_ns > 0.99 * none and t(0, 512).total_ns > 0.99 * none
     assert t(1024, 512).total_ns > 1.02 * both  # the second GPU prefills a round too many
-    ends = t(512, 512).producer_end_ns  # the first GPU's end includes its drain: the two ends meet
+    ends = filled.producer_end_ns  # the first GPU's end includes its drain: the two ends meet
     assert abs(ends[0] - ends[1]) < 0.01 * both
-    assert len(t(512, 512).trace[1]) == (16384 - 512) // CAL.block_m * (8192 // CAL.block_n)  # the consumer's tiles
+    assert len(filled.trace[1]) == (16384 - 512) // CAL.block_m * (8192 // CAL.block_n)  # the consumer's tiles
