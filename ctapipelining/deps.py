@@ -36,8 +36,9 @@ CUDA graph. The work-queue grows the same way:
   CTAs claims until it gets a position past the run's ``T`` tiles, so a run moves the head by
   exactly ``T + P``: run ``e`` numbers its claims from ``(e - 1) * (T + P)``.
 
-Everything is int32 on the device; :func:`epoch_limit` says how many runs fit before the
-owner must reset (zero) the counters and queue and restart at epoch 1.
+Counters, slots, head, tail and epochs are int64 on the device and compared on their signed
+difference, so they never wrap in practice (2^63 bumps) and the owner never has to reset
+them; the CSR lists are int32.
 
 Policies and orders are separate
 --------------------------------
@@ -54,8 +55,6 @@ from functools import cached_property
 from typing import Literal
 
 import numpy as np
-
-INT32_MAX = 2**31 - 1
 
 # --------------------------------------------------------------------------- tile grids
 
@@ -475,9 +474,3 @@ def head_base(epoch: int, num_tiles: int, num_ctas: int) -> int:
     """First head value of ``epoch``: each run moves the head by ``T + P``."""
     return (epoch - 1) * (num_tiles + num_ctas)
 
-
-def epoch_limit(dep: Dependency, num_ctas: int) -> int:
-    """Largest epoch whose counters, tail, slots and head all stay within int32."""
-    t = dep.consumer.num_tiles
-    per_epoch = max(dep.max_need, t, t + num_ctas)
-    return (INT32_MAX - t) // per_epoch

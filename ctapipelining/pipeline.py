@@ -6,14 +6,11 @@ stage ``s + 1``'s input buffer on the next GPU and signals them there, and stage
 persistent CTAs start each tile as soon as its input rows have landed.
 
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
-each link's scoreboard and ring, each stage's epoch and error word. Counters only grow, so
+each link's scoreboard and ring, each stage's epoch and error word, and the launch records a
+call runs (every kernel bound once, so a call only launches). Counters only grow, so
 back-to-back calls need no reset, and a call can be captured in a CUDA graph:
 :meth:`Pipeline.capture` returns a :class:`GraphedCall` that keeps the graph together with
-everything it points to. (Captured by hand, with ``out=`` and ``check=False``, keep the
-``Pipeline`` alive as long as the graph: it holds the addresses of the plan's buffers, not the
-buffers.) After a call, :meth:`Pipeline.check_errors` reads the error words: a timed-out wait
-raises :class:`PipelineTimeout` naming device, stage and tile, after which the state is reset
-so the next call works.
+everything it points to.
 
 Prefill (``prefill_rows=R``): the second GPU computes the first ``R`` rows of the first layer
 itself, from a copy of ``x[:R]`` and a replica of ``W_0``, before its consumer kernel starts.
@@ -30,19 +27,38 @@ while the consumer computes the rows of the producer's last round (what a drain 
 both, each GPU has about half the chain's work and neither waits for the other at the ends.
 ``ends="balanced"`` sizes both for each input height (:func:`ctapipelining.deps.balanced_ends`).
 
-Ordering with the caller: every stage's stream first waits for the current stream of every
-stage's device, and those current streams then wait for every stage. So ``x``, ``out`` and the
-result are ordered with whatever the caller does on any of the devices (the caching allocator
-included), and a producer of call ``i + 1`` never overwrites a buffer that a consumer of call
-``i`` still reads.
+Ordering and threads: every stage's stream first waits for the current stream of every
+stage's device and for the end of the previous call on every stage's stream, and those current
+streams then wait for every stage. So ``x``, ``out`` and the result are ordered with whatever
+the caller does on any of the devices (the caching allocator included), and a producer of one
+call never overwrites a buffer or ring slot that a consumer of the call before still reads,
+whichever streams or threads the two calls came from. Calls and graph replays hold a lock, so
+a ``Pipeline`` may be called from several threads (they take turns on the host). Inside a CUDA
+graph that the user captures, the user orders the captured calls.
+
+Errors are asynchronous, like CUDA's own: a call does not synchronise (unless ``check=True``),
+and a timed-out wait surfaces as :class:`PipelineTimeout` at a later call, once the call that
+timed out has finished, or at :meth:`Pipeline.check_errors` (which waits). A result is known
+good only then. No error is lost: error words are sticky until read. Host waits are bounded
+too: a device that does not finish within ``host_timeout_s`` raises :class:`PipelineHung`,
+after which the pipeline refuses further calls.
+
+Stages may share a GPU (on one GPU, every stage): each stage of a GPU then gets an equal share
+of its SMs as its grid, all of them resident at once, and signals through the same
+system-scope code path as across GPUs (a *loopback*), so the whole protocol runs and is tested
+on one GPU. Nothing else may hold those SMs while a call runs, or a waiting consumer could
+keep its producer from being scheduled (its waits then time out cleanly).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import statistics
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,15 +66,16 @@ import triton
 
 from . import deps, fabric
 from .gemm import (
+    GemmLaunch,
     SignalHook,
     TailBuffers,
     WaitHook,
     check_operands,
+    check_out,
     check_tensor,
-    grid_size,
-    launch_gemm,
     matmul,
     num_sms,
+    overlaps,
     tail_split,
 )
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
@@ -83,8 +100,20 @@ class PipelineTimeout(RuntimeError):
     """A stage waited past its deadline for an input that never came."""
 
 
+class PipelineHung(RuntimeError):
+    """A stage's kernels did not finish within the host's bound: the pipeline is unusable."""
+
+
+MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
+
+
 def _int32_on(arr, device) -> torch.Tensor:
     return torch.as_tensor(arr, dtype=torch.int32).to(device)
+
+
+def _i64(n: int, device) -> torch.Tensor:
+    """Protocol state: int64 zeros (counters, slots, head, tail, epochs, error words)."""
+    return torch.zeros(n, dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -121,15 +150,14 @@ class Link:
 
     @classmethod
     def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
-        i32 = dict(dtype=torch.int32, device=consumer)
         return cls(
             dep=dep,
-            counters=torch.zeros(dep.num_counters, **i32),
+            counters=_i64(dep.num_counters, consumer),
             counter_of_tile=_int32_on(dep.counter_of_tile, consumer),
             need_consumer=_int32_on(dep.need, consumer),
-            slots=torch.zeros(dep.consumer.num_tiles, **i32),
-            head=torch.zeros(1, **i32),
-            tail=torch.zeros(1, **i32),
+            slots=_i64(dep.consumer.num_tiles, consumer),
+            head=_i64(1, consumer),
+            tail=_i64(1, consumer),
             lists=SignalLists.create(dep, producer),
         )
 
@@ -165,32 +193,65 @@ class Link:
         )
 
 
-@dataclass
+Rows = tuple  # ("x" | "out", first row, end row): rows of the call's own input or output
+
+
+@dataclass(eq=False)
+class Launch:
+    """One kernel of a call, bound at plan time: a stage's GEMM, the prefill or a drain GEMM.
+    Its operands are plan buffers or :data:`Rows` of the call's ``x`` / ``out``."""
+
+    stream: int  # the stage whose stream (and device) runs it
+    gemm: GemmLaunch
+    a: torch.Tensor | Rows
+    b: torch.Tensor
+    c: torch.Tensor | Rows
+    stage: int | None = None  # the stage it is (None: a prefill or drain GEMM)
+    copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
+
+    def run(self, x: torch.Tensor, out: torch.Tensor):
+        if self.copy_x is not None:
+            buf, rows = self.copy_x
+            buf.copy_(x[:rows])
+        return self.gemm(_rows(self.a, x, out), self.b, _rows(self.c, x, out))
+
+
+def _rows(src, x, out) -> torch.Tensor:
+    if isinstance(src, torch.Tensor):
+        return src
+    name, lo, hi = src
+    return (x if name == "x" else out)[lo:hi]
+
+
+@dataclass(eq=False)
 class Plan:
-    """Everything one input height ``M`` needs, allocated once and reused by every call."""
+    """Everything one input height ``M`` needs, allocated and bound once, reused by every call:
+    buffers, scoreboards, and the :class:`Launch` records a call runs, in stream order."""
 
     M: int
     inputs: list[torch.Tensor | None]  # inputs[s]: stage s's A operand (None for stage 0: the caller's x)
     links: list[Link]  # links[s - 1]: stage s-1 -> stage s
-    epochs: list[torch.Tensor]
-    errors: list[torch.Tensor]
+    epochs: list[torch.Tensor]  # int64 [1] per stage, on its device
+    errors: list[torch.Tensor]  # int64 [len(ERR_FIELDS)] per stage, on its device
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
-    tails: list[TailBuffers | None]  # per stage: the split tail's partials and arrival counters
+    tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
-    epoch_limit: int
-    epoch: int = 0
+    launches: list[Launch] = field(default_factory=list)
+    epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
     prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
-    prefill_ctas: int = 0
-    prefill_tail: TailBuffers | None = None
     drain_rows: int = 0  # last rows of the chain computed on stage 0's GPU (see Pipeline)
     drain_h: torch.Tensor | None = None  # [drain_rows, N_0] on stage 0's device: the drain's layer 1
-    drain_ctas: tuple[int, int] = (0, 0)  # the drain's two GEMMs
-    drain_tails: tuple[TailBuffers | None, TailBuffers | None] = (None, None)
+    pinned: bool = False  # a CUDA graph points at these buffers: never evicted
+    stale: bool = False  # a launch failed part way: reset before the next call
+    err_host: list[torch.Tensor] = field(default_factory=list)  # pinned copies of the error words
+
+    def ends(self, stream: int) -> list[GemmLaunch]:
+        """The prefill (``stream`` 1) or drain (``stream`` 0) GEMMs of this plan."""
+        return [lc.gemm for lc in self.launches if lc.stage is None and lc.stream == stream]
 
     def state(self) -> list[torch.Tensor]:
-        ends = [self.prefill_tail, *self.drain_tails]
-        tails = [t.counters for t in self.tails + ends if t is not None]  # partial after a timeout
+        tails = [t.counters for t in self.tails if t is not None]  # partial after a timeout
         return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
 
 
@@ -200,14 +261,16 @@ class GraphedCall:
     (:meth:`Pipeline.capture`): the lowest-latency way to run it again and again.
 
     It holds everything the graph's addresses point to, so none of it can be freed while the
-    graph lives: the pipeline (its plan's buffers), the static input ``x`` ``[M, K_0]`` on
-    stage 0's device and the output ``out`` ``[M, N_last]`` on the last stage's device. Each
-    replay overwrites ``out``. A replay is ordered like an eager call: it waits for the current
-    stream of every stage's device and those streams wait for it, so the caller may fill ``x``
-    and read ``out`` on its own streams.
+    graph lives: the pipeline, its plan for ``M`` (pinned: never evicted), the static input
+    ``x`` ``[M, K_0]`` on stage 0's device and the output ``out`` ``[M, N_last]`` on the last
+    stage's device. Each replay overwrites ``out``. A replay is ordered like an eager call: it
+    waits for the current stream of every stage's device and for the pipeline's previous call
+    or replay, and those streams wait for it, so the caller may fill ``x`` and read ``out`` on
+    its own streams. Replays do not read the error words: call :meth:`check_errors`.
     """
 
     pipeline: Pipeline
+    plan: Plan
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     out: torch.Tensor
@@ -228,21 +291,27 @@ class GraphedCall:
     def replay(self) -> torch.Tensor:
         """Run the captured call on whatever :attr:`x` holds now; returns :attr:`out`. Errors
         are not read here (that synchronises): call :meth:`check_errors` now and then."""
-        devices = self.pipeline.devices
-        first = torch.cuda.current_stream(devices[0])
-        others = [torch.cuda.current_stream(d) for d in devices[1:]]
-        for st in others:
-            first.wait_event(st.record_event())
-        with torch.cuda.device(devices[0]), torch.cuda.stream(first):
-            self.graph.replay()
-        done = first.record_event()
-        for st in others:
-            st.wait_event(done)
+        pipe = self.pipeline
+        with pipe._lock:
+            pipe._usable()
+            if self.plan.stale:
+                raise RuntimeError("this graph's plan was left inconsistent by a failed call: capture it again")
+            pipe._refresh_replicas()
+            devices = pipe.distinct_devices
+            first = torch.cuda.current_stream(devices[0])
+            for ev in [torch.cuda.current_stream(d).record_event() for d in devices[1:]] + pipe._done:
+                first.wait_event(ev)
+            with torch.cuda.device(devices[0]), torch.cuda.stream(first):
+                self.graph.replay()
+            done = first.record_event()
+            for d in devices[1:]:
+                torch.cuda.current_stream(d).wait_event(done)
+            pipe._done = [done]
         return self.out
 
     def check_errors(self) -> None:
         """Raise :class:`PipelineTimeout` if a replay timed out (see :meth:`Pipeline.check_errors`)."""
-        self.pipeline.check_errors(self.pipeline.plan(self.x.shape[0]))
+        self.pipeline.check_errors(self.plan)
 
     def __repr__(self) -> str:  # not the tensors' contents (a copy from the GPU)
         devices = ", ".join(str(d) for d in self.pipeline.devices)
@@ -265,6 +334,11 @@ class Pipeline:
         Its ``wait_parts`` is capped at the producer's column-blocks; a ``workqueue`` consumer
         runs whole tiles once they are ready, so it waits for whole row-blocks (one part).
     timeout_s : how long a CTA waits for an input before it gives up and reports.
+    host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
+        before it raises :class:`PipelineHung` and refuses further calls; default
+        ``max(10, 10 * timeout_s)``.
+    max_plans : input heights whose plans (buffers, scoreboards, bound launches) are kept; the
+        least recently used is freed first, never one a captured graph points at.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
     prefill_rows : the second GPU computes this many first rows of the first layer itself (see
@@ -292,6 +366,8 @@ class Pipeline:
         prefill_rows: int = 0,
         drain_rows: int = 0,
         ends: str | None = None,
+        host_timeout_s: float | None = None,
+        max_plans: int = MAX_PLANS,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -309,6 +385,12 @@ class Pipeline:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
+        self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
+        if self.host_timeout_s <= 0:
+            raise ValueError(f"host_timeout_s must be positive, got {host_timeout_s}")
+        if not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
+        self.max_plans = max_plans
         self.trace = trace
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
@@ -332,22 +414,51 @@ class Pipeline:
             raise ValueError(f"drain_rows needs a chain of exactly two stages, got {len(self.weights)}")
         self.prefill_rows, self.drain_rows = prefill_rows, drain_rows
         self.devices = [w.device for w in self.weights]
+        self.distinct_devices = list(dict.fromkeys(self.devices))
         self.on_gpu = self.devices[0].type == "cuda"
+        shared = len(self.distinct_devices) < len(self.devices)
+        if self.on_gpu and shared and (prefill_rows or drain_rows or ends):
+            raise ValueError("prefill and drain rows fill a second GPU's idle time: they need the stages on two GPUs")
         if self.on_gpu:
-            idx = [d.index for d in self.devices]
-            if len(set(idx)) != len(idx):
-                raise ValueError(
-                    f"each stage needs its own GPU, got stages on {[str(d) for d in self.devices]}: "
-                    "a consumer's persistent CTAs would occupy the SMs its producer needs"
-                )
-            fabric.enable_peer_access(idx)
+            if any(d.type != "cuda" for d in self.devices):
+                raise ValueError(f"the stages must all be on CUDA devices, got {[str(d) for d in self.devices]}")
+            for s, d in enumerate(self.devices[1:], 1):
+                if self.devices.index(d) != s and self.devices[s - 1] != d:
+                    raise ValueError(
+                        f"each GPU must hold a contiguous range of stages, got {[str(d) for d in self.devices]}"
+                    )
+            fabric.enable_peer_access([d.index for d in self.devices])
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
-        # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's
-        self.prefill_weight = self.weights[0].to(self.devices[1]) if prefill_rows or ends else None
-        self.drain_weight = self.weights[1].to(self.devices[0]) if drain_rows or ends else None
-        self._plans: dict[int, Plan] = {}
+        # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
+        # refreshed when their source changes in place (its version counter moves)
+        self._replicas: list[list] = []  # [source, replica, source version at the copy]
+        self.prefill_weight = self._replica(self.weights[0], self.devices[-1]) if prefill_rows or ends else None
+        self.drain_weight = self._replica(self.weights[1], self.devices[0]) if drain_rows or ends else None
+        self._plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.tuned_ends: dict[int, tuple[int, int]] = {}  # M -> (R, D) chosen by tune_ends
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
+        self._lock = threading.RLock()  # one call (or replay) at a time on the host
+        self._done: list = []  # events: the end of the last call on every stage's stream
+        self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
+        self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
+
+    def _replica(self, w: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copy = w.to(device, copy=True)
+        self._replicas.append([w, copy, w._version])
+        return copy
+
+    def _refresh_replicas(self) -> None:
+        """Copy each weight whose replica is out of date (changed in place since) again."""
+        for rec in self._replicas:
+            w, copy, version = rec
+            if w._version != version:
+                if self.on_gpu and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "a weight changed in place since its replica was made: call the pipeline once outside "
+                        "the CUDA-graph capture to refresh it"
+                    )
+                copy.copy_(w)
+                rec[2] = w._version
 
     @classmethod
     def on_devices(cls, weights: list[torch.Tensor], devices: list[int] | None = None, **kw) -> Pipeline:
@@ -455,7 +566,7 @@ class Pipeline:
             plan = plans[cand] = self._build_plan(M, *cand)
             self._launch(plan, x, out)  # compiles; checked below
             self.check_errors(plan)
-            self._sync()
+            self._wait()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.device(self.devices[0]), torch.cuda.graph(g):
                 self._launch(plan, x, out)
@@ -470,82 +581,154 @@ class Pipeline:
         self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
         self.tuning[M] = medians
         self.tuned_ends[M] = best
-        self._plans[M] = plans[best]
+        self._keep(M, plans[best])
         return best
 
     # -- state -------------------------------------------------------------------------------
     def plan(self, M: int) -> Plan:
-        """The buffers and scoreboards for inputs of ``M`` rows (built on first use)."""
-        if M not in self._plans:
-            self._plans[M] = self._build_plan(M, *self.ends_for(M))
-        return self._plans[M]
+        """The plan for inputs of ``M`` rows (built on first use; the :attr:`max_plans` most
+        recently used are kept)."""
+        plan = self._plans.get(M)
+        if plan is None:
+            plan = self._keep(M, self._build_plan(M, *self.ends_for(M)))
+        self._plans.move_to_end(M)
+        return plan
+
+    def _keep(self, M: int, plan: Plan) -> Plan:
+        """Keep ``plan`` for ``M`` rows; free the least recently used unpinned plans beyond
+        :attr:`max_plans`, once the devices are done with them (bounded wait)."""
+        self._plans[M] = plan
+        evict = [m for m, p in self._plans.items() if not p.pinned and m != M][: max(0, len(self._plans) - self.max_plans)]
+        if evict:
+            self._wait()  # a call in flight may still use their buffers
+            for m in evict:
+                self._pending.pop(self._plans.pop(m), None)
+        return plan
 
     def _build_plan(self, M: int, R: int, D: int) -> Plan:
-        """A plan for ``M`` rows whose second GPU prefills ``R`` and first GPU drains ``D``."""
-        cfg, ws, devs = self.config, self.weights, self.devices
+        """A plan for ``M`` rows whose second GPU prefills ``R`` and first GPU drains ``D``:
+        buffers, scoreboards, and every launch of a call bound once."""
+        cfg, ws, devs, n = self.config, self.weights, self.devices, len(self.weights)
         P = M - D  # the rows the pipelined stages carry
         grids = [deps.TileGrid(P, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
         links, inputs = [], [None]
-        for s in range(1, len(ws)):
+        for s in range(1, n):
             parts = 1 if self.policy.uses_queue else min(cfg.wait_parts, grids[s - 1].num_n)
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         if R:  # the prefill GEMM reads the CSR lists from its own device
             links[0].local_lists = SignalLists.create(links[0].dep, devs[1])
-
-        def gemm(rows: int, w: torch.Tensor, device, s: int = 0) -> tuple[int, TailBuffers | None]:
-            """A launch's persistent grid and split-tail buffers (None: no split tail)."""
-            if not rows:
-                return 0, None
-            ctas = grid_size(rows, w.shape[1], cfg, device)
-            split = tail_split(rows, w.shape[1], w.shape[0], self.stage_config(s), ctas)
-            return ctas, None if split is None else TailBuffers.create(split, cfg, device)
-
-        # the stages (the producer owns rows [R, P)), the prefill on stage 1's device, and the
-        # drain's two GEMMs on stage 0's device, both in stage 0's configuration
-        stages = [gemm(P - R if s == 0 else P, w, d, s) for s, (w, d) in enumerate(zip(ws, devs))]
-        prefill = gemm(R, ws[0], devs[1]) if R else (0, None)
-        drain = [gemm(D, ws[0], devs[0]), gemm(D, ws[1], devs[0])] if D else [(0, None)] * 2
-        num_ctas = [c for c, _ in stages]
-        limit = min((deps.epoch_limit(lk.dep, max(num_ctas)) for lk in links), default=deps.INT32_MAX)
         plan = Plan(
             M=M,
             inputs=inputs,
             links=links,
-            epochs=[torch.zeros(1, dtype=torch.int32, device=d) for d in devs],
-            errors=[torch.zeros(len(ERR_FIELDS), dtype=torch.int32, device=d) for d in devs],
+            epochs=[_i64(1, d) for d in devs],
+            errors=[_i64(len(ERR_FIELDS), d) for d in devs],
             traces=[
                 torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
                 for g, d in zip(grids, devs)
             ],
-            tails=[t for _, t in stages],
-            num_ctas=num_ctas,
-            epoch_limit=limit,
+            tails=[],
+            num_ctas=[],
             prefill_rows=R,
             prefill_x=torch.empty(R, ws[0].shape[0], dtype=ws[0].dtype, device=devs[1]) if R else None,
-            prefill_ctas=prefill[0],
-            prefill_tail=prefill[1],
             drain_rows=D,
             drain_h=torch.empty(D, ws[0].shape[1], dtype=ws[0].dtype, device=devs[0]) if D else None,
-            drain_ctas=(drain[0][0], drain[1][0]),
-            drain_tails=(drain[0][1], drain[1][1]),
+            err_host=[torch.zeros(len(ERR_FIELDS), dtype=torch.int64, pin_memory=self.on_gpu) for _ in devs],
         )
+        queue = self.policy.uses_queue
+
+        def bind(stream, rows, w, s_cfg, a, c, stage=None, **hooks):
+            """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
+            stage's share of its GPU; ``stage``: the stage it is (None: a prefill or drain GEMM)."""
+            dev = devs[stream]
+            ctas = max(1, min(self._sm_share(stream), -(-rows // cfg.block_m) * -(-w.shape[1] // cfg.block_n)))
+            split = tail_split(rows, w.shape[1], w.shape[0], s_cfg, ctas)
+            tail = None if split is None else TailBuffers.create(split, s_cfg, dev)
+            plan.tails.append(tail)
+            gemm = GemmLaunch(
+                rows, w.shape[1], w.shape[0], s_cfg, ctas, dev, tail=tail, timeout_ns=self.timeout_ns,
+                err=plan.errors[stream], stage=stream, **hooks,
+            )  # fmt: skip
+            plan.launches.append(Launch(stream, gemm, a, w, c, stage))
+            return ctas
+
+        first = R // cfg.block_m * links[0].dep.producer.num_n if R else 0  # producer tile of row R
+        for s in range(n):
+            if s == 1 and R:  # the prefill: rows [0, R) of stage 0 on stage 1's GPU, before the consumer
+                # (a copy of x first: the GEMM reading x across NVLink with TMA took 1.29x the whole
+                # chain, 2026-11-30-h200x2-s6/e3)
+                bind(
+                    1, R, self.prefill_weight, self.stage_config(0), plan.prefill_x, inputs[1][:R],
+                    signal=links[0].signal_hook(queue, local=True), epoch=plan.epochs[1],
+                )  # fmt: skip
+                plan.launches[-1].copy_x = (plan.prefill_x, R)
+            lo = R if s == 0 else 0  # stage 0's producer owns rows [R, P)
+            plan.num_ctas.append(
+                bind(
+                    s, P - lo, ws[s], self.stage_config(s),
+                    ("x", lo, P) if s == 0 else inputs[s][lo:P],
+                    ("out", lo, P) if s == n - 1 else inputs[s + 1][lo:P],
+                    stage=s,
+                    wait=links[s - 1].wait_hook(queue) if s > 0 else None,
+                    signal=links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else None,
+                    epoch=plan.epochs[s], trace=plan.traces[s],
+                )  # fmt: skip
+            )
+            if s == 0 and D:  # the drain, after the producer on its GPU: both layers of rows [P, M)
+                bind(0, D, ws[0], self.stage_config(0), ("x", P, M), plan.drain_h, epoch=plan.epochs[0])
+                bind(0, D, self.drain_weight, self.stage_config(0), plan.drain_h, ("out", P, M), epoch=plan.epochs[0])
         return plan
 
-    def reset(self, plan: Plan | None = None) -> None:
-        """Wait for every device, then zero counters, rings, epochs and error words."""
-        self._sync()
-        for p in [plan] if plan else self._plans.values():
-            for t in p.state():
-                t.zero_()
-            p.epoch = 0
-        self._sync()
+    def _sm_share(self, s: int) -> int:
+        """The CTAs stage ``s`` may hold: its GPU's SMs shared equally among the stages on it, so
+        that every CTA of every stage there is resident at once. (The interpreter runs one
+        kernel after another: every stage has the whole CPU.)"""
+        sharing = self.devices.count(self.devices[s]) if self.on_gpu else 1
+        return num_sms(self.devices[s]) // sharing
 
-    def _sync(self):
-        if self.on_gpu:
-            for d in self.devices:
-                torch.cuda.synchronize(d)
+    def reset(self, plan: Plan | None = None) -> None:
+        """Wait for every device (bounded), then zero counters, rings, epochs and error words."""
+        with self._lock:
+            self._wait()
+            for p in [plan] if plan else self._plans.values():
+                for t in p.state():
+                    t.zero_()
+                p.epoch = 0
+                p.stale = False
+            for p in [plan] if plan else list(self._pending):
+                self._pending.pop(p, None)
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait until every stage's stream and every device's current stream is done, at most
+        :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`."""
+        if not self.on_gpu:
+            return
+        streams = [(f"stage {s}", st) for s, st in enumerate(self.streams)]
+        streams += [("the caller's stream", torch.cuda.current_stream(d)) for d in self.distinct_devices]
+        self._wait_for([(who, st.device, st.record_event()) for who, st in streams])
+
+    def _wait_for(self, events: list) -> None:
+        """Poll ``(who, device, event)`` until each event's ``query()`` is true, at most
+        :attr:`host_timeout_s` in all; else mark the pipeline unusable and raise."""
+        deadline = time.monotonic() + self.host_timeout_s
+        pause = 1e-5
+        for who, device, ev in events:
+            while not ev.query():
+                if time.monotonic() > deadline:
+                    self._broken = (
+                        f"{who} on {device} did not finish within host_timeout_s={self.host_timeout_s:g} s "
+                        "(a kernel still runs: the GPU may be unusable until it ends)"
+                    )
+                    raise PipelineHung(self._broken + "; this Pipeline refuses further calls")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise PipelineHung(f"this Pipeline is unusable: {self._broken}")
 
     # -- running -----------------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:
@@ -562,45 +745,65 @@ class Pipeline:
             raise ValueError("x has no rows")
         check_operands(x, w0, "pipeline input")
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+    def check_output(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """``out`` must be a contiguous ``[M, N_last]`` tensor on the last stage's device that
+        shares no memory with ``x`` or a weight."""
+        last = self.weights[-1]
+        check_out(out, x.shape[0], last.shape[1], last.dtype)
+        if out.device != self.devices[-1]:
+            raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous (the last stage writes it with TMA)")
+        if overlaps(out, x) or any(overlaps(out, w) for w in self.weights):
+            raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
         """Run the chain on ``x`` ([M, K_0] on stage 0's device); returns ``[M, N_last]`` on the
-        last stage's device. ``check=False`` skips the (synchronising) error-word check, for
-        CUDA-graph capture and timing; call :meth:`check_errors` later."""
-        self.check_input(x)
-        M, last = x.shape[0], self.weights[-1]
-        if out is None:
-            out = torch.empty(M, last.shape[1], dtype=last.dtype, device=self.devices[-1])
-        elif out.shape != (M, last.shape[1]) or out.dtype != last.dtype or out.device != self.devices[-1]:
-            raise ValueError(f"out must be [{M}, {last.shape[1]}] {last.dtype} on {self.devices[-1]}")
-        plan = self.plan(M)
-        self._launch(plan, x, out)
-        if check and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
-            self.check_errors(plan)
-        return out
+        last stage's device (``out`` if given). Does not synchronise: a timeout of this call
+        raises :class:`PipelineTimeout` at a later call or at :meth:`check_errors`; an earlier
+        call's is raised here, before anything is launched. ``check=True`` waits for this call
+        and checks it (the result is then known good)."""
+        with self._lock:
+            self._usable()
+            self.check_input(x)
+            if out is not None:
+                self.check_output(out, x)
+            self._raise_finished_errors()
+            M, last = x.shape[0], self.weights[-1]
+            plan = self.plan(M)
+            self._refresh_replicas()
+            if out is None:
+                out = torch.empty(M, last.shape[1], dtype=last.dtype, device=self.devices[-1])
+            self._launch(plan, x, out)
+            if check and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
+                self.check_errors(plan)
+            return out
 
     def capture(self, M: int, out: torch.Tensor | None = None) -> GraphedCall:
         """Capture one call on ``M`` rows in a CUDA graph, after an eager warm-up call (which
         compiles the kernels, builds the plan and checks it ran clean).
 
         Returns a :class:`GraphedCall`: ``y = graphed(x)`` copies ``x`` in and replays, or fill
-        ``graphed.x`` yourself and ``graphed.replay()``. It keeps this pipeline, its static
-        input and its output (``out``, or a new ``[M, N_last]`` tensor) alive as long as the
-        graph. To capture the pipeline inside a larger graph of your own instead, call it with
-        ``out=`` and ``check=False`` under your capture, after one call outside it.
+        ``graphed.x`` yourself and ``graphed.replay()``. It keeps this pipeline, its plan, its
+        static input and its output (``out``, or a new ``[M, N_last]`` tensor) alive as long as
+        the graph. To capture the pipeline inside a larger graph of your own instead, call it
+        with ``out=`` under your capture, after one call outside it (the plan for ``M`` is then
+        pinned too; keep the ``Pipeline`` alive as long as your graph).
         """
         if not self.on_gpu:
             raise RuntimeError("capture needs the stages on CUDA devices (CUDA graphs do not exist on the CPU)")
         if not isinstance(M, int) or M < 1:
             raise ValueError(f"M must be a positive int, got {M!r}")
         w0 = self.weights[0]
-        x = torch.zeros(M, w0.shape[0], dtype=w0.dtype, device=self.devices[0])
-        out = self(x, out=out)  # the warm-up call (checks out's shape, dtype and device too)
-        self._sync()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
-            self(x, out=out, check=False)
-        self._sync()
-        return GraphedCall(self, graph, x, out)
+        x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
+        with self._lock:
+            out = self(x, out=out, check=True)  # the warm-up call (checks out's shape, dtype and device too)
+            self._wait()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
+                self(x, out=out)
+            self._wait()
+            return GraphedCall(self, self.plan(M), graph, x, out)
 
     def _launch(
         self,
@@ -611,88 +814,67 @@ class Pipeline:
         delay_cycles: dict[int, int] | None = None,
         advance_epoch: bool = True,
     ):
-        """Launch the stages of one call. For tests and measurements: ``only`` launches a
-        subset (under ``workqueue``, a call without the consumer leaves the ring's head behind
-        the epoch: :meth:`reset` before the next full call); ``advance_epoch=False`` launches
-        against the current epoch (e.g. the consumer of a run whose producer already ran
-        alone); ``delay_cycles`` sleeps before a stage (after a prefill, which is launched
-        with stage 1). Returns Triton's compiled-kernel handle of each launched stage (None for
-        the others)."""
-        if advance_epoch:
-            if plan.epoch >= plan.epoch_limit:
-                self.reset(plan)
-            plan.epoch += 1
+        """Launch one call's kernels (the plan's launch records, each on its stage's stream).
+        For tests and measurements: ``only`` launches a subset of the stages (a prefill with
+        stage 1, a drain with stage 0; a call without the consumer leaves the ring's head behind the epoch
+        under ``workqueue``: :meth:`reset` before the next full call); ``advance_epoch=False``
+        launches against the current epoch (e.g. the consumer of a run whose producer already
+        ran alone); ``delay_cycles`` sleeps before a stage. Returns Triton's compiled kernel of
+        each launched stage (None for the others). A launch that fails part way marks the plan
+        stale: the next call resets it first."""
+        if plan.stale:
+            self.reset(plan)
         n = len(self.weights)
-        queue = self.policy.uses_queue
-        callers = self._caller_streams()
-        starts = [c.record_event() for c in callers]
+        capturing = self.on_gpu and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            plan.pinned = True  # a graph now points at its buffers
+        callers = self._caller_streams(capturing)
+        starts = [c.record_event() for c in callers] + ([] if capturing else self._done)
         kernels = [None] * n
-        R, D = plan.prefill_rows, plan.drain_rows
-        P = x.shape[0] - D  # the pipelined stages' rows
-        first = R // self.config.block_m * plan.links[0].dep.producer.num_n if R else 0  # producer tile of row R
-        for s in range(n):
-            own = slice(R if s == 0 else 0, P)  # stage 0's producer owns rows [R, P)
-            a = (x if s == 0 else plan.inputs[s])[own]
-            c = (out if s == n - 1 else plan.inputs[s + 1])[own]
-            with self._on_stream(s, starts):
-                if advance_epoch:
-                    plan.epochs[s].add_(1)
-                if only is not None and s not in only:
-                    continue
-                if s == 1 and R:  # the prefill: rows [0, R) of stage 0, here, before the consumer
-                    # a copy first: the GEMM reading x across NVLink with TMA took 1.29x the whole
-                    # chain (2026-11-30-h200x2-s6/e3)
-                    plan.prefill_x.copy_(x[:R])
-                    launch_gemm(
-                        plan.prefill_x, self.prefill_weight, plan.inputs[1][:R], self.stage_config(0),
-                        plan.prefill_ctas, signal=plan.links[0].signal_hook(queue, local=True),
-                        epoch=plan.epochs[1], err=plan.errors[1], tail=plan.prefill_tail, timeout_ns=self.timeout_ns,
-                    )  # fmt: skip
-                if delay_cycles and s in delay_cycles:
-                    torch.cuda._sleep(delay_cycles[s])
-                kernels[s] = launch_gemm(
-                    a,
-                    self.weights[s],
-                    c,
-                    self.stage_config(s),
-                    plan.num_ctas[s],
-                    wait=plan.links[s - 1].wait_hook(queue) if s > 0 else None,
-                    signal=plan.links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else None,
-                    epoch=plan.epochs[s],
-                    err=plan.errors[s],
-                    trace=plan.traces[s],
-                    tail=plan.tails[s],
-                    stage=s,
-                    timeout_ns=self.timeout_ns,
-                )
-                if s == 0 and D:  # the drain, here, after the producer
-                    self._drain(plan, x[P:], out[P:])
-        for caller in callers:  # none on the CPU
-            for st in self.streams:
-                caller.wait_stream(st)
+        try:
+            for s in range(n):
+                with self._on_stream(s, starts):
+                    if advance_epoch:
+                        plan.epochs[s].add_(1)
+                    for launch in plan.launches:
+                        if launch.stream != s or (only is not None and s not in only):
+                            continue
+                        if delay_cycles and launch.stage in delay_cycles:
+                            torch.cuda._sleep(delay_cycles[launch.stage])
+                        kernel = launch.run(x, out)
+                        if launch.stage is not None:
+                            kernels[launch.stage] = kernel
+        except BaseException:
+            plan.stale = True
+            raise
+        if advance_epoch:
+            plan.epoch += 1
+        if self.on_gpu:
+            done = []
+            for s, st in enumerate(self.streams):
+                with torch.cuda.device(self.devices[s]), torch.cuda.stream(st):
+                    if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
+                        plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
+                    done.append(st.record_event())
+            for caller in callers:
+                for ev in done:
+                    caller.wait_event(ev)
+            if not capturing:
+                self._done = done
+        if not capturing:
+            self._pending[plan] = self._done
         return kernels
 
-    def _drain(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
-        """The last rows of both layers on stage 0's device (on its current stream): ``x``
-        ``[D, K_0]`` into ``plan.drain_h``, then that times the replica of ``W_1`` into
-        ``out`` ``[D, N_1]``, which lies on the last stage's device (a peer write)."""
-        gemms = [(x, self.weights[0], plan.drain_h), (plan.drain_h, self.drain_weight, out)]
-        for (a, w, c), ctas, tail in zip(gemms, plan.drain_ctas, plan.drain_tails):
-            launch_gemm(
-                a, w, c, self.stage_config(0), ctas, epoch=plan.epochs[0], err=plan.errors[0], tail=tail,
-                timeout_ns=self.timeout_ns,
-            )  # fmt: skip
-
-    def _caller_streams(self) -> list:
+    def _caller_streams(self, capturing: bool) -> list:
         """The streams a call forks from and joins back to: the current stream of every stage's
         device, so that tensors the caller allocated or reads on any of them (``x``, ``out``,
         the result) are ordered with the stages. Under CUDA-graph capture only the capturing
         stream (stage 0's device) may be used; the graph's replay then orders everything."""
         if not self.on_gpu:
             return []
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             return [torch.cuda.current_stream(self.devices[0])]
-        return [torch.cuda.current_stream(d) for d in self.devices]
+        return [torch.cuda.current_stream(d) for d in self.distinct_devices]
 
     @contextlib.contextmanager
     def _on_stream(self, s: int, starts):
@@ -710,34 +892,57 @@ class Pipeline:
         :mod:`ctapipelining.trace`)."""
         if not self.trace:
             raise RuntimeError("this pipeline was built without trace=True")
-        self._sync()
+        self._wait()
         return [t.cpu().numpy() for t in self.plan(M).traces]
 
     def check_errors(self, plan: Plan | None = None) -> None:
-        """Read every stage's error word (synchronises); on a timeout, reset and raise."""
-        plans = [plan] if plan else list(self._plans.values())
-        for p in plans:
-            words = [e.cpu().tolist() for e in p.errors]
-            bad = [(s, dict(zip(ERR_FIELDS, w))) for s, w in enumerate(words) if w[0]]
-            if bad:
-                self.reset(p)
-                msgs = []
-                for s, e in bad:
-                    if e["kind"] == KIND_HEAD.value:
-                        msgs.append(
-                            f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
-                            f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
-                            "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
-                        )
-                        continue
-                    on_counter = e["kind"] == KIND_COUNTER.value
-                    what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
-                    tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
-                    msgs.append(
-                        f"stage {s} on {self.devices[s]}: CTA {e['cta']} timed out waiting for {tile} "
-                        f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
-                    )
-                raise PipelineTimeout("; ".join(msgs) + ". State reset; the next call starts clean.")
+        """Wait for every device (bounded: :class:`PipelineHung`), then read the error words of
+        ``plan`` (default: every plan); on a timeout reset that plan and raise
+        :class:`PipelineTimeout` naming device, stage, CTA and tile."""
+        with self._lock:
+            self._wait()
+            for p in [plan] if plan else list(self._plans.values()):
+                self._pending.pop(p, None)
+                self._raise_if_failed(p, [e.cpu().tolist() for e in p.errors])
+
+    def _raise_finished_errors(self) -> None:
+        """Raise an earlier call's timeout if that call has finished (never waits): its error
+        words were copied to host memory at its end, behind the events it recorded."""
+        for plan, events in list(self._pending.items()):
+            if self.on_gpu:
+                if not all(ev.query() for ev in events):
+                    continue  # still running: read at a later call or check_errors
+                words = [e.tolist() for e in plan.err_host]
+            else:  # the interpreter ran it to the end
+                words = [e.tolist() for e in plan.errors]
+            del self._pending[plan]
+            if any(w[0] for w in words):
+                self.check_errors(plan)  # the device's words (the host copy may be older), reset, raise
+
+    def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:
+        bad = [(s, dict(zip(ERR_FIELDS, w))) for s, w in enumerate(words) if w[0]]
+        if not bad:
+            return
+        self.reset(plan)
+        msgs = []
+        for s, e in bad:
+            if e["kind"] == KIND_HEAD.value:
+                msgs.append(
+                    f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
+                    f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
+                    "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
+                )
+                continue
+            on_counter = e["kind"] == KIND_COUNTER.value
+            what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
+            tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
+            msgs.append(
+                f"stage {s} on {self.devices[s]}: CTA {e['cta']} timed out waiting for {tile} "
+                f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
+            )
+        raise PipelineTimeout(
+            f"a call on {plan.M} rows failed: " + "; ".join(msgs) + ". State reset; the next call starts clean."
+        )
 
 
-__all__ = ["Pipeline", "PipelineTimeout", "Plan", "Link", "GraphedCall"]
+__all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "Plan", "Launch", "Link", "GraphedCall"]

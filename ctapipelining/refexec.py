@@ -279,9 +279,6 @@ class Executor:
         if x.shape != (ch.M, ch.K0):
             raise ValueError(f"x has shape {x.shape}, chain expects {(ch.M, ch.K0)}")
         self.epoch += 1
-        for d in ch.links:
-            if self.epoch > deps.epoch_limit(d, max(s.num_ctas for s in ch.stages)):
-                raise OverflowError("epoch past the int32 limit: reset the chain")
         bufs = [x.astype(np.float32)] + [np.full((ch.M, g.N), np.nan, np.float32) for g in ch.grids]
         written = [np.zeros(g.num_tiles, np.int64) for g in ch.grids]
         ctas = {

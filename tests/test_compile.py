@@ -106,3 +106,13 @@ def test_waiting_in_parts_keeps_the_k_loop_pipelined(report):
         assert r["tma_load"] == b["tma_load"] and r["wgmma"] == b["wgmma"], name
         assert r["ld_acquire_sys"] == 1 + 2 * 3 and r["atom_sys"] == 0, name
         assert r["fence_proxy_async"] == b["fence_proxy_async"] + 3, name  # after each in-loop acquire
+
+
+def test_every_wait_ends_in_a_cta_wide_vote(report):
+    """A waiting CTA goes on or gives up as one: each bounded spin is followed by
+    ``bar.red.and.pred`` (the threads' answers ANDed), so no thread acts on its own answer."""
+    for name, r in report.items():
+        if r["ld_acquire_sys"]:
+            assert r["vote"] >= 1, name
+        else:
+            assert r["vote"] == 0, name

@@ -89,8 +89,6 @@ def test_policies_and_epoch_arithmetic():
     # 4 consumer tiles: position 5 is lap 2 (epoch 2), so it holds 2*4 + tile
     assert deps.slot_value(5, 4, 3) == 11
     assert deps.head_base(3, num_tiles=4, num_ctas=2) == 12
-    lim = deps.epoch_limit(d, num_ctas=2)
-    assert lim * (4 + 2) <= deps.INT32_MAX - 4 < (lim + 1) * (4 + 2)  # head moves T + P a run
 
 
 def test_split_tail_h200_workload():

@@ -26,6 +26,7 @@ PATTERNS = {
     "bulk_wait_complete": r"cp\.async\.bulk\.wait_group [0-9]",
     "atom_gpu": r"atom\.[a-z_.]*gpu",
     "ld_cg": r"ld\.global\.cg",
+    "vote": r"bar\.red\.and\.pred",
 }
 VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "plain": (False, False, False),
@@ -52,8 +53,9 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
             sig[n] = f"tensordesc<bf16[{bk}, {bn}]>"
         elif n == "c_ptr":
             sig[n] = "*bf16"
-        elif n == "trace_ptr":
-            sig[n] = "*i64"
+        elif n in ("trace_ptr", "epoch_ptr", "err_ptr", "in_counters", "in_slots", "in_head", "out_counters",
+                   "out_slots", "out_tail"):  # fmt: skip
+            sig[n] = "*i64"  # protocol state
         elif n == "tail_ws":
             sig[n] = "*fp32"
         elif n in (

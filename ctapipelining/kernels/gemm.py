@@ -556,7 +556,7 @@ def gemm_kernel(
                 )  # fmt: skip
                 pos = claim(in_head, epoch, num_tiles, NUM_CTAS)
             else:
-                pos = num_tiles  # timed out: recorded in err_ptr; leave so the GPU never hangs
+                pos = pos * 0 + num_tiles  # timed out (the CTA as one): recorded in err_ptr; leave
     else:
         # plain or static: walk the tile order (the full rounds only, with a split tail);
         # under WAIT_INPUT wait on each tile's counter (in parts: the first before the tile).

@@ -32,13 +32,21 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
 1. every thread spins with ``ld.acquire.sys`` on the counter (``static``) or on the ring slot
    (``workqueue``), so each thread is ordered after the producers' releases without a
    block-wide barrier per poll; the loop is in one inline-PTX block bounded by a
-   ``%globaltimer`` deadline;
+   ``%globaltimer`` deadline. Then the CTA votes (``bar.red.and.pred``, :func:`cta_all`):
+   it goes on only if *every* thread saw the target, so each thread that reads has acquired
+   it itself, and the decision to go on or to give up is the same in every thread. (Decided
+   per thread, a value landing within a poll of the deadline split a CTA into threads that
+   computed and threads that left: barriers, wgmma and TMA then hung the GPU or faulted.)
 2. ``fence.proxy.async.global``: the data was written through the generic proxy and is read
    by TMA (the async proxy); the proxy fence orders the acquire before those reads. A consumer
    that waits in parts does 1-2 again for each later part, inside its K loop, before the TMA
    loads of that part are issued (:func:`ctapipelining.kernels.gemm._part_step` says when);
 3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
    the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
+
+Counters, epochs, ring slots, head and tail are int64 and compared on their signed
+difference, so no number of calls (graph replays advance the epochs where the host does not
+see them) wraps them: at 2^63 tile signals that is millennia of back-to-back calls.
 
 Under the Triton interpreter (``INTERPRET``), where inline PTX does not run, the waits poll a
 bounded number of times with Triton atomics instead; grid programs run one after another
@@ -48,7 +56,7 @@ there, so a wait either holds at once (the producer ran first) or times out.
 import triton
 import triton.language as tl
 
-# Error word layout: int32[len(ERR_FIELDS)] per stage, on the stage's device.
+# Error word layout: int64[len(ERR_FIELDS)] per stage, on the stage's device.
 ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
 ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CTA = (tl.constexpr(i) for i in range(8))
 KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
@@ -56,22 +64,37 @@ KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
 KIND_HEAD = tl.constexpr(3)  # claimed a ring position before this run's: the ring state is inconsistent
 INTERPRET_POLLS = tl.constexpr(64)
 
-# One thread polls ld.acquire.sys until the value reaches the target or the deadline passes.
-# Labels live inside { } so the block can be inlined many times.
+# Every thread polls ld.acquire.sys until the value reaches the target or its deadline passes
+# (64-bit values, compared on their signed difference: wrap-safe). Labels live inside { } so the
+# block can be inlined many times. Threads may leave this loop with different answers (a value
+# landing within a poll of the deadline): :func:`cta_all` makes the CTA's decision one.
 _SPIN_PTX = tl.constexpr("""
 {
   .reg .pred %wp<2>;
   .reg .u64 %wt<2>;
+  .reg .s64 %wd;
   mov.u64 %wt0, %globaltimer;
   add.u64 %wt0, %wt0, $3;
 WAIT_LOOP:
-  ld.acquire.sys.global.b32 $0, [$1];
-  setp.ge.s32 %wp0, $0, $2;
+  ld.acquire.sys.global.b64 $0, [$1];
+  sub.s64 %wd, $0, $2;
+  setp.ge.s64 %wp0, %wd, 0;
   @%wp0 bra WAIT_DONE;
   mov.u64 %wt1, %globaltimer;
   setp.lt.u64 %wp1, %wt1, %wt0;
   @%wp1 bra WAIT_LOOP;
 WAIT_DONE:
+}
+""")
+
+# A CTA-wide vote: bar.red.and.pred is a barrier (every thread of the CTA arrives) that also
+# returns, to every thread, the AND of the predicate over all of them.
+_ALL_PTX = tl.constexpr("""
+{
+  .reg .pred %vp<2>;
+  setp.ne.s32 %vp0, $1, 0;
+  bar.red.and.pred %vp1, 1, %vp0;
+  selp.s32 $0, 1, 0, %vp1;
 }
 """)
 
@@ -119,26 +142,42 @@ def cta_barrier(INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def cta_all(pred, INTERPRET: tl.constexpr):
+    """True in every thread iff ``pred`` holds in every thread of the CTA. A barrier: every
+    thread must reach it (call it from CTA-uniform control flow only)."""
+    if INTERPRET:
+        return pred
+    else:
+        vote = tl.inline_asm_elementwise(_ALL_PTX, "=r,r", [pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        return vote != 0
+
+
+@triton.jit
 def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
-    """Spin until ``*ptr >= target`` (int32) with acquire at system scope, at most
-    ``timeout_ns``. Returns the last value seen: ``< target`` means the wait timed out."""
+    """Spin until ``*ptr >= target`` (int64, wrap-safe: the signed difference) with acquire at
+    system scope, at most ``timeout_ns``. Returns ``(seen, ok)``: the last value this thread
+    saw, and whether *every* thread of the CTA saw the target (the same in every thread, so a
+    branch on it keeps the CTA together: a thread that saw the value just before the deadline
+    and one that gave up just after must not part ways into barriers, wgmma and TMA)."""
     if INTERPRET:
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls = 0
-        while (seen < target) & (polls < INTERPRET_POLLS):
+        while (seen - target < 0) & (polls < INTERPRET_POLLS):
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             polls += 1
     else:
         seen = tl.inline_asm_elementwise(
-            _SPIN_PTX, "=r,l,r,l", [ptr, target, timeout_ns.to(tl.uint64)], dtype=tl.int32, is_pure=False, pack=1
-        )
-    return seen
+            _SPIN_PTX, "=l,l,l,l", [ptr, target.to(tl.int64), timeout_ns.to(tl.uint64)], dtype=tl.int64,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    return seen, cta_all(seen - target >= 0, INTERPRET)
 
 
 @triton.jit
 def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
     """Record the first timeout of this stage in its error word (later ones are dropped)."""
-    first = tl.atomic_cas(err_ptr + ERR_FLAG, 0, 1, sem="relaxed", scope="gpu") == 0
+    zero = tl.full((), 0, tl.int64)
+    first = tl.atomic_cas(err_ptr + ERR_FLAG, zero, zero + 1, sem="relaxed", scope="gpu") == 0
     if first:
         tl.store(err_ptr + ERR_STAGE, stage)
         tl.store(err_ptr + ERR_TILE, tile)
@@ -152,19 +191,20 @@ def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
 @triton.jit
 def wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``static`` policy: wait until counter ``c`` (one of ``tile``'s: the whole row-block, or
-    one part of it) reaches ``epoch * need[c]``; on timeout record it. Returns True when the
-    data behind the counter may be read."""
+    one part of it) reaches ``epoch * need[c]``; on timeout record it. Returns True (in every
+    thread of the CTA alike) when the data behind the counter may be read."""
     target = epoch * tl.load(need + c)
-    seen = wait_geq(counters + c, target, timeout_ns, INTERPRET)
-    if seen < target:
+    seen, ok = wait_geq(counters + c, target, timeout_ns, INTERPRET)
+    if not ok:
         report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
-    return seen >= target
+    return ok
 
 
 @triton.jit
 def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
     """``workqueue`` policy: claim the next ring position of this run (``>= num_tiles``: done).
-    Each run moves the head by ``num_tiles + NUM_CTAS`` (every CTA claims once past the end)."""
+    Each run moves the (int64) head by ``num_tiles + NUM_CTAS`` (every CTA claims once past the
+    end). A scalar atomic: one thread claims and the CTA shares its answer."""
     base = (epoch - 1) * (num_tiles + NUM_CTAS)
     return tl.atomic_add(head, 1, sem="relaxed", scope="gpu") - base
 
@@ -172,7 +212,8 @@ def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
 @triton.jit
 def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``workqueue`` policy prologue: wait for ring position ``pos`` of run ``epoch`` to be
-    filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile``.
+    filled and return ``(tile, ok)``. A slot holds ``lap * num_tiles + tile`` (int64: the
+    position ``q`` of a run grows with every run, and ``q % num_tiles`` needs it whole).
 
     A negative ``pos`` means the head is behind this run (state that only an inconsistent
     ring gives: a run whose consumer never claimed, or buffers overwritten): it is reported
@@ -180,13 +221,14 @@ def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRE
     target = epoch * num_tiles
     q = (epoch - 1) * num_tiles + pos
     if pos >= 0:
-        seen = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
-        if seen < target:
+        seen, ok = wait_geq(slots + q % num_tiles, target, timeout_ns, INTERPRET)
+        if not ok:
             report_timeout(err_ptr, stage, -1, KIND_SLOT, q, seen, target)
     else:
         seen = target - 1
+        ok = False
         report_timeout(err_ptr, stage, -1, KIND_HEAD, pos, pos, 0)
-    return seen - target, seen >= target
+    return (seen - target).to(tl.int32), ok
 
 
 @triton.jit
