@@ -598,7 +598,9 @@ class Pipeline:
         """Keep ``plan`` for ``M`` rows; free the least recently used unpinned plans beyond
         :attr:`max_plans`, once the devices are done with them (bounded wait)."""
         self._plans[M] = plan
-        evict = [m for m, p in self._plans.items() if not p.pinned and m != M][: max(0, len(self._plans) - self.max_plans)]
+        evict = [m for m, p in self._plans.items() if not p.pinned and m != M][
+            : max(0, len(self._plans) - self.max_plans)
+        ]
         if evict:
             self._wait()  # a call in flight may still use their buffers
             for m in evict:
@@ -667,13 +669,17 @@ class Pipeline:
             lo = R if s == 0 else 0  # stage 0's producer owns rows [R, P)
             plan.num_ctas.append(
                 bind(
-                    s, P - lo, ws[s], self.stage_config(s),
+                    s,
+                    P - lo,
+                    ws[s],
+                    self.stage_config(s),
                     ("x", lo, P) if s == 0 else inputs[s][lo:P],
                     ("out", lo, P) if s == n - 1 else inputs[s + 1][lo:P],
                     stage=s,
                     wait=links[s - 1].wait_hook(queue) if s > 0 else None,
                     signal=links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else None,
-                    epoch=plan.epochs[s], trace=plan.traces[s],
+                    epoch=plan.epochs[s],
+                    trace=plan.traces[s],
                 )  # fmt: skip
             )
             if s == 0 and D:  # the drain, after the producer on its GPU: both layers of rows [P, M)

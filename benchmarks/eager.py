@@ -1,0 +1,153 @@
+"""Eager calls against graph replays, the host time per kernel launch, and the kernels of this
+tree against those of an earlier one (no regression), on one GPU, graph-replayed and paired.
+
+usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
+
+1. Host time per launch: while the GPU sleeps, the host time of N ``check=False`` calls,
+   divided by the kernels they launch (the plain GEMM: 1 a call; the chain on one GPU:
+   2 GEMMs and 2 epoch bumps a call), at M = 2048.
+2. Eager against graph-replayed: the plain GEMM at M = 2048 and the chain (two 8192-wide
+   layers sharing the GPU) at M = 2048 and 16384: median wall time of >= 30 synchronised calls
+   each, taking turns in a shuffled order; the ratio eager / graph per repetition, median and
+   95% CI (percentile bootstrap).
+3. No regression: if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an earlier tree's package,
+   renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
+   with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
+   one interleaved run; new / old per repetition, median and 95% CI.
+Writes eager.json in OUT_DIR and prints a table.
+"""
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ctapipelining import deps
+from ctapipelining.gemm import GemmLaunch, grid_size, matmul
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.pipeline import Link, Pipeline
+from ctapipelining.timing import Method, environment, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+OLD = sys.argv[3] if len(sys.argv) > 3 else None
+DEV = "cuda:0"
+K = 8192
+
+
+def ci(ratios, n=2000):
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return statistics.median(ratios), meds[int(0.025 * n)], meds[int(0.975 * n)]
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).bfloat16()
+
+
+def graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def host_per_launch(call, kernels_per_call, n=50):
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s: the calls below only queue
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n / kernels_per_call * 1e6
+
+
+def paired(methods, pairs):
+    times = time_interleaved(methods, [0], REPS, 5)
+    out = {m.name: {"median_ms": statistics.median(times[m.name]), "p10": sorted(times[m.name])[REPS // 10],
+                    "p90": sorted(times[m.name])[(9 * REPS) // 10]} for m in methods}  # fmt: skip
+    for num, den in pairs:
+        med, lo, hi = ci([a / b for a, b in zip(times[num], times[den])])
+        out[f"{num}/{den}"] = {"median": med, "ci95": [lo, hi]}
+    return out
+
+
+def main():
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv)}
+    w = rand(K, K, scale=K**-0.5)
+    ws = [rand(K, K, scale=K**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws)  # both stages on one GPU: the loopback
+    x2k = rand(2048, K)
+    y2k = torch.empty(2048, K, dtype=torch.bfloat16, device=DEV)
+    report["host_us_per_launch"] = {
+        "plain_2048": host_per_launch(lambda: matmul(x2k, w, out=y2k), 1),
+        "chain_2048_per_gemm": host_per_launch(lambda: pipe(x2k, out=y2k), 2),
+        "chain_2048_per_kernel": host_per_launch(lambda: pipe(x2k, out=y2k), 4),
+    }
+    methods, pairs = [], []
+    methods += [Method("plain_2048_eager", lambda: matmul(x2k, w, out=y2k))]
+    methods += [Method("plain_2048_graph", graphed(lambda: matmul(x2k, w, out=y2k)))]
+    pairs.append(("plain_2048_eager", "plain_2048_graph"))
+    for M in (2048, 16384):
+        x, y = rand(M, K), torch.empty(M, K, dtype=torch.bfloat16, device=DEV)
+        g = pipe.capture(M)
+        g.x.copy_(x)
+        methods += [Method(f"chain_{M}_eager", lambda x=x, y=y: pipe(x, out=y)), Method(f"chain_{M}_graph", g.replay)]
+        pairs.append((f"chain_{M}_eager", f"chain_{M}_graph"))
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    report["eager_vs_graph"] = paired(methods, pairs)
+    pipe.check_errors()
+    if OLD:
+        report["new_vs_old"] = new_vs_old()
+    (OUT / "eager.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "environment"}, indent=1))
+
+
+def new_vs_old():
+    sys.path.insert(0, OLD)
+    import ctapipelining_old.gemm as og
+    import ctapipelining_old.pipeline as op
+
+    M = 16384
+    x, w, w2 = rand(M, K), rand(K, K, scale=K**-0.5), rand(K, K, scale=K**-0.5)
+    h, y = torch.empty(M, K, dtype=torch.bfloat16, device=DEV), torch.empty(M, K, dtype=torch.bfloat16, device=DEV)
+    cfg, dev = PIPELINE_CONFIG, torch.device(DEV)
+    P = grid_size(M, K, cfg, dev)
+    grid = deps.TileGrid(M, K, cfg.block_m, cfg.block_n)
+    dep = deps.build_dependency(grid, grid, "gemm", consumer_k=K, parts=min(cfg.wait_parts, grid.num_n))
+    methods = []
+    for name, L, launch, i_dt in (("new", Link, None, torch.int64), ("old", op.Link, og.launch_gemm, torch.int32)):
+        link = L.create(dep, dev, dev)
+        epoch = torch.ones(1, dtype=i_dt, device=DEV)
+        err = torch.zeros(8, dtype=i_dt, device=DEV)
+        full = L.create(dep, dev, dev)
+        full.counters.copy_(torch.as_tensor(dep.need, dtype=i_dt))  # epoch 1: every counter full
+        if name == "new":
+            prod = GemmLaunch(M, K, K, cfg, P, dev, signal=link.signal_hook(False), epoch=epoch, err=err)
+            cons = GemmLaunch(M, K, K, cfg, P, dev, wait=full.wait_hook(False), epoch=epoch, err=err, stage=1)
+            plain = lambda: matmul(x, w, out=y)  # noqa: E731
+            run_p, run_c = (lambda p=prod: p(x, w, h)), (lambda c=cons: c(h, w2, y))
+        else:
+            plain = lambda: og.matmul(x, w, out=y)  # noqa: E731
+            sig, wt = link.signal_hook(False), full.wait_hook(False)
+            run_p = lambda s=sig, f=launch, e=epoch, r=err: f(x, w, h, cfg, P, signal=s, epoch=e, err=r)  # noqa: E731
+            run_c = lambda t=wt, f=launch, e=epoch, r=err: f(h, w2, y, cfg, P, wait=t, epoch=e, err=r, stage=1)  # noqa: E731
+        methods += [Method(f"plain_{name}", graphed(plain)), Method(f"producer_{name}", graphed(run_p)),
+                    Method(f"consumer_{name}", graphed(run_c))]  # fmt: skip
+        assert int(err[0]) == 0
+    out = paired(methods, [(f"{k}_new", f"{k}_old") for k in ("plain", "producer", "consumer")])
+    return out
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

@@ -1,0 +1,100 @@
+"""A consumer whose counters (or ring slots) are released at about its deadline, many times:
+each trial must end with a right result or a clean PipelineTimeout, and the process must
+neither hang nor die. Run in a subprocess with a watchdog (tests/test_gpu_core.py):
+
+    python tests/deadline_race.py TRIALS_PER_POLICY [OUT.json]
+
+One GPU: both stages on cuda:0 (loopback). Stage 1's input is written once by the plain GEMM;
+per trial the consumer is launched alone and a side stream sleeps, then releases what it waits
+on. The sleeps sweep a window centred on the deadline, found first by bisection, so a share of
+the trials release within a few microseconds of it either way. Prints one JSON line.
+"""
+
+import json
+import random
+import sys
+
+import torch
+
+from ctapipelining.gemm import matmul
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+
+TIMEOUT_S = 300e-6
+
+
+def run_policy(policy, ws, x, side, cycles_per_us, trials) -> dict:
+    """Bisect for the deadline, then ``trials`` releases around it; the outcome counts."""
+    dev, M, K = x.device, x.shape[0], x.shape[1]
+    pipe = Pipeline(ws, policy=policy, timeout_s=TIMEOUT_S)
+    plan = pipe.plan(M)
+    link = plan.links[0]
+    plan.inputs[1].copy_(matmul(x, ws[0], config=pipe.stage_config(0)))
+    ref = matmul(plan.inputs[1], ws[1], config=pipe.stage_config(1))
+    need = torch.as_tensor(link.dep.need, dtype=torch.int64, device=dev)
+    T = link.dep.consumer.num_tiles
+    tiles = torch.arange(T, dtype=torch.int64, device=dev)
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+
+    def trial(delay_us: float) -> str:
+        e = plan.epoch + 1
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        pipe._launch(plan, x, out, only=[1])
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(delay_us * cycles_per_us))
+            link.counters.copy_(e * need)
+            link.slots.copy_(e * T + tiles)
+            link.tail.fill_(e * T)
+        torch.cuda.synchronize()
+        try:
+            pipe.check_errors(plan)
+        except PipelineTimeout:
+            pipe.reset(plan)  # the side stream is done: nothing lands after the reset
+            return "timeout"
+        return "right" if torch.equal(out, ref) else "WRONG"
+
+    lo, hi = 0.0, 3 * TIMEOUT_S * 1e6  # bisect: release late enough to time out, early enough not to
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        if trial(mid) == "timeout":
+            hi = mid
+        else:
+            lo = mid
+    edge = (lo + hi) / 2
+    rng = random.Random(1)
+    counts = {"right": 0, "timeout": 0, "WRONG": 0}
+    near = {"right": 0, "timeout": 0}
+    for _ in range(trials):
+        d = edge + rng.uniform(-15, 15)
+        r = trial(d)
+        counts[r] += 1
+        if abs(d - edge) <= 5 and r in near:
+            near[r] += 1
+    return {"edge_delay_us": edge, "counts": counts, "within_5us_of_edge": near}
+
+
+def main(trials: int, out_path: str | None) -> dict:
+    torch.manual_seed(0)
+    dev = "cuda:0"
+    M, K = 1024, 1024
+    ws = [(torch.randn(K, K, device=dev) / K**0.5).bfloat16() for _ in range(2)]
+    x = torch.randn(M, K, device=dev).bfloat16()
+    side = torch.cuda.Stream(dev)
+    # clock64 cycles per microsecond, for torch.cuda._sleep
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(20_000_000)
+    b.record()
+    torch.cuda.synchronize()
+    cycles_per_us = 20_000_000 / (a.elapsed_time(b) * 1e3)
+    report = {"trials_per_policy": trials, "timeout_us": TIMEOUT_S * 1e6, "cycles_per_us": cycles_per_us}
+    for policy in ("static", "workqueue"):
+        report[policy] = run_policy(policy, ws, x, side, cycles_per_us, trials)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)))

@@ -1,0 +1,178 @@
+"""The core's guarantees on the CPU (the real kernels under the Triton interpreter): no wrap
+for any number of calls, inputs checked before any state changes, a failed launch never leaves
+a plan out of step, replicas follow their weights, plans are bounded, host waits are bounded,
+errors are asynchronous but never lost, calls from several threads are serialised."""
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from protocol_state import preset_epoch
+
+from ctapipelining.kernels.gemm import GemmConfig
+from ctapipelining.pipeline import Pipeline, PipelineHung, PipelineTimeout
+
+pytestmark = pytest.mark.interpreter
+
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
+
+
+def chain(*dims):
+    return [(torch.randn(k, n) / k**0.5).half() for k, n in zip(dims, dims[1:])]
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize("start", [2**31 - 2, 2**40])
+def test_no_wrap_past_int32_or_far_beyond(policy, start):
+    """Calls from just below 2^31 calls on (where int32 counters, targets and ring positions
+    went negative) and from 2^40: every result bitwise the sequential GEMMs, every counter
+    exactly epoch x need, the ring's tail epoch x T."""
+    ws = chain(16, 48, 32)
+    pipe = Pipeline(ws, policy=policy, config=SMALL)
+    plan = pipe.plan(40)
+    preset_epoch(plan, start)
+    for call in range(1, 3):
+        x = torch.randn(40, 16).half()
+        plan.inputs[1].fill_(float("nan"))
+        y = pipe(x, check=True)
+        assert torch.equal(y, pipe.sequential(x))
+        link = plan.links[0]
+        assert link.counters.tolist() == [(start + call) * int(n) for n in link.dep.need]
+        if policy == "workqueue":
+            assert int(link.tail) == (start + call) * link.dep.consumer.num_tiles
+        assert int(plan.epochs[1]) == start + call
+
+
+def test_bad_out_is_refused_before_any_state_changes():
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL)
+    x = torch.randn(24, 16).half()
+    bad = {
+        "strides": torch.empty(16, 24).half().t(),  # transposed: column-major
+        "16-byte aligned": torch.empty(24 * 16 + 1).half()[1:].view(24, 16),
+        "row-major with rows": torch.empty(24, 32).half()[:, :15],  # wrong shape and stride
+    }
+    for out in bad.values():
+        with pytest.raises(ValueError, match="out must"):
+            pipe(x, out=out)
+    with pytest.raises(ValueError, match="shares memory with x"):
+        pipe(x, out=x)
+    assert pipe._plans == {}, "a refused call built or changed state"
+
+
+def test_out_that_overlaps_x_is_refused():
+    ws = chain(16, 16, 16)
+    pipe = Pipeline(ws, config=SMALL)
+    buf = torch.randn(40, 16).half()
+    x = buf[:24]
+    pipe(x)  # builds the plan
+    epoch = int(pipe.plan(24).epochs[0])
+    with pytest.raises(ValueError, match="shares memory with x"):
+        pipe(x, out=buf[16:40])  # rows 16..23 are x's too
+    assert int(pipe.plan(24).epochs[0]) == epoch, "a refused call advanced the epoch"
+
+
+def test_a_launch_that_fails_part_way_leaves_the_plan_to_be_reset():
+    """The consumer's launch fails after the producer's went out: the device epochs are now
+    out of step. The plan is marked stale, and the next call resets it first and is right."""
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05)
+    x = torch.randn(24, 16).half()
+    plan = pipe.plan(24)
+    consumer = plan.launches[1]
+    real = consumer.run
+    consumer.run = lambda *a: (_ for _ in ()).throw(RuntimeError("launch failed"))
+    with pytest.raises(RuntimeError, match="launch failed"):
+        pipe(x)
+    assert plan.stale
+    consumer.run = real
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    link = plan.links[0]
+    assert not plan.stale and link.counters.tolist() == [int(n) for n in link.dep.need]
+
+
+def test_replicas_follow_in_place_changes_of_their_weights():
+    """With both ends filled, the prefill and drain use replicas of W_0 and W_1: after
+    ``W.mul_(2)`` they are refreshed, so every row uses the new weights."""
+    ws = chain(16, 48, 32)
+    cfg = dataclasses.replace(SMALL, split_tail=True, tail_slice_k=1)
+    pipe = Pipeline(ws, config=cfg, ends="balanced")
+    x = torch.randn(80, 16).half()
+    assert pipe.plan(80).prefill_rows and pipe.plan(80).drain_rows
+    before = pipe(x, check=True)
+    ws[0].mul_(2)
+    ws[1].mul_(0.5)
+    ws[1].add_(0.01)
+    after = pipe(x, check=True)
+    assert torch.equal(after, pipe.sequential(x))
+    assert not torch.equal(after, before)
+
+
+def test_plans_are_bounded_and_captured_ones_stay():
+    ws = chain(16, 16, 16)
+    pipe = Pipeline(ws, config=SMALL, max_plans=2)
+    for M in (8, 16, 24):
+        pipe(torch.randn(M, 16).half())
+    assert list(pipe._plans) == [16, 24]
+    pipe.plan(16).pinned = True  # as a captured graph pins it
+    for M in (32, 40):
+        pipe(torch.randn(M, 16).half())
+    assert list(pipe._plans) == [16, 40]
+    x = torch.randn(16, 16).half()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    with pytest.raises(ValueError, match="max_plans"):
+        Pipeline(ws, max_plans=0)
+
+
+class _NeverDone:
+    def query(self):
+        return False
+
+
+def test_host_waits_are_bounded_and_a_hung_pipeline_refuses_calls():
+    ws = chain(16, 16, 16)
+    pipe = Pipeline(ws, config=SMALL, host_timeout_s=0.05)
+    with pytest.raises(PipelineHung, match="stage 1 on cuda:1 did not finish within host_timeout_s=0.05 s"):
+        pipe._wait_for([("stage 1", "cuda:1", _NeverDone())])
+    with pytest.raises(PipelineHung, match="unusable"):
+        pipe(torch.randn(8, 16).half())
+
+
+def test_errors_are_asynchronous_and_never_lost():
+    """A call that times out returns; its error is raised by the next call (before it
+    launches anything) or by check_errors, and the call after that is right."""
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05)
+    x = torch.randn(24, 16).half()
+    plan = pipe.plan(24)
+    pipe._launch(plan, x, torch.empty(24, 16).half(), only=[1])  # a consumer with no producer
+    epochs = [int(e) for e in plan.epochs]
+    with pytest.raises(PipelineTimeout, match="a call on 24 rows failed: stage 1 on cpu"):
+        pipe(x)
+    assert [int(e) for e in plan.epochs] == [0, 0], "the failed plan was reset, nothing launched"
+    assert epochs == [1, 1]
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    pipe._launch(plan, x, torch.empty(24, 16).half(), only=[1])
+    with pytest.raises(PipelineTimeout):
+        pipe.check_errors()
+    pipe.check_errors()  # read once, reset: nothing left
+
+
+def test_calls_from_several_threads_are_serialised():
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL)
+    xs = [torch.randn(24, 16).half() for _ in range(4)]
+    ys = [None] * 4
+
+    def work(i):
+        ys[i] = pipe(xs[i], check=True)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, y in zip(xs, ys):
+        assert torch.equal(y, pipe.sequential(x))
+    assert pipe.plan(24).epoch == 4
