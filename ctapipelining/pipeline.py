@@ -601,6 +601,8 @@ class Pipeline:
         evict = [m for m, p in self._plans.items() if not p.pinned and m != M][
             : max(0, len(self._plans) - self.max_plans)
         ]
+        if evict and self.on_gpu and torch.cuda.is_current_stream_capturing():
+            evict = []  # no waiting inside a capture: evict at a later call
         if evict:
             self._wait()  # a call in flight may still use their buffers
             for m in evict:
@@ -774,7 +776,8 @@ class Pipeline:
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)
-            self._raise_finished_errors()
+            if not (self.on_gpu and torch.cuda.is_current_stream_capturing()):  # no event queries there
+                self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
             plan = self.plan(M)
             self._refresh_replicas()
