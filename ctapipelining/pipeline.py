@@ -80,6 +80,7 @@ from .gemm import (
 )
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
+from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
 # and leaves the rule's ends only for a candidate faster by more than TUNE_MARGIN: it times calls
@@ -543,7 +544,7 @@ class Pipeline:
 
         Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
         times timed, on random input, all candidates taking turns in a shuffled order
-        (:func:`ctapipelining.bench.time_interleaved`). These are calls back to back, both GPUs
+        (:func:`ctapipelining.timing.time_interleaved`). These are calls back to back, both GPUs
         at their power cap all the time: every candidate's median came out ~6% above the same
         chain's in the bench, where GPU 1 idles while single-GPU methods run
         (2026-11-30-h200x2-s6/f2, f3, f5), and the best prefill there can differ (see
@@ -551,8 +552,6 @@ class Pipeline:
         ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
         earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
-        from .bench import Method, time_interleaved
-
         cands = self.end_candidates(M, factors)  # refuses a pipeline without ends="balanced"
         if not self.on_gpu:
             raise RuntimeError("tune_ends times CUDA graphs: it needs the stages on GPUs")
