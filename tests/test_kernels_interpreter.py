@@ -57,19 +57,32 @@ def test_matmul(M, K, N):
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
 
 
-@pytest.mark.parametrize("tma_store", [False, True])
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
-@pytest.mark.parametrize("dims", [[24, 32], [24, 40, 16], [16, 24, 32, 8], [24]])
-@pytest.mark.parametrize("M", [33, 8])
+# Each policy runs a 3- and a 4-stage chain on M=33 (3 row-blocks, the last of 1 row) and a
+# 2-stage one on M=8 (one partial row-block, fewer tiles than CTAs), ordinary and TMA stores
+# alternating so that every policy has both, and both heights have both. A 2-stage chain on
+# 33 rows is the first link of the longer ones; a 1-stage chain has no link, so the policy
+# plays no part in it (once).
+@pytest.mark.parametrize(
+    "policy,M,dims,tma_store",
+    [
+        ("workqueue", 33, [24, 40, 16], True),
+        ("workqueue", 33, [16, 24, 32, 8], False),
+        ("workqueue", 8, [24, 32], True),
+        ("static", 33, [24, 40, 16], False),
+        ("static", 33, [16, 24, 32, 8], True),
+        ("static", 8, [24, 32], False),
+        ("static", 33, [24], True),
+    ],
+)
 def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in zip([16] + dims, dims)]
     pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, tma_store=tma_store))
-    for epoch in range(1, 4):
+    for epoch in range(1, 3):  # the second epoch runs on grown counters; later ones add nothing
         x = torch.randn(M, 16).half()
         plan = pipe.plan(M)
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x)
+        y = pipe(x, check=True)
         assert not y.isnan().any()
         assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
         for link in plan.links:
@@ -78,24 +91,37 @@ def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
                 assert int(link.tail) == epoch * link.dep.consumer.num_tiles
 
 
+# Each signal mode once per policy, ordinary and TMA stores for each policy. Left out: "now"
+# with TMA stores (SMALL's default signal: test_pipeline_epochs_poisoned runs it under both
+# policies); "in_loop" with TMA stores under static and with ordinary stores under workqueue,
+# each here under the other policy and under both in test_split_tail_pipeline_matches_sequential
+# (TMA stores; its full rounds run the same loop) and the prefill and drain tests (ordinary).
 @pytest.mark.parametrize(
-    "tma_store,signal", [(False, "now"), (False, "in_loop"), (True, "now"), (True, "next_tile"), (True, "in_loop")]
+    "policy,tma_store,signal",
+    [
+        ("workqueue", False, "now"),
+        ("workqueue", True, "next_tile"),
+        ("workqueue", True, "in_loop"),
+        ("static", False, "now"),
+        ("static", True, "next_tile"),
+        ("static", False, "in_loop"),
+    ],
 )
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_signal_modes(policy, tma_store, signal):
     """Every moment a producer may signal a stored tile gives the right chain, epoch after
-    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the CTA's next tile)."""
+    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the CTA's next tile;
+    M=20, 2 row-blocks: CTAs run up to 2 tiles, so a signal is left pending to the next one)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 64), (64, 24)]]
     cfg = dataclasses.replace(SMALL, tma_store=tma_store, signal=signal)
     pipe = Pipeline(ws, policy=policy, config=cfg)
     for epoch in range(1, 3):
-        x = torch.randn(50, 64).half()
-        for buf in pipe.plan(50).inputs[1:]:
+        x = torch.randn(20, 64).half()
+        for buf in pipe.plan(20).inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x)
+        y = pipe(x, check=True)
         assert not y.isnan().any()
         assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
-        for link in pipe.plan(50).links:
+        for link in pipe.plan(20).links:
             assert link.counters.tolist() == (epoch * link.dep.need).tolist()
 
 
@@ -203,22 +229,26 @@ def test_split_tail_matmul(M, K, N):
     assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
-@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (False, "now")])
+# Per policy: TMA stores with the in-loop signal, ordinary stores with the immediate one.
+# Split tails with ordinary stores and the in-loop signal: the prefill and drain tests (both
+# policies) and test_wait_in_parts_matches_sequential.
+@pytest.mark.parametrize("tma_store,signal", [(True, "in_loop"), (False, "now")])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_split_tail_pipeline_matches_sequential(policy, tma_store, signal):
     """Producers split their tails under both policies, a static consumer too (a workqueue
-    consumer runs whole tiles in readiness order); arrival counters are rearmed every run."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 32), (32, 64), (64, 24)]]
+    consumer runs whole tiles in readiness order); arrival counters are rearmed every run.
+    M=20: 2 row-blocks; stages 0 and 2 have 2 x 3 tiles on 4 CTAs, a 2-tile tail (K=64: 2 slices)."""
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 64), (64, 48)]]
     cfg = dataclasses.replace(SPLIT, tma_store=tma_store, signal=signal)
     pipe = Pipeline(ws, policy=policy, config=cfg)
-    plan = pipe.plan(48)
-    assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 12 tiles on 4 CTAs, no tail
+    plan = pipe.plan(20)
+    assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 8 tiles on 4 CTAs, no tail
     assert (plan.tails[2] is None) == (policy == "workqueue") == (not pipe.stage_config(2).split_tail)
-    for _ in range(3):
-        x = torch.randn(48, 64).half()
+    for _ in range(2):  # the second run finds the arrival counters rearmed by the first
+        x = torch.randn(20, 64).half()
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x)
+        y = pipe(x, check=True)
         assert torch.equal(y, pipe.sequential(x))
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
@@ -255,15 +285,16 @@ def test_next_tile_refuses_the_flattened_loop():
 PARTS = dataclasses.replace(SMALL, signal="in_loop")
 
 
-def assert_epochs_right(pipe, M, epochs=3):
+def assert_epochs_right(pipe, M, epochs=2):
     """``epochs`` calls on fresh inputs with NaN-poisoned buffers: each bitwise the sequential
-    GEMMs (and near the float64 chain), every counter epoch x need, the ring's tail epoch x T."""
+    GEMMs (and near the float64 chain), every counter epoch x need, the ring's tail epoch x T.
+    Two: the second runs on the counters the first grew (a third would run the same code)."""
     plan, ws = pipe.plan(M), pipe.weights
     for epoch in range(1, epochs + 1):
         x = torch.randn(M, ws[0].shape[0]).half()
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x)
+        y = pipe(x, check=True)
         assert torch.equal(y, pipe.sequential(x))
         assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
         for link in plan.links:
@@ -272,21 +303,27 @@ def assert_epochs_right(pipe, M, epochs=3):
                 assert int(link.tail) == epoch * link.dep.consumer.num_tiles
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("wait_parts", [2, 4, 16])
+# 4 parts (waits at K-steps 0, 2, 4; capped at 3 for K=40) without a split tail, 8 parts (one
+# per producer column-block) with one, whose slices wait for every part before they start.
+# wait_parts=2 ran nothing more: its in-loop wait at K-step 2 is one of 4 parts' waits, and its
+# 2 parts of K=40, both waited for before the tile, are like the prefill test's stage 2 (2 parts
+# of K=24, both waited for before the tile).
+@pytest.mark.parametrize("wait_parts,split", [(4, False), (16, True)])
 def test_wait_in_parts_matches_sequential(wait_parts, split):
     """A static consumer that waits for its input rows part by part inside its K loop gives
     bitwise the sequential chain, epoch after epoch, with every part's counter full. K=128 in
     steps of 16 with a 2-deep pipeline: parts start at K-steps 2, 4, 6, ... and are waited for
     2 steps earlier (the first part after the first step before the tile); K=40 has 3
     producer column-blocks, so its parts are capped at 3 and the later ones are waited for
-    before the tile; the middle stage both waits in parts and signals."""
+    before the tile; the middle stage both waits in parts and signals. M=20: 2 row-blocks, the
+    middle stage's 6 tiles leave a 2-tile tail on 4 CTAs (split in 2 when ``split``)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(32, 128), (128, 40), (40, 24)]]
     cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=wait_parts)
     pipe = Pipeline(ws, policy="static", config=cfg)
-    plan = pipe.plan(48)
+    plan = pipe.plan(20)
     assert [lk.dep.parts for lk in plan.links] == [min(wait_parts, 8), min(wait_parts, 3)]
-    assert_epochs_right(pipe, 48)
+    assert (plan.tails[1] is not None) == split
+    assert_epochs_right(pipe, 20)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # the K loop runs on over unwritten rows
@@ -321,22 +358,27 @@ def test_wait_in_parts_is_checked():
     assert torch.equal(wq(x), wq.sequential(x))
 
 
-@pytest.mark.parametrize("parts", [1, 4])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
+# A workqueue pipeline gives its consumers one part whatever wait_parts says (asserted in
+# test_wait_in_parts_is_checked), so parts=4 under workqueue ran parts=1's kernels again. A
+# static consumer waiting for whole row-blocks (parts=1) with a prefill: the ends="balanced"
+# tests (split tails) and test_prefill_leaves_the_producer_a_row_block_and_is_checked. A
+# workqueue prefill without split tails: test_drain_matches_sequential[workqueue-False-16].
+@pytest.mark.parametrize("policy,split,parts", [("workqueue", True, 1), ("static", False, 4), ("static", True, 4)])
 def test_prefill_matches_sequential(policy, split, parts):
     """Stage 1 computes the first rows of stage 0 itself (a copy of x's rows, a replica of
-    W_0) and both GEMMs signal the same counters: NaN-poisoned buffers, three epochs, every
+    W_0) and both GEMMs signal the same counters: NaN-poisoned buffers, two epochs, every
     counter epoch x need, bitwise the sequential GEMMs split the same way; a 3-stage chain."""
-    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 40), (40, 24)]]
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 80), (80, 24), (24, 16)]]
     cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=parts)
-    pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=32)
-    plan = pipe.plan(50)
-    assert plan.prefill_rows == 32 and plan.prefill_x.shape == (32, 64)
-    # 6 tiles each for the prefill and the producer on 4 CTAs: both split a 2-tile tail
+    pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=16)
+    plan = pipe.plan(33)
+    assert plan.prefill_rows == 16 and plan.prefill_x.shape == (16, 64)
+    # 4 parts of the producer's 5 column-blocks, capped at stage 1's 2 (static)
+    assert [lk.dep.parts for lk in plan.links] == [min(parts, 5), min(parts, 2)]
+    # the prefill 1 x 5 tiles and the producer (rows 16-33) 2 x 5 on 4 CTAs: both split a tail
     (prefill,) = plan.ends(1)
     assert (prefill.tail is not None) == (plan.tails[0] is not None) == split
-    assert_epochs_right(pipe, 50)
+    assert_epochs_right(pipe, 33)
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
 
@@ -369,25 +411,29 @@ def test_prefilled_consumer_without_producer_times_out_past_the_prefill():
     assert torch.equal(pipe(x), pipe.sequential(x))
 
 
-@pytest.mark.parametrize("prefill", [0, 16])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("policy", ["workqueue", "static"])
+# workqueue: one case with a prefill, the other with split tails; static: both (its consumer
+# waits in parts, and its split tail waits for every part). A static drain without split tails,
+# with and without a prefill: test_drain_leaves_the_pipeline_a_row_block_and_is_checked; static
+# split drains with a prefill: the ends="balanced" tests.
+@pytest.mark.parametrize(
+    "policy,split,prefill", [("workqueue", False, 16), ("workqueue", True, 0), ("static", True, 16)]
+)
 def test_drain_matches_sequential(policy, split, prefill):
     """Stage 0's device computes the last rows of both layers itself (a replica of W_1) after
-    its producer, and the consumer runs only the rows before them: NaN-poisoned buffers, three
+    its producer, and the consumer runs only the rows before them: NaN-poisoned buffers, two
     epochs, every counter epoch x need over the pipelined rows only, bitwise the sequential
     GEMMs cut the same way, with and without a prefill at the other end."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 80), (80, 40)]]
     cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=4)
     pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=prefill, drain_rows=32)
-    plan = pipe.plan(90)
+    plan = pipe.plan(58)
     assert (plan.prefill_rows, plan.drain_rows) == (prefill, 32)
-    assert plan.inputs[1].shape == (58, 80) and plan.drain_h.shape == (32, 80)
-    assert plan.links[0].dep.consumer.M == 58  # the consumer's rows end where the drain's begin
+    assert plan.inputs[1].shape == (26, 80) and plan.drain_h.shape == (32, 80)
+    assert plan.links[0].dep.consumer.M == 26  # the consumer's rows end where the drain's begin
     # the drain's GEMMs: 2 x 5 and 2 x 3 tiles on 4 CTAs, a 2-tile tail each when split
     assert [g.num_ctas for g in plan.ends(0)] == [4, 4] and all((g.tail is not None) == split for g in plan.ends(0))
     assert pipe.drain_weight.shape == ws[1].shape
-    assert_epochs_right(pipe, 90)
+    assert_epochs_right(pipe, 58)
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
 
@@ -401,11 +447,14 @@ def test_balanced_ends_size_both_ends_per_input_height():
     assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
     assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
     assert pipe.ends_for(1024) == (32, 16)
-    got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 40, 16)}
-    assert got == {256: (16, 16), 40: (16, 16), 16: (0, 0)}
-    assert_epochs_right(pipe, 256, epochs=2)
-    x = torch.randn(40, 64).half()
-    assert torch.equal(pipe(x), pipe.sequential(x))
+    got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 100, 40, 16)}
+    assert got == {256: (16, 16), 100: (16, 16), 40: (16, 16), 16: (0, 0)}
+    # on 40 rows: both ends, the producer's row-block (rows 16-24), the consumer's 2 x 3 tiles
+    # (a split 2-tile tail); on 100 rows (not 256: the same kernels on 2.3x the tiles) the
+    # producer's 20 tiles and the consumer's 18 (a split tail again) run in several rounds
+    assert_epochs_right(pipe, 40)
+    x = torch.randn(100, 64).half()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     with pytest.raises(ValueError, match="pass one or the other"):
         Pipeline(ws, ends="balanced", drain_rows=16)
     with pytest.raises(ValueError, match="exactly two stages, got 3"):
@@ -432,11 +481,12 @@ def test_end_candidates_and_what_tune_ends_refuses():
         Pipeline(ws, config=SPLIT).tune_ends(256)
     with pytest.raises(ValueError, match="ends='balanced'"):
         Pipeline(ws, config=SPLIT).end_candidates(256)
-    # what it chose is what a call on those rows uses
-    pipe.tuned_ends[256] = (32, 16)
-    assert (pipe.plan(256).prefill_rows, pipe.plan(256).drain_rows) == (32, 16)
-    x = torch.randn(256, 64).half()
-    assert torch.equal(pipe(x), pipe.sequential(x))
+    # what it chose is what a call on those rows uses (on 64 rows the rule's ends are (16, 16))
+    assert pipe.ends_for(64) == (16, 16)
+    pipe.tuned_ends[64] = (32, 16)
+    assert (pipe.plan(64).prefill_rows, pipe.plan(64).drain_rows) == (32, 16)
+    x = torch.randn(64, 64).half()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 
 def test_tuning_leaves_the_rule_only_for_a_clear_win():
