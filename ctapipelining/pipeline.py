@@ -453,7 +453,7 @@ class Pipeline:
         for rec in self._replicas:
             w, copy, version = rec
             if w._version != version:
-                if self.on_gpu and torch.cuda.is_current_stream_capturing():
+                if self._capturing():
                     raise RuntimeError(
                         "a weight changed in place since its replica was made: call the pipeline once outside "
                         "the CUDA-graph capture to refresh it"
@@ -600,7 +600,7 @@ class Pipeline:
         evict = [m for m, p in self._plans.items() if not p.pinned and m != M][
             : max(0, len(self._plans) - self.max_plans)
         ]
-        if evict and self.on_gpu and torch.cuda.is_current_stream_capturing():
+        if evict and self._capturing():
             evict = []  # no waiting inside a capture: evict at a later call
         if evict:
             self._wait()  # a call in flight may still use their buffers
@@ -733,6 +733,11 @@ class Pipeline:
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
+    def _capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph (no event queries,
+        waits or cross-capture event waits are allowed then)."""
+        return self.on_gpu and torch.cuda.is_current_stream_capturing()
+
     def _usable(self) -> None:
         if self._broken:
             raise PipelineHung(f"this Pipeline is unusable: {self._broken}")
@@ -775,7 +780,7 @@ class Pipeline:
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)
-            if not (self.on_gpu and torch.cuda.is_current_stream_capturing()):  # no event queries there
+            if not self._capturing():  # no event queries there
                 self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
             plan = self.plan(M)
@@ -783,7 +788,7 @@ class Pipeline:
             if out is None:
                 out = torch.empty(M, last.shape[1], dtype=last.dtype, device=self.devices[-1])
             self._launch(plan, x, out)
-            if check and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
+            if check and not self._capturing():
                 self.check_errors(plan)
             return out
 
@@ -833,7 +838,7 @@ class Pipeline:
         if plan.stale:
             self.reset(plan)
         n = len(self.weights)
-        capturing = self.on_gpu and torch.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         if capturing:
             plan.pinned = True  # a graph now points at its buffers
         callers = self._caller_streams(capturing)
