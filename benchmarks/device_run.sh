@@ -1,23 +1,61 @@
 #!/usr/bin/env bash
-# Everything measured on the GPU machine, in one call: environment, GPU tests, kernel
-# inspection, benchmark. Run from the repository root on nvidia-h200-x2:
-#   bash benchmarks/device_run.sh [extra args for `ctapipelining bench`]
-# Writes under $OUT (default ./device-out): env.txt, gpu-tests.log, bench.log, results.json,
-# results.csv, fig4/fig5 PNGs, consumer_workqueue.ptx.
+# Everything measured on a GPU machine, in one call, from the repository root:
+#   OUT=dir STEPS="env demo tests bench trace" bash benchmarks/device_run.sh [COMMIT]
+# Steps run in the order given (default: env demo tests bench trace), each with its own timeout so
+# the whole call ends within 10 minutes:
+#   env    date, commit, versions, nvidia-smi, topology                          -> env.txt
+#   demo   ctapipelining demo                                                    -> demo.log
+#   tests  the GPU tests (markers gpu, gpu2; on one GPU the pipelines run in loopback) -> gpu-tests.log
+#   bench  ctapipelining bench at 2048, 8192, 16384 rows, BENCH_REPS repetitions (default 30);
+#          BENCH_ENDS=R,D: the ends line with these prefill and drain rows     -> bench.log, bench/
+#   order  the bench at 16384 rows in fixed and in shuffled order (same machine) -> order-*.log, order-*/
+#   hooks  the bench at 16384 rows with each hook's cost timed alone           -> hooks.log, hooks/
+#   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
+#   eager  benchmarks/eager.py: eager calls against graph replays (one GPU)      -> eager.log, eager.json
+#   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
+# The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
+# back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-device-out}"
-STEPS="${STEPS:-env demo tests bench trace}"   # a subset, e.g. STEPS=bench, to re-run one part
+STEPS="${STEPS:-env demo tests bench trace}"
+CLI="python3 -m ctapipelining"
+SUMMARY='^(method|floor|triton|tp|micro|cta|sequential|producer|consumer|visib)|"seq"|WRONG|Error'
 mkdir -p "$OUT"
-[[ $STEPS == *env* ]] && {
-  date -u; nvidia-smi; nvidia-smi topo -m
-  python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'gpus', torch.cuda.device_count())"
-  echo "== kernel inspection"
-  timeout 240 python3 benchmarks/inspect_kernels.py "$OUT" 2>&1
-} > "$OUT/env.txt" 2>&1
-[[ $STEPS == *env* ]] && tail -30 "$OUT/env.txt"
-[[ $STEPS == *demo* ]] && echo "== demo" && timeout 120 python3 -m ctapipelining.cli demo 2>&1 | tail -8
-[[ $STEPS == *tests* ]] && echo "== GPU tests" && timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-[[ $STEPS == *bench* ]] && echo "== bench" && timeout 420 python3 -m ctapipelining.cli bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '\r' | tail -60
-[[ $STEPS == *trace* ]] && echo "== trace" && for p in workqueue static; do timeout 120 python3 -m ctapipelining.cli trace --policy $p --out "$OUT" 2>&1 | tail -40; done
+for step in $STEPS; do
+  echo "== $step ($(date -u +%T))"
+  case $step in
+    env) { date -u; echo "commit ${1:-unknown}"; echo "steps $STEPS"
+        nvidia-smi --query-gpu=index,name,clocks.max.sm,clocks.sm,power.limit,temperature.gpu --format=csv
+        nvidia-smi topo -m
+        python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'gpus', torch.cuda.device_count())"
+      } > "$OUT/env.txt" 2>&1
+      cat "$OUT/env.txt" ;;
+    demo) timeout 180 $CLI demo > "$OUT/demo.log" 2>&1; tail -12 "$OUT/demo.log" ;;
+    tests) timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
+    bench) timeout 300 $CLI bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
+        --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      grep -E "$SUMMARY" "$OUT/bench.log" | tail -60 ;;
+    order) for o in fixed shuffled; do
+        timeout 150 $CLI bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
+          --hooks-seq 0 --order $o --out "$OUT/order-$o" > "$OUT/order-$o.log" 2>&1
+        grep -E '"seq"|WRONG|Error' "$OUT/order-$o.log" | tail -3; done ;;
+    hooks) timeout 200 $CLI bench --seq 16384 --chunks 512,1024,2048 --reps 25 \
+        --hooks-seq 16384 --out "$OUT/hooks" > "$OUT/hooks.log" 2>&1
+      grep -E "$SUMMARY" "$OUT/hooks.log" | tail -30 ;;
+    trace) for p in static workqueue; do
+        timeout 120 $CLI trace --policy $p --out "$OUT/trace" 2>&1 | tail -30; done > "$OUT/trace.log"
+      cat "$OUT/trace.log" ;;
+    eager) timeout 200 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
+    tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
+      grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
+    *) echo "unknown step $step (see the list at the top of $0)" ;;
+  esac
+done
+# everything but env.txt and gpu-tests.log travels in one tarball (the list is made before the
+# tarball exists, so the tarball is never in it)
+cd "$OUT" && find . -type f ! -name env.txt ! -name gpu-tests.log -printf '%P\n' > ../.out-files \
+  && [ -s ../.out-files ] && tar czf all.tar.gz --remove-files -T ../.out-files && find . -type d -empty -delete
+rm -f ../.out-files; ls -R

@@ -26,8 +26,6 @@ from pathlib import Path
 
 from . import sim
 from .argtypes import UsageError, at_least, existing_file, non_negative_float, positive_int, positive_ints
-
-# Method and time_interleaved also stay importable from here: Pipeline.tune_ends reads them from bench
 from .timing import Method, Rotation, capture, environment, time_interleaved, time_method
 from .trace import clock_offset
 
@@ -64,20 +62,6 @@ class Row:
 
 
 # --------------------------------------------------------------------------- GPU measurements
-
-
-def chain_operands(M: int, K: int, seed: int = 0):
-    """The paper's 2-layer workload across cuda:0 -> cuda:1, for the benchmark scripts:
-    ``(x [M, K], A [K, K])`` on cuda:0 and ``B [K, K]`` on cuda:1, bf16, drawn in that order
-    after ``torch.manual_seed(seed)`` as ``A, B, x``; weights scaled by 1/sqrt(K) so the
-    activations stay O(1) through the chain."""
-    import torch
-
-    torch.manual_seed(seed)
-    A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-    B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
-    x = torch.randn(M, K, device="cuda:0").bfloat16()
-    return x, A, B
 
 
 def _bench_seq(
@@ -144,8 +128,8 @@ def _bench_seq(
     for policy, pipe in pipes.items():
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
-    # plus the static pipeline waiting for whole row-blocks before each tile (the default until session 4)
-    # and the static pipeline with both ends filled (ends: "balanced", or explicit rows with split tails)
+    # plus the static pipeline waiting for whole row-blocks before each tile (what waiting in parts
+    # gains) and the static pipeline with both ends filled (ends: "balanced", or explicit rows with split tails)
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
     if len(ws) == 2 and ends == "balanced":

@@ -39,7 +39,7 @@ def demo_gpu(args, ngpu: int) -> int:
     for name, kw in variants.items():
         pipe = Pipeline([A, B], **kw)
         t0 = time.perf_counter()
-        y = pipe(x)
+        y = pipe(x, check=True)  # waits for the call and reads its error words
         first = (time.perf_counter() - t0) * 1e3
         ref = pipe.sequential(x)  # the same GEMMs, one after another
         same = torch.equal(y, ref)

@@ -5,14 +5,14 @@ What is modelled
 * **Our GEMM**: persistent CTAs (one per SM) walking the tile order; a tile of ``BM x BN``
   over ``K`` takes ``K * tile_ns_per_k`` (plus ``epilogue_ns``); a producer writing into the
   peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal; with
-  ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile (the kernels'
-  ``signal="in_loop"``), the CTA's last tile at once. Not modelled: ``GemmConfig.split_tail``
-  (``PLAIN_CONFIG`` splits its partial last round: measured 1.6-1.9% faster than with a whole
-  last round), per-CTA variation of the tile time (measured static consumers fall a round
-  behind mid-run, which did not move the chain's end: ``2026-11-30-h200x2-s3/README.md``),
+  ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile, the CTA's last
+  tile at once (the kernels signal a quarter in: :data:`SIGNAL_LAG`). Not modelled: split tails
+  (``GemmConfig.split_tail``: the plain GEMM at M=16384 is 1.6-1.9% faster with its partial last
+  round split, ``benchmarks/results/2026-11-30-h200x2-s3/``), per-CTA variation of the tile time
+  (static consumers fall a round behind mid-run without moving the chain's end, same folder),
   the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
-  GPUs' power limits (a producer writing into the
-  peer clocks down ~5%: ``2026-11-30-h200x2-s4/README.md``; ``remote_factor`` stands for it).
+  GPUs' power limits (a producer writing into the peer clocks down ~5%,
+  ``benchmarks/results/2026-11-30-h200x2-s4/``; ``remote_factor`` stands for it).
 * **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
@@ -23,9 +23,9 @@ What is modelled
   local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``). ``drain_rows``
   (two stages): the first GPU computes the last ``D`` rows of both layers after its producer,
   the second of them writing into the peer, and the consumer runs the rows before them
-  (``Pipeline(drain_rows=...)``). Without split tails in the model, it predicts 512 + 512 rows
-  at 0.97x the chain without them, where the kernels measured 1.00x without split tails and
-  0.98-0.99x with them (2026-11-30-h200x2-s6/e1-e3): it is optimistic for the ends.
+  (``Pipeline(drain_rows=...)``). The model has no split tails: it predicts 512 + 512 rows at
+  0.97x the chain without them, where the kernels take 1.00x without split tails and 0.98-0.99x
+  with them (``benchmarks/results/2026-11-30-h200x2-s6/``, runs e1-e3): it is optimistic for the ends.
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
@@ -75,6 +75,9 @@ from .trace import plot_timeline
 # the checkout this module lies in: file names in a calibration's source are relative to it
 REPO = Path(__file__).parent.parent
 PACKAGED = "calibration-2xh200.json"  # under ctapipelining/data
+# a producer signals each tile a quarter into its CTA's next tile (kernels/gemm.py), so its remote
+# writes drain while that tile computes
+SIGNAL_LAG = 0.25
 
 
 def _rel(path: Path) -> str:
@@ -201,10 +204,6 @@ class Calibration:
         its signal (remote factor). Micro-batching and CTA-pipelining are not used, so the
         model's predictions for them can be checked against measurement.
         """
-        # the signal lag the kernels use now; imported here, not at the top, because importing the
-        # kernels fixes Triton's mode (interpreter or GPU), which the CLI's demo chooses first
-        from .kernels.gemm import PIPELINE_CONFIG
-
         results = Path(results)
         if results.is_dir():
             results = results / "results.json"
@@ -241,16 +240,19 @@ class Calibration:
             gpu_floor = med[("floor_triton", big, None)] - icpt
             remote = (prod - icpt - waves[seqs.index(big)] * t1) / gpu_floor
         shapes = base.tile_shapes
-        if tune:  # 128x128 vs 128x256, both grouped by 8, same run
+        if tune:  # 128x128 vs 128x256, both grouped by 8, same run (names of benchmarks/tune.py, or older)
             tr = {row["method"]: row["median_ms"] for row in json.loads(tune.read_text())["rows"]}
-            if "plain 128x128 g8 st4" in tr and "plain g8 {}" in tr:
-                shapes = ((128, 128, tr["plain 128x128 g8 st4"] / tr["plain g8 {}"]),)
+            for small, big in (("plain 128x128x64 g8 st4", "plain 128x256x64 g8 st3"),
+                               ("plain 128x128 g8 st4", "plain g8 {}")):  # fmt: skip
+                if small in tr and big in tr:
+                    shapes = ((128, 128, tr[small] / tr[big]),)
+                    break
         return cls(
             tile_shapes=shapes,
             tile_ns_per_k=float(slope) / K,
             remote_factor=float(remote),
             t1_ns=t1,
-            signal_lag=0.25 if PIPELINE_CONFIG.signal == "in_loop" else 0.0,
+            signal_lag=SIGNAL_LAG,
             t2_ns=t.get("T2_pingpong_one_way_us", base.t2_ns / 1e3) * 1e3,
             t3_ns=t.get("T3_fetch_when_ready", {}).get("median_us", base.t3_ns / 1e3) * 1e3,
             cublas_a_ns=float(max(a, 0.0)),

@@ -4,8 +4,8 @@
 bench, :meth:`Pipeline.tune_ends`, the GPU demo, the scripts under ``benchmarks/``): an untimed
 ``prepare`` (pick an input set, so caches do not flatter), all devices synchronised, host clock,
 the method, all devices synchronised again; methods take turns within each repetition.
-:func:`run_for` measures sustained throughput instead, :func:`sample_gpus` what the GPUs' clocks
-and power did meanwhile, and :func:`environment` the versions and devices a result belongs to.
+:func:`capture` puts a call in a CUDA graph, and :func:`environment` records the versions and
+devices a result belongs to.
 
 This module depends on the standard library and torch only, never on other modules of the
 package, so anything may import it. torch is imported inside the functions that need it: the
@@ -19,7 +19,6 @@ import importlib.metadata
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -124,45 +123,6 @@ def capture(fn: Callable[[], object], devices):
     return g
 
 
-def run_for(call: Callable[[], object], seconds: float, batch: int = 10) -> tuple[int, float]:
-    """Call ``call`` back to back for about ``seconds`` (both GPUs synchronised every ``batch``
-    calls); returns ``(calls, ms per call)`` by CUDA events on cuda:0: sustained throughput,
-    the GPUs at their steady clocks, unlike the single calls :func:`time_interleaved` times."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls, t0 = 0, time.perf_counter()
-    start.record()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(batch):
-            call()
-        calls += batch
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(d)
-    end.record()
-    torch.cuda.synchronize(0)
-    return calls, start.elapsed_time(end) / calls
-
-
-def fork_join(side, work: Callable[[], object], fn: Callable[[], object] | None = None) -> None:
-    """Run ``work()`` on stream ``side`` (of either GPU) beside ``fn()`` on cuda:0's current
-    stream: ``side`` starts after what that stream holds so far, and the stream goes on only
-    once ``side`` is done. Capturable in a CUDA graph whose capture runs on cuda:0."""
-    import torch
-
-    main = torch.cuda.current_stream(0)
-    fork = torch.cuda.Event()
-    fork.record(main)
-    side.wait_event(fork)
-    with torch.cuda.stream(side):
-        work()
-    if fn is not None:
-        fn()
-    join = torch.cuda.Event()
-    join.record(side)
-    main.wait_event(join)
-
-
 class Rotation:
     """Input sets used in turn: ``select(i)`` (untimed) picks set ``i``, ``x`` is the current one."""
 
@@ -174,41 +134,6 @@ class Rotation:
 
     def select(self, i):
         self.x = self.get(i)
-
-
-def parse_smi(text: str, nfields: int) -> dict[int, list[list]]:
-    """Rows of ``nvidia-smi --query-gpu=index,F1,..,Fn --format=csv,noheader,nounits`` output
-    by GPU index; each field a float where it reads as one (clocks, watts), else the string
-    (a hex bit mask, ``[N/A]``). Lines of another shape (warnings, a cut last line) are skipped."""
-    rows: dict[int, list[list]] = {}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != nfields + 1 or not parts[0].isdigit():
-            continue
-        values = []
-        for p in parts[1:]:
-            try:
-                values.append(float(p))
-            except ValueError:
-                values.append(p)
-        rows.setdefault(int(parts[0]), []).append(values)
-    return rows
-
-
-def sample_gpus(fn: Callable[[], object], fields=("clocks.sm", "power.draw", "temperature.gpu"), interval_ms=50):
-    """Run ``fn()`` while ``nvidia-smi`` samples ``fields`` of every GPU every ``interval_ms``.
-    Returns ``(fn's result, parse_smi(...))``: what a GPU's clock and power did during a phase."""
-    query = ",".join(("index", *fields))
-    smi = subprocess.Popen(
-        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        result = fn()
-    finally:
-        smi.terminate()
-        text, _ = smi.communicate(timeout=10)
-    return result, parse_smi(text, len(fields))
 
 
 def _version(package: str) -> str | None:

@@ -7,12 +7,11 @@ those rows into the protocol's costs and a timeline in the spirit of the paper's
 and 3b:
 
 * **T1**, signal cost: producer ``epilogue done - stored`` (the time the epilogue holds the
-  SM). Under ``signal="in_loop"`` (the default) the epilogue only notes the tile; it is
-  signalled a quarter into the CTA's next tile, inside that tile's K loop, where the cost
-  is hidden;
+  SM). The epilogue only notes the tile: it is signalled a quarter into the CTA's next tile,
+  inside that tile's K loop, where the cost is hidden;
 * **T2**, cross-GPU visibility: one way of a flag ping-pong between the two GPUs, and, from
-  the trace, how long after its last input tile's epilogue a consumer tile started (under
-  ``signal="in_loop"`` this includes the quarter-tile lag);
+  the trace, how long after its last input tile's epilogue a consumer tile started (this
+  includes the quarter-tile lag before the signal);
 * **T3**, fetch cost: consumer ``compute begun - wait begun`` for tiles whose inputs had all
   been signalled before the wait began (the prologue's own cost: pop or poll, fence).
 
@@ -149,8 +148,8 @@ def run(args) -> int:
     x = torch.randn(args.seq, K, device="cuda:0").bfloat16()
     link = clock_offset(0, 1)
     pipe = Pipeline([A, B], policy=args.policy, trace=True)
-    for _ in range(3):  # warm-up, then the traced call is the last one
-        pipe(x)
+    for _ in range(3):  # warm-up, then the traced call is the last one; each checked (it waits)
+        pipe(x, check=True)
     traces = pipe.traces(args.seq)
     offsets = [0.0, link.offset_ns]
     summary = summarize(traces, [lk.dep for lk in pipe.plan(args.seq).links], offsets)

@@ -1,9 +1,8 @@
-"""The timing harness without a GPU: the order methods take turns in, what is timed, and the
-parsing of nvidia-smi's samples."""
+"""The timing harness without a GPU: the order methods take turns in, and what is timed."""
 
 import pytest
 
-from ctapipelining import bench, timing
+from ctapipelining import timing
 
 
 def _methods(calls):
@@ -35,21 +34,3 @@ def test_fixed_order_and_rest_before_each_timed_run():
         timing.time_interleaved(_methods([]), [], reps=1, warmup=0, order="random")
     with pytest.raises(ValueError, match="rest_ms"):
         timing.time_interleaved(_methods([]), [], reps=1, warmup=0, rest_ms=-1)
-
-
-def test_bench_still_offers_what_pipeline_imports_from_it():
-    assert bench.Method is timing.Method and bench.time_interleaved is timing.time_interleaved
-
-
-def test_parse_smi_keeps_numbers_masks_and_skips_other_lines():
-    text = (
-        "0, 1425, 691.19, 62, 0x0000000000000004\n"
-        "1, 1980, 141.85, 48, 0x0000000000000000\n"
-        "WARNING: infoROM is corrupted at gpu 0000:00:05.0\n"
-        "0, [N/A], 690.00, 61, 0x0000000000000004\n"
-        "1, 1980, 14"  # cut off when nvidia-smi was stopped
-    )
-    rows = timing.parse_smi(text, 4)
-    assert rows[0] == [[1425.0, 691.19, 62.0, "0x0000000000000004"], ["[N/A]", 690.0, 61.0, "0x0000000000000004"]]
-    assert rows[1] == [[1980.0, 141.85, 48.0, "0x0000000000000000"]]
-    assert timing.parse_smi("", 3) == {}
