@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
-from .kernels.gemm import PLAIN_CONFIG, SIGNAL_MODES, GemmConfig, gemm_kernel
+from .kernels.gemm import PLAIN_CONFIG, TAIL_MIN_SLICE_K, GemmConfig, Tail, gemm_kernel
+from .kernels.sync import Signal, Wait
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -95,11 +97,13 @@ class TailBuffers:
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
     with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
-    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there)."""
+    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Slices
+    have at least :data:`~ctapipelining.kernels.gemm.TAIL_MIN_SLICE_K` K-steps; under the
+    interpreter, whose sizes are small, any length."""
     if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
-    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), config.tail_slice_k)
+    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), 1 if interpreting() else TAIL_MIN_SLICE_K)
 
 
 def check_tensor(t: torch.Tensor, name: str) -> None:
@@ -140,17 +144,27 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of ``t`` (already checked: 2-D, rows 16-byte aligned, contiguous last
+    dimension): Triton's :class:`TensorDescriptor` without its own checks, which cost more host
+    time than the launch."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, t.shape, t.stride(), block, "zero"
+    return d
+
+
 class GemmLaunch:
     """One launch of the GEMM kernel, bound once (at plan time): its shape, configuration,
-    grid, hooks and state buffers. A call gives the operands and launches it.
+    grid, hooks and state buffers, as the kernel's argument bundles. A call gives the operands
+    and launches it.
 
     After its first launch (through Triton's ``kernel[grid](...)``, which compiles and
     specialises), it calls the compiled kernel's launcher directly: Triton's per-call argument
-    binding and cache lookup cost more host time than the launch itself with this kernel's
-    argument count. The compiled kernel is specialised on the integers and on the pointers'
-    16-byte alignment, so it is reused only for the same row stride of ``c`` and store kind;
-    plan-held buffers never move, and callers' tensors are checked for 16-byte alignment.
-    Under the interpreter every launch goes through Triton's path.
+    binding and cache lookup cost more host time than the launch itself. The compiled kernel
+    is specialised on the integers and on the pointers' 16-byte alignment, so it is reused
+    only for the same row stride of ``c`` and store kind; plan-held buffers never move, and
+    callers' tensors are checked for 16-byte alignment. Under the interpreter every launch goes
+    through Triton's path.
     """
 
     def __init__(
@@ -176,6 +190,10 @@ class GemmLaunch:
             raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         if wait is not None and signal is not None and wait.queue != signal.queue:
             raise ValueError("a stage's input and output links must use the same policy")
+        if (wait is not None or signal is not None) and epoch is None:
+            raise ValueError("a launch with a hook needs its stage's epoch")
+        if wait is not None and err is None:
+            raise ValueError("a waiting launch needs its stage's error word")
         parts = 1 if wait is None else wait.parts
         if parts > 1 and wait.queue:
             raise ValueError("a workqueue consumer runs whole tiles in readiness order and cannot wait in parts")
@@ -191,75 +209,74 @@ class GemmLaunch:
         elif split is not None and tail.split != split:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
-        dummy = epoch if epoch is not None else torch.zeros(1, dtype=torch.int64, device=device)
-        w = wait or WaitHook(dummy, dummy, dummy, dummy, dummy, False)
-        s = signal or SignalHook(dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, 1, 1, 1, False)
-        self.queue = w.queue if wait is not None else s.queue
-        # the kernel's arguments after (a_desc, b_desc, c_desc, c_ptr): hooks, state, then sizes
-        self._hooks = (
-            w.counters, w.counter_of_tile, w.need, w.slots, w.head,
-            s.counters, s.signal_ptr, s.signal_counters, s.need, s.push_ptr, s.push_tiles, s.slots, s.tail,
-            dummy if epoch is None else epoch,
-            dummy if err is None else err,
-            dummy if trace is None else trace,
-            dummy if split is None else tail.workspace,
-            dummy if split is None else tail.counters,
+        self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
+        w, sg = wait, signal
+        bundles = (
+            None if w is None else Wait(
+                w.counters, w.counter_of_tile, w.need, w.slots, w.head, w.part_cols, w.part_block,
+                tl.constexpr(parts), tl.constexpr(cfg.num_stages if parts > 1 else 0),
+            ),
+            None if sg is None else Signal(
+                sg.counters, sg.signal_ptr, sg.signal_counters, sg.need, sg.push_ptr, sg.push_tiles, sg.slots,
+                sg.tail, sg.consumer_tiles, tl.constexpr(sg.push_block), tl.constexpr(sg.max_signals),
+            ),
+            None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
+            epoch if w is not None or sg is not None else None,
+            err if w is not None else None,
+            trace,
+            stage,
+            timeout_ns,
         )  # fmt: skip
         self._sizes = (M, N, _cdiv(K, cfg.block_k))
-        self._scalars = (
-            s.consumer_tiles, stage, timeout_ns, 0 if split is None else split.first_pos,
-            1 if split is None else split.splits, w.part_cols, w.part_block,
-        )  # fmt: skip
+        self._bundles = bundles
         self._constexprs = dict(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m,
             NUM_CTAS=num_ctas,
-            WAIT_INPUT=wait is not None,
-            WAIT_PARTS=parts,
-            WAIT_AHEAD=cfg.num_stages if parts > 1 else 0,
-            SIGNAL_OUTPUT=signal is not None,
             QUEUE=self.queue,
-            PUSH_BLOCK=s.push_block,
-            MAX_SIGNALS=s.max_signals,
-            FLATTEN=cfg.flatten,
-            # the signal's and the split tail's CTA barriers need every warp; a wait orders the TMA
-            # loads after it in the program order of the thread that issues them, which a separate
-            # load partition would not keep
-            WARP_SPECIALIZE=cfg.warp_specialize and signal is None and wait is None and split is None,
-            SPLIT_TAIL=split is not None,
-            TRACE=trace is not None,
             INTERPRET=interpreting(),
         )
-        self._compiled = {}  # (TMA_STORE, SIGNAL_WHEN, stride of c) -> Triton's compiled kernel
+        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n])
+        self._compiled = {}  # (TMA store, row stride of c) -> Triton's compiled kernel
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
-        """Launch on ``a.device``'s current stream: ``c = a @ b`` with this launch's hooks
-        (operands already checked: ``a`` ``[M, K]``, ``b`` ``[K, N]``, ``c`` ``[M, N]`` row-major,
-        rows may be padded; ``c`` may live on a peer GPU). Returns Triton's compiled kernel
-        (PTX, register and spill counts for inspection)."""
-        cfg = self.config
-        tma_store = cfg.tma_store and c.is_contiguous()  # a padded ``c`` takes ordinary stores
-        # "next_tile" waits on bulk-store groups: with ordinary stores (padded ``c``) signal right away
-        signal_when = SIGNAL_MODES["now" if cfg.signal == "next_tile" and not tma_store else cfg.signal]
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
-        c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if tma_store else b_desc
-        args = (a_desc, b_desc, c_desc, c, *self._hooks, *self._sizes, c.stride(0), *self._scalars)
-        key = (tma_store, signal_when, c.stride(0))
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None):
+        """Launch on ``stream`` (a raw CUDA stream handle; default ``a.device``'s current
+        stream): ``c = a @ b`` with this launch's hooks (operands already checked: ``a``
+        ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded; ``c`` may
+        live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a plan for
+        a bucket of row counts); rows past ``m`` read as zeros and are not written. Returns Triton's compiled kernel (PTX, register and spill counts
+        for inspection)."""
+        tma_store = c.stride(0) == c.shape[1]  # rows padded: ordinary stores
+        a_block, b_block, c_block = self._blocks
+        args = (
+            _descriptor(a, a_block), _descriptor(b, b_block), _descriptor(c, c_block) if tma_store else None,
+            None if tma_store else c, *self._sizes, c.shape[0], c.stride(0), *self._bundles,
+        )  # fmt: skip
+        key = (tma_store, c.stride(0))
         kernel = self._compiled.get(key)
         if kernel is None or knobs.runtime.launch_enter_hook.calls:  # a profiler's hooks: Triton's path
-            const = dict(self._constexprs, SIGNAL_WHEN=signal_when, TMA_STORE=tma_store)
-            kernel = gemm_kernel[(self.num_ctas,)](*args, **const, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+            cfg = self.config
+            if stream is not None and not interpreting():
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)):
+                    kernel = gemm_kernel[(self.num_ctas,)](
+                        *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
+                    )
+            else:
+                kernel = gemm_kernel[(self.num_ctas,)](
+                    *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
+                )
             if not interpreting():
                 self._compiled[key] = kernel
-                self._tail = tuple(const[name] for name in gemm_kernel.arg_names[len(args) :])
+                self._trailing = tuple(self._constexprs.values())
             return kernel
-        stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        if stream is None:
+            stream = torch._C._cuda_getCurrentRawStream(a.device.index)
         kernel.run(
-            self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *self._tail
-        )
+            self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+            *args, *self._trailing,
+        )  # fmt: skip
         return kernel
 
 

@@ -54,7 +54,7 @@ def run_interpreted_chain(M: int = 40, K: int = 32, N: int = 48, seed: int = 0, 
         )
     # both idle ends filled: the second stage prefills the first rows of layer 1, the first
     # stage drains the last rows of both layers (on GPUs: each on its own device)
-    pipe = Pipeline([a, b], config=dataclasses.replace(cfg, split_tail=True, tail_slice_k=1), ends="balanced")
+    pipe = Pipeline([a, b], config=dataclasses.replace(cfg, split_tail=True), ends="balanced")
     y = pipe(x)
     plan = pipe.plan(M)
     same = torch.equal(y, pipe.sequential(x))

@@ -96,7 +96,7 @@ def test_replicas_follow_in_place_changes_of_their_weights():
     """With both ends filled, the prefill and drain use replicas of W_0 and W_1: after
     ``W.mul_(2)`` they are refreshed, so every row uses the new weights."""
     ws = chain(16, 48, 32)
-    cfg = dataclasses.replace(SMALL, split_tail=True, tail_slice_k=1)
+    cfg = dataclasses.replace(SMALL, split_tail=True)
     pipe = Pipeline(ws, config=cfg, ends="balanced")
     x = torch.randn(80, 16).half()
     assert pipe.plan(80).prefill_rows and pipe.plan(80).drain_rows

@@ -122,32 +122,29 @@ def test_pipeline_matches_sequential_bitwise(policy, M, dims):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-@pytest.mark.parametrize(
-    "tma_store,signal", [(False, "now"), (False, "in_loop"), (True, "now"), (True, "next_tile"), (True, "in_loop")]
-)
-def test_signal_modes_bitwise(policy, tma_store, signal):
-    """Every moment a producer may signal a tile, NaN-poisoned input, full size and ragged,
-    three calls each, and every counter exactly epoch x need after them: a tile signalled
-    twice runs a counter ahead of its data, which the first call may not show (it did not for
-    "next_tile" with a flattened loop; benchmarks/results/2026-11-30-h200x2-s3/next-tile)."""
+def test_signals_bitwise(policy):
+    """Producers signal each tile a quarter into their next one and their last after the loop:
+    NaN-poisoned input, full size and ragged, three calls each, and every counter exactly
+    epoch x need after them (a tile signalled twice runs a counter ahead of its data, which the
+    first call may not show)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
-    cfg = dataclasses.replace(PIPELINE_CONFIG, tma_store=tma_store, signal=signal, flatten=signal != "next_tile")
-    pipe = Pipeline(ws, policy=policy, config=cfg)
+    pipe = Pipeline(ws, policy=policy)
     for M in (16384, 3000):
         assert_calls_right(pipe, M, delays=(0, 0, 0))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("M,K,N", [(16384, 8192, 8192), (3000, 5000, 7000)])
-def test_plain_split_tail(M, K, N, tma_store):
+def test_plain_split_tail(M, K, N, padded):
     """The partial last round split along K: right, NaN-free, the same on every call, and
-    different from the unsplit GEMM only in the tail tiles (rounding of the partial sums)."""
-    cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True, tma_store=tma_store)
+    different from the unsplit GEMM only in the tail tiles (rounding of the partial sums).
+    ``padded``: the output's rows are padded, so tiles are written with ordinary stores."""
+    cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
     split = tail_split(M, N, K, cfg, num_sms(torch.device("cuda:0")))
     assert split is not None
     a, b = rand(M, K, device="cuda:0"), rand(K, N, device="cuda:0", scale=K**-0.5)
-    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    out = torch.full((M, N + 8 * padded), float("nan"), dtype=torch.bfloat16, device="cuda:0")[:, :N]
     matmul(a, b, out=out, config=cfg)
     assert not out.isnan().any()
     assert rel_err(out, a.float() @ b.float()) < BF16_TOL
@@ -164,12 +161,13 @@ def test_plain_split_tail(M, K, N, tma_store):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-@pytest.mark.parametrize("tma_store,signal", [(False, "in_loop"), (True, "in_loop"), (False, "now")])
-def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
+@pytest.mark.parametrize("padded", [False, True])
+def test_split_tail_pipeline_bitwise(policy, padded):
     """Split tails in producers (both policies) and static consumers: NaN-poisoned buffers,
-    full size and ragged, eager and replayed from a CUDA graph, counters rearmed."""
+    full size and ragged, eager and replayed from a CUDA graph, counters rearmed. ``padded``:
+    the output's rows are padded (the last stage writes them with ordinary stores)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
-    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, tma_store=tma_store, signal=signal)
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
     pipe = Pipeline(ws, policy=policy, config=cfg)
     for M in (16384, 3100):  # 4096 tiles on 132 CTAs: 4 left over; ragged 3100: 800 tiles, 8 left over
         plan = pipe.plan(M)
@@ -177,7 +175,8 @@ def test_split_tail_pipeline_bitwise(policy, tma_store, signal):
         for _ in range(2):
             x = rand(M, 8192, device="cuda:0")
             plan.inputs[1].fill_(float("nan"))
-            assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
+            out = torch.full((M, 8192 + 8 * padded), float("nan"), dtype=torch.bfloat16, device=D1)[:, :8192]
+            assert torch.equal(pipe(x, out=out), sequential_triton(x, ws, pipe))
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
     assert_replays_right(pipe, 16384, 3)
 

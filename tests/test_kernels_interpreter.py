@@ -18,7 +18,7 @@ pytestmark = pytest.mark.interpreter
 
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
 TOLERANCES = {torch.float16: 2e-3}
-SPLIT = dataclasses.replace(SMALL, split_tail=True, tail_slice_k=2)  # the interpreter runs 4 CTAs
+SPLIT = dataclasses.replace(SMALL, split_tail=True)  # the interpreter runs 4 CTAs
 
 
 def rel_err(y, ref):
@@ -63,7 +63,7 @@ def test_matmul(M, K, N):
 # 33 rows is the first link of the longer ones; a 1-stage chain has no link, so the policy
 # plays no part in it (once).
 @pytest.mark.parametrize(
-    "policy,M,dims,tma_store",
+    "policy,M,dims,padded",
     [
         ("workqueue", 33, [24, 40, 16], True),
         ("workqueue", 33, [16, 24, 32, 8], False),
@@ -74,15 +74,19 @@ def test_matmul(M, K, N):
         ("static", 33, [24], True),
     ],
 )
-def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
+def test_pipeline_epochs_poisoned(policy, dims, M, padded):
+    """``padded``: the output's rows are 8 elements apart more than its width, so the last
+    stage writes them with ordinary stores (else TMA stores)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in zip([16] + dims, dims)]
-    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SMALL, tma_store=tma_store))
+    pipe = Pipeline(ws, policy=policy, config=SMALL)
     for epoch in range(1, 3):  # the second epoch runs on grown counters; later ones add nothing
         x = torch.randn(M, 16).half()
         plan = pipe.plan(M)
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x, check=True)
+        out = torch.full((M, dims[-1] + 8 * padded), float("nan")).half()[:, : dims[-1]]
+        y = pipe(x, out=out, check=True)
+        assert y is out
         assert not y.isnan().any()
         assert rel_err(y, chain_ref(x, ws)) < TOLERANCES[torch.float16] * len(ws)
         for link in plan.links:
@@ -91,29 +95,14 @@ def test_pipeline_epochs_poisoned(policy, dims, M, tma_store):
                 assert int(link.tail) == epoch * link.dep.consumer.num_tiles
 
 
-# Each signal mode once per policy, ordinary and TMA stores for each policy. Left out: "now"
-# with TMA stores (SMALL's default signal: test_pipeline_epochs_poisoned runs it under both
-# policies); "in_loop" with TMA stores under static and with ordinary stores under workqueue,
-# each here under the other policy and under both in test_split_tail_pipeline_matches_sequential
-# (TMA stores; its full rounds run the same loop) and the prefill and drain tests (ordinary).
-@pytest.mark.parametrize(
-    "policy,tma_store,signal",
-    [
-        ("workqueue", False, "now"),
-        ("workqueue", True, "next_tile"),
-        ("workqueue", True, "in_loop"),
-        ("static", False, "now"),
-        ("static", True, "next_tile"),
-        ("static", False, "in_loop"),
-    ],
-)
-def test_signal_modes(policy, tma_store, signal):
-    """Every moment a producer may signal a stored tile gives the right chain, epoch after
-    epoch (K of 64 = 4 K-steps: the in-loop signal lands at step 1 of the CTA's next tile;
-    M=20, 2 row-blocks: CTAs run up to 2 tiles, so a signal is left pending to the next one)."""
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_in_loop_signal_with_pending_tiles(policy):
+    """A producer signals each stored tile a quarter into its next tile's K loop and its last
+    tile after the loop: the right chain, epoch after epoch (K of 64 = 4 K-steps: the signal
+    lands at step 1 of the CTA's next tile; M=20, 2 row-blocks: CTAs run up to 2 tiles, so a
+    signal is left pending to the next one)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 40), (40, 64), (64, 24)]]
-    cfg = dataclasses.replace(SMALL, tma_store=tma_store, signal=signal)
-    pipe = Pipeline(ws, policy=policy, config=cfg)
+    pipe = Pipeline(ws, policy=policy, config=SMALL)
     for epoch in range(1, 3):
         x = torch.randn(20, 64).half()
         for buf in pipe.plan(20).inputs[1:]:
@@ -125,13 +114,19 @@ def test_signal_modes(policy, tma_store, signal):
             assert link.counters.tolist() == (epoch * link.dep.need).tolist()
 
 
-def test_signal_mode_is_checked():
-    with pytest.raises(ValueError, match="signal must be one of"):
-        GemmConfig(signal="later")
-    with pytest.raises(ValueError, match="needs tma_store=True"):
-        GemmConfig(signal="next_tile")
-    ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
-    assert Pipeline(ws).config.signal == Pipeline(ws, policy="workqueue").config.signal == "in_loop"
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(block_m=0), "block_m must be an int >= 1"),
+        (dict(block_n=48), "block_n must be a power of two"),
+        (dict(wait_parts=0), "wait_parts must be an int >= 1"),
+        (dict(num_stages=2.0), "num_stages must be an int"),
+        (dict(group_m=True), "group_m must be an int"),
+    ],
+)
+def test_config_is_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**kw)
 
 
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
@@ -229,18 +224,14 @@ def test_split_tail_matmul(M, K, N):
     assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
-# Per policy: TMA stores with the in-loop signal, ordinary stores with the immediate one.
-# Split tails with ordinary stores and the in-loop signal: the prefill and drain tests (both
-# policies) and test_wait_in_parts_matches_sequential.
-@pytest.mark.parametrize("tma_store,signal", [(True, "in_loop"), (False, "now")])
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_split_tail_pipeline_matches_sequential(policy, tma_store, signal):
+def test_split_tail_pipeline_matches_sequential(policy, padded):
     """Producers split their tails under both policies, a static consumer too (a workqueue
     consumer runs whole tiles in readiness order); arrival counters are rearmed every run.
     M=20: 2 row-blocks; stages 0 and 2 have 2 x 3 tiles on 4 CTAs, a 2-tile tail (K=64: 2 slices)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 64), (64, 48)]]
-    cfg = dataclasses.replace(SPLIT, tma_store=tma_store, signal=signal)
-    pipe = Pipeline(ws, policy=policy, config=cfg)
+    pipe = Pipeline(ws, policy=policy, config=SPLIT)
     plan = pipe.plan(20)
     assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 8 tiles on 4 CTAs, no tail
     assert (plan.tails[2] is None) == (policy == "workqueue") == (not pipe.stage_config(2).split_tail)
@@ -248,7 +239,7 @@ def test_split_tail_pipeline_matches_sequential(policy, tma_store, signal):
         x = torch.randn(20, 64).half()
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
-        y = pipe(x, check=True)
+        y = pipe(x, out=torch.empty(20, 48 + 8 * padded).half()[:, :48], check=True)
         assert torch.equal(y, pipe.sequential(x))
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
@@ -266,23 +257,7 @@ def test_split_tail_consumer_times_out_and_recovers():
     assert torch.equal(y, matmul(matmul(x, ws[0], config=SPLIT), ws[1], config=SPLIT))
 
 
-def test_split_tail_config_is_checked():
-    with pytest.raises(ValueError, match="tail_slice_k"):
-        GemmConfig(split_tail=True, tail_slice_k=0)
-
-
-def test_split_tail_refuses_next_tile_signal():
-    with pytest.raises(ValueError, match="next_tile"):
-        GemmConfig(tma_store=True, signal="next_tile", split_tail=True)
-
-
-def test_next_tile_refuses_the_flattened_loop():
-    with pytest.raises(ValueError, match="needs flatten=False"):
-        GemmConfig(tma_store=True, signal="next_tile", flatten=True)
-    assert GemmConfig(tma_store=True, signal="next_tile").flatten is False
-
-
-PARTS = dataclasses.replace(SMALL, signal="in_loop")
+PARTS = SMALL
 
 
 def assert_epochs_right(pipe, M, epochs=2):
@@ -318,7 +293,7 @@ def test_wait_in_parts_matches_sequential(wait_parts, split):
     before the tile; the middle stage both waits in parts and signals. M=20: 2 row-blocks, the
     middle stage's 6 tiles leave a 2-tile tail on 4 CTAs (split in 2 when ``split``)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(32, 128), (128, 40), (40, 24)]]
-    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=wait_parts)
+    cfg = dataclasses.replace(SPLIT if split else PARTS, wait_parts=wait_parts)
     pipe = Pipeline(ws, policy="static", config=cfg)
     plan = pipe.plan(20)
     assert [lk.dep.parts for lk in plan.links] == [min(wait_parts, 8), min(wait_parts, 3)]
@@ -369,7 +344,7 @@ def test_prefill_matches_sequential(policy, split, parts):
     W_0) and both GEMMs signal the same counters: NaN-poisoned buffers, two epochs, every
     counter epoch x need, bitwise the sequential GEMMs split the same way; a 3-stage chain."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 80), (80, 24), (24, 16)]]
-    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=parts)
+    cfg = dataclasses.replace(SPLIT if split else PARTS, wait_parts=parts)
     pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=16)
     plan = pipe.plan(33)
     assert plan.prefill_rows == 16 and plan.prefill_x.shape == (16, 64)
@@ -424,7 +399,7 @@ def test_drain_matches_sequential(policy, split, prefill):
     epochs, every counter epoch x need over the pipelined rows only, bitwise the sequential
     GEMMs cut the same way, with and without a prefill at the other end."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 80), (80, 40)]]
-    cfg = dataclasses.replace(SPLIT if split else PARTS, signal="in_loop", wait_parts=4)
+    cfg = dataclasses.replace(SPLIT if split else PARTS, wait_parts=4)
     pipe = Pipeline(ws, policy=policy, config=cfg, prefill_rows=prefill, drain_rows=32)
     plan = pipe.plan(58)
     assert (plan.prefill_rows, plan.drain_rows) == (prefill, 32)
@@ -443,7 +418,7 @@ def test_balanced_ends_size_both_ends_per_input_height():
     of that + M / 64 rows), cut for small inputs, split tails by default, bitwise the
     sequential GEMMs; it refuses explicit rows, other chain lengths and trace mode."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 64), (64, 48)]]
-    pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, signal="in_loop"), ends="balanced")
+    pipe = Pipeline(ws, config=SPLIT, ends="balanced")
     assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
     assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
     assert pipe.ends_for(1024) == (32, 16)
@@ -515,23 +490,22 @@ def test_drain_leaves_the_pipeline_a_row_block_and_is_checked():
         Pipeline(ws, config=SMALL, drain_rows=16, trace=True)
 
 
-def test_warp_specialisation_only_for_kernels_without_hooks(monkeypatch):
-    """Triton's warp specialisation moves the TMA loads into a partition of their own: a wait
-    would no longer precede them in the issuing thread's order, and the signal's barrier needs
-    every warp. So only a kernel without hooks (and without a split tail) may use it."""
+def test_a_launch_without_hooks_passes_none_for_every_hook(monkeypatch):
+    """The kernel's hooks are argument bundles that are None when off (their code then
+    vanishes at compile time): a plain launch passes None for each, a waiting one its bundle."""
     import ctapipelining.gemm as host
 
     seen = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append(kw["WARP_SPECIALIZE"])
+            return lambda *args, **kw: seen.append(dict(zip(host.gemm_kernel.arg_names, args)))
 
-    monkeypatch.setattr(host, "gemm_kernel", Recorder())
-    cfg = dataclasses.replace(SMALL, warp_specialize=True)
+    monkeypatch.setattr(host, "gemm_kernel", type("K", (), {"arg_names": host.gemm_kernel.arg_names, "__getitem__": Recorder.__getitem__})())
     a, b, c = torch.randn(32, 16).half(), torch.randn(16, 32).half(), torch.empty(32, 32).half()
-    one = torch.zeros(1, dtype=torch.int32)
-    host.launch_gemm(a, b, c, cfg, 4)
-    host.launch_gemm(a, b, c, cfg, 4, wait=host.WaitHook(one, one, one, one, one, False), epoch=one)
-    host.launch_gemm(a, b, c, cfg, 4, signal=host.SignalHook(one, one, one, one, one, one, one, one, 1, 1, 1, False))
-    assert seen == [True, False, False]
+    one = torch.zeros(1, dtype=torch.int64)
+    host.launch_gemm(a, b, c, SMALL, 4)
+    host.launch_gemm(a, b, c, SMALL, 4, wait=host.WaitHook(one, one, one, one, one, False), epoch=one, err=one)
+    hooks = ("wait", "signal", "tail", "epoch_ptr", "err_ptr", "trace_ptr")
+    assert all(seen[0][h] is None for h in hooks) and seen[0]["c_ptr"] is None  # contiguous c: a TMA store
+    assert seen[1]["wait"].counters is one and seen[1]["epoch_ptr"] is one and seen[1]["signal"] is None

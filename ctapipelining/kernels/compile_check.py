@@ -12,7 +12,8 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 
-from .gemm import gemm_kernel
+from .gemm import Tail, gemm_kernel
+from .sync import Signal, Wait
 
 PATTERNS = {
     "wgmma": r"wgmma\.mma_async",
@@ -28,7 +29,7 @@ PATTERNS = {
     "ld_cg": r"ld\.global\.cg",
     "vote": r"bar\.red\.and\.pred",
 }
-VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
+VARIANTS = {  # name: (wait, signal, queue)
     "plain": (False, False, False),
     "wait_static": (True, False, False),
     "wait_workqueue": (True, False, True),
@@ -37,67 +38,75 @@ VARIANTS = {  # name: (WAIT_INPUT, SIGNAL_OUTPUT, QUEUE)
     "wait_signal_workqueue": (True, True, True),
     "wait_signal_static": (True, True, False),  # a middle stage of a chain of 3 or more
 }
-TMA_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_workqueue")
+ORDINARY_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_static")
 TRACE_VARIANTS = ("plain", "wait_workqueue")
 
 
-def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, **options):
+def _bundle(cls, types: dict, constexprs: dict, index: int, const: dict):
+    """A bundle's signature (its fields' types; constexpr fields recorded in ``const`` by path)."""
+    for i, name in enumerate(cls._fields):
+        if name in constexprs:
+            const[(index, i)] = constexprs[name]
+    return cls(*(("constexpr" if name in constexprs else types[name]) for name in cls._fields))
+
+
+def compile_variant(
+    wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, *,
+    tma_store: bool = True, trace: bool = False, split_tail: bool = False, wait_parts: int = 1,
+):  # fmt: skip
+    """Compile one variant of :func:`gemm_kernel` for sm_90; a hook that is off is ``None``."""
     bm, bn, bk = block
-    sig = {}
-    for n in gemm_kernel.arg_names:
-        if n == "c_desc":
-            sig[n] = f"tensordesc<bf16[{bm}, {bn}]>"
-        elif n == "a_desc":
-            sig[n] = f"tensordesc<bf16[{bm}, {bk}]>"
-        elif n == "b_desc":
-            sig[n] = f"tensordesc<bf16[{bk}, {bn}]>"
-        elif n == "c_ptr":
-            sig[n] = "*bf16"
-        elif n in ("trace_ptr", "epoch_ptr", "err_ptr", "in_counters", "in_slots", "in_head", "out_counters",
-                   "out_slots", "out_tail"):  # fmt: skip
-            sig[n] = "*i64"  # protocol state
-        elif n == "tail_ws":
-            sig[n] = "*fp32"
-        elif n in (
-            "M",
-            "N",
-            "k_tiles",
-            "stride_cm",
-            "consumer_tiles",
-            "stage",
-            "timeout_ns",
-            "tail_first",
-            "tail_splits",
-            "part_cols",
-            "part_block",
-        ):
-            sig[n] = "i32"
-        elif n.isupper():
-            sig[n] = "constexpr"
-        else:
-            sig[n] = "*i32"
-    const = dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=1,
-        NUM_CTAS=132,
-        WAIT_INPUT=wait,
-        SIGNAL_OUTPUT=signal,
-        QUEUE=queue,
-        SIGNAL_WHEN=0,
-        PUSH_BLOCK=32,
-        MAX_SIGNALS=1,
-        INTERPRET=False,
-        TMA_STORE=False,
-        FLATTEN=False,
-        WARP_SPECIALIZE=False,
-        SPLIT_TAIL=False,
-        TRACE=False,
-        WAIT_PARTS=1,
-        WAIT_AHEAD=0,
-    ) | {k.upper(): v for k, v in options.items()}
-    src = triton.compiler.ASTSource(fn=gemm_kernel, signature=sig, constexprs=const)
+    names = gemm_kernel.arg_names
+    sig, const = {}, {}
+
+    def off(name):
+        sig[name], const[name] = "constexpr", None
+
+    sig["a_desc"] = f"tensordesc<bf16[{bm}, {bk}]>"
+    sig["b_desc"] = f"tensordesc<bf16[{bk}, {bn}]>"
+    if tma_store:
+        sig["c_desc"] = f"tensordesc<bf16[{bm}, {bn}]>"
+        off("c_ptr")
+    else:
+        off("c_desc")
+        sig["c_ptr"] = "*bf16"
+    for n in ("M", "N", "k_tiles", "c_rows", "stride_cm", "stage"):
+        sig[n] = "i32"
+    sig["timeout_ns"] = "i64"
+    if wait:
+        types = dict(counters="*i64", counter_of_tile="*i32", need="*i32", slots="*i64", head="*i64",
+                     part_cols="i32", part_block="i32")  # fmt: skip
+        ahead = num_stages if wait_parts > 1 else 0
+        sig["wait"] = _bundle(Wait, types, dict(PARTS=wait_parts, AHEAD=ahead), names.index("wait"), const)
+    else:
+        off("wait")
+    if signal:
+        types = dict(counters="*i64", signal_ptr="*i32", signal_counters="*i32", need="*i32", push_ptr="*i32",
+                     push_tiles="*i32", slots="*i64", tail="*i64", consumer_tiles="i32")  # fmt: skip
+        sig["signal"] = _bundle(Signal, types, dict(PUSH_BLOCK=32, MAX_SIGNALS=1), names.index("signal"), const)
+    else:
+        off("signal")
+    if split_tail:
+        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
+    else:
+        off("tail")
+    if wait or signal:
+        sig["epoch_ptr"] = "*i64"
+    else:
+        off("epoch_ptr")
+    if wait:
+        sig["err_ptr"] = "*i64"
+    else:
+        off("err_ptr")
+    if trace:
+        sig["trace_ptr"] = "*i64"
+    else:
+        off("trace_ptr")
+    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, NUM_CTAS=132, QUEUE=queue, INTERPRET=False)
+    for n in names[names.index("timeout_ns") + 1 :]:
+        sig[n] = "constexpr"
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    src = triton.compiler.ASTSource(fn=gemm_kernel, signature={n: sig[n] for n in names}, constexprs=const)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
     )
@@ -106,26 +115,13 @@ def compile_variant(wait: bool, signal: bool, queue: bool, block=(128, 256, 64),
 def report() -> dict:
     out = {}
     builds = [(name, flags, {}) for name, flags in VARIANTS.items()]
-    builds += [(name + "+tma_store", VARIANTS[name], {"tma_store": True}) for name in TMA_STORE_VARIANTS]
+    builds += [(name + "+ordinary_store", VARIANTS[name], {"tma_store": False}) for name in ORDINARY_STORE_VARIANTS]
     builds += [(name + "+trace", VARIANTS[name], {"trace": True}) for name in TRACE_VARIANTS]
-    builds += [
-        (name + "+in_loop", VARIANTS[name], {"signal_when": 2}) for name in ("signal_static", "wait_signal_static")
-    ]
-    builds += [("signal_static+tma_store+in_loop", VARIANTS["signal_static"], {"signal_when": 2, "tma_store": True})]
-    builds += [("signal_static+tma_store+next_tile", VARIANTS["signal_static"], {"signal_when": 1, "tma_store": True})]
-    builds += [("plain+split_tail", VARIANTS["plain"], {"split_tail": True})]
-    builds += [("plain+tma_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": True})]
-    builds += [("signal_static+in_loop+split_tail", VARIANTS["signal_static"], {"signal_when": 2, "split_tail": True})]
+    builds += [(name + "+split_tail", VARIANTS[name], {"split_tail": True}) for name in ("plain", "signal_static")]
+    builds += [("plain+ordinary_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": False})]
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
-    builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4, "wait_ahead": 3})]
-    builds += [
-        (
-            "wait_static+parts+flatten+tma_store",
-            VARIANTS["wait_static"],
-            {"wait_parts": 4, "wait_ahead": 3, "flatten": True, "tma_store": True},
-        )
-    ]
-    builds += [("wait_static+flatten+tma_store", VARIANTS["wait_static"], {"flatten": True, "tma_store": True})]
+    builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4})]
+    builds += [("wait_signal_static+parts", VARIANTS["wait_signal_static"], {"wait_parts": 4})]
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

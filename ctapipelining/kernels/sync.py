@@ -1,8 +1,9 @@
 """Device-side synchronisation of CTA-pipelining: signal, bounded wait, queue claim/push, fences.
 
 These ``@triton.jit`` functions are the only code a kernel needs beyond its compute body:
-a *prologue* (:func:`wait_on` a tile's counter, or :func:`claim` + :func:`wait_slot`, then
-:func:`fence_proxy_async`) and an *epilogue* (:func:`signal_tile`). The data structures are
+a *prologue* (:func:`poll_geq` on a tile's counters, or :func:`claim` + :func:`wait_slot`,
+then :func:`fence_proxy_async`), a vote (:func:`cta_all`) before anything the CTA does with
+the tile's result, and an *epilogue* (:func:`signal_tile`). The data structures are
 those of :mod:`ctapipelining.deps`; the reference executor runs the same logic on the CPU.
 
 Memory-ordering argument
@@ -13,9 +14,9 @@ Producer (stage ``s`` on GPU ``p``), after computing a tile:
    thread, or with an asynchronous TMA store: then, before the tile is signalled,
    ``cp.async.bulk.wait_group`` in each issuing thread says its writes are complete and
    ``fence.proxy.async`` orders those async-proxy writes before the generic-proxy release
-   (:func:`bulk_store_wait`). *When* a tile is signalled (right after its store, or a quarter
-   into the CTA's next tile, when its writes have drained) is the kernel's choice
-   (:func:`ctapipelining.kernels.gemm._epilogue`); the ordering argument is the same;
+   (:func:`bulk_store_wait`). The kernel signals a tile a quarter into the CTA's next tile,
+   when its writes have drained (:func:`ctapipelining.kernels.gemm._mma_tile`), and a CTA's
+   last tile after its loop; the ordering argument is the same for both;
 2. a CTA barrier (``bar.sync``, :func:`cta_barrier`): all those stores (and every issuing
    thread's bulk-store wait) happen-before what thread 0 does next;
 3. thread 0 bumps each counter with ``atom.add.acq_rel.sys`` (release at system scope is
@@ -32,17 +33,22 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
 1. every thread spins with ``ld.acquire.sys`` on the counter (``static``) or on the ring slot
    (``workqueue``), so each thread is ordered after the producers' releases without a
    block-wide barrier per poll; the loop is in one inline-PTX block bounded by a
-   ``%globaltimer`` deadline. Then the CTA votes (``bar.red.and.pred``, :func:`cta_all`):
-   it goes on only if *every* thread saw the target, so each thread that reads has acquired
-   it itself, and the decision to go on or to give up is the same in every thread. (Decided
-   per thread, a value landing within a poll of the deadline split a CTA into threads that
-   computed and threads that left: barriers, wgmma and TMA then hung the GPU or faulted.)
+   ``%globaltimer`` deadline. Threads may leave it with different answers (a value landing
+   within a poll of the deadline), so no control flow depends on one thread's answer: the CTA
+   votes (``bar.red.and.pred``, :func:`cta_all`) and goes on only if *every* thread saw the
+   target, so each thread that reads has acquired it itself, and the decision is the same in
+   every thread. (Decided per thread, such a value split a CTA into threads that computed and
+   threads that left: barriers, wgmma and TMA then hung the GPU or faulted.) A ``workqueue``
+   CTA votes on each slot before it takes the tile. A ``static`` CTA votes once per tile,
+   before its store: it computes the tile whatever its threads saw (each thread that gave up
+   looks only once at later counters of that tile) and stores and signals it only if every
+   wait of every thread held; otherwise the result is dropped;
 2. ``fence.proxy.async.global``: the data was written through the generic proxy and is read
    by TMA (the async proxy); the proxy fence orders the acquire before those reads. A consumer
    that waits in parts does 1-2 again for each later part, inside its K loop, before the TMA
    loads of that part are issued (:func:`ctapipelining.kernels.gemm._part_step` says when);
-3. on timeout the CTA records (stage, tile, what it waited on, value seen, value needed) in
-   the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
+3. on a failed vote the CTA records (stage, tile, what it waited on, value seen, value needed)
+   in the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
 
 Counters, epochs, ring slots, head and tail are int64 and compared on their signed
 difference, so no number of calls (graph replays advance the epochs where the host does not
@@ -53,8 +59,43 @@ bounded number of times with Triton atomics instead; grid programs run one after
 there, so a wait either holds at once (the producer ran first) or times out.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
+
+
+class Wait(NamedTuple):
+    """The wait-for-input hook's kernel arguments: this stage's scoreboard and ring (its own
+    memory; :class:`ctapipelining.deps.Dependency` builds the lists). UPPER_CASE fields are
+    ``tl.constexpr``."""
+
+    counters: object  # *i64 [num_counters]: signals received, only growing
+    counter_of_tile: object  # *i32 [tiles]: each tile's first counter (static)
+    need: object  # *i32 [num_counters]: signals a counter gets per run
+    slots: object  # *i64 [tiles]: the ring (workqueue)
+    head: object  # *i64 [1]: the ring's next position to claim (workqueue)
+    part_cols: object  # the producer's column-blocks (waits in parts; see gemm._part_step)
+    part_block: object  # their width in columns
+    PARTS: object  # pieces a static consumer waits for its input rows in
+    AHEAD: object  # K-steps before its first read a part is waited for (the TMA pipeline depth)
+
+
+class Signal(NamedTuple):
+    """The signal-output hook's kernel arguments: the next stage's scoreboard and ring (its
+    GPU's memory) and this stage's CSR lists (ours). UPPER_CASE fields are ``tl.constexpr``."""
+
+    counters: object  # *i64: the consumer's counters
+    signal_ptr: object  # *i32 [tiles + 1]: CSR row pointers, producer tile -> counters
+    signal_counters: object  # *i32: the counters each tile bumps
+    need: object  # *i32 [num_counters]: signals per run (a bump that reaches epoch * need fills it)
+    push_ptr: object  # *i32 [num_counters + 1]: CSR, counter -> consumer tiles it releases (workqueue)
+    push_tiles: object  # *i32
+    slots: object  # *i64: the consumer's ring (workqueue)
+    tail: object  # *i64 [1]: the ring's next position to fill (workqueue)
+    consumer_tiles: object  # tiles of the consumer per run
+    PUSH_BLOCK: object  # power of two >= the most consumer tiles one counter releases
+    MAX_SIGNALS: object  # the most counters one tile bumps
 
 # Error word layout: int64[len(ERR_FIELDS)] per stage, on the stage's device.
 ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
@@ -153,16 +194,15 @@ def cta_all(pred, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
+def poll_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
     """Spin until ``*ptr >= target`` (int64, wrap-safe: the signed difference) with acquire at
-    system scope, at most ``timeout_ns``. Returns ``(seen, ok)``: the last value this thread
-    saw, and whether *every* thread of the CTA saw the target (the same in every thread, so a
-    branch on it keeps the CTA together: a thread that saw the value just before the deadline
-    and one that gave up just after must not part ways into barriers, wgmma and TMA)."""
+    system scope, at most ``timeout_ns`` (0: look once). Returns the last value *this thread*
+    saw: threads may disagree (a value landing within a poll of the deadline), so no control
+    flow may depend on it before a vote (:func:`cta_all`)."""
     if INTERPRET:
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         polls = 0
-        while (seen - target < 0) & (polls < INTERPRET_POLLS):
+        while (seen - target < 0) & (polls < INTERPRET_POLLS) & (timeout_ns > 0):
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             polls += 1
     else:
@@ -170,6 +210,16 @@ def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
             _SPIN_PTX, "=l,l,l,l", [ptr, target.to(tl.int64), timeout_ns.to(tl.uint64)], dtype=tl.int64,
             is_pure=False, pack=1,
         )  # fmt: skip
+    return seen
+
+
+@triton.jit
+def wait_geq(ptr, target, timeout_ns, INTERPRET: tl.constexpr):
+    """:func:`poll_geq`, then a vote. Returns ``(seen, ok)``: the last value this thread saw,
+    and whether *every* thread of the CTA saw the target (the same in every thread, so a
+    branch on it keeps the CTA together: a thread that saw the value just before the deadline
+    and one that gave up just after must not part ways into barriers, wgmma and TMA)."""
+    seen = poll_geq(ptr, target, timeout_ns, INTERPRET)
     return seen, cta_all(seen - target >= 0, INTERPRET)
 
 
@@ -186,18 +236,6 @@ def report_timeout(err_ptr, stage, tile, kind, index, seen, target):
         tl.store(err_ptr + ERR_SEEN, seen)
         tl.store(err_ptr + ERR_TARGET, target)
         tl.store(err_ptr + ERR_CTA, tl.program_id(0))
-
-
-@triton.jit
-def wait_on(counters, c, need, tile, epoch, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
-    """``static`` policy: wait until counter ``c`` (one of ``tile``'s: the whole row-block, or
-    one part of it) reaches ``epoch * need[c]``; on timeout record it. Returns True (in every
-    thread of the CTA alike) when the data behind the counter may be read."""
-    target = epoch * tl.load(need + c)
-    seen, ok = wait_geq(counters + c, target, timeout_ns, INTERPRET)
-    if not ok:
-        report_timeout(err_ptr, stage, tile, KIND_COUNTER, c, seen, target)
-    return ok
 
 
 @triton.jit
@@ -232,24 +270,9 @@ def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRE
 
 
 @triton.jit
-def signal_tile(
-    tile,
-    epoch,
-    counters,
-    signal_ptr,
-    signal_counters,
-    need,
-    push_ptr,
-    push_tiles,
-    slots,
-    tail,
-    consumer_tiles,
-    QUEUE: tl.constexpr,
-    PUSH_BLOCK: tl.constexpr,
-    MAX_SIGNALS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """Epilogue: publish ``tile`` (already stored by every thread) to the consumer.
+def signal_tile(tile, epoch, signal, QUEUE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Epilogue: publish ``tile`` (already stored by every thread) to the consumer
+    (``signal``: :class:`Signal`; ``QUEUE``: the workqueue policy).
 
     Bumps each counter the tile feeds (at most ``MAX_SIGNALS``: a static loop, so the
     persistent loop around it stays a simple ``for`` Triton can flatten); under ``QUEUE`` the
@@ -257,26 +280,26 @@ def signal_tile(
     into the consumer's ring.
     """
     cta_barrier(INTERPRET)  # all threads' tile stores (or bulk-store waits) before thread 0's release
-    first_signal = tl.load(signal_ptr + tile)
-    num_signals = tl.load(signal_ptr + tile + 1) - first_signal
-    for j in tl.static_range(MAX_SIGNALS):
+    first_signal = tl.load(signal.signal_ptr + tile)
+    num_signals = tl.load(signal.signal_ptr + tile + 1) - first_signal
+    for j in tl.static_range(signal.MAX_SIGNALS):
         if j < num_signals:
-            c = tl.load(signal_counters + first_signal + j)
+            c = tl.load(signal.signal_counters + first_signal + j)
             if QUEUE:
-                old = tl.atomic_add(counters + c, 1, sem="acq_rel", scope="sys")
-                if old + 1 == epoch * tl.load(need + c):
-                    first = tl.load(push_ptr + c)
-                    n = tl.load(push_ptr + c + 1) - first
-                    pos = tl.atomic_add(tail, n, sem="relaxed", scope="sys")
-                    k = tl.arange(0, PUSH_BLOCK)
-                    ts = tl.load(push_tiles + first + k, mask=k < n, other=0)
+                old = tl.atomic_add(signal.counters + c, 1, sem="acq_rel", scope="sys")
+                if old + 1 == epoch * tl.load(signal.need + c):
+                    first = tl.load(signal.push_ptr + c)
+                    n = tl.load(signal.push_ptr + c + 1) - first
+                    pos = tl.atomic_add(signal.tail, n, sem="relaxed", scope="sys")
+                    k = tl.arange(0, signal.PUSH_BLOCK)
+                    ts = tl.load(signal.push_tiles + first + k, mask=k < n, other=0)
                     q = pos + k
                     tl.atomic_xchg(
-                        slots + q % consumer_tiles,
-                        (q // consumer_tiles + 1) * consumer_tiles + ts,
+                        signal.slots + q % signal.consumer_tiles,
+                        (q // signal.consumer_tiles + 1) * signal.consumer_tiles + ts,
                         mask=k < n,
                         sem="release",
                         scope="sys",
                     )
             else:
-                tl.atomic_add(counters + c, 1, sem="release", scope="sys")
+                tl.atomic_add(signal.counters + c, 1, sem="release", scope="sys")
