@@ -474,3 +474,24 @@ def head_base(epoch: int, num_tiles: int, num_ctas: int) -> int:
     """First head value of ``epoch``: each run moves the head by ``T + P``."""
     return (epoch - 1) * (num_tiles + num_ctas)
 
+
+
+def bucket_rows(M: int, block_m: int, per_octave: int) -> int:
+    """The row count of the plan that serves inputs of ``M`` rows: ``M`` itself when
+    ``per_octave`` is 0; else ``M`` rounded up to whole row-blocks, and above 8 row-blocks to
+    the next of ``per_octave`` sizes per octave (``2^k * (1 + i / per_octave)``, whole
+    row-blocks). A serving loop whose row count varies then builds a few plans per octave
+    (4 per octave: 8 between 2048 and 8192 rows) and computes at most ``1 / per_octave`` more
+    rows than it needs (the extra rows read zeros and are not written)."""
+    if not isinstance(per_octave, int) or per_octave < 0:
+        raise ValueError(f"per_octave must be an int >= 0, got {per_octave!r}")
+    if M < 1:
+        raise ValueError(f"M must be >= 1, got {M}")
+    if per_octave == 0:
+        return M
+    blocks = -(-M // block_m)
+    if blocks <= 8:
+        return blocks * block_m
+    base = 1 << (blocks.bit_length() - 1)  # the octave [base, 2 * base) of row-blocks
+    step = -(-(blocks - base) * per_octave // base)  # the first size of the octave >= blocks
+    return -(-(base * per_octave + step * base) // per_octave) * block_m

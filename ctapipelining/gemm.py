@@ -246,8 +246,8 @@ class GemmLaunch:
         stream): ``c = a @ b`` with this launch's hooks (operands already checked: ``a``
         ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded; ``c`` may
         live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a plan for
-        a bucket of row counts); rows past ``m`` read as zeros and are not written. Returns Triton's compiled kernel (PTX, register and spill counts
-        for inspection)."""
+        a bucket of row counts); rows past ``m`` read as zeros and are not written. Returns
+        Triton's compiled kernel (PTX, register and spill counts for inspection)."""
         tma_store = c.stride(0) == c.shape[1]  # rows padded: ordinary stores
         a_block, b_block, c_block = self._blocks
         args = (

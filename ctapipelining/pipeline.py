@@ -70,7 +70,6 @@ from .gemm import (
     SignalHook,
     TailBuffers,
     WaitHook,
-    check_operands,
     check_out,
     check_tensor,
     matmul,
@@ -106,6 +105,7 @@ class PipelineHung(RuntimeError):
 
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
+ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2048-8192
 
 
 def _int32_on(arr, device) -> torch.Tensor:
@@ -210,14 +210,17 @@ class Launch:
     stage: int | None = None  # the stage it is (None: a prefill or drain GEMM)
     copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
 
-    def run(self, x: torch.Tensor, out: torch.Tensor):
+    def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None):
+        """Launch on ``stream`` (raw handle; None: the current one), which is also current."""
         if self.copy_x is not None:
             buf, rows = self.copy_x
             buf.copy_(x[:rows])
-        return self.gemm(_rows(self.a, x, out), self.b, _rows(self.c, x, out))
+        return self.gemm(_rows(self.a, x, out), self.b, _rows(self.c, x, out), stream)
 
 
 def _rows(src, x, out) -> torch.Tensor:
+    """A plan buffer, or rows ``[lo, hi)`` of ``x`` / ``out`` (fewer when the call has fewer
+    rows than its plan: a bucketed plan; the launch reads zeros past them and writes nothing)."""
     if isinstance(src, torch.Tensor):
         return src
     name, lo, hi = src
@@ -338,8 +341,14 @@ class Pipeline:
     host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
         before it raises :class:`PipelineHung` and refuses further calls; default
         ``max(10, 10 * timeout_s)``.
-    max_plans : input heights whose plans (buffers, scoreboards, bound launches) are kept; the
+    max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
+    row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
+        a call on ``M`` rows runs the plan for :meth:`rows_for` ``(M)`` rows, which reads zeros
+        past ``M`` and writes only ``M`` rows, so a serving loop whose row count varies builds
+        a few plans (4 per octave: 8 between 2048 and 8192 rows) and computes at most a quarter
+        more rows. 0: one plan per exact height. With prefill or drain rows, plans are per
+        exact height.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see
         :mod:`ctapipelining.trace` and :meth:`traces`). Off, the kernels carry no stamps.
     prefill_rows : the second GPU computes this many first rows of the first layer itself (see
@@ -369,6 +378,7 @@ class Pipeline:
         ends: str | None = None,
         host_timeout_s: float | None = None,
         max_plans: int = MAX_PLANS,
+        row_buckets: int = ROW_BUCKETS,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -392,6 +402,10 @@ class Pipeline:
         if not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
+        if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0:
+            raise ValueError(f"row_buckets must be an int >= 0, got {row_buckets!r}")
+        # the ends' rows are cut from the call's own rows: their plans are per exact height
+        self.row_buckets = 0 if (ends or prefill_rows or drain_rows) else row_buckets
         self.trace = trace
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
@@ -430,6 +444,7 @@ class Pipeline:
                     )
             fabric.enable_peer_access([d.index for d in self.devices])
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
+            self._raw_streams = [st.cuda_stream for st in self.streams]
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
@@ -487,7 +502,9 @@ class Pipeline:
         """The same GEMMs one after another, each with its stage's configuration, no
         pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
         self.check_input(x)
-        M = x.shape[0]
+        rows, M = x.shape[0], self.rows_for(x.shape[0])
+        if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
+            x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
         R, D = self.ends_for(M)
         y = x
         for s, w in enumerate(self.weights):
@@ -498,7 +515,7 @@ class Pipeline:
             y = torch.cat(
                 [matmul(y[a:b], w, config=self.stage_config(0 if a == M - D else s)) for a, b in zip(cuts, cuts[1:])]
             )
-        return y
+        return y[:rows]
 
     def ends_for(self, M: int) -> tuple[int, int]:
         """``(R, D)``: the rows the second GPU prefills and the first GPU drains in a call on
@@ -584,13 +601,18 @@ class Pipeline:
         return best
 
     # -- state -------------------------------------------------------------------------------
+    def rows_for(self, M: int) -> int:
+        """The height of the plan that serves inputs of ``M`` rows (see ``row_buckets``)."""
+        return deps.bucket_rows(M, self.config.block_m, self.row_buckets)
+
     def plan(self, M: int) -> Plan:
-        """The plan for inputs of ``M`` rows (built on first use; the :attr:`max_plans` most
-        recently used are kept)."""
-        plan = self._plans.get(M)
+        """The plan that serves inputs of ``M`` rows, of :meth:`rows_for` ``(M)`` rows (built on
+        first use; the :attr:`max_plans` most recently used are kept)."""
+        B = self.rows_for(M)
+        plan = self._plans.get(B)
         if plan is None:
-            plan = self._keep(M, self._build_plan(M, *self.ends_for(M)))
-        self._plans.move_to_end(M)
+            plan = self._keep(B, self._build_plan(B, *self.ends_for(B)))
+        self._plans.move_to_end(B)
         return plan
 
     def _keep(self, M: int, plan: Plan) -> Plan:
@@ -755,7 +777,7 @@ class Pipeline:
             raise ValueError(f"x is {tuple(x.shape)}; stage 0 weight is {tuple(w0.shape)}")
         if x.shape[0] == 0:
             raise ValueError("x has no rows")
-        check_operands(x, w0, "pipeline input")
+        check_tensor(x, "pipeline input")  # the weights were checked once, at construction
 
     def check_output(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` must be a row-major ``[M, N_last]`` tensor on the last stage's device (rows
@@ -843,37 +865,36 @@ class Pipeline:
         callers = self._caller_streams(capturing)
         starts = [c.record_event() for c in callers] + ([] if capturing else self._done)
         kernels = [None] * n
+        done = []
         try:
             for s in range(n):
-                with self._on_stream(s, starts):
+                with self._on_stream(s, starts) as stream:
                     if advance_epoch:
                         plan.epochs[s].add_(1)
-                    for launch in plan.launches:
-                        if launch.stream != s or (only is not None and s not in only):
-                            continue
-                        if delay_cycles and launch.stage in delay_cycles:
-                            torch.cuda._sleep(delay_cycles[launch.stage])
-                        kernel = launch.run(x, out)
-                        if launch.stage is not None:
-                            kernels[launch.stage] = kernel
+                    if only is None or s in only:
+                        for launch in plan.launches:
+                            if launch.stream != s:
+                                continue
+                            if delay_cycles and launch.stage in delay_cycles:
+                                torch.cuda._sleep(delay_cycles[launch.stage])
+                            kernel = launch.run(x, out, stream)
+                            if launch.stage is not None:
+                                kernels[launch.stage] = kernel
+                    if self.on_gpu:
+                        if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
+                            plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
+                        done.append(self.streams[s].record_event())
         except BaseException:
             plan.stale = True
             raise
         if advance_epoch:
             plan.epoch += 1
-        if self.on_gpu:
-            done = []
-            for s, st in enumerate(self.streams):
-                with torch.cuda.device(self.devices[s]), torch.cuda.stream(st):
-                    if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
-                        plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
-                    done.append(st.record_event())
-            for caller in callers:
-                for ev in done:
-                    caller.wait_event(ev)
-            if not capturing:
-                self._done = done
+        for caller in callers:
+            for ev in done:
+                caller.wait_event(ev)
         if not capturing:
+            if self.on_gpu:
+                self._done = done
             self._pending[plan] = self._done
         return kernels
 
@@ -890,14 +911,16 @@ class Pipeline:
 
     @contextlib.contextmanager
     def _on_stream(self, s: int, starts):
+        """Make stage ``s``'s stream current (after ``starts``); yields its raw handle (None
+        under the interpreter)."""
         if not self.on_gpu:
-            yield
+            yield None
             return
         st = self.streams[s]
-        with torch.cuda.device(self.devices[s]), torch.cuda.stream(st):
+        with torch.cuda.stream(st):
             for ev in starts:
                 st.wait_event(ev)
-            yield
+            yield self._raw_streams[s]
 
     def traces(self, M: int) -> list[np.ndarray]:
         """The stamps of the last call with ``M`` rows, per stage ``[tiles, 5]`` (ns; see
@@ -953,7 +976,9 @@ class Pipeline:
                 f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
             )
         raise PipelineTimeout(
-            f"a call on {plan.M} rows failed: " + "; ".join(msgs) + ". State reset; the next call starts clean."
+            f"a call with the plan for {plan.M} rows failed: "
+            + "; ".join(msgs)
+            + ". State reset; the next call starts clean."
         )
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from protocol_state import preset_epoch
 
+from ctapipelining import deps
+from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Pipeline, PipelineHung, PipelineTimeout
 
@@ -111,7 +113,7 @@ def test_replicas_follow_in_place_changes_of_their_weights():
 
 def test_plans_are_bounded_and_captured_ones_stay():
     ws = chain(16, 16, 16)
-    pipe = Pipeline(ws, config=SMALL, max_plans=2)
+    pipe = Pipeline(ws, config=SMALL, max_plans=2, row_buckets=0)
     for M in (8, 16, 24):
         pipe(torch.randn(M, 16).half())
     assert list(pipe._plans) == [16, 24]
@@ -123,6 +125,35 @@ def test_plans_are_bounded_and_captured_ones_stay():
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     with pytest.raises(ValueError, match="max_plans"):
         Pipeline(ws, max_plans=0)
+
+
+def test_row_counts_share_bucketed_plans_and_write_only_their_rows():
+    """Five calls on 150-200 rows (SMALL: 16-row blocks; 4 heights per octave of row-blocks)
+    run 3 plans, of 160, 192 and 224 rows, each call bitwise the sequential GEMMs on its rows,
+    and leave the output's rows past the call's alone (a bucketed plan computes zeros there)."""
+    ws = chain(16, 24, 16)
+    pipe = Pipeline(ws, config=SMALL)
+    for M in (150, 161, 200, 176, 155):
+        x = torch.randn(M, 16).half()
+        out = torch.full((M + 40, 16), float("nan")).half()
+        y = pipe(x, out=out[:M], check=True)
+        assert torch.equal(y, pipe.sequential(x)) and out[M:].isnan().all()
+        assert torch.equal(y, matmul(matmul(x, ws[0], config=SMALL), ws[1], config=SMALL))
+    assert sorted(pipe._plans) == [pipe.rows_for(150), pipe.rows_for(176), pipe.rows_for(200)] == [160, 192, 224]
+    assert Pipeline(ws, config=SMALL, row_buckets=0).rows_for(150) == 150
+    with pytest.raises(ValueError, match="row_buckets"):
+        Pipeline(ws, row_buckets=-1)
+
+
+@pytest.mark.parametrize("per_octave", [1, 2, 4, 8])
+def test_bucket_rows(per_octave):
+    sizes = {deps.bucket_rows(M, 128, per_octave) for M in range(2049, 8193)}
+    assert len(sizes) == 2 * per_octave
+    for M in range(1, 20000, 37):
+        B = deps.bucket_rows(M, 128, per_octave)
+        assert B >= M and B % 128 == 0
+        assert B <= max(-(-M // 128) * 128, M * (1 + 1 / per_octave) + 128)
+    assert deps.bucket_rows(3000, 128, 0) == 3000
 
 
 class _NeverDone:
@@ -148,7 +179,7 @@ def test_errors_are_asynchronous_and_never_lost():
     plan = pipe.plan(24)
     pipe._launch(plan, x, torch.empty(24, 16).half(), only=[1])  # a consumer with no producer
     epochs = [int(e) for e in plan.epochs]
-    with pytest.raises(PipelineTimeout, match="a call on 24 rows failed: stage 1 on cpu"):
+    with pytest.raises(PipelineTimeout, match="a call with the plan for 32 rows failed: stage 1 on cpu"):
         pipe(x)
     assert [int(e) for e in plan.epochs] == [0, 0], "the failed plan was reset, nothing launched"
     assert epochs == [1, 1]

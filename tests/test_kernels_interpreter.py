@@ -495,13 +495,13 @@ def test_a_launch_without_hooks_passes_none_for_every_hook(monkeypatch):
     vanishes at compile time): a plain launch passes None for each, a waiting one its bundle."""
     import ctapipelining.gemm as host
 
-    seen = []
+    seen, names = [], host.gemm_kernel.arg_names
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append(dict(zip(host.gemm_kernel.arg_names, args)))
+            return lambda *args, **kw: seen.append(dict(zip(names, args)))
 
-    monkeypatch.setattr(host, "gemm_kernel", type("K", (), {"arg_names": host.gemm_kernel.arg_names, "__getitem__": Recorder.__getitem__})())
+    monkeypatch.setattr(host, "gemm_kernel", Recorder())
     a, b, c = torch.randn(32, 16).half(), torch.randn(16, 32).half(), torch.empty(32, 32).half()
     one = torch.zeros(1, dtype=torch.int64)
     host.launch_gemm(a, b, c, SMALL, 4)

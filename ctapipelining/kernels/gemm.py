@@ -405,7 +405,8 @@ def gemm_kernel(
                 fence_proxy_async(INTERPRET)
                 pending, _ = _run_tile(
                     a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, N, k_tiles, stride_cm, epoch, signal, pending,
-                    None, 0, True, err_ptr, stage, timeout_ns, trace_ptr, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET,
+                    None, 0, True, err_ptr, stage, timeout_ns, trace_ptr, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+                    INTERPRET,
                 )  # fmt: skip
                 pos = claim(wait.head, epoch, num_tiles, NUM_CTAS)
             else:
