@@ -115,7 +115,11 @@ def main():
 def new_vs_old():
     sys.path.insert(0, OLD)
     import ctapipelining_old.gemm as og
+    import ctapipelining_old.kernels.gemm as okg
     import ctapipelining_old.pipeline as op
+
+    global OLD_CFG
+    OLD_CFG = okg.PIPELINE_CONFIG  # the same tiles, parts and signal step, in the old config's fields
 
     M = 16384
     x, w, w2 = rand(M, K), rand(K, K, scale=K**-0.5), rand(K, K, scale=K**-0.5)
@@ -139,8 +143,8 @@ def new_vs_old():
         else:
             plain = lambda: og.matmul(x, w, out=y)  # noqa: E731
             sig, wt = link.signal_hook(False), full.wait_hook(False)
-            run_p = lambda s=sig, f=launch, e=epoch, r=err: f(x, w, h, cfg, P, signal=s, epoch=e, err=r)  # noqa: E731
-            run_c = lambda t=wt, f=launch, e=epoch, r=err: f(h, w2, y, cfg, P, wait=t, epoch=e, err=r, stage=1)  # noqa: E731
+            run_p = lambda s=sig, f=launch, e=epoch, r=err: f(x, w, h, OLD_CFG, P, signal=s, epoch=e, err=r)  # noqa: E731
+            run_c = lambda t=wt, f=launch, e=epoch, r=err: f(h, w2, y, OLD_CFG, P, wait=t, epoch=e, err=r, stage=1)  # noqa: E731
         methods += [Method(f"plain_{name}", graphed(plain)), Method(f"producer_{name}", graphed(run_p)),
                     Method(f"consumer_{name}", graphed(run_c))]  # fmt: skip
         assert int(err[0]) == 0
