@@ -350,6 +350,11 @@ def matmul(
     if a.device.type != "cuda":  # the interpreter
         _plain_launch(M, N, K, cfg, a.device, 0)(a, b, out)
         return out
-    with torch.cuda.device(a.device):
-        _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(a.device.index))(a, b, out)
+    index = a.device.index
+    launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index))
+    if index == torch.cuda.current_device():
+        launch(a, b, out)
+    else:  # the kernel launches in the current device's context
+        with torch.cuda.device(index):
+            launch(a, b, out)
     return out

@@ -72,7 +72,6 @@ from .gemm import (
     WaitHook,
     check_out,
     check_tensor,
-    matmul,
     num_sms,
     overlaps,
     tail_split,
@@ -445,6 +444,10 @@ class Pipeline:
             fabric.enable_peer_access([d.index for d in self.devices])
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
             self._raw_streams = [st.cuda_stream for st in self.streams]
+            # an eager call's fork and join points, recorded again by every call (no event is
+            # created on the hot path); a query then answers for the latest call, which ends last
+            self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
+            self._join_events = [torch.cuda.Event() for _ in self.devices]
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
@@ -512,10 +515,22 @@ class Pipeline:
             # GEMMs run stage 0's configuration), the pipelined rest
             cuts = sorted({0, M} | ({R, M - D} if s == 0 else {M - D} if s == 1 else set()))
             y = y.to(w.device)
-            y = torch.cat(
-                [matmul(y[a:b], w, config=self.stage_config(0 if a == M - D else s)) for a, b in zip(cuts, cuts[1:])]
-            )
+            y = torch.cat([self._gemm(y[a:b], w, s, a == M - D) for a, b in zip(cuts, cuts[1:])])
         return y[:rows]
+
+    def _gemm(self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool) -> torch.Tensor:
+        """``a @ w`` alone, as stage ``s`` (or, ``drain``, a drain GEMM on stage 0's GPU) runs
+        it in a call: its configuration and its grid (a split tail depends on the grid)."""
+        stream = 0 if drain else s
+        cfg, (rows, K), N = self.stage_config(stream), a.shape, w.shape[1]
+        c = torch.empty(rows, N, dtype=w.dtype, device=w.device)
+        ctas = max(1, min(self._sm_share(stream), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
+        if self.on_gpu:
+            with torch.cuda.device(w.device):
+                GemmLaunch(rows, N, K, cfg, ctas, w.device)(a, w, c)
+        else:
+            GemmLaunch(rows, N, K, cfg, ctas, w.device)(a, w, c)
+        return c
 
     def ends_for(self, M: int) -> tuple[int, int]:
         """``(R, D)``: the rows the second GPU prefills and the first GPU drains in a call on
@@ -863,7 +878,13 @@ class Pipeline:
         if capturing:
             plan.pinned = True  # a graph now points at its buffers
         callers = self._caller_streams(capturing)
-        starts = [c.record_event() for c in callers] + ([] if capturing else self._done)
+        if capturing:  # events of their own, recorded into the graph
+            forks, joins = [c.record_event() for c in callers], [torch.cuda.Event() for _ in self.devices]
+        else:
+            forks, joins = (self._fork_events, self._join_events) if self.on_gpu else ([], [])
+            for ev, c in zip(forks, callers):
+                ev.record(c)
+        starts = forks + ([] if capturing else self._done)
         kernels = [None] * n
         done = []
         try:
@@ -883,7 +904,8 @@ class Pipeline:
                     if self.on_gpu:
                         if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
                             plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
-                        done.append(self.streams[s].record_event())
+                        joins[s].record(self.streams[s])
+                        done.append(joins[s])
         except BaseException:
             plan.stale = True
             raise

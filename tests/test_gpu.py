@@ -168,7 +168,7 @@ def test_split_tail_pipeline_bitwise(policy, padded):
     the output's rows are padded (the last stage writes them with ordinary stores)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
     cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-    pipe = Pipeline(ws, policy=policy, config=cfg)
+    pipe = Pipeline(ws, policy=policy, config=cfg, row_buckets=0)  # plans of exactly 3100 rows: ragged
     for M in (16384, 3100):  # 4096 tiles on 132 CTAs: 4 left over; ragged 3100: 800 tiles, 8 left over
         plan = pipe.plan(M)
         assert plan.tails[0] is not None and (plan.tails[1] is None) == (policy == "workqueue")
