@@ -401,14 +401,11 @@ def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms:
     row-block: one round each way, and a little more for a longer chain, because the
     producer's writes into the peer slow its GPU in proportion to its work.
 
-    Measured on 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles, so ``D`` = 512), prefill
-    rows against the chain without ends, paired (benchmarks/results/2026-11-30-h200x2-s6/):
-    at M=2048, 512 rows (this rule) 0.81-0.83x, sharply better than 256 or 768; at 8192, 640
-    (this rule) chosen by :meth:`Pipeline.tune_ends` in two machines of three, 0.95x; at
-    16384, 768 (this rule) 0.972-0.979x in four machines, while the best prefill varied from
-    machine to machine between 640 (0.967-0.981x, three machines) and 1280-1536 (0.935-0.948x,
-    two others, where 1408 lost 0.3-2% in a third). So this is a safe middle;
-    :meth:`Pipeline.tune_ends` measures the machine at hand.
+    On 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles, so ``D`` = 512) this rule's prefill
+    is at or near the best at M = 2048 and 8192; at 16384 the best prefill differs from machine
+    to machine (640 to 1536 rows) and this rule's is a safe middle
+    (benchmarks/results/2026-11-30-h200x2-s6/). :meth:`Pipeline.tune_ends` measures the
+    machine at hand.
     """
     tiles_per_row_block = max(-(-N0 // block_n), -(-N1 // block_n))
     D = max(1, num_sms // tiles_per_row_block) * block_m

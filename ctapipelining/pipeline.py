@@ -82,8 +82,8 @@ from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
 # and leaves the rule's ends only for a candidate faster by more than TUNE_MARGIN: it times calls
-# back to back, and on 2x H200 its choice, when within ~1% of the rule's, ran 3-5% slower than the
-# rule's in the interleaved bench (2026-11-30-h200x2-s6/f5: M=8192 and 16384)
+# back to back, which ranks candidates within ~1% of each other differently from the interleaved
+# bench (benchmarks/results/2026-11-30-h200x2-s6/)
 TUNE_FACTORS = (0.5, 1.0, 1.5, 2.0)
 TUNE_MARGIN = 0.02
 
@@ -330,8 +330,8 @@ class Pipeline:
         each on its own CUDA device (consecutive devices need peer access). Under the Triton
         interpreter they may all be CPU tensors; stages then run one after another.
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
-        counter; the default: 2-10% faster than ``"workqueue"`` at every size measured on
-        2x H200, benchmarks/results/2026-11-30-h200x2-s2/final and -s5/bench) or
+        counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
+        benchmarks/results/2026-11-30-h200x2-s6/) or
         ``"workqueue"`` (consumers run tiles in the order they became ready, the paper's policy).
     config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
         Its ``wait_parts`` is capped at the producer's column-blocks; a ``workqueue`` consumer
@@ -359,8 +359,9 @@ class Pipeline:
         ``config.block_m``; at least one row-block is left to the pipelined stages). It keeps
         a replica of ``W_1`` on that GPU. Not with ``trace``.
     ends : ``"balanced"`` (two stages): both of the above, sized for each input height by
-        :func:`ctapipelining.deps.balanced_ends` (measured on 2x H200 at K = N = 8192: 0.81x,
-        0.94x and 0.97x the chain without them at M = 2048, 8192 and 16384), with split tails
+        :func:`ctapipelining.deps.balanced_ends` (on 2x H200 at K = N = 8192 about 0.8x the
+        chain without them at M = 2048 and 0.95x at 8192-16384,
+        benchmarks/results/2026-11-30-h200x2-s6/), with split tails
         (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
         Not with explicit ``prefill_rows`` / ``drain_rows``.
     """
@@ -569,18 +570,16 @@ class Pipeline:
     ) -> tuple[int, int]:
         """Time the chain on ``M`` rows with each of :meth:`end_candidates` and keep the fastest
         for ``M`` if it beats the rule's ends by more than ``margin`` (else the rule's): later
-        calls on ``M`` rows use it. Why: the best prefill depends on the two
-        GPUs' own speeds under load, which differ from machine to machine (on 2x H200 at
-        M=16384, 1408 + 512 rows took 0.94x the chain without ends on one machine and 1.00-1.02x
-        on another, 2026-11-30-h200x2-s6/t16384 and f1).
+        calls on ``M`` rows use it. Why: the best prefill depends on the two GPUs' own speeds
+        under load, which differ from machine to machine
+        (benchmarks/results/2026-11-30-h200x2-s6/).
 
         Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
         times timed, on random input, all candidates taking turns in a shuffled order
         (:func:`ctapipelining.timing.time_interleaved`). These are calls back to back, both GPUs
-        at their power cap all the time: every candidate's median came out ~6% above the same
-        chain's in the bench, where GPU 1 idles while single-GPU methods run
-        (2026-11-30-h200x2-s6/f2, f3, f5), and the best prefill there can differ (see
-        :data:`TUNE_MARGIN`). The medians are kept in :attr:`tuning` ``[M]``. GPU only,
+        at their power cap all the time, so the medians run above a call's time in the bench
+        (where GPU 1 idles while single-GPU methods run), and the best prefill there can differ
+        (see :data:`TUNE_MARGIN`). The medians are kept in :attr:`tuning` ``[M]``. GPU only,
         ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
         earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
@@ -697,8 +696,8 @@ class Pipeline:
         first = R // cfg.block_m * links[0].dep.producer.num_n if R else 0  # producer tile of row R
         for s in range(n):
             if s == 1 and R:  # the prefill: rows [0, R) of stage 0 on stage 1's GPU, before the consumer
-                # (a copy of x first: the GEMM reading x across NVLink with TMA took 1.29x the whole
-                # chain, 2026-11-30-h200x2-s6/e3)
+                # (a copy of x first: a GEMM reading x across NVLink with TMA is far slower,
+                # benchmarks/results/2026-11-30-h200x2-s6/)
                 bind(
                     1, R, self.prefill_weight, self.stage_config(0), plan.prefill_x, inputs[1][:R],
                     signal=links[0].signal_hook(queue, local=True), epoch=plan.epochs[1],
