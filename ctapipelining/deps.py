@@ -480,8 +480,9 @@ def bucket_rows(M: int, block_m: int, per_octave: int) -> int:
     row-blocks). A serving loop whose row count varies then builds a few plans per octave
     (4 per octave: 8 between 2048 and 8192 rows) and computes at most ``1 / per_octave`` more
     rows than it needs (the extra rows read zeros and are not written)."""
-    if not isinstance(per_octave, int) or per_octave < 0:
-        raise ValueError(f"per_octave must be an int >= 0, got {per_octave!r}")
+    if not isinstance(per_octave, int) or per_octave < 0 or per_octave & (per_octave - 1):
+        # a power of two: every size is then whole row-blocks, and a size is its own bucket
+        raise ValueError(f"per_octave must be 0 or a power of two, got {per_octave!r}")
     if M < 1:
         raise ValueError(f"M must be >= 1, got {M}")
     if per_octave == 0:

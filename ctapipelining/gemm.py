@@ -126,6 +126,8 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
             f"{name} is bfloat16, which Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies wrongly: "
             "use float16 there, or a GPU"
         )
+    if t.stride(1) != 1 or t.stride(0) < t.shape[1] or t.stride(0) * t.element_size() % 16:
+        raise ValueError(f"{name}: rows must be contiguous and a multiple of 16 bytes apart, strides {t.stride()}")
     if t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA needs it)")
     if t.device.type != "cuda" and not interpreting():
@@ -142,6 +144,8 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is on {a.device} but B is on {b.device}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
+    if b.shape[0] == 0 or b.shape[1] == 0:
+        raise ValueError(f"{what}: B is {tuple(b.shape)}: an empty weight")
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

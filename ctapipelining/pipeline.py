@@ -402,14 +402,18 @@ class Pipeline:
         if not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
-        if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0:
-            raise ValueError(f"row_buckets must be an int >= 0, got {row_buckets!r}")
+        if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0 or (
+            row_buckets & (row_buckets - 1)
+        ):
+            raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
         # the ends' rows are cut from the call's own rows: their plans are per exact height
         self.row_buckets = 0 if (ends or prefill_rows or drain_rows) else row_buckets
         self.trace = trace
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_tensor(w, f"stage {s} weight")
+            if 0 in w.shape:
+                raise ValueError(f"stage {s} weight is empty: {tuple(w.shape)}")
         for s in range(1, len(self.weights)):
             if self.weights[s].shape[0] != self.weights[s - 1].shape[1]:
                 raise ValueError(
@@ -640,8 +644,9 @@ class Pipeline:
             evict = []  # no waiting inside a capture: evict at a later call
         if evict:
             self._wait()  # a call in flight may still use their buffers
-            for m in evict:
-                self._pending.pop(self._plans.pop(m), None)
+            unread = [p for p in (self._plans.pop(m) for m in evict) if self._pending.pop(p, None) is not None]
+            for p in unread:  # its last call's errors are not lost with it
+                self._raise_if_failed(p, [e.cpu().tolist() for e in p.errors])
         return plan
 
     def _build_plan(self, M: int, R: int, D: int) -> Plan:
@@ -903,11 +908,13 @@ class Pipeline:
                     if self.on_gpu:
                         if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
                             plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
-                        joins[s].record(self.streams[s])
-                        done.append(joins[s])
         except BaseException:
             plan.stale = True
             raise
+        if self.on_gpu:  # after every stage's waits: a join recorded earlier would order this call's stages
+            for ev, st in zip(joins, self.streams):
+                ev.record(st)
+                done.append(ev)
         if advance_epoch:
             plan.epoch += 1
         for caller in callers:

@@ -154,6 +154,9 @@ def test_bucket_rows(per_octave):
         assert B >= M and B % 128 == 0
         assert B <= max(-(-M // 128) * 128, M * (1 + 1 / per_octave) + 128)
     assert deps.bucket_rows(3000, 128, 0) == 3000
+    assert all(deps.bucket_rows(B, 128, per_octave) == B for B in sizes)  # a plan's height is its own bucket
+    with pytest.raises(ValueError, match="power of two"):
+        deps.bucket_rows(3000, 128, 3)
 
 
 class _NeverDone:
@@ -207,3 +210,26 @@ def test_calls_from_several_threads_are_serialised():
     for x, y in zip(xs, ys):
         assert torch.equal(y, pipe.sequential(x))
     assert pipe.plan(24).epoch == 4
+
+
+def test_an_evicted_plan_s_unread_timeout_is_raised_not_lost():
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05, max_plans=1, row_buckets=0)
+    x = torch.randn(24, 16).half()
+    plan = pipe.plan(24)
+    pipe._launch(plan, x, torch.empty(24, 16).half(), only=[1])  # a consumer alone: times out
+    with pytest.raises(PipelineTimeout, match="plan for 24 rows failed"):
+        pipe.plan(40)  # evicts the plan for 24 rows, whose call nobody checked (on a GPU: still running)
+    assert list(pipe._plans) == [40]
+    y = pipe(torch.randn(40, 16).half(), check=True)
+    assert not y.isnan().any()
+
+
+def test_operands_with_unaligned_rows_or_empty_weights_are_refused():
+    x = torch.empty(1, 24).half().as_strided((1, 16), (3, 1))  # one row: contiguous, rows 6 bytes apart
+    with pytest.raises(ValueError, match="16 bytes apart"):
+        matmul(x, torch.randn(16, 16).half(), config=SMALL)
+    with pytest.raises(ValueError, match="matmul: B"):
+        matmul(torch.randn(4, 16).half(), torch.randn(16, 0).half(), config=SMALL)
+    with pytest.raises(ValueError, match="stage 0 weight"):
+        Pipeline([torch.randn(16, 0).half()])

@@ -107,7 +107,8 @@ INTERPRET_POLLS = tl.constexpr(64)
 
 # Every thread polls ld.acquire.sys until the value reaches the target or its deadline passes
 # (64-bit values, compared on their signed difference: wrap-safe). Labels live inside { } so the
-# block can be inlined many times. Threads may leave this loop with different answers (a value
+# block can be inlined many times; the warp reconverges before it leaves (the .aligned wgmma and
+# barriers after it need the whole warp). Threads may leave this loop with different answers (a value
 # landing within a poll of the deadline): :func:`cta_all` makes the CTA's decision one.
 _SPIN_PTX = tl.constexpr("""
 {
@@ -125,6 +126,7 @@ WAIT_LOOP:
   setp.lt.u64 %wp1, %wt1, %wt0;
   @%wp1 bra WAIT_LOOP;
 WAIT_DONE:
+  bar.warp.sync -1;
 }
 """)
 
