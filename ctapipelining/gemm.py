@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,12 @@ def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), 1 if interpreting() else TAIL_MIN_SLICE_K)
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Rows contiguous and at least a row apart, row stride a multiple of 16 bytes: what TMA
+    reads and writes."""
+    return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
+
+
 def check_tensor(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for a matrix the TMA GEMM cannot read."""
     if not isinstance(t, torch.Tensor):
@@ -126,7 +133,7 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
             f"{name} is bfloat16, which Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies wrongly: "
             "use float16 there, or a GPU"
         )
-    if t.stride(1) != 1 or t.stride(0) < t.shape[1] or t.stride(0) * t.element_size() % 16:
+    if not _row_major(t):
         raise ValueError(f"{name}: rows must be contiguous and a multiple of 16 bytes apart, strides {t.stride()}")
     if t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA needs it)")
@@ -134,18 +141,23 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}; the GEMM runs on CUDA devices (or under TRITON_INTERPRET=1)")
 
 
+def check_weight(w: torch.Tensor, name: str) -> None:
+    """:func:`check_tensor`, and neither dimension empty."""
+    check_tensor(w, name)
+    if 0 in w.shape:
+        raise ValueError(f"{name} is empty: {tuple(w.shape)}")
+
+
 def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
     """Raise a clear error for operands the TMA GEMM cannot take."""
     check_tensor(a, f"{what}: A")
-    check_tensor(b, f"{what}: B")
+    check_weight(b, f"{what}: B")
     if a.dtype != b.dtype:
         raise TypeError(f"{what}: A is {a.dtype} but B is {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"{what}: A is on {a.device} but B is on {b.device}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
-    if b.shape[0] == 0 or b.shape[1] == 0:
-        raise ValueError(f"{what}: B is {tuple(b.shape)}: an empty weight")
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -242,6 +254,7 @@ class GemmLaunch:
             QUEUE=self.queue,
             INTERPRET=interpreting(),
         )
+        self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
         self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n])
         self._compiled = {}  # (TMA store, row stride of c) -> Triton's compiled kernel
 
@@ -262,18 +275,13 @@ class GemmLaunch:
         kernel = self._compiled.get(key)
         if kernel is None or knobs.runtime.launch_enter_hook.calls:  # a profiler's hooks: Triton's path
             cfg = self.config
-            if stream is not None and not interpreting():
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)):
-                    kernel = gemm_kernel[(self.num_ctas,)](
-                        *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
-                    )
-            else:
+            on_stream = stream is not None and not interpreting()
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
                 kernel = gemm_kernel[(self.num_ctas,)](
                     *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
                 )
             if not interpreting():
                 self._compiled[key] = kernel
-                self._trailing = tuple(self._constexprs.values())
             return kernel
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
@@ -323,7 +331,7 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
         raise TypeError(f"{what} must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != (M, N) or out.dtype != dtype:
         raise ValueError(f"{what} must be a [{M}, {N}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    if M and N and (out.stride(1) != 1 or out.stride(0) < N or out.stride(0) * out.element_size() % 16):
+    if M and N and not _row_major(out):
         raise ValueError(
             f"{what} must be row-major with rows a multiple of 16 bytes apart, got strides {tuple(out.stride())}"
         )
@@ -356,9 +364,7 @@ def matmul(
         return out
     index = a.device.index
     launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index))
-    if index == torch.cuda.current_device():
+    # the kernel launches in the current device's context
+    with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
         launch(a, b, out)
-    else:  # the kernel launches in the current device's context
-        with torch.cuda.device(index):
-            launch(a, b, out)
     return out

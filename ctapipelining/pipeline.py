@@ -72,6 +72,7 @@ from .gemm import (
     WaitHook,
     check_out,
     check_tensor,
+    check_weight,
     num_sms,
     overlaps,
     tail_split,
@@ -411,9 +412,7 @@ class Pipeline:
         self.trace = trace
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
-            check_tensor(w, f"stage {s} weight")
-            if 0 in w.shape:
-                raise ValueError(f"stage {s} weight is empty: {tuple(w.shape)}")
+            check_weight(w, f"stage {s} weight")
         for s in range(1, len(self.weights)):
             if self.weights[s].shape[0] != self.weights[s - 1].shape[1]:
                 raise ValueError(
@@ -527,14 +526,11 @@ class Pipeline:
         """``a @ w`` alone, as stage ``s`` (or, ``drain``, a drain GEMM on stage 0's GPU) runs
         it in a call: its configuration and its grid (a split tail depends on the grid)."""
         stream = 0 if drain else s
-        cfg, (rows, K), N = self.stage_config(stream), a.shape, w.shape[1]
+        (rows, K), N = a.shape, w.shape[1]
         c = torch.empty(rows, N, dtype=w.dtype, device=w.device)
-        ctas = max(1, min(self._sm_share(stream), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
-        if self.on_gpu:
-            with torch.cuda.device(w.device):
-                GemmLaunch(rows, N, K, cfg, ctas, w.device)(a, w, c)
-        else:
-            GemmLaunch(rows, N, K, cfg, ctas, w.device)(a, w, c)
+        launch = GemmLaunch(rows, N, K, self.stage_config(stream), self._grid(stream, rows, N), w.device)
+        with torch.cuda.device(w.device) if self.on_gpu else contextlib.nullcontext():
+            launch(a, w, c)
         return c
 
     def ends_for(self, M: int) -> tuple[int, int]:
@@ -687,7 +683,7 @@ class Pipeline:
             """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
             stage's share of its GPU; ``stage``: the stage it is (None: a prefill or drain GEMM)."""
             dev = devs[stream]
-            ctas = max(1, min(self._sm_share(stream), -(-rows // cfg.block_m) * -(-w.shape[1] // cfg.block_n)))
+            ctas = self._grid(stream, rows, w.shape[1])
             split = tail_split(rows, w.shape[1], w.shape[0], s_cfg, ctas)
             tail = None if split is None else TailBuffers.create(split, s_cfg, dev)
             plan.tails.append(tail)
@@ -728,6 +724,12 @@ class Pipeline:
                 bind(0, D, ws[0], self.stage_config(0), ("x", P, M), plan.drain_h, epoch=plan.epochs[0])
                 bind(0, D, self.drain_weight, self.stage_config(0), plan.drain_h, ("out", P, M), epoch=plan.epochs[0])
         return plan
+
+    def _grid(self, s: int, rows: int, N: int) -> int:
+        """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream: a
+        CTA per SM of the stage's share, fewer when there are fewer tiles."""
+        cfg = self.config
+        return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
 
     def _sm_share(self, s: int) -> int:
         """The CTAs stage ``s`` may hold: its GPU's SMs shared equally among the stages on it, so
@@ -914,7 +916,7 @@ class Pipeline:
         if self.on_gpu:  # after every stage's waits: a join recorded earlier would order this call's stages
             for ev, st in zip(joins, self.streams):
                 ev.record(st)
-                done.append(ev)
+            done = joins
         if advance_epoch:
             plan.epoch += 1
         for caller in callers:
