@@ -3,21 +3,23 @@ tree against those of an earlier one (no regression), on one GPU, graph-replayed
 
 usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
 
-1. Host time per launch: while the GPU sleeps, the host time of N ``check=False`` calls,
+1. Host time per launch: while the GPU sleeps, the host time of 40 ``check=False`` calls,
    divided by the kernels they launch (the plain GEMM: 1 a call; the chain on one GPU:
-   2 GEMMs and 2 epoch bumps a call), at M = 2048.
+   2 GEMMs and 2 epoch bumps a call), at M = 2048; median and range of 7 batches (with
+   OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM at M = 2048 and the chain (two 8192-wide
    layers sharing the GPU) at M = 2048 and 16384: median wall time of >= 30 synchronised calls
    each, taking turns in a shuffled order; the ratio eager / graph per repetition, median and
    95% CI (percentile bootstrap).
-3. No regression: if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an earlier tree's package,
-   renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
+3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
+   earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
    one interleaved run; new / old per repetition, median and 95% CI.
 Writes eager.json in OUT_DIR and prints a table.
 """
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -59,16 +61,22 @@ def graphed(fn):
     return g.replay
 
 
-def host_per_launch(call, kernels_per_call, n=50):
-    call()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s: the calls below only queue
-    t0 = time.perf_counter()
-    for _ in range(n):
+def host_per_launch(calls: dict, batches=7, n=40):
+    """``{name: (call, kernels per call)}`` -> ``{name: {median_us, min_us, max_us}}`` per kernel
+    launch, the batches of each name taking turns."""
+    for call, _ in calls.values():
         call()
-    dt = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return dt / n / kernels_per_call * 1e6
+    us = {name: [] for name in calls}
+    for _ in range(batches):
+        for name, (call, kernels) in calls.items():
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the calls below only queue
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            us[name].append((time.perf_counter() - t0) / n / kernels * 1e6)
+            torch.cuda.synchronize()
+    return {k: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v)} for k, v in us.items()}
 
 
 def paired(methods, pairs):
@@ -88,11 +96,20 @@ def main():
     pipe = Pipeline(ws)  # both stages on one GPU: the loopback
     x2k = rand(2048, K)
     y2k = torch.empty(2048, K, dtype=torch.bfloat16, device=DEV)
-    report["host_us_per_launch"] = {
-        "plain_2048": host_per_launch(lambda: matmul(x2k, w, out=y2k), 1),
-        "chain_2048_per_gemm": host_per_launch(lambda: pipe(x2k, out=y2k), 2),
-        "chain_2048_per_kernel": host_per_launch(lambda: pipe(x2k, out=y2k), 4),
+    calls = {
+        "plain_2048": (lambda: matmul(x2k, w, out=y2k), 1),
+        "chain_2048_per_gemm": (lambda: pipe(x2k, out=y2k), 2),
+        "chain_2048_per_kernel": (lambda: pipe(x2k, out=y2k), 4),
     }
+    if OLD:
+        sys.path.insert(0, OLD)
+        import ctapipelining_old.gemm as og
+        import ctapipelining_old.pipeline as op
+
+        old_pipe = op.Pipeline(ws)
+        calls["old_plain_2048"] = (lambda: og.matmul(x2k, w, out=y2k), 1)
+        calls["old_chain_2048_per_kernel"] = (lambda: old_pipe(x2k, out=y2k), 4)
+    report["host_us_per_launch"] = host_per_launch(calls)
     methods, pairs = [], []
     methods += [Method("plain_2048_eager", lambda: matmul(x2k, w, out=y2k))]
     methods += [Method("plain_2048_graph", graphed(lambda: matmul(x2k, w, out=y2k)))]
@@ -106,7 +123,7 @@ def main():
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     report["eager_vs_graph"] = paired(methods, pairs)
     pipe.check_errors()
-    if OLD:
+    if OLD and os.environ.get("KERNELS", "1") != "0":
         report["new_vs_old"] = new_vs_old()
     (OUT / "eager.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}, indent=1))

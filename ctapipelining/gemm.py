@@ -8,18 +8,19 @@ next stage's). Inputs are checked here, before anything is launched.
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .kernels.gemm import PLAIN_CONFIG, TAIL_MIN_SLICE_K, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
+from .launcher import RawLaunch, addresses
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -31,8 +32,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels run on Triton's CPU interpreter (``TRITON_INTERPRET=1`` when they
+    were first imported: Triton decides it then)."""
+    return _INTERPRETED
+
+
+_INTERPRETED = isinstance(gemm_kernel, InterpretedFunction)
 
 
 def num_sms(device: torch.device) -> int:
@@ -113,8 +118,26 @@ def _row_major(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
 
 
+def tma_ready(t) -> bool:
+    """The common case of :func:`check_tensor`, in a few attribute reads: a contiguous 2-D
+    bf16/fp16 CUDA tensor whose rows are a multiple of 16 bytes, based 16-byte aligned."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_cuda
+        and not _INTERPRETED
+        and t.dtype in DTYPES
+        and t.dim() == 2
+        and t.is_contiguous()
+        and _row_major(t)
+        and t.shape[1] * t.element_size() % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
 def check_tensor(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for a matrix the TMA GEMM cannot read."""
+    if tma_ready(t):
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
@@ -128,7 +151,7 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
             f"{name}: rows of {t.shape[1]} elements are not a multiple of 16 bytes (TMA needs it); "
             f"pad the last dimension to a multiple of {16 // t.element_size()}"
         )
-    if t.dtype == torch.bfloat16 and interpreting():
+    if t.dtype == torch.bfloat16 and _INTERPRETED:
         raise TypeError(
             f"{name} is bfloat16, which Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies wrongly: "
             "use float16 there, or a GPU"
@@ -137,7 +160,7 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: rows must be contiguous and a multiple of 16 bytes apart, strides {t.stride()}")
     if t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA needs it)")
-    if t.device.type != "cuda" and not interpreting():
+    if t.device.type != "cuda" and not _INTERPRETED:
         raise ValueError(f"{name} is on {t.device}; the GEMM runs on CUDA devices (or under TRITON_INTERPRET=1)")
 
 
@@ -150,8 +173,11 @@ def check_weight(w: torch.Tensor, name: str) -> None:
 
 def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
     """Raise a clear error for operands the TMA GEMM cannot take."""
-    check_tensor(a, f"{what}: A")
-    check_weight(b, f"{what}: B")
+    if not (tma_ready(a) and tma_ready(b)):
+        check_tensor(a, f"{what}: A")
+        check_tensor(b, f"{what}: B")
+    if 0 in b.shape:
+        raise ValueError(f"{what}: B is empty: {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise TypeError(f"{what}: A is {a.dtype} but B is {b.dtype}")
     if a.device != b.device:
@@ -175,12 +201,12 @@ class GemmLaunch:
     and launches it.
 
     After its first launch (through Triton's ``kernel[grid](...)``, which compiles and
-    specialises), it calls the compiled kernel's launcher directly: Triton's per-call argument
-    binding and cache lookup cost more host time than the launch itself. The compiled kernel
-    is specialised on the integers and on the pointers' 16-byte alignment, so it is reused
-    only for the same row stride of ``c`` and store kind; plan-held buffers never move, and
-    callers' tensors are checked for 16-byte alignment. Under the interpreter every launch goes
-    through Triton's path.
+    specialises), it launches through :class:`~ctapipelining.launcher.RawLaunch`: the plan's
+    buffers as addresses, tensor maps encoded once per tensor. The compiled kernel is
+    specialised on the integers, the element type and the pointers' 16-byte alignment, so it
+    is reused only for the same row stride of ``c``, store kind and dtype; plan-held buffers
+    never move, and callers' tensors are checked for 16-byte alignment. Under the interpreter
+    every launch goes through Triton's path.
     """
 
     def __init__(
@@ -245,6 +271,7 @@ class GemmLaunch:
         )  # fmt: skip
         self._sizes = (M, N, _cdiv(K, cfg.block_k))
         self._bundles = bundles
+        self._addresses = tuple(addresses(b) for b in bundles)  # plan-held: they never move
         self._constexprs = dict(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -256,40 +283,58 @@ class GemmLaunch:
         )
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
         self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n])
-        self._compiled = {}  # (TMA store, row stride of c) -> Triton's compiled kernel
+        self._compiled = {}  # (TMA store, row stride of c, dtype) -> (Triton's compiled kernel, its RawLaunch)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None):
-        """Launch on ``stream`` (a raw CUDA stream handle; default ``a.device``'s current
-        stream): ``c = a @ b`` with this launch's hooks (operands already checked: ``a``
-        ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded; ``c`` may
-        live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a plan for
-        a bucket of row counts); rows past ``m`` read as zeros and are not written. Returns
-        Triton's compiled kernel (PTX, register and spill counts for inspection)."""
+        """Launch on ``stream`` (a raw CUDA stream handle on the current device; default its
+        current stream): ``c = a @ b`` with this launch's hooks (operands already checked:
+        ``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded;
+        ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
+        plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
+        Returns Triton's compiled kernel (PTX, register and spill counts for inspection)."""
         tma_store = c.stride(0) == c.shape[1]  # rows padded: ordinary stores
+        got = self._compiled.get((tma_store, c.stride(0), a.dtype))
+        if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
+            kernel, raw = got
+            if stream is None:
+                stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+            a_block, b_block, c_block = self._blocks
+            raw(
+                self.num_ctas, stream, *raw.tensor_map(0, a, a_block), *raw.tensor_map(1, b, b_block),
+                *(raw.tensor_map(2, c, c_block) if tma_store else (None, c.data_ptr())),
+                *self._sizes, c.shape[0], c.stride(0), *self._addresses, *self._trailing,
+            )  # fmt: skip
+            return kernel
+        # the first launch of this specialisation (Triton compiles it), a launcher this module does
+        # not know, or a profiler's launch hooks: Triton's own path
         a_block, b_block, c_block = self._blocks
         args = (
             _descriptor(a, a_block), _descriptor(b, b_block), _descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0), *self._bundles,
         )  # fmt: skip
-        key = (tma_store, c.stride(0))
-        kernel = self._compiled.get(key)
-        if kernel is None or knobs.runtime.launch_enter_hook.calls:  # a profiler's hooks: Triton's path
-            cfg = self.config
-            on_stream = stream is not None and not interpreting()
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-                kernel = gemm_kernel[(self.num_ctas,)](
-                    *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
-                )
-            if not interpreting():
-                self._compiled[key] = kernel
+        if got is not None:
+            if stream is None:
+                stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+            kernel = got[0]
+            kernel.run(
+                self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *args, *self._trailing,
+            )  # fmt: skip
             return kernel
-        if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-        kernel.run(
-            self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-            *args, *self._trailing,
-        )  # fmt: skip
+        cfg = self.config
+        on_stream = stream is not None and not interpreting()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
+            kernel = gemm_kernel[(self.num_ctas,)](
+                *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
+            )
+        if not interpreting():
+            self._compiled[(tma_store, c.stride(0), a.dtype)] = (kernel, RawLaunch.of(kernel))
         return kernel
+
+    @property
+    def raw(self) -> bool:
+        """Whether every specialisation compiled so far launches through :class:`RawLaunch`."""
+        return bool(self._compiled) and all(raw is not None for _, raw in self._compiled.values())
 
 
 def launch_gemm(a, b, c, config: GemmConfig, num_ctas: int, **hooks):
@@ -312,13 +357,13 @@ def _plain_launch(M: int, N: int, K: int, cfg: GemmConfig, device: torch.device,
 
 def span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[first, end)`` that ``t``'s elements occupy (strides >= 0)."""
-    first = t.data_ptr()
-    return first, first + ((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + 1) * t.element_size()
+    first, (rows, cols), (s0, s1) = t.data_ptr(), t.shape, t.stride()
+    return first, first + ((rows - 1) * s0 + (cols - 1) * s1 + 1) * t.element_size()
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two non-empty matrices share memory (same device, byte ranges intersect)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+    if a.get_device() != b.get_device() or a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
@@ -329,7 +374,7 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
     contiguous (row stride ``>= N``, a multiple of 16 bytes), base 16-byte aligned."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != (M, N) or out.dtype != dtype:
+    if out.shape != (M, N) or out.dtype != dtype:
         raise ValueError(f"{what} must be a [{M}, {N}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     if M and N and not _row_major(out):
         raise ValueError(

@@ -76,6 +76,7 @@ from .gemm import (
     num_sms,
     overlaps,
     tail_split,
+    tma_ready,
 )
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
@@ -249,6 +250,14 @@ class Plan:
     pinned: bool = False  # a CUDA graph points at these buffers: never evicted
     stale: bool = False  # a launch failed part way: reset before the next call
     err_host: list[torch.Tensor] = field(default_factory=list)  # pinned copies of the error words
+
+    @property
+    def err_flags(self):
+        """The host copies' flags (a read of pinned memory, no copy)."""
+        return (view[0] for view in self._err_views)
+
+    def __post_init__(self):
+        self._err_views = [e.numpy() for e in self.err_host]
 
     def ends(self, stream: int) -> list[GemmLaunch]:
         """The prefill (``stream`` 1) or drain (``stream`` 0) GEMMs of this plan."""
@@ -448,6 +457,7 @@ class Pipeline:
             fabric.enable_peer_access([d.index for d in self.devices])
             self.streams = [torch.cuda.Stream(d) for d in self.devices]
             self._raw_streams = [st.cuda_stream for st in self.streams]
+            self._device_indices = [d.index for d in self.distinct_devices]
             # an eager call's fork and join points, recorded again by every call (no event is
             # created on the hot path); a query then answers for the latest call, which ends last
             self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
@@ -788,6 +798,9 @@ class Pipeline:
     # -- running -----------------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:
         w0 = self.weights[0]
+        ready = tma_ready(x) and x.dtype == w0.dtype and x.device == self.devices[0]
+        if ready and x.shape[1] == w0.shape[0] and x.shape[0]:
+            return  # the common case, in a few attribute reads
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor [M, {w0.shape[0]}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != w0.dtype:
@@ -808,7 +821,7 @@ class Pipeline:
         check_out(out, x.shape[0], last.shape[1], last.dtype)
         if out.device != self.devices[-1]:
             raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
-        if overlaps(out, x) or any(overlaps(out, w) for w in self.weights):
+        if overlaps(out, x) or any(overlaps(out, w) for w in self.weights if w.device == out.device):
             raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
@@ -883,7 +896,11 @@ class Pipeline:
         capturing = self._capturing()
         if capturing:
             plan.pinned = True  # a graph now points at its buffers
-        callers = self._caller_streams(capturing)
+        saved = self._current_streams()  # restored at the end: each stage's stream is made current
+        # the streams a call forks from and joins back to: the current stream of every stage's
+        # device, so that what the caller allocated or reads on any of them (x, out, the result)
+        # is ordered with the stages; under capture only the capturing stream (stage 0's device)
+        callers = saved[:1] if capturing else saved
         if capturing:  # events of their own, recorded into the graph
             forks, joins = [c.record_event() for c in callers], [torch.cuda.Event() for _ in self.devices]
         else:
@@ -893,26 +910,37 @@ class Pipeline:
         starts = forks + ([] if capturing else self._done)
         kernels = [None] * n
         done = []
+        device = torch.cuda.current_device() if self.on_gpu else None
         try:
             for s in range(n):
-                with self._on_stream(s, starts) as stream:
-                    if advance_epoch:
-                        plan.epochs[s].add_(1)
-                    if only is None or s in only:
-                        for launch in plan.launches:
-                            if launch.stream != s:
-                                continue
-                            if delay_cycles and launch.stage in delay_cycles:
-                                torch.cuda._sleep(delay_cycles[launch.stage])
-                            kernel = launch.run(x, out, stream)
-                            if launch.stage is not None:
-                                kernels[launch.stage] = kernel
-                    if self.on_gpu:
-                        if s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
-                            plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
+                stream = None
+                if self.on_gpu:  # torch's own ops below (epoch, copies) run on the current stream
+                    st = self.streams[s]
+                    torch.cuda.set_stream(st)
+                    for ev in starts:
+                        st.wait_event(ev)
+                    stream = self._raw_streams[s]
+                if advance_epoch:
+                    plan.epochs[s].add_(1)
+                if only is None or s in only:
+                    for launch in plan.launches:
+                        if launch.stream != s:
+                            continue
+                        if delay_cycles and launch.stage in delay_cycles:
+                            torch.cuda._sleep(delay_cycles[launch.stage])
+                        kernel = launch.run(x, out, stream)
+                        if launch.stage is not None:
+                            kernels[launch.stage] = kernel
+                if self.on_gpu and s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
+                    plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:
             plan.stale = True
             raise
+        finally:
+            for st in saved:
+                torch.cuda.set_stream(st)
+            if device is not None:
+                torch.cuda.set_device(device)
         if self.on_gpu:  # after every stage's waits: a join recorded earlier would order this call's stages
             for ev, st in zip(joins, self.streams):
                 ev.record(st)
@@ -928,29 +956,9 @@ class Pipeline:
             self._pending[plan] = self._done
         return kernels
 
-    def _caller_streams(self, capturing: bool) -> list:
-        """The streams a call forks from and joins back to: the current stream of every stage's
-        device, so that tensors the caller allocated or reads on any of them (``x``, ``out``,
-        the result) are ordered with the stages. Under CUDA-graph capture only the capturing
-        stream (stage 0's device) may be used; the graph's replay then orders everything."""
-        if not self.on_gpu:
-            return []
-        if capturing:
-            return [torch.cuda.current_stream(self.devices[0])]
-        return [torch.cuda.current_stream(d) for d in self.distinct_devices]
-
-    @contextlib.contextmanager
-    def _on_stream(self, s: int, starts):
-        """Make stage ``s``'s stream current (after ``starts``); yields its raw handle (None
-        under the interpreter)."""
-        if not self.on_gpu:
-            yield None
-            return
-        st = self.streams[s]
-        with torch.cuda.stream(st):
-            for ev in starts:
-                st.wait_event(ev)
-            yield self._raw_streams[s]
+    def _current_streams(self) -> list:
+        """The current stream of every stage's device (none on the CPU)."""
+        return [torch.cuda.current_stream(i) for i in self._device_indices] if self.on_gpu else []
 
     def traces(self, M: int) -> list[np.ndarray]:
         """The stamps of the last call with ``M`` rows, per stage ``[tiles, 5]`` (ns; see
@@ -977,11 +985,11 @@ class Pipeline:
             if self.on_gpu:
                 if not all(ev.query() for ev in events):
                     continue  # still running: read at a later call or check_errors
-                words = [e.tolist() for e in plan.err_host]
+                failed = any(flag for flag in plan.err_flags)
             else:  # the interpreter ran it to the end
-                words = [e.tolist() for e in plan.errors]
+                failed = any(e[0] for e in plan.errors)
             del self._pending[plan]
-            if any(w[0] for w in words):
+            if failed:
                 self.check_errors(plan)  # the device's words (the host copy may be older), reset, raise
 
     def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from protocol_state import preset_epoch
 
-from ctapipelining.gemm import matmul
+from ctapipelining.gemm import _plain_launch, matmul
+from ctapipelining.kernels.gemm import PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineHung
 
 pytestmark = pytest.mark.gpu
@@ -106,12 +107,45 @@ def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
 
 @pytest.mark.parametrize("M", [2048, 2000, 37, 1])
 def test_cached_launch_equals_tritons_launch_path(M):
-    """The plain GEMM's second call goes through the compiled launcher directly: bitwise the
-    first call (Triton's path), for sizes with and without the integer specialisations."""
+    """The plain GEMM's later calls go through the raw launch (tensor maps kept per tensor,
+    no per-call driver queries): bitwise the first call (Triton's path), for sizes with and
+    without the integer specialisations, for new tensors and for a padded output."""
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
+    launch = _plain_launch(M, 3072, 4096, PLAIN_CONFIG, a.device, torch.cuda.current_stream().cuda_stream)
+    assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))
-        matmul(a, b, out=again)
+        matmul(a.clone(), b, out=again)  # a new A (a new tensor map) and a new output
         assert torch.equal(again, first)
+    padded = torch.full((M, 3072 + 64), float("nan"), dtype=torch.bfloat16, device="cuda:0")[:, :3072]
+    for _ in range(2):  # ordinary stores: compiled once, then raw
+        matmul(a, b, out=padded)
+        assert torch.equal(padded, first)
     assert float((first.float() - a.float() @ b.float()).norm() / (a.float() @ b.float()).norm()) < 2e-2
+
+
+def test_a_launch_compiled_for_one_dtype_is_not_reused_for_another():
+    """Same shape, bf16 then fp16 then bf16: each dtype gets its own compiled kernel."""
+    a, b = rand(512, 1024), rand(1024, 512, scale=1024**-0.5)
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16, torch.float16):
+        x, w = a.to(dtype), b.to(dtype)
+        ref = (x.float() @ w.float()).to(dtype)
+        y = matmul(x, w)
+        assert y.dtype == dtype
+        assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2, dtype
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_one_bucketed_plan_serves_several_row_counts(policy):
+    """Row counts of one bucket share a plan and its raw launches (tensor maps per height):
+    each call bitwise equal to the stages one after another, in any order."""
+    ws = [rand(2048, 2048, device=d, scale=2048**-0.5) for d in ["cuda:0", D1]]
+    pipe = Pipeline(ws, policy=policy)
+    rows = [1900, 2048, 1793, 2048, 1900]
+    assert len({pipe.rows_for(m) for m in rows}) == 1
+    for m in rows:
+        x = rand(m, 2048)
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x)), m
+    plan = pipe.plan(rows[0])
+    assert all(lc.gemm.raw for lc in plan.launches)

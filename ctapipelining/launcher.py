@@ -1,0 +1,100 @@
+"""A compiled Triton kernel launched with the least host work (:class:`RawLaunch`).
+
+Triton's launch (``kernel[grid](...)``, or the compiled kernel's ``run``) binds and
+specialises the arguments, looks the kernel up in its cache, encodes a CUDA tensor map for
+every host tensor descriptor, and asks the driver about every tensor pointer
+(``cuPointerGetAttribute``), on every call: more host time than the launch itself. A
+:class:`RawLaunch` calls the compiled launcher's C entry point directly, with tensor maps
+encoded once per distinct tensor (:meth:`RawLaunch.tensor_map`) and pointers given as
+integers (:func:`addresses`): what is left per call is building the argument tuple and
+``cuLaunchKernel``.
+
+It relies on how Triton 3.6's CUDA backend builds its launcher (the C ``launch`` function
+wrapped by a closure that expands tensor descriptors); :meth:`RawLaunch.of` returns None for
+any other shape of launcher, and the caller then uses Triton's own path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+except ImportError:  # no CUDA backend: RawLaunch.of returns None
+    make_tensordesc_arg = None
+
+MAX_TENSOR_MAPS = 64  # encoded tensor maps kept per launch (cleared when full)
+
+
+def addresses(bundle):
+    """``bundle`` (a kernel argument: a tensor, a namedtuple of them, or anything else) with
+    every tensor replaced by its address: the launcher then passes the integer as the pointer
+    without asking the driver about it. Only for tensors that stay where they are (a plan's
+    buffers) and are kept alive elsewhere."""
+    if isinstance(bundle, torch.Tensor):
+        return bundle.data_ptr()
+    if isinstance(bundle, tuple) and hasattr(bundle, "_fields"):
+        return bundle._make(addresses(x) for x in bundle)
+    return bundle
+
+
+class RawLaunch:
+    """Launches one compiled kernel (one specialisation) on a 1-D grid.
+
+    ``launch(grid, stream, *args)`` takes the kernel's arguments as Triton's launcher does
+    after its own expansion: each host tensor descriptor as the list :meth:`tensor_map`
+    returns (spliced in), constexpr arguments as any placeholder."""
+
+    def __init__(self, kernel, c_launch, desc_meta: list):
+        run = kernel.run
+        self._launch = c_launch
+        self._mid = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata)
+        self._meta = desc_meta
+        self._maps: dict[tuple, list] = {}
+
+    @classmethod
+    def of(cls, kernel) -> RawLaunch | None:
+        """The raw launch of Triton's compiled ``kernel``, or None where its launcher is not the
+        one this module knows (then use ``kernel.run``)."""
+        run = getattr(kernel, "run", None)
+        launch = getattr(run, "launch", None)
+        if make_tensordesc_arg is None or launch is None:
+            return None
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return None  # the kernel needs scratch memory allocated per launch
+        meta = getattr(kernel.metadata, "tensordesc_meta", None)
+        code = getattr(launch, "__code__", None)
+        if code is None:  # no descriptor arguments: the C function itself
+            return cls(kernel, launch, [])
+        cells = dict(zip(code.co_freevars, launch.__closure__ or ()))
+        if "launcher" not in cells or not meta or None in meta:
+            return None  # descriptors passed as pointers (no TMA): Triton's own expansion
+        return cls(kernel, cells["launcher"].cell_contents, list(meta))
+
+    def tensor_map(self, slot: int, t: torch.Tensor, block: list[int]) -> list:
+        """The launcher's arguments for a tensor descriptor of ``t`` with ``block`` (the
+        kernel's ``slot``-th descriptor argument): a CUDA tensor map and the shape and strides.
+        A tensor map depends only on the address, shape, strides and element type (fixed per
+        slot by the specialisation), so it is kept for the next call with the same."""
+        key = (slot, t.data_ptr(), *t.shape, t.stride(0))
+        got = self._maps.get(key)
+        if got is None:
+            if len(self._maps) >= MAX_TENSOR_MAPS:
+                self._maps.clear()
+            got = self._maps[key] = make_tensordesc_arg(_Desc(t, t.shape, t.stride(), block, "zero"), self._meta[slot])
+        return got
+
+    def __call__(self, grid: int, stream: int, *args) -> None:
+        self._launch(grid, 1, 1, stream, *self._mid, None, None, None, *args)
+
+
+class _Desc(NamedTuple):
+    """What :func:`make_tensordesc_arg` reads of a host tensor descriptor."""
+
+    base: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block_shape: list
+    padding: str
