@@ -301,7 +301,7 @@ class GemmLaunch:
             a_block, b_block, c_block = self._blocks
             raw(
                 self.num_ctas, stream, *raw.tensor_map(0, a, a_block), *raw.tensor_map(1, b, b_block),
-                *(raw.tensor_map(2, c, c_block) if tma_store else (None, c.data_ptr())),
+                *(raw.tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
                 *self._sizes, c.shape[0], c.stride(0), *self._addresses, *self._trailing,
             )  # fmt: skip
             return kernel
