@@ -298,12 +298,7 @@ class GemmLaunch:
             kernel, raw = got
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            a_block, b_block, c_block = self._blocks
-            raw(
-                self.num_ctas, stream, *raw.tensor_map(0, a, a_block), *raw.tensor_map(1, b, b_block),
-                *(raw.tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
-                *self._sizes, c.shape[0], c.stride(0), *self._addresses, *self._trailing,
-            )  # fmt: skip
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c))
             return kernel
         # the first launch of this specialisation (Triton compiles it), a launcher this module does
         # not know, or a profiler's launch hooks: Triton's own path
@@ -330,6 +325,18 @@ class GemmLaunch:
         if not interpreting():
             self._compiled[(tma_store, c.stride(0), a.dtype)] = (kernel, RawLaunch.of(kernel))
         return kernel
+
+    def raw_args(self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
+        """The kernel's arguments as the compiled launcher takes them: each tensor descriptor
+        expanded by ``tensor_map(slot, tensor, block)`` (:meth:`RawLaunch.tensor_map`), the
+        plan's buffers as addresses, then the trailing constexprs."""
+        a_block, b_block, c_block = self._blocks
+        tma_store = c.stride(0) == c.shape[1]
+        return (
+            *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
+            *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
+            *self._sizes, c.shape[0], c.stride(0), *self._addresses, *self._trailing,
+        )  # fmt: skip
 
     @property
     def raw(self) -> bool:

@@ -1,0 +1,92 @@
+"""Check, without a GPU, that :meth:`GemmLaunch.raw_args` fits the argument format of the
+launcher Triton builds for each kernel variant (run by ``test_launcher.py`` in a process
+without the interpreter; prints ``ok`` per variant or raises)."""
+
+import dataclasses
+import re
+
+import torch
+from triton.backends.nvidia.driver import make_launcher
+
+from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
+from ctapipelining.kernels.compile_check import compile_variant
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+
+
+def launcher_format(kernel) -> str:
+    """The argument format (``PyArg_ParseTuple``) of Triton's launcher for ``kernel``, after
+    its 13 base arguments, as :class:`triton.backends.nvidia.driver.CudaLauncher` builds it."""
+    src = kernel.src
+    arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
+    constants = {arg_idx(k): v for k, v in src.constants.items()}
+    c_src = make_launcher(constants, dict(src.signature), getattr(kernel.metadata, "tensordesc_meta", None))
+    return re.search(r'PyArg_ParseTuple\(args, "([^"]*)"', c_src).group(1)[13:]
+
+
+def tokens(fmt: str) -> list:
+    """``"iO(iL)O"`` -> ``["i", "O", ["i", "L"], "O"]``."""
+    out, stack = [], []
+    for ch in fmt:
+        if ch == "(":
+            stack.append(out)
+            out = []
+        elif ch == ")":
+            inner, out = out, stack.pop()
+            out.append(inner)
+        else:
+            out.append(ch)
+    return out
+
+
+def check(args, fmt, where="") -> None:
+    if len(args) != len(fmt):
+        raise AssertionError(f"{where}: {len(args)} arguments for a format of {len(fmt)}: {fmt}")
+    for i, (a, f) in enumerate(zip(args, fmt)):
+        if isinstance(f, list):
+            if not isinstance(a, tuple):
+                raise AssertionError(f"{where}[{i}]: a tuple expected, got {a!r}")
+            check(a, f, f"{where}[{i}]")
+        elif f in "ilLKI" and not (isinstance(a, int) and not isinstance(a, bool)):
+            raise AssertionError(f"{where}[{i}]: an integer expected ({f}), got {a!r}")
+
+
+def i64(n):
+    return torch.zeros(n, dtype=torch.int64)
+
+
+def i32(n):
+    return torch.zeros(n, dtype=torch.int32)
+
+
+def main():
+    M, N, K, ctas = 640, 8192, 8192, 132  # 160 tiles on 132 CTAs: a partial last round
+    dev = torch.device("cpu")
+    wait = WaitHook(i64(8), i32(160), i32(8), i64(160), i64(1), False, parts=4, part_cols=32, part_block=256)
+    signal = SignalHook(i64(8), i32(161), i32(160), i32(8), i32(9), i32(8), i64(160), i64(1), 160, 32, 1, False)
+    queue = dict(queue=True, parts=1, part_cols=1, part_block=1)
+    hooks = dict(epoch=i64(1), err=i64(8))
+    cfg = PIPELINE_CONFIG
+    variants = [  # (compile_variant flags and options, GemmLaunch config and hooks, tma store)
+        ((False, False, False), {}, cfg, {}, True),
+        ((False, False, False), {"tma_store": False, "split_tail": True}, dataclasses.replace(cfg, split_tail=True),
+         {}, False),
+        ((True, True, False), {"wait_parts": 4, "trace": True}, cfg,
+         dict(wait=wait, signal=signal, trace=i64(160 * 5), **hooks), True),
+        ((True, True, True), {}, cfg,
+         dict(wait=dataclasses.replace(wait, **queue), signal=dataclasses.replace(signal, queue=True), **hooks), True),
+        ((False, True, False), {"split_tail": True, "tma_store": False}, dataclasses.replace(cfg, split_tail=True),
+         dict(signal=signal, epoch=hooks["epoch"]), False),
+    ]  # fmt: skip
+    fake_map = lambda slot, t, block: [object(), *t.shape, *t.stride()]  # noqa: E731
+    for flags, options, config, launch_hooks, tma_store in variants:
+        fmt = tokens(launcher_format(compile_variant(*flags, **options)))
+        launch = GemmLaunch(M, N, K, config, ctas, dev, **launch_hooks)
+        assert (launch.tail is not None) == options.get("split_tail", False)
+        a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+        c = torch.zeros(M, N + (0 if tma_store else 64), dtype=torch.bfloat16)[:, :N]
+        check(launch.raw_args(fake_map, a, b, c), fmt, str((flags, options)))
+        print("ok", flags, options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The raw launch path (:mod:`ctapipelining.launcher`) on the CPU: its arguments fit the
+format of the launcher Triton builds for every kernel variant (a miscount would make every
+launch after the first fail, or read an argument in the wrong place), and plan buffers pass
+as addresses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ctapipelining.launcher import RawLaunch, addresses
+
+
+def test_raw_arguments_fit_the_launchers_format_for_every_variant():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "launcher_format.py")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ok") == 5, r.stdout
+
+
+class Bundle(NamedTuple):
+    ptr: object
+    n: object
+    FLAG: object
+
+
+def test_addresses_replace_tensors_and_keep_everything_else():
+    t, u = torch.zeros(4), torch.zeros(2, dtype=torch.int64)
+    got = addresses(Bundle(t, 7, None))
+    assert isinstance(got, Bundle) and got == (t.data_ptr(), 7, None)
+    assert addresses(u) == u.data_ptr() and addresses(None) is None and addresses(3) == 3
+
+
+def test_an_unknown_launcher_falls_back_to_tritons_path():
+    class Kernel:  # no launcher of the shape the raw path knows
+        run = object()
+
+    assert RawLaunch.of(Kernel()) is None
