@@ -121,17 +121,11 @@ def _row_major(t: torch.Tensor) -> bool:
 def tma_ready(t) -> bool:
     """The common case of :func:`check_tensor`, in a few attribute reads: a contiguous 2-D
     bf16/fp16 CUDA tensor whose rows are a multiple of 16 bytes, based 16-byte aligned."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.is_cuda
-        and not _INTERPRETED
-        and t.dtype in DTYPES
-        and t.dim() == 2
-        and t.is_contiguous()
-        and _row_major(t)
-        and t.shape[1] * t.element_size() % 16 == 0
-        and t.data_ptr() % 16 == 0
-    )
+    if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype in DTYPES and t.dim() == 2 and t.is_contiguous()):
+        return False
+    rows, cols = t.shape
+    # contiguous with both sizes above 1: the strides are (cols, 1); 2-byte elements
+    return cols % 8 == 0 and t.data_ptr() % 16 == 0 and not _INTERPRETED and (rows > 1 < cols or _row_major(t))
 
 
 def check_tensor(t: torch.Tensor, name: str) -> None:
@@ -292,8 +286,9 @@ class GemmLaunch:
         ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
         plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
         Returns Triton's compiled kernel (PTX, register and spill counts for inspection)."""
-        tma_store = c.stride(0) == c.shape[1]  # rows padded: ordinary stores
-        got = self._compiled.get((tma_store, c.stride(0), a.dtype))
+        stride = c.stride(0)
+        tma_store = stride == c.shape[1]  # rows padded: ordinary stores
+        got = self._compiled.get((tma_store, stride, a.dtype))
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             if stream is None:
@@ -323,7 +318,7 @@ class GemmLaunch:
                 *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )
         if not interpreting():
-            self._compiled[(tma_store, c.stride(0), a.dtype)] = (kernel, RawLaunch.of(kernel))
+            self._compiled[(tma_store, stride, a.dtype)] = (kernel, RawLaunch.of(kernel))
         return kernel
 
     def raw_args(self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
@@ -368,12 +363,18 @@ def span(t: torch.Tensor) -> tuple[int, int]:
     return first, first + ((rows - 1) * s0 + (cols - 1) * s1 + 1) * t.element_size()
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two non-empty matrices share memory (same device, byte ranges intersect)."""
-    if a.get_device() != b.get_device() or a.device != b.device or a.numel() == 0 or b.numel() == 0:
+def overlaps(a: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether matrix ``a`` shares memory with any of ``others`` (same device, non-empty, byte
+    ranges intersect)."""
+    if a.numel() == 0:
         return False
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    a0, a1 = span(a)
+    for b in others:
+        if b.get_device() == a.get_device() and b.device == a.device and b.numel():
+            b0, b1 = span(b)
+            if a0 < b1 and b0 < a1:
+                return True
+    return False
 
 
 def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str = "out") -> None:
@@ -383,7 +384,7 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
         raise TypeError(f"{what} must be a torch.Tensor, got {type(out).__name__}")
     if out.shape != (M, N) or out.dtype != dtype:
         raise ValueError(f"{what} must be a [{M}, {N}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    if M and N and not _row_major(out):
+    if M and N and not (M > 1 < N and N % 8 == 0 and out.is_contiguous() or _row_major(out)):
         raise ValueError(
             f"{what} must be row-major with rows a multiple of 16 bytes apart, got strides {tuple(out.stride())}"
         )
@@ -403,7 +404,7 @@ def matmul(
     if out is None:
         out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     check_out(out, M, N, a.dtype)
-    if overlaps(out, a) or overlaps(out, b):
+    if overlaps(out, a, b):
         raise ValueError("out overlaps an operand: the GEMM would read what it has already overwritten")
     if M == 0 or N == 0:
         return out

@@ -225,7 +225,8 @@ def _rows(src, x, out) -> torch.Tensor:
     if isinstance(src, torch.Tensor):
         return src
     name, lo, hi = src
-    return (x if name == "x" else out)[lo:hi]
+    t = x if name == "x" else out
+    return t if lo == 0 and hi >= t.shape[0] else t[lo:hi]
 
 
 @dataclass(eq=False)
@@ -320,6 +321,7 @@ class GraphedCall:
             for d in devices[1:]:
                 torch.cuda.current_stream(d).wait_event(done)
             pipe._done = [done]
+            pipe._after_done = [first.cuda_stream] + [torch.cuda.current_stream(d).cuda_stream for d in devices[1:]]
         return self.out
 
     def check_errors(self) -> None:
@@ -472,6 +474,7 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
+        self._after_done: list[int] = []  # per device, the current stream (raw handle) that waited for them
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
 
@@ -821,7 +824,7 @@ class Pipeline:
         check_out(out, x.shape[0], last.shape[1], last.dtype)
         if out.device != self.devices[-1]:
             raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
-        if overlaps(out, x) or any(overlaps(out, w) for w in self.weights if w.device == out.device):
+        if overlaps(out, x, *self.weights):
             raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
@@ -907,7 +910,12 @@ class Pipeline:
             forks, joins = (self._fork_events, self._join_events) if self.on_gpu else ([], [])
             for ev, c in zip(forks, callers):
                 ev.record(c)
-        starts = forks + ([] if capturing else self._done)
+        # and the end of the previous call, unless every caller stream has waited for it already
+        # (the fork points then follow it; torch's streams come from pools and are never freed,
+        # so a handle names one stream; an external stream freed and another created under its
+        # handle while the previous call still runs would fool this)
+        after = capturing or [c.cuda_stream for c in callers] == self._after_done
+        starts = forks + ([] if after else self._done)
         kernels = [None] * n
         done = []
         device = torch.cuda.current_device() if self.on_gpu else None
@@ -953,6 +961,7 @@ class Pipeline:
         if not capturing:
             if self.on_gpu:
                 self._done = done
+                self._after_done = [c.cuda_stream for c in callers]
             self._pending[plan] = self._done
         return kernels
 
