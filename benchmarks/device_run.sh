@@ -12,6 +12,7 @@
 #   hooks  the bench at 16384 rows with each hook's cost timed alone           -> hooks.log, hooks/
 #   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
 #   eager  benchmarks/eager.py: eager calls against graph replays (one GPU)      -> eager.log, eager.json
+#   shared benchmarks/shared_gpu.py: two stages sharing one GPU against the floor -> shared_gpu.log, shared_gpu.json
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
@@ -49,6 +50,7 @@ for step in $STEPS; do
         timeout 120 $CLI trace --policy $p --out "$OUT/trace" 2>&1 | tail -30; done > "$OUT/trace.log"
       cat "$OUT/trace.log" ;;
     eager) timeout 200 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
+    shared) timeout 300 python3 benchmarks/shared_gpu.py "$OUT" 30 > "$OUT/shared_gpu.log" 2>&1; tail -8 "$OUT/shared_gpu.log" ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
     *) echo "unknown step $step (see the list at the top of $0)" ;;

@@ -7,8 +7,9 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    divided by the kernels they launch (the plain GEMM: 1 a call; the chain on one GPU:
    2 GEMMs and 2 epoch bumps a call), at M = 2048; median and range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
-2. Eager against graph-replayed: the plain GEMM at M = 2048 and the chain (two 8192-wide
-   layers sharing the GPU) at M = 2048 and 16384: median wall time of >= 30 synchronised calls
+2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
+   the chain (two 8192-wide layers sharing the GPU) at M = 2048 and 16384, the GEMMs and the
+   chains each in a run of their own: median wall time of >= 30 synchronised calls
    each, taking turns in a shuffled order; the ratio eager / graph per repetition, median and
    95% CI (percentile bootstrap).
 3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
@@ -79,6 +80,24 @@ def host_per_launch(calls: dict, batches=7, n=40):
     return {k: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v)} for k, v in us.items()}
 
 
+def host_and_total(calls: dict, reps=30):
+    """``{name: call}`` -> per name the medians (us) of the host time until the call returns
+    and of the wall time until the GPU is done, each call from a synchronised GPU: where an
+    eager call's extra time goes (host work before the kernel starts, or after)."""
+    out = {name: ([], []) for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            out[name][0].append((t1 - t0) * 1e6)
+            out[name][1].append((t2 - t0) * 1e6)
+    return {k: {"host_us": statistics.median(h), "total_us": statistics.median(t)} for k, (h, t) in out.items()}
+
+
 def paired(methods, pairs):
     times = time_interleaved(methods, [0], REPS, 5)
     out = {m.name: {"median_ms": statistics.median(times[m.name]), "p10": sorted(times[m.name])[REPS // 10],
@@ -114,6 +133,15 @@ def main():
     methods += [Method("plain_2048_eager", lambda: matmul(x2k, w, out=y2k))]
     methods += [Method("plain_2048_graph", graphed(lambda: matmul(x2k, w, out=y2k)))]
     pairs.append(("plain_2048_eager", "plain_2048_graph"))
+    # the same measure for cuBLAS (torch.mm): what an eager launch costs a library with a C++ host path
+    methods += [Method("cublas_2048_eager", lambda: torch.mm(x2k, w, out=y2k))]
+    methods += [Method("cublas_2048_graph", graphed(lambda: torch.mm(x2k, w, out=y2k)))]
+    pairs.append(("cublas_2048_eager", "cublas_2048_graph"))
+    report["host_and_total_2048"] = host_and_total({m.name: m.run for m in methods})
+    # the GEMMs and the chains each take turns among themselves: a 7 ms chain call before a
+    # 0.4 ms GEMM in one turn and not the other would move the GEMM's ratio by its clock's state
+    report["eager_vs_graph"] = paired(methods, pairs)
+    methods, pairs = [], []
     for M in (2048, 16384):
         x, y = rand(M, K), torch.empty(M, K, dtype=torch.bfloat16, device=DEV)
         g = pipe.capture(M)
@@ -121,7 +149,7 @@ def main():
         methods += [Method(f"chain_{M}_eager", lambda x=x, y=y: pipe(x, out=y)), Method(f"chain_{M}_graph", g.replay)]
         pairs.append((f"chain_{M}_eager", f"chain_{M}_graph"))
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-    report["eager_vs_graph"] = paired(methods, pairs)
+    report["eager_vs_graph"] |= paired(methods, pairs)
     pipe.check_errors()
     if OLD and os.environ.get("KERNELS", "1") != "0":
         report["new_vs_old"] = new_vs_old()

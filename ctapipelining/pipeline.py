@@ -354,6 +354,9 @@ class Pipeline:
         ``max(10, 10 * timeout_s)``.
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
+    sm_budget : the most SMs the pipeline's kernels hold on each GPU at once (default: all), so
+        that kernels that must run beside it (a collective, attention) find SMs free. The
+        stages on a GPU share its budget equally.
     row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
         a call on ``M`` rows runs the plan for :meth:`rows_for` ``(M)`` rows, which reads zeros
         past ``M`` and writes only ``M`` rows, so a serving loop whose row count varies builds
@@ -391,6 +394,7 @@ class Pipeline:
         host_timeout_s: float | None = None,
         max_plans: int = MAX_PLANS,
         row_buckets: int = ROW_BUCKETS,
+        sm_budget: int | None = None,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -421,6 +425,9 @@ class Pipeline:
         # the ends' rows are cut from the call's own rows: their plans are per exact height
         self.row_buckets = 0 if (ends or prefill_rows or drain_rows) else row_buckets
         self.trace = trace
+        if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
+            raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
+        self.sm_budget = sm_budget
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
@@ -448,6 +455,11 @@ class Pipeline:
         shared = len(self.distinct_devices) < len(self.devices)
         if self.on_gpu and shared and (prefill_rows or drain_rows or ends):
             raise ValueError("prefill and drain rows fill a second GPU's idle time: they need the stages on two GPUs")
+        if self.on_gpu and sm_budget is not None:
+            for d in self.distinct_devices:
+                stages = self.devices.count(d)
+                if sm_budget < stages:
+                    raise ValueError(f"sm_budget={sm_budget} leaves no SM to one of the {stages} stages on {d}")
         if self.on_gpu:
             if any(d.type != "cuda" for d in self.devices):
                 raise ValueError(f"the stages must all be on CUDA devices, got {[str(d) for d in self.devices]}")
@@ -745,11 +757,12 @@ class Pipeline:
         return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
 
     def _sm_share(self, s: int) -> int:
-        """The CTAs stage ``s`` may hold: its GPU's SMs shared equally among the stages on it, so
-        that every CTA of every stage there is resident at once. (The interpreter runs one
-        kernel after another: every stage has the whole CPU.)"""
+        """The CTAs stage ``s`` may hold: its GPU's SMs (at most :attr:`sm_budget`) shared equally
+        among the stages on it, so that every CTA of every stage there is resident at once. (The
+        interpreter runs one kernel after another: every stage has the whole CPU.)"""
         sharing = self.devices.count(self.devices[s]) if self.on_gpu else 1
-        return num_sms(self.devices[s]) // sharing
+        sms = num_sms(self.devices[s])
+        return min(sms, self.sm_budget or sms) // sharing
 
     def reset(self, plan: Plan | None = None) -> None:
         """Wait for every device (bounded), then zero counters, rings, epochs and error words."""

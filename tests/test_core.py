@@ -233,3 +233,22 @@ def test_operands_with_unaligned_rows_or_empty_weights_are_refused():
         matmul(torch.randn(4, 16).half(), torch.randn(16, 0).half(), config=SMALL)
     with pytest.raises(ValueError, match="stage 0 weight"):
         Pipeline([torch.randn(16, 0).half()])
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_sm_budget_caps_every_stages_grid(budget):
+    """Every launch of a plan holds at most ``sm_budget`` CTAs, and the chain still equals its
+    stages run one after another (which use the same grids)."""
+    ws = chain(16, 48, 32)
+    pipe = Pipeline(ws, config=SMALL, sm_budget=budget)
+    x = torch.randn(80, 16).half()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    plan = pipe.plan(80)
+    assert plan.num_ctas == [budget, budget]
+    assert all(lc.gemm.num_ctas <= budget for lc in plan.launches)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "all"])
+def test_bad_sm_budget_is_refused(bad):
+    with pytest.raises(ValueError, match="sm_budget"):
+        Pipeline(chain(16, 32), config=SMALL, sm_budget=bad)

@@ -149,3 +149,15 @@ def test_one_bucketed_plan_serves_several_row_counts(policy):
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), m
     plan = pipe.plan(rows[0])
     assert all(lc.gemm.raw for lc in plan.launches)
+
+
+def test_sm_budget_on_a_shared_gpu():
+    """Two stages sharing a GPU under a budget of 120 SMs: 60 CTAs each, bitwise equal to the
+    stages one after another; a budget below one SM per stage is refused."""
+    ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws, sm_budget=120)
+    x = rand(5000, 4096)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    assert pipe.plan(5000).num_ctas == [60, 60]
+    with pytest.raises(ValueError, match="sm_budget"):
+        Pipeline(ws, sm_budget=1)

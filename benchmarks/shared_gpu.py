@@ -1,0 +1,85 @@
+"""Two stages sharing one GPU, against the same two GEMMs one after another (the floor).
+
+usage: python3 benchmarks/shared_gpu.py OUT_DIR [REPS]
+
+``X[M, 8192] @ A[8192, 8192] @ B[8192, 8192]`` on cuda:0, bf16, at M = 128, 640, 768, 1024,
+2048 and 16384, every line graph-replayed and timed by the bench's harness (shuffled turns,
+paired), so only ratios inside one run count:
+
+* ``cublas_seq``: ``torch.mm`` twice; ``ours_seq``: :func:`~ctapipelining.gemm.matmul` twice
+  (full-GPU grids);
+* ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU (each
+  on half its SMs, both resident: the loopback), checked bitwise against its
+  :meth:`~ctapipelining.pipeline.Pipeline.sequential` first;
+* ``chain_sm120``: the same with ``sm_budget=120`` (12 SMs left free for other kernels).
+
+Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the faster
+of the two sequential lines and ``chain_sm120`` over ``chain`` (median and 95% CI).
+"""
+
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ctapipelining.gemm import matmul
+from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import Method, environment, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+K = 8192
+ROWS = (128, 640, 768, 1024, 2048, 16384)
+
+
+def ci(ratios, n=2000):
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return {"median": statistics.median(ratios), "ci95": [meds[int(0.025 * n)], meds[int(0.975 * n)]]}
+
+
+def graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def main():
+    torch.manual_seed(0)
+    a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
+    chain, capped = Pipeline([a, b]), Pipeline([a, b], sm_budget=120)
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
+    for M in ROWS:
+        x = torch.randn(M, K, device="cuda:0").bfloat16()
+        h, y = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0"), torch.empty_like(x)
+        for pipe in (chain, capped):
+            assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
+        graphs = {name: pipe.capture(M) for name, pipe in (("chain", chain), ("chain_sm120", capped))}
+        for g in graphs.values():
+            g.x.copy_(x)
+        methods = [
+            Method("cublas_seq", graphed(lambda x=x, h=h, y=y: (torch.mm(x, a, out=h), torch.mm(h, b, out=y)))),
+            Method("ours_seq", graphed(lambda x=x, h=h, y=y: (matmul(x, a, out=h), matmul(h, b, out=y)))),
+        ] + [Method(name, g.replay) for name, g in graphs.items()]
+        times = time_interleaved(methods, [0], REPS, 5)
+        floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
+        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
+        for name in ("ours_seq", "chain", "chain_sm120"):
+            row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
+        row["chain_sm120/chain"] = ci([p / q for p, q in zip(times["chain_sm120"], times["chain"])])
+        for g in graphs.values():
+            g.check_errors()
+        report["rows"][M] = row
+        print(M, json.dumps({k: v for k, v in row.items()}), flush=True)
+    (OUT / "shared_gpu.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
