@@ -378,6 +378,9 @@ class Pipeline:
         chain without them at M = 2048 and 0.95x at 8192-16384,
         benchmarks/results/2026-11-30-h200x2-s6/), with split tails
         (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
+        A replica follows in-place changes of its weight that PyTorch counts (``w.mul_(2)``,
+        ``w.copy_(...)``: the tensor's version moves); a change it does not count (through
+        ``w.data``, or by another library writing the memory) needs :meth:`refresh_replicas`.
         Not with explicit ``prefill_rows`` / ``drain_rows``.
     """
 
@@ -495,11 +498,17 @@ class Pipeline:
         self._replicas.append([w, copy, w._version])
         return copy
 
-    def _refresh_replicas(self) -> None:
+    def refresh_replicas(self) -> None:
+        """Copy every weight into its replica again (after a change PyTorch does not count, such
+        as one through ``w.data``); ordered on the current streams like a call."""
+        with self._lock:
+            self._refresh_replicas(force=True)
+
+    def _refresh_replicas(self, force: bool = False) -> None:
         """Copy each weight whose replica is out of date (changed in place since) again."""
         for rec in self._replicas:
             w, copy, version = rec
-            if w._version != version:
+            if force or w._version != version:
                 if self._capturing():
                     raise RuntimeError(
                         "a weight changed in place since its replica was made: call the pipeline once outside "

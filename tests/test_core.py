@@ -111,6 +111,19 @@ def test_replicas_follow_in_place_changes_of_their_weights():
     assert not torch.equal(after, before)
 
 
+def test_a_change_pytorch_does_not_count_needs_refresh_replicas():
+    """``w.data.mul_`` does not move ``w``'s version: the replicas keep the old weights until
+    ``refresh_replicas()``; then every row uses the new ones."""
+    ws = chain(16, 48, 32)
+    pipe = Pipeline(ws, config=dataclasses.replace(SMALL, split_tail=True), ends="balanced")
+    x = torch.randn(80, 16).half()
+    pipe(x, check=True)
+    ws[1].data.mul_(0.5)
+    assert not torch.equal(pipe(x, check=True), pipe.sequential(x))  # the drain's rows used the old W_1
+    pipe.refresh_replicas()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
 def test_plans_are_bounded_and_captured_ones_stay():
     ws = chain(16, 16, 16)
     pipe = Pipeline(ws, config=SMALL, max_plans=2, row_buckets=0)
