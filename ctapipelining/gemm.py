@@ -280,8 +280,8 @@ class GemmLaunch:
         self._compiled = {}  # (TMA store, row stride of c, dtype) -> (Triton's compiled kernel, its RawLaunch)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None):
-        """Launch on ``stream`` (a raw CUDA stream handle on the current device; default its
-        current stream): ``c = a @ b`` with this launch's hooks (operands already checked:
+        """Launch on ``stream`` (a raw CUDA stream handle on the current device; default the
+        current stream of ``a``'s device): ``c = a @ b`` with this launch's hooks (operands already checked:
         ``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded;
         ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
         plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
@@ -295,17 +295,17 @@ class GemmLaunch:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
             raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c))
             return kernel
-        # the first launch of this specialisation (Triton compiles it), a launcher this module does
-        # not know, or a profiler's launch hooks: Triton's own path
+        # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
+        # (Triton's path calls them): kernel[grid]
         a_block, b_block, c_block = self._blocks
         args = (
             _descriptor(a, a_block), _descriptor(b, b_block), _descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0), *self._bundles,
         )  # fmt: skip
-        if got is not None:
+        if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:
+            kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            kernel = got[0]
             kernel.run(
                 self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                 *args, *self._trailing,
@@ -317,7 +317,7 @@ class GemmLaunch:
             kernel = gemm_kernel[(self.num_ctas,)](
                 *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )
-        if not interpreting():
+        if not interpreting() and got is None:
             self._compiled[(tma_store, stride, a.dtype)] = (kernel, RawLaunch.of(kernel))
         return kernel
 

@@ -76,9 +76,9 @@ class RawLaunch:
     def tensor_map(self, slot: int, t: torch.Tensor, block: list[int]) -> list:
         """The launcher's arguments for a tensor descriptor of ``t`` with ``block`` (the
         kernel's ``slot``-th descriptor argument): a CUDA tensor map and the shape and strides.
-        A tensor map depends only on the address, shape, strides and element type (fixed per
-        slot by the specialisation), so it is kept for the next call with the same."""
-        key = (slot, t.data_ptr(), *t.shape, t.stride(0))
+        A tensor map depends only on the address, shape, strides and element type, so it is kept
+        for the next call with the same."""
+        key = (slot, t.data_ptr(), *t.shape, t.stride(0), t.dtype)
         got = self._maps.get(key)
         if got is None:
             if len(self._maps) >= MAX_TENSOR_MAPS:

@@ -965,6 +965,13 @@ class Pipeline:
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:
             plan.stale = True
+            if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work
+                for ev, st in zip(joins, self.streams):
+                    ev.record(st)
+                for caller in callers:
+                    for ev in joins:
+                        caller.wait_event(ev)
+                self._done, self._after_done = joins, [c.cuda_stream for c in callers]
             raise
         finally:
             for st in saved:

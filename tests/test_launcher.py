@@ -43,3 +43,38 @@ def test_an_unknown_launcher_falls_back_to_tritons_path():
         run = object()
 
     assert RawLaunch.of(Kernel()) is None
+
+
+def test_launch_hooks_take_tritons_path_not_the_raw_launch():
+    """A profiler's launch hooks are called only on Triton's path: with one registered, a
+    launch whose raw launch is cached must not use it (under the interpreter Triton's path
+    computes the product)."""
+    from triton import knobs
+
+    from ctapipelining.gemm import GemmLaunch
+    from ctapipelining.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_stages=2, num_warps=4)
+    a, b = torch.randn(32, 16).half(), torch.randn(16, 16).half()
+    c = torch.zeros(32, 16).half()
+    launch = GemmLaunch(32, 16, 16, cfg, 2, torch.device("cpu"))
+    used = []
+
+    class Raw:  # records its launches
+        def tensor_map(self, slot, t, block):
+            return [None, *t.shape, *t.stride()]
+
+        def __call__(self, *args):
+            used.append(args)
+
+    launch._compiled[(True, 16, torch.float16)] = (None, Raw())
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(a, b, c)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not used
+    assert torch.allclose(c.float(), a.float() @ b.float(), atol=1e-2, rtol=1e-2)
+    launch(a, b, torch.zeros_like(c), stream=0)  # no hook: the cached raw launch
+    assert len(used) == 1
