@@ -33,7 +33,7 @@ from ctapipelining import deps
 from ctapipelining.gemm import GemmLaunch, grid_size, matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Link, Pipeline
-from ctapipelining.timing import Method, environment, time_interleaved
+from ctapipelining.timing import Method, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
@@ -53,13 +53,8 @@ def rand(*shape, scale=1.0):
 
 
 def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g.replay
+    """``fn`` captured in a CUDA graph on cuda:0 (:func:`ctapipelining.timing.capture`): its replay."""
+    return capture(fn, [0]).replay
 
 
 def host_per_launch(calls: dict, batches=7, n=40):

@@ -27,7 +27,7 @@ import torch
 
 from ctapipelining.gemm import matmul
 from ctapipelining.pipeline import Pipeline
-from ctapipelining.timing import Method, environment, time_interleaved
+from ctapipelining.timing import Method, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
@@ -42,13 +42,8 @@ def ci(ratios, n=2000):
 
 
 def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g.replay
+    """``fn`` captured in a CUDA graph on cuda:0 (:func:`ctapipelining.timing.capture`): its replay."""
+    return capture(fn, [0]).replay
 
 
 def main():
