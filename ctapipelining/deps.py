@@ -472,7 +472,6 @@ def head_base(epoch: int, num_tiles: int, num_ctas: int) -> int:
     return (epoch - 1) * (num_tiles + num_ctas)
 
 
-
 def bucket_rows(M: int, block_m: int, per_octave: int) -> int:
     """The row count of the plan that serves inputs of ``M`` rows: ``M`` itself when
     ``per_octave`` is 0; else ``M`` rounded up to whole row-blocks, and above 8 row-blocks to

@@ -83,6 +83,40 @@ class SignalHook:
     queue: bool
 
 
+def check_wait(wait: WaitHook | None, err: torch.Tensor | None, K: int) -> None:
+    """Raise a clear error for a wait hook a launch with inner dimension ``K`` cannot take."""
+    if wait is None:
+        return
+    if err is None:
+        raise ValueError("a waiting launch needs its stage's error word")
+    if wait.parts > 1 and wait.queue:
+        raise ValueError("a workqueue consumer runs whole tiles in readiness order and cannot wait in parts")
+    if wait.parts > 1 and (wait.part_cols < wait.parts or wait.part_cols * wait.part_block < K):
+        raise ValueError(
+            f"{wait.parts} parts of {wait.part_cols} producer column-blocks of {wait.part_block} do not cover K={K}"
+        )
+
+
+def wait_bundle(w: WaitHook | None, config: GemmConfig) -> Wait | None:
+    """The kernel's :class:`~ctapipelining.kernels.sync.Wait` bundle of ``w`` (None: off)."""
+    if w is None:
+        return None
+    return Wait(
+        w.counters, w.counter_of_tile, w.need, w.slots, w.head, w.part_cols, w.part_block,
+        tl.constexpr(w.parts), tl.constexpr(config.num_stages if w.parts > 1 else 0),
+    )  # fmt: skip
+
+
+def signal_bundle(sg: SignalHook | None) -> Signal | None:
+    """The kernel's :class:`~ctapipelining.kernels.sync.Signal` bundle of ``sg`` (None: off)."""
+    if sg is None:
+        return None
+    return Signal(
+        sg.counters, sg.signal_ptr, sg.signal_counters, sg.need, sg.push_ptr, sg.push_tiles, sg.slots,
+        sg.tail, sg.consumer_tiles, tl.constexpr(sg.push_block), tl.constexpr(sg.max_signals),
+    )  # fmt: skip
+
+
 @dataclass
 class TailBuffers:
     """A split tail's state (:class:`ctapipelining.deps.TailSplit`), on the GEMM's device:
@@ -180,7 +214,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``t`` (already checked: 2-D, rows 16-byte aligned, contiguous last
     dimension): Triton's :class:`TensorDescriptor` without its own checks, which cost more host
     time than the launch."""
@@ -228,15 +262,7 @@ class GemmLaunch:
             raise ValueError("a stage's input and output links must use the same policy")
         if (wait is not None or signal is not None) and epoch is None:
             raise ValueError("a launch with a hook needs its stage's epoch")
-        if wait is not None and err is None:
-            raise ValueError("a waiting launch needs its stage's error word")
-        parts = 1 if wait is None else wait.parts
-        if parts > 1 and wait.queue:
-            raise ValueError("a workqueue consumer runs whole tiles in readiness order and cannot wait in parts")
-        if parts > 1 and (wait.part_cols < parts or wait.part_cols * wait.part_block < K):
-            raise ValueError(
-                f"{parts} parts of {wait.part_cols} producer column-blocks of {wait.part_block} do not cover K={K}"
-            )
+        check_wait(wait, err, K)
         split = tail_split(M, N, K, cfg, num_ctas)
         if split is not None and wait is not None and wait.queue:
             raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
@@ -246,19 +272,12 @@ class GemmLaunch:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
-        w, sg = wait, signal
         bundles = (
-            None if w is None else Wait(
-                w.counters, w.counter_of_tile, w.need, w.slots, w.head, w.part_cols, w.part_block,
-                tl.constexpr(parts), tl.constexpr(cfg.num_stages if parts > 1 else 0),
-            ),
-            None if sg is None else Signal(
-                sg.counters, sg.signal_ptr, sg.signal_counters, sg.need, sg.push_ptr, sg.push_tiles, sg.slots,
-                sg.tail, sg.consumer_tiles, tl.constexpr(sg.push_block), tl.constexpr(sg.max_signals),
-            ),
+            wait_bundle(wait, cfg),
+            signal_bundle(signal),
             None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
-            epoch if w is not None or sg is not None else None,
-            err if w is not None else None,
+            epoch if wait is not None or signal is not None else None,
+            err if wait is not None else None,
             trace,
             stage,
             timeout_ns,
@@ -299,7 +318,7 @@ class GemmLaunch:
         # (Triton's path calls them): kernel[grid]
         a_block, b_block, c_block = self._blocks
         args = (
-            _descriptor(a, a_block), _descriptor(b, b_block), _descriptor(c, c_block) if tma_store else None,
+            descriptor(a, a_block), descriptor(b, b_block), descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0), *self._bundles,
         )  # fmt: skip
         if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:

@@ -29,14 +29,15 @@ MAX_TENSOR_MAPS = 64  # encoded tensor maps kept per launch (cleared when full)
 
 
 def addresses(bundle):
-    """``bundle`` (a kernel argument: a tensor, a namedtuple of them, or anything else) with
+    """``bundle`` (a kernel argument: a tensor, a (named) tuple of them, or anything else) with
     every tensor replaced by its address: the launcher then passes the integer as the pointer
     without asking the driver about it. Only for tensors that stay where they are (a plan's
     buffers) and are kept alive elsewhere."""
     if isinstance(bundle, torch.Tensor):
         return bundle.data_ptr()
-    if isinstance(bundle, tuple) and hasattr(bundle, "_fields"):
-        return bundle._make(addresses(x) for x in bundle)
+    if isinstance(bundle, tuple):
+        fields = (addresses(x) for x in bundle)
+        return bundle._make(fields) if hasattr(bundle, "_fields") else tuple(fields)
     return bundle
 
 

@@ -65,6 +65,7 @@ import torch
 import triton
 
 from . import deps, fabric
+from .chain import ChainLaunch, ChainStage
 from .gemm import (
     GemmLaunch,
     SignalHook,
@@ -78,6 +79,7 @@ from .gemm import (
     tail_split,
     tma_ready,
 )
+from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
 from .timing import Method, time_interleaved
@@ -200,15 +202,14 @@ Rows = tuple  # ("x" | "out", first row, end row): rows of the call's own input 
 
 @dataclass(eq=False)
 class Launch:
-    """One kernel of a call, bound at plan time: a stage's GEMM, the prefill or a drain GEMM.
-    Its operands are plan buffers or :data:`Rows` of the call's ``x`` / ``out``."""
+    """One kernel of a call, bound at plan time: a stage's GEMM, a chain kernel over the
+    stages that share a GPU, or a prefill or drain GEMM. Its operands (``ops``: ``(a, b, c)``
+    per stage it runs) are plan buffers or :data:`Rows` of the call's ``x`` / ``out``."""
 
     stream: int  # the stage whose stream (and device) runs it
-    gemm: GemmLaunch
-    a: torch.Tensor | Rows
-    b: torch.Tensor
-    c: torch.Tensor | Rows
-    stage: int | None = None  # the stage it is (None: a prefill or drain GEMM)
+    gemm: GemmLaunch | ChainLaunch
+    ops: list[tuple]
+    stages: tuple[int, ...] = ()  # the chain's stages it runs (none: a prefill or drain GEMM)
     copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None):
@@ -216,7 +217,10 @@ class Launch:
         if self.copy_x is not None:
             buf, rows = self.copy_x
             buf.copy_(x[:rows])
-        return self.gemm(_rows(self.a, x, out), self.b, _rows(self.c, x, out), stream)
+        if isinstance(self.gemm, ChainLaunch):
+            return self.gemm([(_rows(a, x, out), b, _rows(c, x, out)) for a, b, c in self.ops], stream)
+        a, b, c = self.ops[0]
+        return self.gemm(_rows(a, x, out), b, _rows(c, x, out), stream)
 
 
 def _rows(src, x, out) -> torch.Tensor:
@@ -242,6 +246,7 @@ class Plan:
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
+    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
@@ -262,11 +267,12 @@ class Plan:
 
     def ends(self, stream: int) -> list[GemmLaunch]:
         """The prefill (``stream`` 1) or drain (``stream`` 0) GEMMs of this plan."""
-        return [lc.gemm for lc in self.launches if lc.stage is None and lc.stream == stream]
+        return [lc.gemm for lc in self.launches if not lc.stages and lc.stream == stream]
 
     def state(self) -> list[torch.Tensor]:
         tails = [t.counters for t in self.tails if t is not None]  # partial after a timeout
-        return [t for link in self.links for t in link.state()] + self.epochs + self.errors + tails
+        links = [t for link in self.links for t in link.state()]
+        return links + self.epochs + self.errors + self.tickets + tails
 
 
 @dataclass(eq=False)
@@ -398,6 +404,7 @@ class Pipeline:
         max_plans: int = MAX_PLANS,
         row_buckets: int = ROW_BUCKETS,
         sm_budget: int | None = None,
+        loopback: bool | None = None,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -421,8 +428,11 @@ class Pipeline:
         if not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
-        if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0 or (
-            row_buckets & (row_buckets - 1)
+        if (
+            not isinstance(row_buckets, int)
+            or isinstance(row_buckets, bool)
+            or row_buckets < 0
+            or (row_buckets & (row_buckets - 1))
         ):
             raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
         # the ends' rows are cut from the call's own rows: their plans are per exact height
@@ -455,10 +465,23 @@ class Pipeline:
         self.devices = [w.device for w in self.weights]
         self.distinct_devices = list(dict.fromkeys(self.devices))
         self.on_gpu = self.devices[0].type == "cuda"
-        shared = len(self.distinct_devices) < len(self.devices)
-        if self.on_gpu and shared and (prefill_rows or drain_rows or ends):
+        if loopback not in (None, True, False):
+            raise ValueError(f"loopback must be None, True or False, got {loopback!r}")
+        self.loopback = (not self.on_gpu) if loopback is None else loopback
+        # the stages each kernel runs: consecutive stages on one device share a chain kernel (at
+        # most MAX_STAGES each), unless in loopback, where each stage is a kernel of its own
+        self.groups: list[list[int]] = []
+        for s, d in enumerate(self.devices):
+            last = self.groups[-1] if self.groups else None
+            if last and not self.loopback and self.devices[last[-1]] == d and len(last) < MAX_STAGES:
+                last.append(s)
+            else:
+                self.groups.append([s])
+        self._group_of = [g for g in self.groups for _ in g]
+        shared = len(self.distinct_devices) < len(self.devices) if self.on_gpu else len(self.groups) < len(self.devices)
+        if shared and (prefill_rows or drain_rows or ends):
             raise ValueError("prefill and drain rows fill a second GPU's idle time: they need the stages on two GPUs")
-        if self.on_gpu and sm_budget is not None:
+        if self.on_gpu and self.loopback and sm_budget is not None:
             for d in self.distinct_devices:
                 stages = self.devices.count(d)
                 if sm_budget < stages:
@@ -472,7 +495,10 @@ class Pipeline:
                         f"each GPU must hold a contiguous range of stages, got {[str(d) for d in self.devices]}"
                     )
             fabric.enable_peer_access([d.index for d in self.devices])
-            self.streams = [torch.cuda.Stream(d) for d in self.devices]
+            # a stream per stage; outside loopback one per device, so that the chain kernels of a
+            # GPU with more than MAX_STAGES stages run one after the other, each on the whole GPU
+            own = {d: torch.cuda.Stream(d) for d in self.distinct_devices}
+            self.streams = [torch.cuda.Stream(d) if self.loopback else own[d] for d in self.devices]
             self._raw_streams = [st.cuda_stream for st in self.streams]
             self._device_indices = [d.index for d in self.distinct_devices]
             # an eager call's fork and join points, recorded again by every call (no event is
@@ -533,9 +559,11 @@ class Pipeline:
 
     def stage_config(self, s: int) -> GemmConfig:
         """The configuration stage ``s`` runs: :attr:`config`, without a split tail for a
-        ``workqueue`` consumer (it runs whole tiles in readiness order). The sequential GEMMs
+        ``workqueue`` consumer (it runs whole tiles in readiness order) and in a chain kernel
+        (its combined order fills the partial rounds instead). The sequential GEMMs
         with these configurations give bitwise the chain's result."""
-        if s > 0 and self.policy.uses_queue and self.config.split_tail:
+        queue_consumer = s > 0 and self.policy.uses_queue and not self._same_kernel(s - 1, s)
+        if self.config.split_tail and (queue_consumer or len(self._group_of[s]) > 1):
             return dataclasses.replace(self.config, split_tail=False)
         return self.config
 
@@ -686,8 +714,11 @@ class Pipeline:
         P = M - D  # the rows the pipelined stages carry
         grids = [deps.TileGrid(P, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
         links, inputs = [], [None]
+        # link_queue[s]: the link into stage s waits on a ring (workqueue between kernels; a
+        # link inside a chain kernel waits on counters, in parts)
+        link_queue = [self.policy.uses_queue and not self._same_kernel(s - 1, s) for s in range(n)]
         for s in range(1, n):
-            parts = 1 if self.policy.uses_queue else min(cfg.wait_parts, grids[s - 1].num_n)
+            parts = 1 if link_queue[s] else min(cfg.wait_parts, grids[s - 1].num_n)
             dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
@@ -725,11 +756,43 @@ class Pipeline:
                 rows, w.shape[1], w.shape[0], s_cfg, ctas, dev, tail=tail, timeout_ns=self.timeout_ns,
                 err=plan.errors[stream], stage=stream, **hooks,
             )  # fmt: skip
-            plan.launches.append(Launch(stream, gemm, a, w, c, stage))
+            plan.launches.append(Launch(stream, gemm, [(a, w, c)], () if stage is None else (stage,)))
             return ctas
 
+        def bind_chain(group):
+            """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
+            dev = devs[group[0]]
+            ctas = max(1, min(self._sm_share(group[0]), sum(grids[s].num_tiles for s in group)))
+            plan.tickets.append(_i64(1, dev))
+            stages = [
+                ChainStage(
+                    ws[s].shape[1],
+                    ws[s].shape[0],
+                    wait=links[s - 1].wait_hook(link_queue[s]) if s > 0 else None,
+                    signal=links[s].signal_hook(link_queue[s + 1]) if s < n - 1 else None,
+                    err=plan.errors[s],
+                    trace=plan.traces[s],
+                    stage=s,
+                )  # fmt: skip
+                for s in group
+            ]
+            gemm = ChainLaunch(
+                P, stages, self.stage_config(group[0]), ctas, dev, ticket=plan.tickets[-1],
+                epoch=plan.epochs[group[0]], queue=queue, timeout_ns=self.timeout_ns,
+            )  # fmt: skip
+            ops = [
+                (("x", 0, P) if s == 0 else inputs[s], ws[s], ("out", 0, P) if s == n - 1 else inputs[s + 1])
+                for s in group
+            ]
+            plan.launches.append(Launch(group[0], gemm, ops, tuple(group)))
+            plan.num_ctas.extend([ctas] * len(group))
+
         first = R // cfg.block_m * links[0].dep.producer.num_n if R else 0  # producer tile of row R
-        for s in range(n):
+        for group in self.groups:
+            if len(group) > 1:
+                bind_chain(group)
+                continue
+            s = group[0]
             if s == 1 and R:  # the prefill: rows [0, R) of stage 0 on stage 1's GPU, before the consumer
                 # (a copy of x first: a GEMM reading x across NVLink with TMA is far slower,
                 # benchmarks/results/2026-11-30-h200x2-s6/)
@@ -766,12 +829,17 @@ class Pipeline:
         return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
 
     def _sm_share(self, s: int) -> int:
-        """The CTAs stage ``s`` may hold: its GPU's SMs (at most :attr:`sm_budget`) shared equally
-        among the stages on it, so that every CTA of every stage there is resident at once. (The
-        interpreter runs one kernel after another: every stage has the whole CPU.)"""
-        sharing = self.devices.count(self.devices[s]) if self.on_gpu else 1
+        """The CTAs stage ``s`` may hold: its GPU's SMs (at most :attr:`sm_budget`); in loopback
+        shared equally among the stages on it, so that every CTA of every stage there is resident
+        at once. (A chain kernel runs every stage of the GPU in one grid; the interpreter runs one
+        kernel after another: every stage has the whole CPU.)"""
+        sharing = self.devices.count(self.devices[s]) if self.on_gpu and self.loopback else 1
         sms = num_sms(self.devices[s])
         return min(sms, self.sm_budget or sms) // sharing
+
+    def _same_kernel(self, s: int, t: int) -> bool:
+        """Whether stages ``s`` and ``t`` run in one chain kernel."""
+        return s >= 0 and self._group_of[s] is self._group_of[t]
 
     def reset(self, plan: Plan | None = None) -> None:
         """Wait for every device (bounded), then zero counters, rings, epochs and error words."""
@@ -947,8 +1015,9 @@ class Pipeline:
                 if self.on_gpu:  # torch's own ops below (epoch, copies) run on the current stream
                     st = self.streams[s]
                     torch.cuda.set_stream(st)
-                    for ev in starts:
-                        st.wait_event(ev)
+                    if s == 0 or st is not self.streams[s - 1]:
+                        for ev in starts:
+                            st.wait_event(ev)
                     stream = self._raw_streams[s]
                 if advance_epoch:
                     plan.epochs[s].add_(1)
@@ -956,11 +1025,12 @@ class Pipeline:
                     for launch in plan.launches:
                         if launch.stream != s:
                             continue
-                        if delay_cycles and launch.stage in delay_cycles:
-                            torch.cuda._sleep(delay_cycles[launch.stage])
+                        for t in launch.stages if delay_cycles else ():
+                            if t in delay_cycles:
+                                torch.cuda._sleep(delay_cycles[t])
                         kernel = launch.run(x, out, stream)
-                        if launch.stage is not None:
-                            kernels[launch.stage] = kernel
+                        for t in launch.stages:
+                            kernels[t] = kernel
                 if self.on_gpu and s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:

@@ -12,6 +12,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 
+from .chain import MAX_STAGES, Stage, chain_kernel
 from .gemm import Tail, gemm_kernel
 from .sync import Signal, Wait
 
@@ -42,12 +43,20 @@ ORDINARY_STORE_VARIANTS = ("plain", "signal_static", "signal_workqueue", "wait_s
 TRACE_VARIANTS = ("plain", "wait_workqueue")
 
 
-def _bundle(cls, types: dict, constexprs: dict, index: int, const: dict):
-    """A bundle's signature (its fields' types; constexpr fields recorded in ``const`` by path)."""
+def _bundle(cls, types: dict, constexprs: dict, index, const: dict):
+    """A bundle's signature (its fields' types; constexpr fields recorded in ``const`` by path:
+    ``index`` is the bundle's own, an int or a tuple for a nested one)."""
+    path = index if isinstance(index, tuple) else (index,)
     for i, name in enumerate(cls._fields):
         if name in constexprs:
-            const[(index, i)] = constexprs[name]
+            const[(*path, i)] = constexprs[name]
     return cls(*(("constexpr" if name in constexprs else types[name]) for name in cls._fields))
+
+
+WAIT_TYPES = dict(counters="*i64", counter_of_tile="*i32", need="*i32", slots="*i64", head="*i64",
+                  part_cols="i32", part_block="i32")  # fmt: skip
+SIGNAL_TYPES = dict(counters="*i64", signal_ptr="*i32", signal_counters="*i32", need="*i32", push_ptr="*i32",
+                    push_tiles="*i32", slots="*i64", tail="*i64", consumer_tiles="i32")  # fmt: skip
 
 
 def compile_variant(
@@ -74,16 +83,12 @@ def compile_variant(
         sig[n] = "i32"
     sig["timeout_ns"] = "i64"
     if wait:
-        types = dict(counters="*i64", counter_of_tile="*i32", need="*i32", slots="*i64", head="*i64",
-                     part_cols="i32", part_block="i32")  # fmt: skip
         ahead = num_stages if wait_parts > 1 else 0
-        sig["wait"] = _bundle(Wait, types, dict(PARTS=wait_parts, AHEAD=ahead), names.index("wait"), const)
+        sig["wait"] = _bundle(Wait, WAIT_TYPES, dict(PARTS=wait_parts, AHEAD=ahead), names.index("wait"), const)
     else:
         off("wait")
     if signal:
-        types = dict(counters="*i64", signal_ptr="*i32", signal_counters="*i32", need="*i32", push_ptr="*i32",
-                     push_tiles="*i32", slots="*i64", tail="*i64", consumer_tiles="i32")  # fmt: skip
-        sig["signal"] = _bundle(Signal, types, dict(PUSH_BLOCK=32, MAX_SIGNALS=1), names.index("signal"), const)
+        sig["signal"] = _bundle(Signal, SIGNAL_TYPES, dict(PUSH_BLOCK=32, MAX_SIGNALS=1), names.index("signal"), const)
     else:
         off("signal")
     if split_tail:
@@ -107,6 +112,60 @@ def compile_variant(
         sig[n] = "constexpr"
     assert set(sig) == set(names), set(names) ^ set(sig)
     src = triton.compiler.ASTSource(fn=gemm_kernel, signature={n: sig[n] for n in names}, constexprs=const)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+def compile_chain(
+    stages: int, wait_first: bool, signal_last: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3,
+    *, tma_store: bool = True, wait_parts: int = 4, trace: bool = False,
+):  # fmt: skip
+    """Compile :func:`~.chain.chain_kernel` over ``stages`` stages for sm_90: the first stage
+    waiting on another GPU (``wait_first``), the last signalling one (``signal_last``), the
+    links inside waiting in ``wait_parts`` parts; ``tma_store=False``: the last stage stores
+    with ordinary stores."""
+    bm, bn, bk = block
+    names = chain_kernel.arg_names
+    sig, const = {}, {}
+    at = names.index("stages")
+    for i in range(MAX_STAGES):
+        for name, block_shape in (("a", (bm, bk)), ("b", (bk, bn)), ("c", (bm, bn))):
+            arg = f"{name}{i}"
+            if i < stages and not (name == "c" and i == stages - 1 and not tma_store):
+                sig[arg] = f"tensordesc<bf16[{block_shape[0]}, {block_shape[1]}]>"
+            else:
+                sig[arg], const[arg] = "constexpr", None
+    bundles = []
+    for i in range(stages):
+        waits = i > 0 or wait_first
+        signals = i < stages - 1 or signal_last
+        outer_queue = queue and (i == 0 if waits and i == 0 else False)
+        parts = 1 if outer_queue else wait_parts
+        wait = (
+            _bundle(Wait, WAIT_TYPES, dict(PARTS=parts, AHEAD=num_stages if parts > 1 else 0), (at, i, 2), const)
+            if waits else "constexpr"
+        )  # fmt: skip
+        signal = (
+            _bundle(Signal, SIGNAL_TYPES, dict(PUSH_BLOCK=32, MAX_SIGNALS=1), (at, i, 3), const)
+            if signals else "constexpr"
+        )  # fmt: skip
+        for field, on in ((2, waits), (3, signals), (4, waits), (5, trace)):
+            if not on:
+                const[(at, i, field)] = None
+        bundles.append(Stage("i32", "i32", wait, signal, "*i64" if waits else "constexpr",
+                             "*i64" if trace else "constexpr", "i32"))  # fmt: skip
+    sig["stages"] = tuple(bundles)
+    sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", epoch_ptr="*i64", timeout_ns="i64")
+    if tma_store:
+        sig["c_ptr"], const["c_ptr"] = "constexpr", None
+    else:
+        sig["c_ptr"] = "*bf16"
+    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, NUM_CTAS=132, QUEUE=queue, INTERPRET=False)
+    for n in names[names.index("timeout_ns") + 1 :]:
+        sig[n] = "constexpr"
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    src = triton.compiler.ASTSource(fn=chain_kernel, signature={n: sig[n] for n in names}, constexprs=const)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
     )

@@ -97,6 +97,7 @@ class Signal(NamedTuple):
     PUSH_BLOCK: object  # power of two >= the most consumer tiles one counter releases
     MAX_SIGNALS: object  # the most counters one tile bumps
 
+
 # Error word layout: int64[len(ERR_FIELDS)] per stage, on the stage's device.
 ERR_FIELDS = ("flag", "stage", "tile", "kind", "index", "seen", "target", "cta")
 ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CTA = (tl.constexpr(i) for i in range(8))

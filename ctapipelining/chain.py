@@ -1,0 +1,190 @@
+"""Host wrapper of the chain kernel (:mod:`ctapipelining.kernels.chain`): the stages that
+share a GPU, run by one persistent kernel from one combined tile order.
+
+A :class:`ChainLaunch` is bound once (at plan time) with each stage's shape, hooks and state
+buffers; a call gives each stage's operands and launches. Like
+:class:`~ctapipelining.gemm.GemmLaunch`, after the first launch of a specialisation it
+launches through :class:`~ctapipelining.launcher.RawLaunch`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from triton import knobs
+
+from .gemm import (
+    SignalHook,
+    WaitHook,
+    _cdiv,
+    check_wait,
+    descriptor,
+    interpreting,
+    signal_bundle,
+    wait_bundle,
+)
+from .kernels.chain import MAX_STAGES, Stage, chain_kernel
+from .kernels.gemm import GemmConfig
+from .launcher import RawLaunch, addresses
+
+
+@dataclass
+class ChainStage:
+    """One stage of a :class:`ChainLaunch`: ``[M, K] @ [K, N]``, its input link ``wait`` (a
+    link inside the kernel: static; the first stage's may come from another GPU), its output
+    link ``signal`` (the last stage's may go to another GPU; the others' feed the next stage
+    here), its error word ``err`` (needed with ``wait``), its per-tile stamps ``trace`` and its
+    index ``stage`` in the chain."""
+
+    N: int
+    K: int
+    wait: WaitHook | None = None
+    signal: SignalHook | None = None
+    err: torch.Tensor | None = None
+    trace: torch.Tensor | None = None
+    stage: int = 0
+
+
+class ChainLaunch:
+    """One launch of the chain kernel over ``stages`` (1 to :data:`MAX_STAGES`) on ``M`` rows,
+    bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [1], only
+    growing) in the combined order; ``epoch`` is the run count every stage's signals and waits
+    use. ``queue``: the links to other GPUs (the first stage's wait, the last stage's signal)
+    follow the workqueue policy."""
+
+    def __init__(
+        self,
+        M: int,
+        stages: list[ChainStage],
+        config: GemmConfig,
+        num_ctas: int,
+        device: torch.device,
+        *,
+        ticket: torch.Tensor,
+        epoch: torch.Tensor,
+        queue: bool = False,
+        timeout_ns: int = 1_000_000_000,
+    ):
+        if not 1 <= len(stages) <= MAX_STAGES:
+            raise ValueError(f"a chain kernel runs 1 to {MAX_STAGES} stages, got {len(stages)}")
+        if config.split_tail:
+            raise ValueError("a chain kernel's stages have no split tail (the combined order fills the rounds)")
+        for i, st in enumerate(stages):
+            if i and st.K != stages[i - 1].N:
+                raise ValueError(f"stage {st.stage} has K={st.K} but the stage before it has N={stages[i - 1].N}")
+            if i and st.wait is None:
+                raise ValueError(f"stage {st.stage} reads the stage before it in this kernel: it needs its wait")
+            if i < len(stages) - 1 and st.signal is None:
+                raise ValueError(f"stage {st.stage} feeds the stage after it in this kernel: it needs its signal")
+            inner_wait = st.wait is not None and i > 0
+            inner_signal = st.signal is not None and i < len(stages) - 1
+            if inner_wait and st.wait.queue or inner_signal and st.signal.queue:
+                raise ValueError("the links inside a chain kernel wait on counters (static), not on a ring")
+            outer = (st.wait if i == 0 else None, st.signal if i == len(stages) - 1 else None)
+            if any(h is not None and h.queue != queue for h in outer):
+                raise ValueError(f"stage {st.stage}: its link to another GPU does not follow queue={queue}")
+            check_wait(st.wait, st.err, st.K)
+            if st.trace is not None and interpreting():
+                raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
+        self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue
+        bundle = tuple(
+            Stage(
+                st.N,
+                _cdiv(st.K, config.block_k),
+                wait_bundle(st.wait, config),
+                signal_bundle(st.signal),
+                st.err if st.wait is not None else None,
+                st.trace,
+                st.stage,
+            )  # fmt: skip
+            for st in stages
+        )
+        self._state = (ticket, epoch, timeout_ns)
+        self._bundle, self._addresses = bundle, addresses(bundle)
+        self._state_addresses = addresses(self._state)
+        self._constexprs = dict(
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            NUM_CTAS=num_ctas,
+            QUEUE=queue,
+            INTERPRET=interpreting(),
+        )
+        self._trailing = tuple(self._constexprs.values())
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        self._blocks = ([bm, bk], [bk, bn], [bm, bn])
+        self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
+
+    def __call__(self, ops: list[tuple], stream: int | None = None):
+        """Launch on ``stream`` (raw handle on the current device; default its current stream)
+        with ``ops[i] = (a, b, c)`` of stage ``i`` (``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c``
+        ``[m, N]``, already checked, ``m <= M``; only the last ``c`` may have padded rows, and
+        only it may be a caller's tensor whose rows past ``m`` are not written). Returns
+        Triton's compiled kernel."""
+        c = ops[-1][2]
+        stride = c.stride(0)
+        tma_store = stride == c.shape[1]
+        key = (tma_store, stride, c.dtype)
+        got = self._compiled.get(key)
+        if stream is None and not interpreting():
+            stream = torch._C._cuda_getCurrentRawStream(c.device.index)
+        if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
+            kernel, raw = got
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops))
+            return kernel
+        a_block, b_block, c_block = self._blocks
+        descs = []
+        for i in range(MAX_STAGES):
+            if i < len(ops):
+                a, b, ci = ops[i]
+                last_plain = i == len(ops) - 1 and not tma_store
+                descs += [
+                    descriptor(a, a_block),
+                    descriptor(b, b_block),
+                    None if last_plain else descriptor(ci, c_block),
+                ]
+            else:
+                descs += [None, None, None]
+        args = (*descs, self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
+        on_stream = not interpreting()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=c.device)) if on_stream else nullcontext():
+            kernel = chain_kernel[(self.num_ctas,)](
+                *args, **self._constexprs, num_stages=self.config.num_stages, num_warps=self.config.num_warps
+            )
+        if not interpreting() and got is None:
+            self._compiled[key] = (kernel, RawLaunch.of(kernel))
+        return kernel
+
+    def raw_args(self, tensor_map, ops: list[tuple]) -> tuple:
+        """The kernel's arguments as the compiled launcher takes them (see
+        :meth:`ctapipelining.gemm.GemmLaunch.raw_args`): the descriptors of the stages present,
+        numbered in order, expanded by ``tensor_map``; the bound buffers as addresses."""
+        a_block, b_block, c_block = self._blocks
+        c = ops[-1][2]
+        tma_store = c.stride(0) == c.shape[1]
+        args, slot = [], 0
+        for i in range(MAX_STAGES):
+            if i >= len(ops):
+                args += (None, None, None)
+                continue
+            a, b, ci = ops[i]
+            args += tensor_map(slot, a, a_block)
+            args += tensor_map(slot + 1, b, b_block)
+            slot += 2
+            if i == len(ops) - 1 and not tma_store:
+                args.append(None)
+            else:
+                args += tensor_map(slot, ci, c_block)
+                slot += 1
+        return (
+            *args, self._addresses, self.M, None if tma_store else c.data_ptr(), c.shape[0], c.stride(0),
+            *self._state_addresses, *self._trailing,
+        )  # fmt: skip
+
+    @property
+    def raw(self) -> bool:
+        """Whether every specialisation compiled so far launches through :class:`RawLaunch`."""
+        return bool(self._compiled) and all(raw is not None for _, raw in self._compiled.values())

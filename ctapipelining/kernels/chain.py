@@ -1,0 +1,158 @@
+"""One persistent kernel over the stages that share a GPU (a *chain kernel*).
+
+Stages ``s0 .. s0 + S - 1`` of a chain on one GPU (``S <= MAX_STAGES``) run in one launch,
+from one *combined tile order*: every tile of the first stage, then every tile of the second,
+and so on, each stage's tiles in its own grouped order (:func:`~.gemm.tile_of_position`).
+Each CTA claims the next position from an atomic *ticket* and runs that tile with its
+stage's body; a tile of a later stage first waits on its counters (the same dependency
+arrays and counters as a link between GPUs, in this GPU's memory), so a consumer tile starts
+as soon as its input rows are written and fills the SMs its producer leaves idle. For
+``X[640, 8192] @ A @ B`` (160 tiles a layer on 132 SMs) that is three rounds of tiles where
+two kernels one after the other take four (``../DESIGN.md``, stages that share a GPU).
+
+No deadlock whatever the number of resident CTAs: a tile only waits for tiles of the stage
+before it, which sit at earlier positions, and a position is claimed only by a CTA that is
+running; so the earliest unfinished position never waits, and by induction every tile ends.
+A CTA signals its tiles late (a quarter into its next tile, :func:`~.gemm._mma_tile`), so
+before it waits on a tile of a later stage it signals the tile it still holds.
+
+The first stage may wait on a previous GPU, and the last may signal a next one, exactly as a
+stage of :func:`~.gemm.gemm_kernel` does (``QUEUE``: those links follow the workqueue
+policy; the ticket's position of a first-stage tile is then its ring position). The links
+inside the kernel always wait on counters (``static``), in parts (``Wait.PARTS``).
+
+Each run moves the ticket by the positions plus ``NUM_CTAS`` (every CTA claims once past the
+end), also after a timeout: a CTA that gave up keeps claiming and skips its positions, so
+the next run's positions stay where they belong (the tiles that need the dropped ones time
+out and report too).
+"""
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from .gemm import _now, _poll_before, _run_tile, _signal_pending, tile_of_position
+from .sync import claim, fence_proxy_async, wait_slot
+
+MAX_STAGES = 4  # stages one chain kernel runs (the kernel takes their descriptors one by one)
+
+
+class Stage(NamedTuple):
+    """One stage's kernel arguments in a chain kernel (its TMA descriptors are the kernel's
+    own arguments, where Triton's launcher expands them)."""
+
+    N: object  # the stage's output columns (its rows are the kernel's M)
+    k_tiles: object  # K-steps of its K loop
+    wait: object  # sync.Wait: its input link (None: its input is ready before the launch)
+    signal: object  # sync.Signal: its output link (None: the chain's last stage)
+    err_ptr: object  # *i64: its error word (None: it does not wait)
+    trace_ptr: object  # *i64 [tiles, TRACE_FIELDS]: per-tile stamps (None: no trace)
+    stage: object  # its index in the chain (error words name it)
+
+
+@triton.jit
+def _flush(pending, pending_stage, epoch, stages, c_descs, BEFORE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Signal the CTA's pending tile if it belongs to a stage before ``BEFORE`` (a link inside
+    the kernel, so static). Returns the pending tile left (-1 if it was signalled)."""
+    for t in tl.static_range(BEFORE):
+        if stages[t].signal is not None:
+            if pending_stage == t:
+                pending = _signal_pending(
+                    pending, epoch, stages[t].signal, c_descs[t] is not None, False, INTERPRET
+                )  # fmt: skip
+    return pending
+
+
+@triton.jit
+def _stage_tile(
+    stage, a_desc, b_desc, c_desc, c_ptr, c_rows, stride_cm, pos, num_m, epoch, pending, timeout_ns,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    QUEUE_IN: tl.constexpr, QUEUE_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The tile at position ``pos`` of ``stage`` (a :class:`Stage`; ``QUEUE_IN``: its input comes
+    through a ring, ``QUEUE_OUT``: its signal pushes into one). Returns ``(pending, alive)``:
+    the tile still to signal, and false if a wait timed out (CTA-uniform, reported)."""
+    num_n = tl.cdiv(stage.N, BLOCK_N)
+    t_wait = _now(stage.trace_ptr)
+    alive = tl.program_id(0) >= 0
+    if QUEUE_IN:
+        # the ring of a link from the previous GPU: the tile that became ready pos-th
+        tile, ok = wait_slot(
+            stage.wait.slots, pos, epoch, num_m * num_n, stage.err_ptr, stage.stage, timeout_ns, INTERPRET
+        )
+        if ok:  # CTA-uniform (voted)
+            fence_proxy_async(INTERPRET)
+            pending, _ = _run_tile(
+                a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, stage.N, stage.k_tiles, stride_cm, epoch,
+                stage.signal, pending, None, 0, True, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr, t_wait,
+                BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
+            )  # fmt: skip
+        alive = ok
+    else:
+        tile = tile_of_position(pos.to(tl.int32), num_m, num_n, GROUP_M)
+        counter0 = 0  # the tile's first counter
+        ok = True
+        if stage.wait is not None:
+            counter0 = tl.load(stage.wait.counter_of_tile + tile)
+            ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
+            fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
+        pending, ok = _run_tile(
+            a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, stage.N, stage.k_tiles, stride_cm, epoch,
+            stage.signal, pending, stage.wait, counter0, ok, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr,
+            t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
+        )  # fmt: skip
+        if stage.wait is not None:
+            alive = ok
+    return pending, alive
+
+
+@triton.jit(do_not_specialize=["c_rows", "timeout_ns"])
+def chain_kernel(
+    a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
+    stages,  # tuple of Stage, one per stage
+    M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
+    ticket, epoch_ptr, timeout_ns,  # *i64 [1] combined-order positions claimed; *i64 [1] run count
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_CTAS: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The stages of ``stages`` over a persistent grid of ``NUM_CTAS`` CTAs, tiles claimed in
+    the combined order (module docstring)."""
+    a_descs = (a0, a1, a2, a3)
+    b_descs = (b0, b1, b2, b3)
+    c_descs = (c0, c1, c2, c3)
+    # the stages present (len(stages) does not compile in Triton 3.6; a stage has an A descriptor)
+    S: tl.constexpr = 1 + (a1 is not None) + (a2 is not None) + (a3 is not None)
+    num_m = tl.cdiv(M, BLOCK_M)
+    total = 0
+    for s in tl.static_range(S):
+        total += num_m * tl.cdiv(stages[s].N, BLOCK_N)
+    epoch = tl.load(epoch_ptr)
+    pending = tl.program_id(0) * 0 - 1  # a tile stored but not yet signalled, of stage pending_stage
+    pending_stage = pending
+    alive = tl.program_id(0) >= 0  # false after a timeout: claim on, run nothing
+    pos = claim(ticket, epoch, total, NUM_CTAS)
+    while pos < total:
+        if alive:
+            lo = 0  # the stage's first position
+            for s in tl.static_range(S):
+                tiles = num_m * tl.cdiv(stages[s].N, BLOCK_N)
+                if (pos >= lo) & (pos < lo + tiles):  # CTA-uniform: pos came from one atomic
+                    # the CTA's tile of an earlier stage is signalled before it waits (a later tile may need it)
+                    pending = _flush(pending, pending_stage, epoch, stages, c_descs, s, INTERPRET)
+                    pending_stage = pending * 0 + s
+                    tl.static_assert(c_descs[s] is not None or s == S - 1, "only the last stage stores without TMA")
+                    pending, alive = _stage_tile(
+                        stages[s], a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stride_cm, pos - lo, num_m,
+                        epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        QUEUE and s == 0 and stages[s].wait is not None, QUEUE and s == S - 1, INTERPRET,
+                    )  # fmt: skip
+                lo += tiles
+        pos = claim(ticket, epoch, total, NUM_CTAS)
+    # the CTA's last tile: its stage's signal (the last stage's may cross to the next GPU)
+    if stages[S - 1].signal is not None:
+        if pending_stage == S - 1:
+            pending = _signal_pending(
+                pending, epoch, stages[S - 1].signal, c_descs[S - 1] is not None, QUEUE, INTERPRET
+            )
+    _flush(pending, pending_stage, epoch, stages, c_descs, S - 1, INTERPRET)
