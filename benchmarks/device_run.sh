@@ -13,6 +13,8 @@
 #   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
 #   eager  benchmarks/eager.py: eager calls against graph replays (one GPU)      -> eager.log, eager.json
 #   shared benchmarks/shared_gpu.py: two stages sharing one GPU against the floor -> shared_gpu.log, shared_gpu.json
+#   sanitize compute-sanitizer memcheck, racecheck, synccheck on benchmarks/sanitize_chain.py (the chain
+#          kernel, then the loopback for memcheck)                                -> sanitize-*.log
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
@@ -34,7 +36,7 @@ for step in $STEPS; do
       } > "$OUT/env.txt" 2>&1
       cat "$OUT/env.txt" ;;
     demo) timeout 180 $CLI demo > "$OUT/demo.log" 2>&1; tail -12 "$OUT/demo.log" ;;
-    tests) timeout 300 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+    tests) timeout 400 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
     bench) timeout 300 $CLI bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
         --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
@@ -51,6 +53,12 @@ for step in $STEPS; do
       cat "$OUT/trace.log" ;;
     eager) timeout 200 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
     shared) timeout 300 python3 benchmarks/shared_gpu.py "$OUT" 30 > "$OUT/shared_gpu.log" 2>&1; tail -8 "$OUT/shared_gpu.log" ;;
+    sanitize) for tool in memcheck racecheck synccheck; do
+        timeout 200 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py > "$OUT/sanitize-$tool.log" 2>&1
+        echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bitwise|Error" "$OUT/sanitize-$tool.log" | tail -4; done
+      timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_chain.py loopback \
+        > "$OUT/sanitize-memcheck-loopback.log" 2>&1
+      echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
     *) echo "unknown step $step (see the list at the top of $0)" ;;

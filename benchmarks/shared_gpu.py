@@ -8,13 +8,16 @@ paired), so only ratios inside one run count:
 
 * ``cublas_seq``: ``torch.mm`` twice; ``ours_seq``: :func:`~ctapipelining.gemm.matmul` twice
   (full-GPU grids);
-* ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU (each
-  on half its SMs, both resident: the loopback), checked bitwise against its
-  :meth:`~ctapipelining.pipeline.Pipeline.sequential` first;
-* ``chain_sm120``: the same with ``sm_budget=120`` (12 SMs left free for other kernels).
+* ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
+  chain kernel (one grid, tiles claimed in one combined order);
+* ``loopback``: the same stages as two kernels, each on half the SMs, both resident
+  (``loopback=True``);
+* ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels).
 
-Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the faster
-of the two sequential lines and ``chain_sm120`` over ``chain`` (median and 95% CI).
+Each pipeline is checked bitwise against its :meth:`~ctapipelining.pipeline.Pipeline.sequential`
+first. Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the
+faster of the two sequential lines, ``chain`` over ``loopback`` and ``chain_sm120`` over
+``chain`` (median and 95% CI).
 """
 
 import json
@@ -49,14 +52,18 @@ def graphed(fn):
 def main():
     torch.manual_seed(0)
     a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
-    chain, capped = Pipeline([a, b]), Pipeline([a, b], sm_budget=120)
+    pipes = {
+        "chain": Pipeline([a, b]),
+        "loopback": Pipeline([a, b], loopback=True),
+        "chain_sm120": Pipeline([a, b], sm_budget=120),
+    }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
         x = torch.randn(M, K, device="cuda:0").bfloat16()
         h, y = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0"), torch.empty_like(x)
-        for pipe in (chain, capped):
-            assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
-        graphs = {name: pipe.capture(M) for name, pipe in (("chain", chain), ("chain_sm120", capped))}
+        for name, pipe in pipes.items():
+            assert torch.equal(pipe(x, check=True), pipe.sequential(x)), (name, M)
+        graphs = {name: pipe.capture(M) for name, pipe in pipes.items()}
         for g in graphs.values():
             g.x.copy_(x)
         methods = [
@@ -66,9 +73,10 @@ def main():
         times = time_interleaved(methods, [0], REPS, 5)
         floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
         row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
-        for name in ("ours_seq", "chain", "chain_sm120"):
+        for name in ("ours_seq", *pipes):
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
-        row["chain_sm120/chain"] = ci([p / q for p, q in zip(times["chain_sm120"], times["chain"])])
+        for num, den in (("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq")):
+            row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
         for g in graphs.values():
             g.check_errors()
         report["rows"][M] = row

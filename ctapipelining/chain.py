@@ -89,6 +89,9 @@ class ChainLaunch:
             if st.trace is not None and interpreting():
                 raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue
+        self.ticket = ticket
+        # positions of the combined order; a run moves the ticket by positions + num_ctas
+        self.positions = sum(_cdiv(M, config.block_m) * _cdiv(st.N, config.block_n) for st in stages)
         bundle = tuple(
             Stage(
                 st.N,

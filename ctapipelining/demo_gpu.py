@@ -1,4 +1,6 @@
-"""``ctapipelining demo`` with 2+ GPUs: the real CTA-pipelined chain, checked and timed.
+"""``ctapipelining demo`` with GPUs: the real CTA-pipelined chain, checked and timed. With 2+
+GPUs the two stages run on cuda:0 and cuda:1; with one, both share it in one chain kernel
+(:mod:`ctapipelining.kernels.chain`).
 
 The GEMM and the pipeline are imported inside :func:`demo_gpu`: importing them fixes Triton's
 mode, and the CLI imports this module on CPU-only machines too, where the demo runs the kernels
@@ -20,22 +22,28 @@ def demo_gpu(args, ngpu: int) -> int:
     from .pipeline import Pipeline
 
     M, K = args.gpu_m, args.gpu_k
+    d1 = "cuda:1" if ngpu >= 2 else "cuda:0"
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(ngpu))
-    print(f"{ngpu} GPUs found ({names}). 2-stage chain X[{M},{K}] @ A[{K},{K}] on cuda:0 -> @ B[{K},{K}] on cuda:1")
+    where = "cuda:1" if ngpu >= 2 else "cuda:0 too (the stages share it: one chain kernel)"
+    print(f"{ngpu} GPU(s) found ({names}). 2-stage chain X[{M},{K}] @ A[{K},{K}] on cuda:0 -> @ B[{K},{K}] on {where}")
     torch.manual_seed(args.seed)
     A = (torch.randn(K, K, device="cuda:0") / K**0.5).bfloat16()
-    B = (torch.randn(K, K, device="cuda:1") / K**0.5).bfloat16()
+    B = (torch.randn(K, K, device=d1) / K**0.5).bfloat16()
     x = torch.randn(M, K, device="cuda:0").bfloat16()
+    devices = list(range(min(ngpu, 2)))
 
     def sequential():
-        return matmul(matmul(x, A).to("cuda:1"), B)
+        return matmul(matmul(x, A).to(d1), B)
 
-    fp32 = (x.float() @ A.float()).to("cuda:1") @ B.float()
+    fp32 = (x.float() @ A.float()).to(d1) @ B.float()
     err = float((sequential().float() - fp32).norm() / fp32.norm())
 
-    t_seq = statistics.median(time_method(sequential, lambda i: None, [0, 1], 10, 2))
-    print(f"  sequential (GEMM, copy, GEMM): {t_seq:.3f} ms; bf16 vs fp32 reference: rel. error {err:.1e}")
-    variants = {"workqueue": dict(policy="workqueue"), "static": dict(), "static, both ends": dict(ends="balanced")}
+    t_seq = statistics.median(time_method(sequential, lambda i: None, devices, 10, 2))
+    what = "GEMM, copy, GEMM" if ngpu >= 2 else "our GEMM twice"
+    print(f"  sequential ({what}): {t_seq:.3f} ms; bf16 vs fp32 reference: rel. error {err:.1e}")
+    variants = {"workqueue": dict(policy="workqueue"), "static": dict()}
+    if ngpu >= 2:
+        variants["static, both ends"] = dict(ends="balanced")
     for name, kw in variants.items():
         pipe = Pipeline([A, B], **kw)
         t0 = time.perf_counter()
@@ -45,7 +53,7 @@ def demo_gpu(args, ngpu: int) -> int:
         same = torch.equal(y, ref)
         graphed = pipe.capture(M)  # one call in a CUDA graph, kept together with what it needs
         same = same and torch.equal(graphed(x), ref)
-        t = statistics.median(time_method(graphed.replay, lambda i: None, [0, 1], 10, 2))
+        t = statistics.median(time_method(graphed.replay, lambda i: None, devices, 10, 2))
         graphed.check_errors()
         same = same and torch.equal(graphed.out, ref)
         print(

@@ -26,7 +26,7 @@ TIMEOUT_S = 300e-6
 def run_policy(policy, ws, x, side, cycles_per_us, trials) -> dict:
     """Bisect for the deadline, then ``trials`` releases around it; the outcome counts."""
     dev, M, K = x.device, x.shape[0], x.shape[1]
-    pipe = Pipeline(ws, policy=policy, timeout_s=TIMEOUT_S)
+    pipe = Pipeline(ws, loopback=True, policy=policy, timeout_s=TIMEOUT_S)
     plan = pipe.plan(M)
     link = plan.links[0]
     plan.inputs[1].copy_(matmul(x, ws[0], config=pipe.stage_config(0)))

@@ -23,8 +23,13 @@ def report():
     return json.loads(r.stdout)
 
 
+def kernels(report, chain: bool):
+    """The report's GEMM-kernel variants, or its chain-kernel ones."""
+    return {k: v for k, v in report.items() if k.startswith("chain") == chain}
+
+
 def test_every_variant_is_a_tma_wgmma_gemm(report):
-    for name, r in report.items():
+    for name, r in kernels(report, chain=False).items():
         assert r["wgmma"] > 0 and r["tma_load"] > 0, name
         base = report["plain" if r["tma_store"] else "plain+ordinary_store"]
         # a few bytes more at most: scratch that broadcasts a scalar atomic's result to the CTA
@@ -110,8 +115,30 @@ def test_every_wait_ends_in_a_cta_wide_vote(report):
     (the threads' answers ANDed) before anything depends on them, so no thread acts on its own
     answer. A static consumer votes once per tile, however many parts it waits for; the split
     tail's wait has its own vote."""
-    for name, r in report.items():
+    for name, r in kernels(report, chain=False).items():
         if not r["ld_acquire_sys"]:
             assert r["vote"] == 0, name
         else:
             assert r["vote"] == (2 if "split_tail" in name else 1), name
+
+
+def test_chain_kernel_runs_each_stage_as_a_pipelined_tma_wgmma_gemm(report):
+    """Each stage of a chain kernel is the GEMM's body (its wgmma and TMA store), its K loop
+    keeps the 3-stage TMA ring (128x256x64 bf16: 147456 bytes), and the chain's stages all
+    store with TMA but the last, which may store ordinarily (an ``out`` with padded rows)."""
+    plain = report["plain"]
+    ring = 3 * (128 + 256) * 64 * 2
+    for name, stages in (("chain2", 2), ("chain2+outer_queue", 2), ("chain4", 4), ("chain2+ordinary_store", 2)):
+        r = report[name]
+        assert r["wgmma"] == stages * plain["wgmma"], name
+        assert ring <= r["smem"] <= plain["smem"], name
+        assert r["tma_store"] == (stages - 1 if "ordinary" in name else stages), name
+
+
+def test_chain_kernel_votes_once_per_waiting_stage(report):
+    """Every waiting stage body ends its waits in one CTA-wide vote: the stages after the first
+    (links inside the kernel), and the first when it waits on another GPU."""
+    assert report["chain2"]["vote"] == 1 and report["chain4"]["vote"] == 3
+    assert report["chain2+outer_queue"]["vote"] == 2
+    # links inside the kernel never push into a ring: only the outer signal does (3 system-scope atomics)
+    assert report["chain2+outer_queue"]["atom_sys"] > report["chain2"]["atom_sys"]

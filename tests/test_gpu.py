@@ -108,7 +108,7 @@ def test_plain_matmul(M, K, N):
 )
 def test_pipeline_matches_sequential_bitwise(policy, M, dims):
     ws = weights(dims, ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     plan = pipe.plan(M)
     for _ in range(2):
         x = rand(M, dims[0], device="cuda:0")
@@ -128,7 +128,7 @@ def test_signals_bitwise(policy):
     epoch x need after them (a tile signalled twice runs a counter ahead of its data, which the
     first call may not show)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     for M in (16384, 3000):
         assert_calls_right(pipe, M, delays=(0, 0, 0))
 
@@ -168,7 +168,7 @@ def test_split_tail_pipeline_bitwise(policy, padded):
     the output's rows are padded (the last stage writes them with ordinary stores)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
     cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-    pipe = Pipeline(ws, policy=policy, config=cfg, row_buckets=0)  # plans of exactly 3100 rows: ragged
+    pipe = Pipeline(ws, loopback=True, policy=policy, config=cfg, row_buckets=0)  # plans of exactly 3100 rows: ragged
     for M in (16384, 3100):  # 4096 tiles on 132 CTAs: 4 left over; ragged 3100: 800 tiles, 8 left over
         plan = pipe.plan(M)
         assert plan.tails[0] is not None and (plan.tails[1] is None) == (policy == "workqueue")
@@ -185,7 +185,7 @@ def test_split_tail_pipeline_bitwise(policy, padded):
 def test_split_tail_lone_consumer_times_out_and_recovers():
     cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
     ws = weights([2048, 2048, 2048], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy="static", config=cfg, timeout_s=0.2)
+    pipe = Pipeline(ws, loopback=True, policy="static", config=cfg, timeout_s=0.2)
     M = 3000 if NGPU >= 2 else 1152  # a partial last round that splits: 132 CTAs, or 66 in loopback
     x = rand(M, 2048, device="cuda:0")
     plan = pipe.plan(M)
@@ -200,7 +200,7 @@ def test_split_tail_lone_consumer_times_out_and_recovers():
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_delayed_producer(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     x = rand(4096, 4096, device="cuda:0")
     plan = pipe.plan(4096)
     plan.inputs[1].fill_(float("nan"))
@@ -214,7 +214,7 @@ def test_delayed_producer(policy):
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_200_back_to_back_calls(policy):
     ws = weights([2048, 2048, 1024], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     xs = [rand(2048, 2048, device="cuda:0") for _ in range(200)]
     ys = [pipe(x, check=False) for x in xs]
     pipe.check_errors()
@@ -229,7 +229,7 @@ def test_200_back_to_back_calls(policy):
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_lone_consumer_times_out_within_deadline(policy):
     ws = weights([2048, 2048, 2048], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy, timeout_s=0.2)
+    pipe = Pipeline(ws, loopback=True, policy=policy, timeout_s=0.2)
     x = rand(2048, 2048, device="cuda:0")
     plan = pipe.plan(2048)
     out = torch.empty(2048, 2048, dtype=torch.bfloat16, device=D1)
@@ -248,7 +248,7 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
     """No synchronisation by the caller: work it queues on cuda:1's current stream right after
     the call (reading the result, reusing freed memory) must see the finished result."""
     ws = weights([4096, 4096, 4096], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     x = rand(4096, 4096, device="cuda:0")
     ref = sequential_triton(x, ws, pipe)
     plan = pipe.plan(4096)
@@ -268,7 +268,7 @@ def test_result_is_ordered_on_every_device_current_stream(policy):
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_cuda_graph_capture_and_replay(policy):
     ws = weights([4096, 4096, 4096], ["cuda:0", D1])
-    assert_replays_right(Pipeline(ws, policy=policy), 4096, 5)
+    assert_replays_right(Pipeline(ws, loopback=True, policy=policy), 4096, 5)
 
 
 @pytest.mark.gpu
@@ -279,7 +279,7 @@ def test_capture_returns_a_call_that_keeps_what_its_graph_needs(policy):
     and read on cuda:1's current stream with no explicit synchronisation), a wrong input is
     refused."""
     ws = weights([4096, 4096, 4096], ["cuda:0", D1])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     graphed, alive = pipe.capture(3000), weakref.ref(pipe)
     del pipe
     gc.collect()
@@ -304,7 +304,7 @@ def test_trace_mode(policy):
     from ctapipelining import trace
 
     ws = weights([4096, 4096, 4096], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, trace=True)
+    pipe = Pipeline(ws, loopback=True, policy=policy, trace=True)
     x = rand(4096, 4096, device="cuda:0")
     assert torch.equal(pipe(x), sequential_triton(x, ws, pipe))
     stamps = pipe.traces(4096)
@@ -325,7 +325,7 @@ def test_chain_of_n_stages_on_n_gpus(n, policy):
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs, found {torch.cuda.device_count()}")
     ws = weights([2048] * (n + 1), [f"cuda:{i}" for i in range(n)])
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     for _ in range(3):
         x = rand(3000, 2048, device="cuda:0")
         for buf in pipe.plan(3000).inputs[1:]:
@@ -368,7 +368,7 @@ def test_wait_in_parts_bitwise(parts, split):
     input, full size and ragged, three calls each, every part's counter exactly epoch x need,
     then replayed from a CUDA graph."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
-    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts, split_tail=split))
+    pipe = Pipeline(ws, loopback=True, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts, split_tail=split))
     for M in (16384, 3000):
         assert pipe.plan(M).links[0].dep.parts == parts
         assert_calls_right(pipe, M, delays=(0, 0, 0))
@@ -382,7 +382,7 @@ def test_wait_in_parts_behind_a_slow_producer(parts):
     consumer catches up and its in-loop waits really wait: a TMA load issued before its part's
     wait would read NaN or stale rows. Also with the producer delayed before it starts."""
     ws = weights([16384, 4096, 8192], ["cuda:0", D1])
-    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts))
+    pipe = Pipeline(ws, loopback=True, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=parts))
     assert_calls_right(pipe, 8192)
     assert_replays_right(pipe, 8192, 3)
 
@@ -392,7 +392,7 @@ def test_wait_in_parts_missing_part_times_out_and_recovers():
     """Only part 0 of every row-block is there: the consumer starts its tiles, times out inside
     the K loop within its deadline naming part 1's counter, stores nothing; the next call works."""
     ws = weights([2048, 2048, 2048], ["cuda:0", D1])
-    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=2), timeout_s=0.2)
+    pipe = Pipeline(ws, loopback=True, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=2), timeout_s=0.2)
     x = rand(2048, 2048, device="cuda:0")
     plan = pipe.plan(2048)
     link = plan.links[0]
@@ -416,7 +416,7 @@ def test_prefill_bitwise(policy):
     A, and signals them locally: NaN-poisoned input, full size and ragged, three calls each,
     counters exactly epoch x need, a delayed producer, then replayed from a CUDA graph."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, prefill_rows=1024)
+    pipe = Pipeline(ws, loopback=True, policy=policy, prefill_rows=1024)
     for M in (16384, 3000):
         assert pipe.plan(M).prefill_rows == 1024
         assert_calls_right(pipe, M)
@@ -431,7 +431,7 @@ def test_drain_bitwise(policy):
     input and output, full size and ragged, three calls each, counters exactly epoch x need,
     a delayed producer, then replayed from a CUDA graph."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, policy=policy, prefill_rows=512, drain_rows=512)
+    pipe = Pipeline(ws, loopback=True, policy=policy, prefill_rows=512, drain_rows=512)
     for M in (16384, 3000):
         assert (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) == (512, 512)
         assert_calls_right(pipe, M)
@@ -443,7 +443,7 @@ def test_balanced_ends_bitwise():
     """``ends="balanced"`` sizes both ends per input height (768 + 512 rows at 16384, cut for
     small inputs): NaN-poisoned buffers, three calls each, a delayed producer, then replayed."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, ends="balanced")
+    pipe = Pipeline(ws, loopback=True, ends="balanced")
     for M, ends in ((16384, (768, 512)), (3000, (512, 512)), (640, (0, 512))):
         plan = pipe.plan(M)
         assert (plan.prefill_rows, plan.drain_rows) == ends
@@ -457,7 +457,7 @@ def test_tune_ends_keeps_the_fastest_candidate():
     rows) unless another is more than 2% faster (its plan is the one later calls use, bitwise
     right), records each median, and refuses a second time (a graph may point at that plan)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
-    pipe = Pipeline(ws, ends="balanced")
+    pipe = Pipeline(ws, loopback=True, ends="balanced")
     rule = pipe.ends_for(16384)
     best = pipe.tune_ends(16384, reps=5)
     medians = pipe.tuning[16384]

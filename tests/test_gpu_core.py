@@ -50,7 +50,7 @@ def test_release_at_the_deadline_ends_right_or_in_a_clean_timeout():
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_no_wrap_past_int32(policy):
     ws = [rand(k, n, device=d, scale=k**-0.5) for (k, n), d in zip([(2048, 2048), (2048, 1024)], ["cuda:0", D1])]
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     plan = pipe.plan(3000)
     preset_epoch(plan, 2**31 - 2)
     for _ in range(3):
@@ -71,7 +71,7 @@ def test_calls_from_two_streams_are_ordered(policy):
     """Call 1's consumer starts late; call 2 comes from another stream. Its producer must not
     overwrite the intermediate buffer (or ring) that call 1's consumer has yet to read."""
     ws = [rand(4096, 4096, device=d, scale=4096**-0.5) for d in ["cuda:0", D1]]
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     plan = pipe.plan(4096)
     x1, x2 = rand(4096, 4096), rand(4096, 4096)
     out1 = torch.empty(4096, 4096, dtype=torch.bfloat16, device=D1)
@@ -91,7 +91,7 @@ def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     """A consumer with no producer and a 3 s deadline: the host gives up after 0.3 s with a
     clear error, and the pipeline refuses further calls; the GPU ends the kernel by itself."""
     ws = [rand(2048, 2048, device=d, scale=2048**-0.5) for d in ["cuda:0", D1]]
-    pipe = Pipeline(ws, timeout_s=3.0, host_timeout_s=0.3)
+    pipe = Pipeline(ws, loopback=True, timeout_s=3.0, host_timeout_s=0.3)
     x = rand(2048, 2048)
     plan = pipe.plan(2048)
     pipe(x, check=True)
@@ -141,7 +141,7 @@ def test_one_bucketed_plan_serves_several_row_counts(policy):
     """Row counts of one bucket share a plan and its raw launches (tensor maps per height):
     each call bitwise equal to the stages one after another, in any order."""
     ws = [rand(2048, 2048, device=d, scale=2048**-0.5) for d in ["cuda:0", D1]]
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, loopback=True, policy=policy)
     rows = [1900, 2048, 1793, 2048, 1900]
     assert len({pipe.rows_for(m) for m in rows}) == 1
     for m in rows:
@@ -155,9 +155,9 @@ def test_sm_budget_on_a_shared_gpu():
     """Two stages sharing a GPU under a budget of 120 SMs: 60 CTAs each, bitwise equal to the
     stages one after another; a budget below one SM per stage is refused."""
     ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
-    pipe = Pipeline(ws, sm_budget=120)
+    pipe = Pipeline(ws, loopback=True, sm_budget=120)
     x = rand(5000, 4096)
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     assert pipe.plan(5000).num_ctas == [60, 60]
     with pytest.raises(ValueError, match="sm_budget"):
-        Pipeline(ws, sm_budget=1)
+        Pipeline(ws, loopback=True, sm_budget=1)

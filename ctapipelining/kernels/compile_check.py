@@ -181,6 +181,16 @@ def report() -> dict:
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
     builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4})]
     builds += [("wait_signal_static+parts", VARIANTS["wait_signal_static"], {"wait_parts": 4})]
+    chains = {  # name: (stages, first stage waits on another GPU, last signals one, queue), options
+        "chain2": ((2, False, False, False), {}),
+        "chain2+ordinary_store": ((2, False, False, False), {"tma_store": False}),
+        "chain2+outer_queue": ((2, True, True, True), {}),
+        "chain4": ((4, False, False, False), {}),
+    }
+    for name, (flags, options) in chains.items():
+        k = compile_chain(*flags, **options)
+        ptx = k.asm["ptx"]
+        out[name] = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()} | {"smem": k.metadata.shared}
     for name, flags, options in builds:
         k = compile_variant(*flags, **options)
         ptx = k.asm["ptx"]

@@ -1,0 +1,176 @@
+"""The chain kernel (stages that share a device, one persistent kernel, tiles claimed from a
+ticket in one combined order) under the Triton interpreter: results bitwise equal to the
+stages run one after another, the ticket's arithmetic for any number of calls, timeouts that
+end clean, links to other kernels through rings or counters."""
+
+import pytest
+import torch
+from protocol_state import preset_epoch
+
+from ctapipelining import deps
+from ctapipelining.chain import ChainLaunch, ChainStage
+from ctapipelining.gemm import GemmLaunch
+from ctapipelining.kernels.gemm import GemmConfig
+from ctapipelining.pipeline import Link, Pipeline, PipelineTimeout, _i64
+
+pytestmark = pytest.mark.interpreter
+
+PARTS = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4, wait_parts=2)
+CPU = torch.device("cpu")
+
+
+def chain(*dims):
+    return [(torch.randn(k, n) / k**0.5).half() for k, n in zip(dims, dims[1:])]
+
+
+def ticket_of(plan, i=0):
+    return int(plan.tickets[i])
+
+
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+@pytest.mark.parametrize("dims", [(16, 40, 24), (24, 16, 40, 32), (16, 24, 40, 24, 16), (16, 24, 16, 32, 24, 16)])
+def test_chain_kernel_equals_the_stages_one_after_another(policy, dims):
+    """2 to 5 stages on one device (5: a chain kernel of 4, then a kernel of its own, linked by
+    the policy's ring or counters), 33 rows (a last row-block of one row), widths that do not
+    divide the tiles; NaN-poisoned buffers, two calls without reset."""
+    ws = chain(*dims)
+    pipe = Pipeline(ws, policy=policy, config=PARTS, loopback=False)
+    n = len(ws)
+    assert pipe.groups == ([list(range(4)), [4]] if n == 5 else [list(range(n))])
+    plan = pipe.plan(33)
+    first = plan.launches[0].gemm
+    assert isinstance(first, ChainLaunch)
+    for call in range(1, 3):
+        x = torch.randn(33, dims[0]).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        out = torch.full((33, dims[-1]), float("nan"), dtype=torch.float16)
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x))
+        # every CTA claims once past the end: the ticket moves by positions + CTAs per call
+        assert ticket_of(plan) == call * (first.positions + first.num_ctas)
+
+
+@pytest.mark.parametrize("start", [2**31 - 2, 2**40])
+def test_chain_ticket_and_counters_do_not_wrap(start):
+    """From just below 2^31 calls (a ticket far past 2^32) and from 2^40: results right, the
+    ticket and the counters inside the kernel exactly where ``start + calls`` calls put them."""
+    ws = chain(16, 40, 24, 16)
+    pipe = Pipeline(ws, config=PARTS, loopback=False)
+    plan = pipe.plan(40)
+    preset_epoch(plan, start)
+    ch = plan.launches[0].gemm
+    for call in range(1, 3):
+        x = torch.randn(40, 16).half()
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+        assert ticket_of(plan) == (start + call) * (ch.positions + ch.num_ctas)
+        for link in plan.links:
+            assert link.counters.tolist() == [(start + call) * int(k) for k in link.dep.need]
+
+
+def test_chain_timeout_inside_the_kernel_is_clean_and_the_next_call_right():
+    """A counter inside the kernel that never fills (its consumer needs one signal more than
+    its producers send): the call raises PipelineTimeout naming the stage, and after it the
+    pipeline runs right again."""
+    ws = chain(16, 24, 40, 16)
+    pipe = Pipeline(ws, config=PARTS, timeout_s=0.05, loopback=False)
+    x = torch.randn(40, 16).half()
+    plan = pipe.plan(40)
+    plan.links[1].need_consumer[0] += 1
+    with pytest.raises(PipelineTimeout, match="stage 2 on cpu"):
+        pipe(x, check=True)
+    plan.links[1].need_consumer[0] -= 1
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+@pytest.mark.parametrize("queue", [False, True])
+def test_chain_kernel_between_two_kernels(queue):
+    """A chain kernel whose first stage waits on another kernel and whose last signals one, by
+    the ring (``queue``) or by counters: GEMM -> [stage 1, stage 2] -> GEMM. Then, with the
+    first kernel not run, the chain's first stage times out: every CTA keeps claiming, so the
+    ticket still moves by positions + CTAs, and the error word names stage 1."""
+    cfg = PARTS
+    M, dims = 40, (16, 24, 40, 32, 16)
+    ws = chain(*dims)
+    grids = [deps.TileGrid(M, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
+    links, bufs = [], []
+    for s in range(1, 4):
+        # the link into the chain's first stage and out of its last follow the policy; inside: counters
+        outer = s in (1, 3)
+        parts = 1 if queue and outer else cfg.wait_parts
+        dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=dims[s], parts=parts)
+        links.append(Link.create(dep, CPU, CPU))
+        bufs.append(torch.full((M, dims[s]), float("nan"), dtype=torch.float16))
+    lq = [None, queue, False, queue]  # the link into stage s waits on a ring
+    epochs, errors = [_i64(1, CPU) for _ in range(4)], [_i64(8, CPU) for _ in range(4)]
+    ticket = _i64(1, CPU)
+    first = GemmLaunch(M, dims[1], dims[0], cfg, 4, CPU, signal=links[0].signal_hook(queue), epoch=epochs[0])
+    middle = ChainLaunch(
+        M,
+        [
+            ChainStage(dims[2], dims[1], wait=links[0].wait_hook(lq[1]), signal=links[1].signal_hook(False),
+                       err=errors[1], stage=1),
+            ChainStage(dims[3], dims[2], wait=links[1].wait_hook(False), signal=links[2].signal_hook(lq[3]),
+                       err=errors[2], stage=2),
+        ],  # fmt: skip
+        cfg, 3, CPU, ticket=ticket, epoch=epochs[1], queue=queue, timeout_ns=50_000_000,
+    )  # fmt: skip
+    last = GemmLaunch(M, dims[4], dims[3], cfg, 4, CPU, wait=links[2].wait_hook(queue), epoch=epochs[3], err=errors[3])
+    x = torch.randn(M, dims[0]).half()
+    out = torch.full((M, dims[4]), float("nan"), dtype=torch.float16)
+    for e in epochs:
+        e.add_(1)
+    first(x, ws[0], bufs[0])
+    middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
+    last(bufs[2], ws[3], out)
+    ref = x
+    for w in ws:
+        ref = ref.float() @ w.float()
+    assert [int(e[0]) for e in errors] == [0, 0, 0, 0]
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+    assert int(ticket) == middle.positions + middle.num_ctas
+    # the next run without the first kernel: stage 1 waits for input that never comes
+    for e in epochs:
+        e.add_(1)
+    middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
+    assert int(errors[1][0]) == 1 and int(errors[1][1]) == 1  # flag, stage
+    assert int(ticket) == 2 * (middle.positions + middle.num_ctas)
+
+
+def test_chain_launch_refuses_what_it_cannot_run():
+    cfg = PARTS
+    t, e = _i64(1, CPU), _i64(1, CPU)
+    M, ws = 32, chain(16, 24, 16)
+    dep = deps.build_dependency(
+        deps.TileGrid(M, 24, 16, 16), deps.TileGrid(M, 16, 16, 16), "gemm", consumer_k=24, parts=2
+    )  # fmt: skip
+    link = Link.create(dep, CPU, CPU)
+    err = _i64(8, CPU)
+    ok = [ChainStage(24, 16, signal=link.signal_hook(False)), ChainStage(16, 24, wait=link.wait_hook(False), err=err)]
+    ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=e)
+    bad = {
+        "1 to 4 stages": [ok[0]] * 5,
+        "has K=16 but the stage before it has N=24": [ok[0], ChainStage(16, 16, wait=link.wait_hook(False), err=err)],
+        "needs its wait": [ok[0], ChainStage(16, 24)],
+        "needs its signal": [ChainStage(24, 16), ok[1]],
+        "wait on counters": [ok[0], ChainStage(16, 24, wait=link.wait_hook(True), err=err)],
+        "needs its stage's error word": [ok[0], ChainStage(16, 24, wait=link.wait_hook(False))],
+    }
+    for match, stages in bad.items():
+        with pytest.raises(ValueError, match=match):
+            ChainLaunch(M, stages, cfg, 2, CPU, ticket=t, epoch=e)
+    with pytest.raises(ValueError, match="no split tail"):
+        ChainLaunch(M, ok, GemmConfig(16, 16, 16, split_tail=True), 2, CPU, ticket=t, epoch=e)
+
+
+def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
+    ws = chain(16, 24, 16, 24)
+    assert Pipeline(ws).groups == [[0], [1], [2]]  # CPU tensors: each stage its own kernel by default
+    assert Pipeline(ws, loopback=True).groups == [[0], [1], [2]]
+    assert Pipeline(ws, loopback=False).groups == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="loopback must be"):
+        Pipeline(ws, loopback="yes")
+    with pytest.raises(ValueError, match="need the stages on two GPUs"):
+        Pipeline(ws[:2], loopback=False, ends="balanced")
+    with pytest.raises(ValueError, match="need the stages on two GPUs"):
+        Pipeline(ws[:2], config=PARTS, loopback=False, prefill_rows=16)

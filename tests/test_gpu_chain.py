@@ -1,0 +1,112 @@
+"""Stages that share one GPU in one chain kernel (:mod:`ctapipelining.kernels.chain`): bitwise
+the stages one after another for 2 to 5 stages and ragged shapes, back-to-back calls and graph
+replays without reset, no wrap, a clean timeout, an SM budget."""
+
+import time
+
+import pytest
+import torch
+from protocol_state import preset_epoch
+
+from ctapipelining.chain import ChainLaunch
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+
+pytestmark = pytest.mark.gpu
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda:0") * scale).bfloat16()
+
+
+def chain(*dims):
+    return [rand(k, n, scale=k**-0.5) for k, n in zip(dims, dims[1:])]
+
+
+CASES = [  # (widths, rows)
+    ((8192, 8192, 8192), 640),  # two waves of tiles a layer: the combined order's three rounds
+    ((8192, 8192, 8192), 128),  # one row-block
+    ((5000, 7000, 5000), 3000),  # nothing divides the tiles
+    ((4096, 3000, 5000, 4096), 5000),
+    ((2048, 4096, 2048, 4096, 2048), 16384),
+    ((1024, 2048, 1024, 2048, 1024, 2048), 3000),  # 5 stages: a chain kernel of 4, then one of 1
+]
+
+
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+@pytest.mark.parametrize("dims,M", CASES)
+def test_chain_kernel_equals_the_stages_one_after_another(policy, dims, M):
+    ws = chain(*dims)
+    pipe = Pipeline(ws, policy=policy)
+    plan = pipe.plan(M)
+    assert isinstance(plan.launches[0].gemm, ChainLaunch)
+    for _ in range(2):
+        x = rand(M, dims[0])
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        out = torch.full((M, dims[-1]), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x))
+    assert all(lc.gemm.raw for lc in plan.launches)
+    ref = x.float()
+    for w in ws:
+        ref = (ref @ w.float()).bfloat16().float()
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_chain_200_calls_then_graph_replays_without_reset(policy):
+    ws = chain(8192, 8192, 8192)
+    pipe = Pipeline(ws, policy=policy)
+    x = rand(640, 8192)
+    y = torch.empty(640, 8192, dtype=torch.bfloat16, device="cuda:0")
+    for _ in range(200):
+        pipe(x, out=y)
+    pipe.check_errors()
+    ref = pipe.sequential(x)
+    assert torch.equal(y, ref)
+    g = pipe.capture(640)
+    for _ in range(50):
+        g(x)
+    g.check_errors()
+    assert torch.equal(g.out, ref)
+
+
+def test_chain_no_wrap_past_int32():
+    ws = chain(2048, 2048, 1024, 2048)
+    pipe = Pipeline(ws)
+    plan = pipe.plan(3000)
+    preset_epoch(plan, 2**31 - 2)
+    for _ in range(3):
+        x = rand(3000, 2048)
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    ch = plan.launches[0].gemm
+    assert int(ch.ticket) == (2**31 + 1) * (ch.positions + ch.num_ctas)
+    g = pipe.capture(3000)  # replays advance the device epochs past what the host counts
+    for _ in range(3):
+        x = rand(3000, 2048)
+        assert torch.equal(g(x), pipe.sequential(x))
+    g.check_errors()
+
+
+def test_chain_timeout_inside_the_kernel_is_clean():
+    """A counter between stages 1 and 2 that never fills: PipelineTimeout naming stage 2 soon
+    after the deadline, the GPU fine, the next call right."""
+    ws = chain(2048, 2048, 2048, 2048)
+    pipe = Pipeline(ws, timeout_s=0.2)
+    x = rand(4096, 2048)
+    plan = pipe.plan(4096)
+    plan.links[1].need_consumer[3] += 1
+    t0 = time.perf_counter()
+    with pytest.raises(PipelineTimeout, match="stage 2 on cuda:0"):
+        pipe(x, check=True)
+    assert time.perf_counter() - t0 < 5
+    plan.links[1].need_consumer[3] -= 1
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_chain_sm_budget():
+    ws = chain(4096, 4096, 4096)
+    pipe = Pipeline(ws, sm_budget=120)
+    x = rand(5000, 4096)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    assert pipe.plan(5000).num_ctas == [120, 120]  # one grid of 120 CTAs runs both stages
