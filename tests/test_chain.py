@@ -140,7 +140,7 @@ def test_chain_kernel_between_two_kernels(queue):
 def test_chain_launch_refuses_what_it_cannot_run():
     cfg = PARTS
     t, e = _i64(1, CPU), _i64(1, CPU)
-    M, ws = 32, chain(16, 24, 16)
+    M = 32
     dep = deps.build_dependency(
         deps.TileGrid(M, 24, 16, 16), deps.TileGrid(M, 16, 16, 16), "gemm", consumer_k=24, parts=2
     )  # fmt: skip
