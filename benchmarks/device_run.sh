@@ -54,9 +54,9 @@ for step in $STEPS; do
     eager) timeout 200 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
     shared) timeout 300 python3 benchmarks/shared_gpu.py "$OUT" 30 > "$OUT/shared_gpu.log" 2>&1; tail -8 "$OUT/shared_gpu.log" ;;
     sanitize) for tool in memcheck racecheck synccheck; do
-        timeout 200 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py > "$OUT/sanitize-$tool.log" 2>&1
+        timeout 150 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py > "$OUT/sanitize-$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bitwise|Error" "$OUT/sanitize-$tool.log" | tail -4; done
-      timeout 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_chain.py loopback \
+      timeout 150 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_chain.py loopback \
         > "$OUT/sanitize-memcheck-loopback.log" 2>&1
       echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1

@@ -12,7 +12,8 @@ paired), so only ratios inside one run count:
   chain kernel (one grid, tiles claimed in one combined order);
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
   (``loopback=True``);
-* ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels).
+* ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
+* ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4.
 
 Each pipeline is checked bitwise against its :meth:`~ctapipelining.pipeline.Pipeline.sequential`
 first. Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the
@@ -20,6 +21,7 @@ faster of the two sequential lines, ``chain`` over ``loopback`` and ``chain_sm12
 ``chain`` (median and 95% CI).
 """
 
+import dataclasses
 import json
 import random
 import statistics
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, time_interleaved
 
@@ -56,6 +59,7 @@ def main():
         "chain": Pipeline([a, b]),
         "loopback": Pipeline([a, b], loopback=True),
         "chain_sm120": Pipeline([a, b], sm_budget=120),
+        "chain_g8": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, group_m=8)),
     }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
@@ -75,7 +79,7 @@ def main():
         row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
         for name in ("ours_seq", *pipes):
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
-        for num, den in (("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq")):
+        for num, den in (("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain")):
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
         for g in graphs.values():
             g.check_errors()

@@ -49,10 +49,10 @@ class ChainStage:
 
 class ChainLaunch:
     """One launch of the chain kernel over ``stages`` (1 to :data:`MAX_STAGES`) on ``M`` rows,
-    bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [1], only
-    growing) in the combined order; ``epoch`` is the run count every stage's signals and waits
-    use. ``queue``: the links to other GPUs (the first stage's wait, the last stage's signal)
-    follow the workqueue policy."""
+    bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [2], zeros
+    between runs: the kernel sets it back) in the combined order; ``epoch`` is the run count
+    every stage's signals and waits use. ``queue``: the links to other GPUs (the first stage's
+    wait, the last stage's signal) follow the workqueue policy."""
 
     def __init__(
         self,
@@ -89,8 +89,9 @@ class ChainLaunch:
             if st.trace is not None and interpreting():
                 raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue
+        if ticket.shape != (2,) or ticket.dtype != torch.int64:
+            raise ValueError(f"the ticket must be an int64 tensor of 2 zeros, got {ticket.dtype} {tuple(ticket.shape)}")
         self.ticket = ticket
-        # positions of the combined order; a run moves the ticket by positions + num_ctas
         self.positions = sum(_cdiv(M, config.block_m) * _cdiv(st.N, config.block_n) for st in stages)
         bundle = tuple(
             Stage(

@@ -763,7 +763,7 @@ class Pipeline:
             """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
             dev = devs[group[0]]
             ctas = max(1, min(self._sm_share(group[0]), sum(grids[s].num_tiles for s in group)))
-            plan.tickets.append(_i64(1, dev))
+            plan.tickets.append(_i64(2, dev))
             stages = [
                 ChainStage(
                     ws[s].shape[1],

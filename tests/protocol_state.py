@@ -3,13 +3,11 @@ past a counter's or ring position's wrap without making billions of calls."""
 
 import torch
 
-from ctapipelining.chain import ChainLaunch
-
 
 def preset_epoch(plan, e: int) -> None:
     """Epochs ``e``, every counter ``e x need``, tail ``e x T``, head ``e x (T + P)`` (``P`` the
-    consumer's CTAs), ring slots of lap ``e``, each chain kernel's ticket ``e x (positions +
-    CTAs)``: what ``e`` calls leave (``plan.epoch`` too)."""
+    consumer's CTAs), ring slots of lap ``e``: what ``e`` calls leave (``plan.epoch`` too; a
+    chain kernel's ticket is back to zeros after every call)."""
     for ep in plan.epochs:
         ep.fill_(e)
     for s, link in enumerate(plan.links, 1):
@@ -18,7 +16,4 @@ def preset_epoch(plan, e: int) -> None:
         link.tail.fill_(e * T)
         link.head.fill_(e * (T + P))
         link.slots.fill_(e * T)
-    for lc in plan.launches:
-        if isinstance(lc.gemm, ChainLaunch):
-            lc.gemm.ticket.fill_(e * (lc.gemm.positions + lc.gemm.num_ctas))
     plan.epoch = e

@@ -24,7 +24,7 @@ def chain(*dims):
 
 
 def ticket_of(plan, i=0):
-    return int(plan.tickets[i])
+    return plan.tickets[i].tolist()
 
 
 @pytest.mark.parametrize("policy", ["static", "workqueue"])
@@ -47,23 +47,21 @@ def test_chain_kernel_equals_the_stages_one_after_another(policy, dims):
         out = torch.full((33, dims[-1]), float("nan"), dtype=torch.float16)
         pipe(x, out=out, check=True)
         assert torch.equal(out, pipe.sequential(x))
-        # every CTA claims once past the end: the ticket moves by positions + CTAs per call
-        assert ticket_of(plan) == call * (first.positions + first.num_ctas)
+        assert ticket_of(plan) == [0, 0]  # the last CTA done sets it back for the next call
 
 
 @pytest.mark.parametrize("start", [2**31 - 2, 2**40])
 def test_chain_ticket_and_counters_do_not_wrap(start):
-    """From just below 2^31 calls (a ticket far past 2^32) and from 2^40: results right, the
-    ticket and the counters inside the kernel exactly where ``start + calls`` calls put them."""
+    """From just below 2^31 calls and from 2^40: results right, the counters inside the kernel
+    exactly where ``start + calls`` calls put them, the ticket back to zeros."""
     ws = chain(16, 40, 24, 16)
     pipe = Pipeline(ws, config=PARTS, loopback=False)
     plan = pipe.plan(40)
     preset_epoch(plan, start)
-    ch = plan.launches[0].gemm
     for call in range(1, 3):
         x = torch.randn(40, 16).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-        assert ticket_of(plan) == (start + call) * (ch.positions + ch.num_ctas)
+        assert ticket_of(plan) == [0, 0]
         for link in plan.links:
             assert link.counters.tolist() == [(start + call) * int(k) for k in link.dep.need]
 
@@ -87,8 +85,8 @@ def test_chain_timeout_inside_the_kernel_is_clean_and_the_next_call_right():
 def test_chain_kernel_between_two_kernels(queue):
     """A chain kernel whose first stage waits on another kernel and whose last signals one, by
     the ring (``queue``) or by counters: GEMM -> [stage 1, stage 2] -> GEMM. Then, with the
-    first kernel not run, the chain's first stage times out: every CTA keeps claiming, so the
-    ticket still moves by positions + CTAs, and the error word names stage 1."""
+    first kernel not run, the chain's first stage times out: every CTA still claims its count,
+    so the ticket is back to zeros, and the error word names stage 1."""
     cfg = PARTS
     M, dims = 40, (16, 24, 40, 32, 16)
     ws = chain(*dims)
@@ -103,7 +101,7 @@ def test_chain_kernel_between_two_kernels(queue):
         bufs.append(torch.full((M, dims[s]), float("nan"), dtype=torch.float16))
     lq = [None, queue, False, queue]  # the link into stage s waits on a ring
     epochs, errors = [_i64(1, CPU) for _ in range(4)], [_i64(8, CPU) for _ in range(4)]
-    ticket = _i64(1, CPU)
+    ticket = _i64(2, CPU)
     first = GemmLaunch(M, dims[1], dims[0], cfg, 4, CPU, signal=links[0].signal_hook(queue), epoch=epochs[0])
     middle = ChainLaunch(
         M,
@@ -128,18 +126,18 @@ def test_chain_kernel_between_two_kernels(queue):
         ref = ref.float() @ w.float()
     assert [int(e[0]) for e in errors] == [0, 0, 0, 0]
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
-    assert int(ticket) == middle.positions + middle.num_ctas
+    assert ticket.tolist() == [0, 0]
     # the next run without the first kernel: stage 1 waits for input that never comes
     for e in epochs:
         e.add_(1)
     middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
     assert int(errors[1][0]) == 1 and int(errors[1][1]) == 1  # flag, stage
-    assert int(ticket) == 2 * (middle.positions + middle.num_ctas)
+    assert ticket.tolist() == [0, 0]
 
 
 def test_chain_launch_refuses_what_it_cannot_run():
     cfg = PARTS
-    t, e = _i64(1, CPU), _i64(1, CPU)
+    t, e = _i64(2, CPU), _i64(1, CPU)
     M = 32
     dep = deps.build_dependency(
         deps.TileGrid(M, 24, 16, 16), deps.TileGrid(M, 16, 16, 16), "gemm", consumer_k=24, parts=2
@@ -161,6 +159,8 @@ def test_chain_launch_refuses_what_it_cannot_run():
             ChainLaunch(M, stages, cfg, 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="no split tail"):
         ChainLaunch(M, ok, GemmConfig(16, 16, 16, split_tail=True), 2, CPU, ticket=t, epoch=e)
+    with pytest.raises(ValueError, match="int64 tensor of 2 zeros"):
+        ChainLaunch(M, ok, cfg, 2, CPU, ticket=_i64(1, CPU), epoch=e)
 
 
 def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():

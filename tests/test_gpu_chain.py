@@ -79,8 +79,7 @@ def test_chain_no_wrap_past_int32():
     for _ in range(3):
         x = rand(3000, 2048)
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-    ch = plan.launches[0].gemm
-    assert int(ch.ticket) == (2**31 + 1) * (ch.positions + ch.num_ctas)
+    assert plan.tickets[0].tolist() == [0, 0]
     g = pipe.capture(3000)  # replays advance the device epochs past what the host counts
     for _ in range(3):
         x = rand(3000, 2048)
