@@ -13,7 +13,10 @@ paired), so only ratios inside one run count:
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
   (``loopback=True``);
 * ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
-* ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4.
+* ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4;
+* ``chain_graphedcall``: ``chain`` replayed through :meth:`~ctapipelining.pipeline.Pipeline.capture`'s
+  :class:`~ctapipelining.pipeline.GraphedCall` (its host work included), where every other line
+  is a bare CUDA graph of its calls (:func:`ctapipelining.timing.capture`).
 
 Each pipeline is checked bitwise against its :meth:`~ctapipelining.pipeline.Pipeline.sequential`
 first. Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the
@@ -67,22 +70,26 @@ def main():
         h, y = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0"), torch.empty_like(x)
         for name, pipe in pipes.items():
             assert torch.equal(pipe(x, check=True), pipe.sequential(x)), (name, M)
-        graphs = {name: pipe.capture(M) for name, pipe in pipes.items()}
-        for g in graphs.values():
-            g.x.copy_(x)
         methods = [
             Method("cublas_seq", graphed(lambda x=x, h=h, y=y: (torch.mm(x, a, out=h), torch.mm(h, b, out=y)))),
             Method("ours_seq", graphed(lambda x=x, h=h, y=y: (matmul(x, a, out=h), matmul(h, b, out=y)))),
-        ] + [Method(name, g.replay) for name, g in graphs.items()]
+        ] + [Method(name, graphed(lambda pipe=pipe, x=x, y=y: pipe(x, out=y))) for name, pipe in pipes.items()]
+        # the same chain through the public GraphedCall (its host work before the replay included)
+        graphed_call = pipes["chain"].capture(M)
+        graphed_call.x.copy_(x)
+        methods.append(Method("chain_graphedcall", graphed_call.replay))
         times = time_interleaved(methods, [0], REPS, 5)
         floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
         row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
         for name in ("ours_seq", *pipes):
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
-        for num, den in (("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain")):
+        for num, den in (
+            ("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain"),
+            ("chain_graphedcall", "chain"),
+        ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
-        for g in graphs.values():
-            g.check_errors()
+        for pipe in pipes.values():
+            pipe.check_errors()
         report["rows"][M] = row
         print(M, json.dumps({k: v for k, v in row.items()}), flush=True)
     (OUT / "shared_gpu.json").write_text(json.dumps(report, indent=1))

@@ -294,6 +294,7 @@ class GraphedCall:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     out: torch.Tensor
+    _done: torch.cuda.Event = field(default_factory=torch.cuda.Event, repr=False)  # each replay's end, recorded again
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Copy ``x`` (the shape, dtype and device of :attr:`x`) in, replay, return :attr:`out`."""
@@ -316,18 +317,25 @@ class GraphedCall:
             pipe._usable()
             if self.plan.stale:
                 raise RuntimeError("this graph's plan was left inconsistent by a failed call: capture it again")
-            pipe._refresh_replicas()
-            devices = pipe.distinct_devices
-            first = torch.cuda.current_stream(devices[0])
-            for ev in [torch.cuda.current_stream(d).record_event() for d in devices[1:]] + pipe._done:
+            if pipe._replicas:
+                pipe._refresh_replicas()
+            callers = pipe._current_streams()
+            first = callers[0]
+            # the previous call's end, unless every caller stream waited for it already (as in an eager call)
+            waits = [] if [c.cuda_stream for c in callers] == pipe._after_done else pipe._done
+            for ev in [c.record_event() for c in callers[1:]] + waits:
                 first.wait_event(ev)
-            with torch.cuda.device(devices[0]), torch.cuda.stream(first):
+            if torch.cuda.current_device() == first.device.index:  # the graph replays on the current stream
                 self.graph.replay()
-            done = first.record_event()
-            for d in devices[1:]:
-                torch.cuda.current_stream(d).wait_event(done)
+            else:
+                with torch.cuda.device(first.device):
+                    self.graph.replay()
+            done = self._done
+            done.record(first)
+            for c in callers[1:]:
+                c.wait_event(done)
             pipe._done = [done]
-            pipe._after_done = [first.cuda_stream] + [torch.cuda.current_stream(d).cuda_stream for d in devices[1:]]
+            pipe._after_done = [c.cuda_stream for c in callers]
         return self.out
 
     def check_errors(self) -> None:
