@@ -294,7 +294,7 @@ class GraphedCall:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     out: torch.Tensor
-    _done: torch.cuda.Event = field(default_factory=torch.cuda.Event, repr=False)  # each replay's end, recorded again
+    _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Copy ``x`` (the shape, dtype and device of :attr:`x`) in, replay, return :attr:`out`."""
@@ -330,6 +330,8 @@ class GraphedCall:
             else:
                 with torch.cuda.device(first.device):
                     self.graph.replay()
+            if self._done is None:
+                self._done = torch.cuda.Event()
             done = self._done
             done.record(first)
             for c in callers[1:]:

@@ -124,15 +124,18 @@ def test_every_wait_ends_in_a_cta_wide_vote(report):
 
 def test_chain_kernel_runs_each_stage_as_a_pipelined_tma_wgmma_gemm(report):
     """Each stage of a chain kernel is the GEMM's body (its wgmma and TMA store), its K loop
-    keeps the 3-stage TMA ring (128x256x64 bf16: 147456 bytes), and the chain's stages all
-    store with TMA but the last, which may store ordinarily (an ``out`` with padded rows)."""
+    keeps the 3-stage TMA ring (128x256x64 bf16: 147456 bytes) and, beside it, the store's
+    staging tile (a tile's store overlaps the next tile's loads); the chain's stages all store
+    with TMA but the last, which may store ordinarily (an ``out`` with padded rows)."""
     plain = report["plain"]
-    ring = 3 * (128 + 256) * 64 * 2
-    for name, stages in (("chain2", 2), ("chain2+outer_queue", 2), ("chain4", 4), ("chain2+ordinary_store", 2)):
+    ring, staging = 3 * (128 + 256) * 64 * 2, 128 * 256 * 2
+    for name, stages in (("chain2", 2), ("chain2+outer_queue", 2), ("chain4", 4)):
         r = report[name]
         assert r["wgmma"] == stages * plain["wgmma"], name
-        assert ring <= r["smem"] <= plain["smem"], name
-        assert r["tma_store"] == (stages - 1 if "ordinary" in name else stages), name
+        # a few bytes more at most: scratch that broadcasts the ticket's answer to the CTA
+        assert ring + staging <= r["smem"] <= plain["smem"] + 1024, name
+        assert r["tma_store"] == stages, name
+    assert report["chain2+ordinary_store"]["tma_store"] == 1
 
 
 def test_chain_kernel_votes_once_per_waiting_stage(report):
