@@ -241,7 +241,7 @@ class Plan:
     M: int
     inputs: list[torch.Tensor | None]  # inputs[s]: stage s's A operand (None for stage 0: the caller's x)
     links: list[Link]  # links[s - 1]: stage s-1 -> stage s
-    epochs: list[torch.Tensor]  # int64 [1] per stage, on its device
+    epochs: list[torch.Tensor]  # int64 [1] per stage, on its device (the stages of a chain kernel share one)
     errors: list[torch.Tensor]  # int64 [len(ERR_FIELDS)] per stage, on its device
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
@@ -514,7 +514,8 @@ class Pipeline:
             # an eager call's fork and join points, recorded again by every call (no event is
             # created on the hot path); a query then answers for the latest call, which ends last
             self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
-            self._join_events = [torch.cuda.Event() for _ in self.devices]
+            self._kernel_streams = list(dict.fromkeys(self.streams))  # each once: a call joins back from them
+            self._join_events = [torch.cuda.Event() for _ in self._kernel_streams]
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
@@ -738,7 +739,8 @@ class Pipeline:
             M=M,
             inputs=inputs,
             links=links,
-            epochs=[_i64(1, d) for d in devs],
+            # a run count per kernel: the stages of a chain kernel share one
+            epochs=[t for g in self.groups for t in [_i64(1, devs[g[0]])] * len(g)],
             errors=[_i64(len(ERR_FIELDS), d) for d in devs],
             traces=[
                 torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
@@ -1005,7 +1007,7 @@ class Pipeline:
         # is ordered with the stages; under capture only the capturing stream (stage 0's device)
         callers = saved[:1] if capturing else saved
         if capturing:  # events of their own, recorded into the graph
-            forks, joins = [c.record_event() for c in callers], [torch.cuda.Event() for _ in self.devices]
+            forks, joins = [c.record_event() for c in callers], [torch.cuda.Event() for _ in self._kernel_streams]
         else:
             forks, joins = (self._fork_events, self._join_events) if self.on_gpu else ([], [])
             for ev, c in zip(forks, callers):
@@ -1029,7 +1031,7 @@ class Pipeline:
                         for ev in starts:
                             st.wait_event(ev)
                     stream = self._raw_streams[s]
-                if advance_epoch:
+                if advance_epoch and s == self._group_of[s][0]:  # the stages of a chain kernel share one
                     plan.epochs[s].add_(1)
                 if only is None or s in only:
                     for launch in plan.launches:
@@ -1046,7 +1048,7 @@ class Pipeline:
         except BaseException:
             plan.stale = True
             if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work
-                for ev, st in zip(joins, self.streams):
+                for ev, st in zip(joins, self._kernel_streams):
                     ev.record(st)
                 for caller in callers:
                     for ev in joins:
@@ -1059,7 +1061,7 @@ class Pipeline:
             if device is not None:
                 torch.cuda.set_device(device)
         if self.on_gpu:  # after every stage's waits: a join recorded earlier would order this call's stages
-            for ev, st in zip(joins, self.streams):
+            for ev, st in zip(joins, self._kernel_streams):
                 ev.record(st)
             done = joins
         if advance_epoch:
