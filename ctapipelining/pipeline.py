@@ -43,11 +43,17 @@ good only then. No error is lost: error words are sticky until read. Host waits 
 too: a device that does not finish within ``host_timeout_s`` raises :class:`PipelineHung`,
 after which the pipeline refuses further calls.
 
-Stages may share a GPU (on one GPU, every stage): each stage of a GPU then gets an equal share
-of its SMs as its grid, all of them resident at once, and signals through the same
-system-scope code path as across GPUs (a *loopback*), so the whole protocol runs and is tested
-on one GPU. Nothing else may hold those SMs while a call runs, or a waiting consumer could
-keep its producer from being scheduled (its waits then time out cleanly).
+Stages may share a GPU (on one GPU, every stage). Consecutive stages on one GPU run at the same
+time in one chain kernel (:mod:`ctapipelining.kernels.chain`; at most
+:data:`~ctapipelining.kernels.chain.MAX_STAGES` each, further ones in further chain kernels one
+after the other on the GPU's one stream): its CTAs claim tiles in one combined order, so a
+consumer tile fills the SMs its producer leaves idle, and the links between those stages wait on
+counters in the GPU's own memory. With ``loopback=True`` each stage is a kernel of its own
+instead, on an equal share of the SMs, all resident at once, signalling through the same
+system-scope code path as across GPUs, so the cross-GPU protocol runs and is tested on one GPU.
+Nothing else may hold a loopback's SMs while a call runs, or a waiting consumer could keep its
+producer from being scheduled (its waits then time out cleanly); a chain kernel has no such
+need.
 """
 
 from __future__ import annotations
@@ -371,8 +377,15 @@ class Pipeline:
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
     sm_budget : the most SMs the pipeline's kernels hold on each GPU at once (default: all), so
-        that kernels that must run beside it (a collective, attention) find SMs free. The
-        stages on a GPU share its budget equally.
+        that kernels that must run beside it (a collective, attention) find SMs free. In
+        loopback the stages on a GPU share its budget equally.
+    loopback : ``True``: each stage that shares a device is a kernel of its own on an equal
+        share of its SMs, through the cross-GPU code path (how the GPU tests exercise it on one
+        GPU); ``False``: consecutive stages on one device run in one chain kernel (measured
+        0.72-0.84x the loopback at 640-2048 rows on one H200,
+        benchmarks/results/2026-12-01-h200-chain/). Default: ``False`` on CUDA devices,
+        ``True`` for CPU tensors under the interpreter (each stage then runs as on a device of
+        its own; ``False`` runs the chain kernel there too).
     row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
         a call on ``M`` rows runs the plan for :meth:`rows_for` ``(M)`` rows, which reads zeros
         past ``M`` and writes only ``M`` rows, so a serving loop whose row count varies builds
