@@ -145,3 +145,24 @@ def test_chain_kernel_votes_once_per_waiting_stage(report):
     assert report["chain2+outer_queue"]["vote"] == 2
     # links inside the kernel never push into a ring: only the outer signal does (3 system-scope atomics)
     assert report["chain2+outer_queue"]["atom_sys"] > report["chain2"]["atom_sys"]
+
+
+def test_every_acquire_is_fenced_before_the_tma_loads_after_it(report):
+    """In every variant that waits (one spin, four parts, the split tail's, a chain kernel's
+    stages), no TMA load follows an acquire in the PTX without a ``fence.proxy.async`` between."""
+    waiting = [name for name, r in report.items() if r["ld_acquire_sys"]]
+    assert len(waiting) >= 10
+    for name in waiting:
+        assert report[name]["unfenced_loads"] == 0, name
+
+
+def test_the_fence_check_finds_a_missing_fence():
+    from ctapipelining.kernels.compile_check import unfenced_loads
+
+    load = "@%p1 cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];"
+    store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd1, {%r1, %r2}], [%r3];"
+    acquire = "ld.acquire.sys.global.b64 %rd5, [%rd6];"
+    fence = "fence.proxy.async.global;"
+    assert unfenced_loads("\n".join([acquire, load, load])) == 2
+    assert unfenced_loads("\n".join([acquire, fence, load, acquire, store, fence, load])) == 0
+    assert unfenced_loads("\n".join([load, acquire, fence, load, acquire, load])) == 1

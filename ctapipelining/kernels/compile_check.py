@@ -171,6 +171,28 @@ def compile_chain(
     )
 
 
+def unfenced_loads(ptx: str) -> int:
+    """TMA loads that the PTX text reaches from an acquire (``ld.acquire.sys``) without a
+    ``fence.proxy.async`` between: each would read what the acquire made visible to the generic
+    proxy only, not to TMA. Text order: a check on the layout the compiler chose (software
+    pipelining may move loads, never across the inline-PTX fence), not a proof over all paths."""
+    bad, pending = 0, False
+    for line in ptx.splitlines():
+        if "ld.acquire.sys" in line:
+            pending = True
+        elif "fence.proxy.async" in line:
+            pending = False
+        elif re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", line) and pending:
+            bad += 1
+    return bad
+
+
+def _summary(k) -> dict:
+    ptx = k.asm["ptx"]
+    counts = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()}
+    return counts | {"smem": k.metadata.shared, "unfenced_loads": unfenced_loads(ptx)}
+
+
 def report() -> dict:
     out = {}
     builds = [(name, flags, {}) for name, flags in VARIANTS.items()]
@@ -188,13 +210,9 @@ def report() -> dict:
         "chain4": ((4, False, False, False), {}),
     }
     for name, (flags, options) in chains.items():
-        k = compile_chain(*flags, **options)
-        ptx = k.asm["ptx"]
-        out[name] = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()} | {"smem": k.metadata.shared}
+        out[name] = _summary(compile_chain(*flags, **options))
     for name, flags, options in builds:
-        k = compile_variant(*flags, **options)
-        ptx = k.asm["ptx"]
-        out[name] = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()} | {"smem": k.metadata.shared}
+        out[name] = _summary(compile_variant(*flags, **options))
     return out
 
 
