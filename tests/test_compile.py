@@ -159,7 +159,7 @@ def test_every_acquire_is_fenced_before_the_tma_loads_after_it(report):
 def test_the_fence_check_finds_a_missing_fence():
     from ctapipelining.kernels.compile_check import unfenced_loads
 
-    load = "@%p1 cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];"
+    load = "@%p1 cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2}];"
     store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd1, {%r1, %r2}], [%r3];"
     acquire = "ld.acquire.sys.global.b64 %rd5, [%rd6];"
     fence = "fence.proxy.async.global;"
