@@ -1,6 +1,7 @@
-"""Check, without a GPU, that :meth:`GemmLaunch.raw_args` fits the argument format of the
-launcher Triton builds for each kernel variant (run by ``test_launcher.py`` in a process
-without the interpreter; prints ``ok`` per variant or raises)."""
+"""Check, without a GPU, that :meth:`GemmLaunch.raw_args` and :meth:`ChainLaunch.raw_args` fit
+the argument format of the launcher Triton builds for each kernel variant (run by
+``test_launcher.py`` in a process without the interpreter; prints ``ok`` per variant or
+raises)."""
 
 import dataclasses
 import re
@@ -8,8 +9,9 @@ import re
 import torch
 from triton.backends.nvidia.driver import make_launcher
 
+from ctapipelining.chain import ChainLaunch, ChainStage
 from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
-from ctapipelining.kernels.compile_check import compile_variant
+from ctapipelining.kernels.compile_check import compile_chain, compile_variant
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 
 
@@ -86,6 +88,30 @@ def main():
         c = torch.zeros(M, N + (0 if tma_store else 64), dtype=torch.bfloat16)[:, :N]
         check(launch.raw_args(fake_map, a, b, c), fmt, str((flags, options)))
         print("ok", flags, options)
+    # chain kernels: (compile_chain flags and options, stages, outer links by ring)
+    inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)
+    outer_wait = dict(wait=dataclasses.replace(wait, **queue), err=i64(8))
+    outer_signal = dict(signal=dataclasses.replace(signal, queue=True))
+    chains = [
+        ((2, False, False, False), {}, [dict(inner_signal), dict(inner_wait)], False),
+        ((2, False, False, False), {"tma_store": False}, [dict(inner_signal), dict(inner_wait)], False),
+        ((2, True, True, True), {}, [outer_wait | inner_signal, inner_wait | outer_signal], True),
+        ((4, False, False, False), {}, [inner_signal, inner_wait | inner_signal, inner_wait | inner_signal,
+                                        inner_wait], False),
+    ]  # fmt: skip
+    for flags, options, hooks, queue_links in chains:
+        fmt = tokens(launcher_format(compile_chain(*flags, **options)))
+        stages = [ChainStage(N, K, stage=i, **h) for i, h in enumerate(hooks)]
+        launch = ChainLaunch(M, stages, cfg, ctas, dev, ticket=i64(2), epoch=i64(1), queue=queue_links)
+        tma_store = options.get("tma_store", True)
+        ops = []
+        for i in range(len(stages)):
+            a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+            last = i == len(stages) - 1
+            c = torch.zeros(M, N + (0 if tma_store or not last else 64), dtype=torch.bfloat16)[:, :N]
+            ops.append((a, b, c))
+        check(launch.raw_args(fake_map, ops), fmt, str((flags, options)))
+        print("ok chain", flags, options)
 
 
 if __name__ == "__main__":
