@@ -89,8 +89,17 @@ class ChainLaunch:
             if st.trace is not None and interpreting():
                 raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue
-        if ticket.shape != (2,) or ticket.dtype != torch.int64:
-            raise ValueError(f"the ticket must be an int64 tensor of 2 zeros, got {ticket.dtype} {tuple(ticket.shape)}")
+        if not isinstance(num_ctas, int) or num_ctas < 1:
+            raise ValueError(f"num_ctas must be an int >= 1, got {num_ctas!r}")
+        if ticket.shape != (2,) or ticket.dtype != torch.int64 or ticket.device != device:
+            raise ValueError(
+                f"the ticket must be an int64 tensor of 2 zeros on {device}, got {ticket.dtype} "
+                f"{tuple(ticket.shape)} on {ticket.device}"
+            )
+        if epoch.shape != (1,) or epoch.dtype != torch.int64 or epoch.device != device:
+            raise ValueError(
+                f"the epoch must be an int64 tensor [1] on {device}, got {epoch.dtype} {tuple(epoch.shape)}"
+            )
         self.ticket = ticket
         self.positions = sum(_cdiv(M, config.block_m) * _cdiv(st.N, config.block_n) for st in stages)
         bundle = tuple(
@@ -113,7 +122,6 @@ class ChainLaunch:
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
-            NUM_CTAS=num_ctas,
             QUEUE=queue,
             INTERPRET=interpreting(),
         )

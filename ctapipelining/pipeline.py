@@ -87,7 +87,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
-from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD
+from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD, KIND_TICKET
 from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
@@ -252,7 +252,7 @@ class Plan:
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
-    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
+    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [2] per chain kernel: claimed, CTAs done
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
@@ -488,7 +488,7 @@ class Pipeline:
         self.devices = [w.device for w in self.weights]
         self.distinct_devices = list(dict.fromkeys(self.devices))
         self.on_gpu = self.devices[0].type == "cuda"
-        if loopback not in (None, True, False):
+        if loopback is not None and not isinstance(loopback, bool):
             raise ValueError(f"loopback must be None, True or False, got {loopback!r}")
         self.loopback = (not self.on_gpu) if loopback is None else loopback
         # the stages each kernel runs: consecutive stages on one device share a chain kernel (at
@@ -1008,9 +1008,11 @@ class Pipeline:
         ran alone); ``delay_cycles`` sleeps before a stage. Returns Triton's compiled kernel of
         each launched stage (None for the others). A launch that fails part way marks the plan
         stale: the next call resets it first."""
+        n = len(self.weights)
+        if only is not None and any(s != self._group_of[s][0] for s in only):
+            raise ValueError(f"stages {only}: a chain kernel's stages launch together, named by its first")
         if plan.stale:
             self.reset(plan)
-        n = len(self.weights)
         capturing = self._capturing()
         if capturing:
             plan.pinned = True  # a graph now points at its buffers
@@ -1137,6 +1139,13 @@ class Pipeline:
                     f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
                     f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
                     "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
+                )
+                continue
+            if e["kind"] == KIND_TICKET.value:
+                msgs.append(
+                    f"stage {s} on {self.devices[s]}: CTA {e['cta']} of its chain kernel claimed position "
+                    f"{e['index']}, past the run's {e['target']} claims: the kernel's ticket was not at zero when "
+                    "it began (buffers overwritten, or a kernel that never ended)"
                 )
                 continue
             on_counter = e["kind"] == KIND_COUNTER.value

@@ -28,15 +28,19 @@ def ticket_of(plan, i=0):
 
 
 @pytest.mark.parametrize("policy", ["static", "workqueue"])
-@pytest.mark.parametrize("dims", [(16, 40, 24), (24, 16, 40, 32), (16, 24, 40, 24, 16), (16, 24, 16, 32, 24, 16)])
+@pytest.mark.parametrize(
+    "dims",
+    [(16, 40, 24), (24, 16, 40, 32), (16, 24, 40, 24, 16), (16, 24, 16, 32, 24, 16), (16, 24, 16, 32, 24, 16, 40)],
+)
 def test_chain_kernel_equals_the_stages_one_after_another(policy, dims):
-    """2 to 5 stages on one device (5: a chain kernel of 4, then a kernel of its own, linked by
-    the policy's ring or counters), 33 rows (a last row-block of one row), widths that do not
-    divide the tiles; NaN-poisoned buffers, two calls without reset."""
+    """2 to 6 stages on one device (5: a chain kernel of 4, then a kernel of its own; 6: two
+    chain kernels, the second's first stage waiting on the first's last, by the policy's ring or
+    counters), 33 rows (a last row-block of one row), widths that do not divide the tiles;
+    NaN-poisoned buffers, two calls without reset."""
     ws = chain(*dims)
     pipe = Pipeline(ws, policy=policy, config=PARTS, loopback=False)
     n = len(ws)
-    assert pipe.groups == ([list(range(4)), [4]] if n == 5 else [list(range(n))])
+    assert pipe.groups == [list(range(i, min(i + 4, n))) for i in range(0, n, 4)]
     plan = pipe.plan(33)
     assert isinstance(plan.launches[0].gemm, ChainLaunch)
     for _ in range(2):
@@ -134,6 +138,79 @@ def test_chain_kernel_between_two_kernels(queue):
     assert ticket.tolist() == [0, 0]
 
 
+def test_padded_out_and_any_grid():
+    """The last stage writes an ``out`` whose rows are padded (ordinary stores), and the chain
+    kernel is right on grids of 1, 2 and 3 CTAs (one CTA: every flush of a held tile matters)."""
+    ws = chain(16, 40, 24, 40)
+    for budget in (1, 2, 3):
+        pipe = Pipeline(ws, config=PARTS, loopback=False, sm_budget=budget)
+        x = torch.randn(37, 16).half()
+        full = torch.full((37, 48), float("nan"), dtype=torch.float16)
+        out = full[:, :40]
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x)), budget
+        assert full[:, 40:].isnan().all()  # the padding is not written
+        assert pipe.plan(37).num_ctas == [budget] * 3
+
+
+def test_a_grid_larger_than_the_positions():
+    """More CTAs than tiles: the extra CTAs claim past the end, run nothing, count themselves
+    done; the ticket is back to zeros."""
+    M, (k0, n0, n1) = 20, (16, 24, 16)
+    ws = chain(k0, n0, n1)
+    dep = deps.build_dependency(
+        deps.TileGrid(M, n0, 16, 16), deps.TileGrid(M, n1, 16, 16), "gemm", consumer_k=n0, parts=2
+    )  # fmt: skip
+    link, err, t, e = Link.create(dep, CPU, CPU), _i64(8, CPU), _i64(2, CPU), _i64(1, CPU)
+    stages = [
+        ChainStage(n0, k0, signal=link.signal_hook(False)),
+        ChainStage(n1, n0, wait=link.wait_hook(False), err=err),
+    ]
+    launch = ChainLaunch(M, stages, PARTS, 40, CPU, ticket=t, epoch=e)
+    x, h, y = torch.randn(M, k0).half(), torch.empty(M, n0).half(), torch.full((M, n1), float("nan")).half()
+    e.add_(1)
+    launch([(x, ws[0], h), (h, ws[1], y)])
+    assert int(err[0]) == 0 and t.tolist() == [0, 0]
+    ref = (x.float() @ ws[0].float()).half().float() @ ws[1].float()
+    assert float((y.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_a_cta_runs_nothing_after_its_timeout():
+    """One CTA, and the first consumer tile's input never completes: the CTA reports it and runs
+    none of the later tiles (whose inputs are fine), so no output row is written."""
+    ws = chain(16, 40, 24)
+    pipe = Pipeline(ws, config=PARTS, loopback=False, sm_budget=1, timeout_s=0.05)
+    x = torch.randn(48, 16).half()
+    plan = pipe.plan(48)
+    plan.links[0].need_consumer[0] += 1
+    out = torch.full((48, 24), float("nan"), dtype=torch.float16)
+    with pytest.raises(PipelineTimeout, match="stage 1"):
+        pipe(x, out=out, check=True)
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("start", [5, 10**6])
+def test_a_ticket_not_at_zero_is_reported_and_reset(start):
+    """A ticket left off zero (as if a kernel had never ended) never gives a silent result: the
+    positions it skips time out their consumers, and claims past the run's count are reported
+    as such (alone when every claim is past it); then the pipeline runs right again."""
+    ws = chain(16, 24, 16)
+    pipe = Pipeline(ws, config=PARTS, loopback=False, timeout_s=0.05)
+    x = torch.randn(40, 16).half()
+    plan = pipe.plan(40)
+    plan.tickets[0][0] = start
+    with pytest.raises(PipelineTimeout, match="ticket was not at zero" if start > 100 else "timed out"):
+        pipe(x, check=True)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_a_chain_kernels_stages_launch_together():
+    pipe = Pipeline(chain(16, 24, 16), config=PARTS, loopback=False)
+    x = torch.randn(40, 16).half()
+    with pytest.raises(ValueError, match="launch together"):
+        pipe._launch(pipe.plan(40), x, torch.empty(40, 16).half(), only=[1])
+
+
 def test_chain_launch_refuses_what_it_cannot_run():
     cfg = PARTS
     t, e = _i64(2, CPU), _i64(1, CPU)
@@ -156,6 +233,15 @@ def test_chain_launch_refuses_what_it_cannot_run():
     for match, stages in bad.items():
         with pytest.raises(ValueError, match=match):
             ChainLaunch(M, stages, cfg, 2, CPU, ticket=t, epoch=e)
+    # the first stage's wait comes from another GPU: it must follow the kernel's queue flag
+    for outer_queue in (True, False):
+        first = ChainStage(24, 16, wait=link.wait_hook(outer_queue), err=err, signal=link.signal_hook(False))
+        with pytest.raises(ValueError, match=f"does not follow queue={not outer_queue}"):
+            ChainLaunch(M, [first, ok[1]], cfg, 2, CPU, ticket=t, epoch=e, queue=not outer_queue)
+    with pytest.raises(ValueError, match="num_ctas"):
+        ChainLaunch(M, ok, cfg, 0, CPU, ticket=t, epoch=e)
+    with pytest.raises(ValueError, match="epoch must be"):
+        ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=_i64(2, CPU))
     with pytest.raises(ValueError, match="no split tail"):
         ChainLaunch(M, ok, GemmConfig(16, 16, 16, split_tail=True), 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="int64 tensor of 2 zeros"):

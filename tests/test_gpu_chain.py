@@ -29,6 +29,7 @@ CASES = [  # (widths, rows)
     ((4096, 3000, 5000, 4096), 5000),
     ((2048, 4096, 2048, 4096, 2048), 16384),
     ((1024, 2048, 1024, 2048, 1024, 2048), 3000),  # 5 stages: a chain kernel of 4, then one of 1
+    ((1024, 2048, 1024, 2048, 1024, 2048, 1024), 3000),  # 6: the second chain kernel waits on the first
 ]
 
 
@@ -101,6 +102,48 @@ def test_chain_timeout_inside_the_kernel_is_clean():
     assert time.perf_counter() - t0 < 5
     plan.links[1].need_consumer[3] -= 1
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_chain_writes_a_padded_out():
+    """The last stage stores ordinarily into an ``out`` whose rows are padded; the padding stays."""
+    ws = chain(4096, 4096, 3000)
+    pipe = Pipeline(ws)
+    x = rand(5000, 4096)
+    full = torch.full((5000, 3072), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    out = full[:, :3000]
+    for _ in range(2):  # compiled, then the raw launch
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x))
+    assert full[:, 3000:].isnan().all()
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+@pytest.mark.parametrize("devices", [[0, 0, 1, 1], [0, 1, 1], [0, 0, 1]])
+def test_chain_kernels_linked_across_gpus(policy, devices):
+    """Chain kernels on two GPUs: a chain kernel's first stage waiting on a peer's counters or
+    ring, its last stage signalling a peer; a delayed producer, NaN-poisoned buffers, graph
+    replays; bitwise the stages one after another."""
+    dims = [4096, 2048, 4096, 2048, 4096][: len(devices) + 1]
+    ws = [w.to(f"cuda:{d}") for w, d in zip(chain(*dims), devices)]
+    pipe = Pipeline(ws, policy=policy)
+    assert len(pipe.groups) == 2
+    M = 5000
+    plan = pipe.plan(M)
+    for _ in range(2):
+        x = rand(M, dims[0])
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        out = torch.full((M, dims[-1]), float("nan"), dtype=torch.bfloat16, device=f"cuda:{devices[-1]}")
+        pipe._launch(plan, x, out, delay_cycles={0: 20_000_000})  # ~10 ms before the first GPU's kernel
+        pipe.check_errors()
+        assert torch.equal(out, pipe.sequential(x))
+        assert torch.equal(pipe(x, check=True), out)
+    g = pipe.capture(M)
+    for _ in range(3):
+        x = rand(M, dims[0])
+        assert torch.equal(g(x), pipe.sequential(x))
+    g.check_errors()
 
 
 def test_chain_sm_budget():

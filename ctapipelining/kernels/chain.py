@@ -21,11 +21,13 @@ stage of :func:`~.gemm.gemm_kernel` does (``QUEUE``: those links follow the work
 policy; the ticket's position of a first-stage tile is then its ring position). The links
 inside the kernel always wait on counters (``static``), in parts (``Wait.PARTS``).
 
-The ticket is ``[claimed, CTAs done]``, both 0 between runs: each CTA claims a fixed number
-of times, one more than an even share of the positions (so its loop has a trip count, and a
-fast CTA may take an extra tile from a slow one), then counts itself done, and the last CTA
-done sets both back to 0. Every CTA claims its full count also after a timeout (it skips the
-tiles), so the count never goes wrong. A ``for`` loop with a trip count rather than a loop
+The ticket is ``[claimed, CTAs done]``, both 0 between runs: each CTA of the grid (whatever its
+size) claims a fixed number of times, one more than an even share of the positions (so its loop
+has a trip count, and a fast CTA may take an extra tile from a slow one), then counts itself
+done, and the last CTA done sets both back to 0. Every CTA claims its full count also after a
+timeout (it skips the tiles), so the count never goes wrong; a claim past the run's count (a
+ticket not at zero when the kernel began: buffers overwritten, or a kernel that never ended) is
+reported (``KIND_TICKET``) and the CTA runs nothing more. A ``for`` loop with a trip count rather than a loop
 until the ticket runs out: Triton then keeps the TMA store's staging buffer apart from the
 load ring, so a tile's store overlaps the next tile's loads (two 8192-wide stages on one H200
 at 16384 rows ran 0.988x as long as with a loop until the ticket runs out;
@@ -38,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .gemm import _now, _poll_before, _run_tile, _signal_pending, tile_of_position
-from .sync import fence_proxy_async, wait_slot
+from .sync import KIND_TICKET, fence_proxy_async, report_timeout, wait_slot
 
 MAX_STAGES = 4  # stages one chain kernel runs (the kernel takes their descriptors one by one)
 
@@ -119,9 +121,9 @@ def chain_kernel(
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
     ticket, epoch_ptr, timeout_ns,  # *i64 [2] positions claimed, CTAs done (0, 0 between runs); *i64 [1] run count
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_CTAS: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+    QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The stages of ``stages`` over a persistent grid of ``NUM_CTAS`` CTAs, tiles claimed in
+    """The stages of ``stages`` over a persistent grid (any size), tiles claimed in
     the combined order (module docstring)."""
     a_descs = (a0, a1, a2, a3)
     b_descs = (b0, b1, b2, b3)
@@ -136,10 +138,17 @@ def chain_kernel(
     pending = tl.program_id(0) * 0 - 1  # a tile stored but not yet signalled, of stage pending_stage
     pending_stage = pending
     alive = tl.program_id(0) >= 0  # false after a timeout: claim on, run nothing
-    # at most one position more than an even share, so a CTA's loop has a trip count (Triton then
-    # flattens it with the K loop: the next tile's loads overlap this one's end, as in the plain GEMM)
-    for _ in tl.range(0, tl.cdiv(total, NUM_CTAS) + 1, flatten=True):
+    # one claim more than an even share of the positions: a loop with a trip count, so Triton keeps
+    # the TMA store's staging buffer apart from the load ring (module docstring); each stage's K loop
+    # stays a loop of its own, its loads after its waits
+    grid = tl.num_programs(0)
+    trips = tl.cdiv(total, grid) + 1
+    for _ in tl.range(0, trips, flatten=True):
         pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # one thread; the CTA shares it
+        if pos >= grid * trips:  # past this run's claims: the ticket was not at zero when the kernel began
+            if stages[S - 1].err_ptr is not None:
+                report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
+            alive = alive & False
         if (pos < total) & alive:  # CTA-uniform
             lo = 0  # the stage's first position
             for s in tl.static_range(S):
@@ -163,6 +172,6 @@ def chain_kernel(
             )
     _flush(pending, pending_stage, epoch, stages, c_descs, S - 1, INTERPRET)
     # the last CTA out (every claim of this run made) sets the ticket back for the next run
-    if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == NUM_CTAS - 1:
+    if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == grid - 1:
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ticket + 1, 0, sem="relaxed", scope="gpu")

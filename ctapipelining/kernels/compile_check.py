@@ -161,7 +161,7 @@ def compile_chain(
         sig["c_ptr"], const["c_ptr"] = "constexpr", None
     else:
         sig["c_ptr"] = "*bf16"
-    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, NUM_CTAS=132, QUEUE=queue, INTERPRET=False)
+    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, QUEUE=queue, INTERPRET=False)
     for n in names[names.index("timeout_ns") + 1 :]:
         sig[n] = "constexpr"
     assert set(sig) == set(names), set(names) ^ set(sig)
