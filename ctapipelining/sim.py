@@ -34,6 +34,12 @@ What is modelled
   **all-reduce** ``alpha + 2 (g - 1) / g * bytes / busbw`` (ring).
 * **Launch**: each kernel of a replayed CUDA graph starts ``launch_ns`` after the previous one
   on its stream.
+* **Stages sharing one GPU**: the chain kernel (:func:`simulate_chain_kernel`: CTAs claim the
+  combined order's positions as they come free, its tiles ``chain_tile_factor`` times the
+  GEMM's, ``chain_fixed_ns`` a kernel), the loopback (:func:`simulate_loopback`: a share of the
+  SMs per stage) and our GEMMs one after another with split tails
+  (:func:`simulate_ours_sequential`; ``tail_slice_ns`` per slice). :func:`validate_shared`
+  compares their ratios with a ``benchmarks/shared_gpu.py`` run.
 
 Methods: sequential, micro-batching (one chunk size, or the best of a sweep), tensor
 parallelism, CTA-pipelining (both policies) and CTA-pipelining combined with TP (stages x
@@ -124,6 +130,14 @@ class Calibration:
     allreduce_busbw_gbps: float = 300.0
     launch_ns: float = 5_000.0
     eager_overhead_ns: float = 100_000.0  # Python launch cost of one eager call of our kernels
+    # stages sharing one GPU (one H200, benchmarks/results/2026-12-01-h200-chain/chain_schedule-2.json:
+    # a one-stage chain kernel 1.040x our GEMM at 2048 rows and 1.013x at 16384, solved for a
+    # per-tile factor and a per-kernel cost)
+    chain_tile_factor: float = 1.009  # a chain kernel's tile over the GEMM's
+    chain_fixed_ns: float = 12_700.0  # a chain kernel's own cost (its ticket's first and last claims)
+    # a split tail's cost per slice beyond its share of K (its partial's write and read in the sum,
+    # its pipeline fill), fitted on our two GEMMs at 640 and 768 rows (shared_gpu.json, same folder)
+    tail_slice_ns: float = 4_000.0
     # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
     # to the calibrated 128x256 tile), measured in a tuning run
     tile_shapes: tuple = ((128, 128, 1.13),)
@@ -389,10 +403,126 @@ def simulate_cta(
     return CtaResult(max(ends) + cal.launch_ns, ends, traces)
 
 
-def simulate_gemm(M: int, K: int, N: int, cal: Calibration) -> float:
-    """Our persistent GEMM alone (GPU time)."""
-    rows = _gemm_stage(deps.TileGrid(M, N, cal.block_m, cal.block_n), K, cal, None, "static", 0.0, False, False)
-    return float(rows[:, 3].max()) + cal.launch_ns
+def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = False) -> float:
+    """Our persistent GEMM alone (GPU time); ``split_tail``: its partial last round split along
+    K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), each tail tile done
+    when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice."""
+    grid = deps.TileGrid(M, N, cal.block_m, cal.block_n)
+    P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // 64)
+    split = deps.split_tail(grid.num_tiles, P, k_tiles, 16) if split_tail else None
+    if split is None:
+        rows = _gemm_stage(grid, K, cal, None, "static", 0.0, False, False)
+        return float(rows[:, 3].max()) + cal.launch_ns
+    t_tile = cal.tile_ns(K)
+    free = [(split.first_pos - pid + P - 1) // P * t_tile for pid in range(P)]  # after the full rounds
+    ends = [
+        free[i] + (k1 - k0) / k_tiles * t_tile for i in range(split.items) for _, k0, k1 in [split.slice_of(i, k_tiles)]
+    ]
+    return max(max(free), max(ends) + split.splits * cal.tail_slice_ns) + cal.launch_ns
+
+
+def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration) -> float:
+    """Our GEMMs one after another on one GPU, with split tails, in one graph (GPU time)."""
+    return sum(simulate_gemm(M, k, n, cal, split_tail=True) for k, n in zip(dims, dims[1:]))
+
+
+def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:
+    """The stages of ``dims`` sharing one GPU in one chain kernel (:mod:`ctapipelining.kernels.chain`):
+    CTAs claim the positions of the combined order (every tile of stage 0 in its tile order, then
+    of stage 1, ...) as they come free; a tile of a later stage waits for each part of its
+    input as :func:`_gemm_stage` does; a tile is signalled a fraction into its CTA's next tile of
+    the same stage, or when its CTA takes a tile of a later stage (before it waits), or ends.
+    Tiles take :attr:`Calibration.chain_tile_factor` times the GEMM's, the kernel
+    :attr:`Calibration.chain_fixed_ns` more. Returns the GPU time."""
+    bm, bn = cal.block_m, cal.block_n
+    grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
+    S = len(grids)
+    P = min(cal.num_sms, sum(g.num_tiles for g in grids))
+    t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in dims[:-1]]
+    links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
+             for s in range(S - 1)]  # fmt: skip
+    producers = [np.split(np.repeat(np.arange(d.producer.num_tiles), np.diff(d.signal_ptr))[np.argsort(
+        d.signal_counters, kind="stable")], np.cumsum(np.bincount(d.signal_counters, minlength=d.num_counters))[:-1])
+        for d in links]  # fmt: skip
+    signal = [np.full(g.num_tiles, np.nan) for g in grids]  # when each tile was signalled
+    owner = [np.zeros(g.num_tiles, dtype=int) for g in grids]
+    cta_free = np.zeros(P)
+    pending: dict[int, tuple[int, int]] = {}
+    # CTAs free at the same time claim in a random order (seeded): on the GPU which of them wins
+    # the ticket first varies, and by CTA index the model would defer the same signals every round
+    rank = np.random.default_rng(0).permutation(P)
+    heap = [(0.0, rank[c], c) for c in range(P)]
+    for s, grid in enumerate(grids):
+        t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
+        for tile in deps.tile_order(grid, cal.group_m):
+            t, _, c = heapq.heappop(heap)
+            same = c in pending and pending[c][0] == s
+            if c in pending and not same:  # flushed before this tile waits
+                ps, pt = pending.pop(c)
+                signal[ps][pt] = t
+            begin = end = t
+            if s > 0:
+                d = links[s - 1]
+
+                def visible(q, s=s, d=d, tile=tile):
+                    ps = producers[s - 1][int(d.counter_of_tile[tile]) + q]
+                    sig = signal[s - 1][ps]
+                    sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps]], sig)  # flushed when its CTA is free
+                    return float(sig.max()) + cal.t2_ns
+
+                begin = end = max(t, visible(0)) + cal.t3_ns
+                for q in range(1, d.parts):
+                    frac = (d.part_k_start(q) - d.part_k_start(q - 1)) / dims[s]
+                    end = max(end + frac * t_tile, visible(q))
+                end -= d.part_k_start(d.parts - 1) / dims[s] * t_tile
+            if same:
+                ps, pt = pending.pop(c)
+                signal[ps][pt] = begin + cal.signal_lag * t_tile
+            cta_free[c] = end + t_tile + post
+            owner[s][tile] = c
+            if s < S - 1:
+                pending[c] = (s, tile)
+            heapq.heappush(heap, (cta_free[c], rank[c], c))
+    return float(cta_free.max()) + cal.chain_fixed_ns + cal.launch_ns
+
+
+def simulate_loopback(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:
+    """The stages of ``dims`` sharing one GPU as kernels of their own (``loopback=True``), each
+    on an equal share of its SMs, writing locally (GPU time)."""
+    shared = replace(cal, num_sms=cal.num_sms // (len(dims) - 1), remote_factor=1.0)
+    return simulate_cta(M, dims, shared, wait_parts=wait_parts).total_ns
+
+
+def traced_tile_ns(trace: Path | str) -> float:
+    """The median compute time of stage 0's tiles in a trace saved as ``.npz`` (arrays ``s0``,
+    ``s1``, ... of :meth:`ctapipelining.pipeline.Pipeline.traces` rows)."""
+    s0 = np.load(trace)["s0"]
+    return float(np.median(s0[:, 2] - s0[:, 1]))
+
+
+def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: float | None = None) -> list[dict]:
+    """Predicted against measured ratios of ``benchmarks/shared_gpu.py``'s results (two
+    ``K``-wide layers on one GPU): the chain kernel over our GEMMs one after another, and over
+    the loopback. ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in
+    place of the calibration's. The model has no clocks: a GPU whose SMs partly idle (a
+    loopback's waiting consumer) clocks up, which it does not see."""
+    if tile_ns is not None:
+        cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
+    r = json.loads(Path(results).read_text())
+    rows = []
+    for M, row in r["rows"].items():
+        M, med = int(M), row["median_ms"]
+        p = {
+            "chain": simulate_chain_kernel(M, [K, K, K], cal),
+            "ours_seq": simulate_ours_sequential(M, [K, K, K], cal),
+            "loopback": simulate_loopback(M, [K, K, K], cal),
+        }
+        for num, den in (("chain", "ours_seq"), ("chain", "loopback")):
+            measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
+            predicted = p[num] / p[den]
+            rows.append(dict(seq=M, ratio=f"{num}/{den}", predicted=round(predicted, 4), measured=round(measured, 4),
+                             error_pct=round(100 * (predicted / measured - 1), 2)))  # fmt: skip
+    return rows
 
 
 def simulate_sequential(M: int, dims: list[int], cal: Calibration, eager: bool = True) -> float:
