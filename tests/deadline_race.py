@@ -6,7 +6,8 @@ neither hang nor die. Run in a subprocess with a watchdog (tests/test_gpu_core.p
 
 One GPU: both stages on cuda:0 (loopback). Stage 1's input is written once by the plain GEMM;
 per trial the consumer is launched alone and a side stream sleeps, then releases what it waits
-on. The sleeps sweep a window centred on the deadline, found first by bisection (on the
+on: everything (both policies), or only the last part of each row-block's input, the others
+being there from the start (``static_late_part``: the race is then on a wait inside the K loop). The sleeps sweep a window centred on the deadline, found first by bisection (on the
 majority of three trials per step), so a share of the trials release within a few microseconds
 of it either way; the centre follows the outcomes near it (the edge drifts with the clocks).
 Prints one JSON line.
@@ -25,8 +26,10 @@ TIMEOUT_S = 300e-6
 EDGE_STEP_US = 0.25  # how far the window's centre follows each outcome near it
 
 
-def run_policy(policy, ws, x, side, cycles_per_us, trials) -> dict:
-    """Bisect for the deadline, then ``trials`` releases around it; the outcome counts."""
+def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> dict:
+    """Bisect for the deadline, then ``trials`` releases around it; the outcome counts.
+    ``late_part`` (static): every part of the consumer's input but the last is there before it
+    starts, so the wait that races its deadline is the one inside the K loop."""
     dev, M, K = x.device, x.shape[0], x.shape[1]
     pipe = Pipeline(ws, loopback=True, policy=policy, timeout_s=TIMEOUT_S)
     plan = pipe.plan(M)
@@ -37,10 +40,16 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials) -> dict:
     T = link.dep.consumer.num_tiles
     tiles = torch.arange(T, dtype=torch.int64, device=dev)
     out = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    parts = link.dep.parts
+    early = torch.arange(len(need), device=dev) % parts != parts - 1  # counter r * parts + q: part q
+    if late_part:
+        assert policy == "static" and parts > 1, (policy, parts)
 
     def trial(delay_us: float) -> str:
         e = plan.epoch + 1
         out.fill_(float("nan"))
+        if late_part:
+            link.counters.copy_(torch.where(early, e, e - 1) * need)
         torch.cuda.synchronize()
         pipe._launch(plan, x, out, only=[1])
         with torch.cuda.stream(side):
@@ -98,6 +107,7 @@ def main(trials: int, out_path: str | None) -> dict:
     report = {"trials_per_policy": trials, "timeout_us": TIMEOUT_S * 1e6, "cycles_per_us": cycles_per_us}
     for policy in ("static", "workqueue"):
         report[policy] = run_policy(policy, ws, x, side, cycles_per_us, trials)
+    report["static_late_part"] = run_policy("static", ws, x, side, cycles_per_us, trials, late_part=True)
     if out_path:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
