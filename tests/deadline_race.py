@@ -7,11 +7,11 @@ neither hang nor die. Run in a subprocess with a watchdog (tests/test_gpu_core.p
 One GPU: both stages on cuda:0 (loopback). Stage 1's input is written once by the plain GEMM;
 per trial the consumer is launched alone and a side stream sleeps, then releases what it waits
 on: everything (both policies), or only the last part of each row-block's input, the others
-being there from the start (``static_late_part``: the race is then on a wait inside the K loop). The sleeps sweep a window centred on the deadline, found first by bisection (on the
+being there from the start (``static_late_part``: the race is then on a wait inside the K
+loop). The sleeps sweep a window centred on the deadline, found first by bisection (on the
 majority of three trials per step), so a share of the trials release within a few microseconds
 of it either way; the centre follows the outcomes near it (the edge drifts with the clocks).
-Prints one JSON line.
-"""
+Prints one JSON line."""
 
 import json
 import random
