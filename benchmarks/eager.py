@@ -4,8 +4,9 @@ tree against those of an earlier one (no regression), on one GPU, graph-replayed
 usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
 
 1. Host time per launch: while the GPU sleeps, the host time of 40 ``check=False`` calls,
-   divided by the kernels they launch (the plain GEMM: 1 a call; the chain on one GPU:
-   2 GEMMs and 2 epoch bumps a call), at M = 2048; median and range of 7 batches (with
+   divided by the stream operations they issue (the plain GEMM: 1 a call; the chain on one
+   GPU: its epoch bump, its chain kernel and its error word's copy), at M = 2048; median and
+   range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
    the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, the GEMMs and the
@@ -112,7 +113,7 @@ def main():
     y2k = torch.empty(2048, K, dtype=torch.bfloat16, device=DEV)
     calls = {
         "plain_2048": (lambda: matmul(x2k, w, out=y2k), 1),
-        "chain_2048_per_kernel": (lambda: pipe(x2k, out=y2k), 2),
+        "chain_2048_per_launch": (lambda: pipe(x2k, out=y2k), 3),
     }
     if OLD:
         sys.path.insert(0, OLD)

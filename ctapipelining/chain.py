@@ -35,7 +35,7 @@ class ChainStage:
     """One stage of a :class:`ChainLaunch`: ``[M, K] @ [K, N]``, its input link ``wait`` (a
     link inside the kernel: static; the first stage's may come from another GPU), its output
     link ``signal`` (the last stage's may go to another GPU; the others' feed the next stage
-    here), its error word ``err`` (needed with ``wait``), its per-tile stamps ``trace`` and its
+    here), its error word ``err`` (needed with ``wait``, and by the last stage), its per-tile stamps ``trace`` and its
     index ``stage`` in the chain."""
 
     N: int
@@ -49,10 +49,10 @@ class ChainStage:
 
 class ChainLaunch:
     """One launch of the chain kernel over ``stages`` (1 to :data:`MAX_STAGES`) on ``M`` rows,
-    bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [2], zeros
-    between runs: the kernel sets it back) in the combined order; ``epoch`` is the run count
-    every stage's signals and waits use. ``queue``: the links to other GPUs (the first stage's
-    wait, the last stage's signal) follow the workqueue policy."""
+    bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [1], only
+    growing: :attr:`claims_per_run` a run) in the combined order; ``epoch`` is the run count
+    every stage's signals and waits use, and places the run's claims. ``queue``: the links to
+    other GPUs (the first stage's wait, the last stage's signal) follow the workqueue policy."""
 
     def __init__(
         self,
@@ -91,24 +91,26 @@ class ChainLaunch:
         self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue
         if not isinstance(num_ctas, int) or num_ctas < 1:
             raise ValueError(f"num_ctas must be an int >= 1, got {num_ctas!r}")
-        if ticket.shape != (2,) or ticket.dtype != torch.int64 or ticket.device != device:
+        for name, t in (("ticket", ticket), ("epoch", epoch)):
+            if t.shape != (1,) or t.dtype != torch.int64 or t.device != device:
+                raise ValueError(
+                    f"the {name} must be an int64 tensor [1] on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+        if stages[-1].err is None:
             raise ValueError(
-                f"the ticket must be an int64 tensor of 2 zeros on {device}, got {ticket.dtype} "
-                f"{tuple(ticket.shape)} on {ticket.device}"
-            )
-        if epoch.shape != (1,) or epoch.dtype != torch.int64 or epoch.device != device:
-            raise ValueError(
-                f"the epoch must be an int64 tensor [1] on {device}, got {epoch.dtype} {tuple(epoch.shape)}"
+                "the last stage needs its error word (a chain kernel reports an inconsistent ticket there)"
             )
         self.ticket = ticket
         self.positions = sum(_cdiv(M, config.block_m) * _cdiv(st.N, config.block_n) for st in stages)
+        # how far a run moves the ticket: every CTA claims one more than an even share
+        self.claims_per_run = num_ctas * (_cdiv(self.positions, num_ctas) + 1)
         bundle = tuple(
             Stage(
                 st.N,
                 _cdiv(st.K, config.block_k),
                 wait_bundle(st.wait, config),
                 signal_bundle(st.signal),
-                st.err if st.wait is not None else None,
+                st.err,
                 st.trace,
                 st.stage,
             )  # fmt: skip

@@ -342,6 +342,9 @@ def tile_order(grid: TileGrid, group_m: int = 1) -> np.ndarray:
     return np.array([grouped_tile(p, grid.num_m, grid.num_n, group_m) for p in range(grid.num_tiles)], dtype=np.int32)
 
 
+TAIL_MIN_SLICE_K = 16  # K-steps a split tail's slice has at least on a GPU (shorter: mostly pipeline fill)
+
+
 @dataclass(frozen=True)
 class TailSplit:
     """The last, partial round of a persistent loop, split along K over the CTAs it leaves idle.

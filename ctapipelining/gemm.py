@@ -18,7 +18,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
-from .kernels.gemm import PLAIN_CONFIG, TAIL_MIN_SLICE_K, GemmConfig, Tail, gemm_kernel
+from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses
 
@@ -138,12 +138,12 @@ def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
     with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
     dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Slices
-    have at least :data:`~ctapipelining.kernels.gemm.TAIL_MIN_SLICE_K` K-steps; under the
+    have at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
     interpreter, whose sizes are small, any length."""
     if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
-    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), 1 if interpreting() else TAIL_MIN_SLICE_K)
+    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), 1 if interpreting() else deps.TAIL_MIN_SLICE_K)
 
 
 def _row_major(t: torch.Tensor) -> bool:

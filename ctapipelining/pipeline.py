@@ -1,9 +1,9 @@
 """A chain of GEMM stages across devices, CTA-pipelined.
 
 ``Pipeline([A, B, ...])`` puts stage ``s`` (``y_s = y_{s-1} @ W_s``) on the device of ``W_s``.
-A call launches every stage at once, each on its own stream; stage ``s`` writes its tiles into
-stage ``s + 1``'s input buffer on the next GPU and signals them there, and stage ``s + 1``'s
-persistent CTAs start each tile as soon as its input rows have landed.
+A call launches every stage at once, each GPU's stages on a stream of that GPU; stage ``s``
+writes its tiles into stage ``s + 1``'s input buffer on the next GPU and signals them there, and
+stage ``s + 1``'s persistent CTAs start each tile as soon as its input rows have landed.
 
 State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word, and the launch records a
@@ -252,7 +252,7 @@ class Plan:
     traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
-    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [2] per chain kernel: claimed, CTAs done
+    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
@@ -361,8 +361,9 @@ class Pipeline:
     Parameters
     ----------
     weights : list of ``[K_s, N_s]`` tensors, bf16 or fp16, row-major, ``N_s == K_{s+1}``,
-        each on its own CUDA device (consecutive devices need peer access). Under the Triton
-        interpreter they may all be CPU tensors; stages then run one after another.
+        on CUDA devices, each holding a contiguous range of stages (consecutive devices need
+        peer access; see ``loopback`` for stages that share one). Under the Triton interpreter
+        they may all be CPU tensors; the kernels then run one after another.
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
         counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
         benchmarks/results/2026-11-30-h200x2-s6/) or
@@ -382,7 +383,7 @@ class Pipeline:
     loopback : ``True``: each stage that shares a device is a kernel of its own on an equal
         share of its SMs, through the cross-GPU code path (how the GPU tests exercise it on one
         GPU); ``False``: consecutive stages on one device run in one chain kernel (measured
-        0.72-0.84x the loopback at 640-2048 rows on one H200,
+        0.735-0.837x the loopback at 640-2048 rows on one H200,
         benchmarks/results/2026-12-01-h200-chain/). Default: ``False`` on CUDA devices,
         ``True`` for CPU tensors under the interpreter (each stage then runs as on a device of
         its own; ``False`` runs the chain kernel there too).
@@ -788,7 +789,7 @@ class Pipeline:
             """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
             dev = devs[group[0]]
             ctas = max(1, min(self._sm_share(group[0]), sum(grids[s].num_tiles for s in group)))
-            plan.tickets.append(_i64(2, dev))
+            plan.tickets.append(_i64(1, dev))
             stages = [
                 ChainStage(
                     ws[s].shape[1],
@@ -867,7 +868,8 @@ class Pipeline:
         return s >= 0 and self._group_of[s] is self._group_of[t]
 
     def reset(self, plan: Plan | None = None) -> None:
-        """Wait for every device (bounded), then zero counters, rings, epochs and error words."""
+        """Wait for every device (bounded), then zero counters, rings, epochs, error words, chain
+        kernels' tickets and split tails' arrival counters."""
         with self._lock:
             self._wait()
             for p in [plan] if plan else self._plans.values():
@@ -1002,15 +1004,18 @@ class Pipeline:
     ):
         """Launch one call's kernels (the plan's launch records, each on its stage's stream).
         For tests and measurements: ``only`` launches a subset of the stages (a prefill with
-        stage 1, a drain with stage 0; a call without the consumer leaves the ring's head behind the epoch
-        under ``workqueue``: :meth:`reset` before the next full call); ``advance_epoch=False``
-        launches against the current epoch (e.g. the consumer of a run whose producer already
-        ran alone); ``delay_cycles`` sleeps before a stage. Returns Triton's compiled kernel of
-        each launched stage (None for the others). A launch that fails part way marks the plan
-        stale: the next call resets it first."""
+        stage 1, a drain with stage 0, a chain kernel with its first stage, which names it; a
+        call without the consumer leaves the ring's head behind the epoch under ``workqueue``:
+        :meth:`reset` before the next full call); ``advance_epoch=False`` launches against the
+        current epoch (e.g. the consumer of a run whose producer already ran alone; a chain
+        kernel's ticket is then out of step and reported); ``delay_cycles`` sleeps before a
+        stage. Returns Triton's compiled kernel of each launched stage (None for the others). A
+        launch that fails part way marks the plan stale: the next call resets it first."""
         n = len(self.weights)
-        if only is not None and any(s != self._group_of[s][0] for s in only):
-            raise ValueError(f"stages {only}: a chain kernel's stages launch together, named by its first")
+        if only is not None and any(not 0 <= s < n or s != self._group_of[s][0] for s in only):
+            raise ValueError(
+                f"stages {only}: not stages, or a chain kernel's later stage (they launch together, named by the first)"
+            )
         if plan.stale:
             self.reset(plan)
         capturing = self._capturing()
@@ -1144,8 +1149,8 @@ class Pipeline:
             if e["kind"] == KIND_TICKET.value:
                 msgs.append(
                     f"stage {s} on {self.devices[s]}: CTA {e['cta']} of its chain kernel claimed position "
-                    f"{e['index']}, past the run's {e['target']} claims: the kernel's ticket was not at zero when "
-                    "it began (buffers overwritten, or a kernel that never ended)"
+                    f"{e['index']} of a run of {e['target']} claims: the kernel's ticket is out of step with its "
+                    "epoch (buffers overwritten, or a kernel that never ended)"
                 )
                 continue
             on_counter = e["kind"] == KIND_COUNTER.value

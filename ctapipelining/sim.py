@@ -6,9 +6,9 @@ What is modelled
   over ``K`` takes ``K * tile_ns_per_k`` (plus ``epilogue_ns``); a producer writing into the
   peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal; with
   ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile, the CTA's last
-  tile at once (the kernels signal a quarter in: :data:`SIGNAL_LAG`). Not modelled: split tails
-  (``GemmConfig.split_tail``: the plain GEMM at M=16384 is 1.6-1.9% faster with its partial last
-  round split, ``benchmarks/results/2026-11-30-h200x2-s3/``), per-CTA variation of the tile time
+  tile at once (the kernels signal a quarter in: :data:`SIGNAL_LAG`). Split tails
+  (``GemmConfig.split_tail``) only in :func:`simulate_gemm` (``split_tail=True``), not in the
+  stages of :func:`simulate_cta`. Not modelled: per-CTA variation of the tile time
   (static consumers fall a round behind mid-run without moving the chain's end, same folder),
   the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
   GPUs' power limits (a producer writing into the peer clocks down ~5%,
@@ -113,6 +113,7 @@ class Calibration:
     num_sms: int = 132
     block_m: int = 128
     block_n: int = 256
+    block_k: int = 64
     group_m: int = 4
     tile_ns_per_k: float = 11.8  # one 128x256 tile, per unit of K
     epilogue_ns: float = 0.0
@@ -408,8 +409,8 @@ def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = F
     K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), each tail tile done
     when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice."""
     grid = deps.TileGrid(M, N, cal.block_m, cal.block_n)
-    P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // 64)
-    split = deps.split_tail(grid.num_tiles, P, k_tiles, 16) if split_tail else None
+    P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // cal.block_k)
+    split = deps.split_tail(grid.num_tiles, P, k_tiles, deps.TAIL_MIN_SLICE_K) if split_tail else None
     if split is None:
         rows = _gemm_stage(grid, K, cal, None, "static", 0.0, False, False)
         return float(rows[:, 3].max()) + cal.launch_ns
@@ -448,14 +449,11 @@ def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts:
     owner = [np.zeros(g.num_tiles, dtype=int) for g in grids]
     cta_free = np.zeros(P)
     pending: dict[int, tuple[int, int]] = {}
-    # CTAs free at the same time claim in a random order (seeded): on the GPU which of them wins
-    # the ticket first varies, and by CTA index the model would defer the same signals every round
-    rank = np.random.default_rng(0).permutation(P)
-    heap = [(0.0, rank[c], c) for c in range(P)]
+    heap = [(0.0, c) for c in range(P)]  # CTAs free at the same time claim in CTA order
     for s, grid in enumerate(grids):
         t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
         for tile in deps.tile_order(grid, cal.group_m):
-            t, _, c = heapq.heappop(heap)
+            t, c = heapq.heappop(heap)
             same = c in pending and pending[c][0] == s
             if c in pending and not same:  # flushed before this tile waits
                 ps, pt = pending.pop(c)
@@ -482,7 +480,7 @@ def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts:
             owner[s][tile] = c
             if s < S - 1:
                 pending[c] = (s, tile)
-            heapq.heappush(heap, (cta_free[c], rank[c], c))
+            heapq.heappush(heap, (cta_free[c], c))
     return float(cta_free.max()) + cal.chain_fixed_ns + cal.launch_ns
 
 

@@ -101,8 +101,8 @@ def main():
     ]  # fmt: skip
     for flags, options, hooks, queue_links in chains:
         fmt = tokens(launcher_format(compile_chain(*flags, **options)))
-        stages = [ChainStage(N, K, stage=i, **h) for i, h in enumerate(hooks)]
-        launch = ChainLaunch(M, stages, cfg, ctas, dev, ticket=i64(2), epoch=i64(1), queue=queue_links)
+        stages = [ChainStage(N, K, stage=i, **({"err": i64(8)} | h)) for i, h in enumerate(hooks)]
+        launch = ChainLaunch(M, stages, cfg, ctas, dev, ticket=i64(1), epoch=i64(1), queue=queue_links)
         tma_store = options.get("tma_store", True)
         ops = []
         for i in range(len(stages)):

@@ -6,8 +6,8 @@ import torch
 
 def preset_epoch(plan, e: int) -> None:
     """Epochs ``e``, every counter ``e x need``, tail ``e x T``, head ``e x (T + P)`` (``P`` the
-    consumer's CTAs), ring slots of lap ``e``: what ``e`` calls leave (``plan.epoch`` too; a
-    chain kernel's ticket is back to zeros after every call)."""
+    consumer's CTAs), ring slots of lap ``e``, each chain kernel's ticket ``e`` runs of claims:
+    what ``e`` calls leave (``plan.epoch`` too)."""
     for ep in plan.epochs:
         ep.fill_(e)
     for s, link in enumerate(plan.links, 1):
@@ -16,4 +16,7 @@ def preset_epoch(plan, e: int) -> None:
         link.tail.fill_(e * T)
         link.head.fill_(e * (T + P))
         link.slots.fill_(e * T)
+    chains = [lc.gemm for lc in plan.launches if len(lc.stages) > 1]  # in the order of plan.tickets
+    for ticket, launch in zip(plan.tickets, chains):
+        ticket.fill_(e * launch.claims_per_run)
     plan.epoch = e

@@ -24,7 +24,7 @@ def chain(*dims):
 
 
 def ticket_of(plan, i=0):
-    return plan.tickets[i].tolist()
+    return int(plan.tickets[i])
 
 
 @pytest.mark.parametrize("policy", ["static", "workqueue"])
@@ -42,29 +42,31 @@ def test_chain_kernel_equals_the_stages_one_after_another(policy, dims):
     n = len(ws)
     assert pipe.groups == [list(range(i, min(i + 4, n))) for i in range(0, n, 4)]
     plan = pipe.plan(33)
-    assert isinstance(plan.launches[0].gemm, ChainLaunch)
-    for _ in range(2):
+    first = plan.launches[0].gemm
+    assert isinstance(first, ChainLaunch)
+    for call in range(1, 3):
         x = torch.randn(33, dims[0]).half()
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
         out = torch.full((33, dims[-1]), float("nan"), dtype=torch.float16)
         pipe(x, out=out, check=True)
         assert torch.equal(out, pipe.sequential(x))
-        assert ticket_of(plan) == [0, 0]  # the last CTA done sets it back for the next call
+        assert ticket_of(plan) == call * first.claims_per_run  # every CTA claims its count
 
 
 @pytest.mark.parametrize("start", [2**31 - 2, 2**40])
 def test_chain_ticket_and_counters_do_not_wrap(start):
-    """From just below 2^31 calls and from 2^40: results right, the counters inside the kernel
-    exactly where ``start + calls`` calls put them, the ticket back to zeros."""
+    """From just below 2^31 calls (a ticket far past 2^32) and from 2^40: results right, the
+    ticket and the counters inside the kernel exactly where ``start + calls`` calls put them."""
     ws = chain(16, 40, 24, 16)
     pipe = Pipeline(ws, config=PARTS, loopback=False)
     plan = pipe.plan(40)
     preset_epoch(plan, start)
+    ch = plan.launches[0].gemm
     for call in range(1, 3):
         x = torch.randn(40, 16).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-        assert ticket_of(plan) == [0, 0]
+        assert ticket_of(plan) == (start + call) * ch.claims_per_run
         for link in plan.links:
             assert link.counters.tolist() == [(start + call) * int(k) for k in link.dep.need]
 
@@ -89,7 +91,7 @@ def test_chain_kernel_between_two_kernels(queue):
     """A chain kernel whose first stage waits on another kernel and whose last signals one, by
     the ring (``queue``) or by counters: GEMM -> [stage 1, stage 2] -> GEMM. Then, with the
     first kernel not run, the chain's first stage times out: every CTA still claims its count,
-    so the ticket is back to zeros, and the error word names stage 1."""
+    so the ticket moves by a run's claims, and the error word names stage 1."""
     cfg = PARTS
     M, dims = 40, (16, 24, 40, 32, 16)
     ws = chain(*dims)
@@ -104,7 +106,7 @@ def test_chain_kernel_between_two_kernels(queue):
         bufs.append(torch.full((M, dims[s]), float("nan"), dtype=torch.float16))
     lq = [None, queue, False, queue]  # the link into stage s waits on a ring
     epochs, errors = [_i64(1, CPU) for _ in range(4)], [_i64(8, CPU) for _ in range(4)]
-    ticket = _i64(2, CPU)
+    ticket = _i64(1, CPU)
     first = GemmLaunch(M, dims[1], dims[0], cfg, 4, CPU, signal=links[0].signal_hook(queue), epoch=epochs[0])
     middle = ChainLaunch(
         M,
@@ -129,13 +131,13 @@ def test_chain_kernel_between_two_kernels(queue):
         ref = ref.float() @ w.float()
     assert [int(e[0]) for e in errors] == [0, 0, 0, 0]
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
-    assert ticket.tolist() == [0, 0]
+    assert int(ticket) == middle.claims_per_run
     # the next run without the first kernel: stage 1 waits for input that never comes
     for e in epochs:
         e.add_(1)
     middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
     assert int(errors[1][0]) == 1 and int(errors[1][1]) == 1  # flag, stage
-    assert ticket.tolist() == [0, 0]
+    assert int(ticket) == 2 * middle.claims_per_run
 
 
 def test_padded_out_and_any_grid():
@@ -154,14 +156,13 @@ def test_padded_out_and_any_grid():
 
 
 def test_a_grid_larger_than_the_positions():
-    """More CTAs than tiles: the extra CTAs claim past the end, run nothing, count themselves
-    done; the ticket is back to zeros."""
+    """More CTAs than tiles: the extra CTAs claim past the end and run nothing."""
     M, (k0, n0, n1) = 20, (16, 24, 16)
     ws = chain(k0, n0, n1)
     dep = deps.build_dependency(
         deps.TileGrid(M, n0, 16, 16), deps.TileGrid(M, n1, 16, 16), "gemm", consumer_k=n0, parts=2
     )  # fmt: skip
-    link, err, t, e = Link.create(dep, CPU, CPU), _i64(8, CPU), _i64(2, CPU), _i64(1, CPU)
+    link, err, t, e = Link.create(dep, CPU, CPU), _i64(8, CPU), _i64(1, CPU), _i64(1, CPU)
     stages = [
         ChainStage(n0, k0, signal=link.signal_hook(False)),
         ChainStage(n1, n0, wait=link.wait_hook(False), err=err),
@@ -170,7 +171,7 @@ def test_a_grid_larger_than_the_positions():
     x, h, y = torch.randn(M, k0).half(), torch.empty(M, n0).half(), torch.full((M, n1), float("nan")).half()
     e.add_(1)
     launch([(x, ws[0], h), (h, ws[1], y)])
-    assert int(err[0]) == 0 and t.tolist() == [0, 0]
+    assert int(err[0]) == 0 and int(t) == launch.claims_per_run
     ref = (x.float() @ ws[0].float()).half().float() @ ws[1].float()
     assert float((y.float() - ref).norm() / ref.norm()) < 2e-3
 
@@ -189,17 +190,18 @@ def test_a_cta_runs_nothing_after_its_timeout():
     assert out.isnan().all()
 
 
-@pytest.mark.parametrize("start", [5, 10**6])
-def test_a_ticket_not_at_zero_is_reported_and_reset(start):
-    """A ticket left off zero (as if a kernel had never ended) never gives a silent result: the
-    positions it skips time out their consumers, and claims past the run's count are reported
-    as such (alone when every claim is past it); then the pipeline runs right again."""
+@pytest.mark.parametrize("offset", [5, -12, 10**6, -(10**6)])
+def test_a_ticket_out_of_step_is_reported_and_reset(offset):
+    """A ticket out of step with the epoch (as if buffers were overwritten) never gives a silent
+    result: claims outside the run's are reported as such, alone when every claim is (the
+    positions a small offset skips may time out their consumers first); then the pipeline runs
+    right again."""
     ws = chain(16, 24, 16)
     pipe = Pipeline(ws, config=PARTS, loopback=False, timeout_s=0.05)
     x = torch.randn(40, 16).half()
     plan = pipe.plan(40)
-    plan.tickets[0][0] = start
-    with pytest.raises(PipelineTimeout, match="ticket was not at zero" if start > 100 else "timed out"):
+    plan.tickets[0].fill_(offset)
+    with pytest.raises(PipelineTimeout, match="out of step" if abs(offset) > 100 else "out of step|timed out"):
         pipe(x, check=True)
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
@@ -213,7 +215,7 @@ def test_a_chain_kernels_stages_launch_together():
 
 def test_chain_launch_refuses_what_it_cannot_run():
     cfg = PARTS
-    t, e = _i64(2, CPU), _i64(1, CPU)
+    t, e = _i64(1, CPU), _i64(1, CPU)
     M = 32
     dep = deps.build_dependency(
         deps.TileGrid(M, 24, 16, 16), deps.TileGrid(M, 16, 16, 16), "gemm", consumer_k=24, parts=2
@@ -242,10 +244,12 @@ def test_chain_launch_refuses_what_it_cannot_run():
         ChainLaunch(M, ok, cfg, 0, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="epoch must be"):
         ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=_i64(2, CPU))
+    with pytest.raises(ValueError, match="last stage needs its error word"):
+        ChainLaunch(M, [ChainStage(24, 16)], cfg, 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="no split tail"):
         ChainLaunch(M, ok, GemmConfig(16, 16, 16, split_tail=True), 2, CPU, ticket=t, epoch=e)
-    with pytest.raises(ValueError, match="int64 tensor of 2 zeros"):
-        ChainLaunch(M, ok, cfg, 2, CPU, ticket=_i64(1, CPU), epoch=e)
+    with pytest.raises(ValueError, match="ticket must be an int64 tensor"):
+        ChainLaunch(M, ok, cfg, 2, CPU, ticket=_i64(2, CPU), epoch=e)
 
 
 def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
@@ -253,8 +257,9 @@ def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
     assert Pipeline(ws).groups == [[0], [1], [2]]  # CPU tensors: each stage its own kernel by default
     assert Pipeline(ws, loopback=True).groups == [[0], [1], [2]]
     assert Pipeline(ws, loopback=False).groups == [[0, 1, 2]]
-    with pytest.raises(ValueError, match="loopback must be"):
-        Pipeline(ws, loopback="yes")
+    for bad in ("yes", 1, 0):
+        with pytest.raises(ValueError, match="loopback must be"):
+            Pipeline(ws, loopback=bad)
     with pytest.raises(ValueError, match="need the stages on two GPUs"):
         Pipeline(ws[:2], loopback=False, ends="balanced")
     with pytest.raises(ValueError, match="need the stages on two GPUs"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctapipelining import sim
+from ctapipelining import deps, sim
 
 CAL = sim.Calibration.default()
 RESULTS = Path(__file__).parent.parent / "benchmarks/results"
@@ -240,6 +240,8 @@ def test_split_tail_model():
     """4096 tiles on 132 SMs: 31 rounds and 4 tail tiles in 8 slices (slices of at least 16 of
     the 128 K-steps) of an eighth of a tile each."""
     t = CAL.tile_ns(8192)
+    split = deps.split_tail(4096, 132, 8192 // 64, deps.TAIL_MIN_SLICE_K)  # what the kernel runs
+    assert (split.first_pos, split.tiles, split.splits) == (31 * 132, 4, 8)
     got = sim.simulate_gemm(16384, 8192, 8192, CAL, split_tail=True)
     assert got == pytest.approx(31 * t + t / 8 + 8 * CAL.tail_slice_ns + CAL.launch_ns, rel=1e-6)
     assert got < sim.simulate_gemm(16384, 8192, 8192, CAL)

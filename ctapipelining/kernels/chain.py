@@ -21,13 +21,14 @@ stage of :func:`~.gemm.gemm_kernel` does (``QUEUE``: those links follow the work
 policy; the ticket's position of a first-stage tile is then its ring position). The links
 inside the kernel always wait on counters (``static``), in parts (``Wait.PARTS``).
 
-The ticket is ``[claimed, CTAs done]``, both 0 between runs: each CTA of the grid (whatever its
-size) claims a fixed number of times, one more than an even share of the positions (so its loop
-has a trip count, and a fast CTA may take an extra tile from a slow one), then counts itself
-done, and the last CTA done sets both back to 0. Every CTA claims its full count also after a
-timeout (it skips the tiles), so the count never goes wrong; a claim past the run's count (a
-ticket not at zero when the kernel began: buffers overwritten, or a kernel that never ended) is
-reported (``KIND_TICKET``) and the CTA runs nothing more. A ``for`` loop with a trip count rather than a loop
+The ticket only grows, like the counters: each CTA of the grid (whatever its size) claims a fixed
+number of times, one more than an even share of the positions (so its loop has a trip count, and
+a fast CTA may take an extra tile from a slow one), so a run moves it by ``grid * trips`` and run
+``epoch``'s positions are the claims past ``(epoch - 1) * grid * trips`` (int64: no wrap). Every
+CTA claims its full count also after a timeout (it skips the tiles), so the count never goes
+wrong; a claim outside the run's (a ticket out of step with the epoch: buffers overwritten, a
+kernel that never ended) is reported (``KIND_TICKET``) and the CTA runs nothing more. A ``for``
+loop with a trip count rather than a loop
 until the ticket runs out: Triton then keeps the TMA store's staging buffer apart from the
 load ring, so a tile's store overlaps the next tile's loads (two 8192-wide stages on one H200
 at 16384 rows ran 0.988x as long as with a loop until the ticket runs out;
@@ -53,7 +54,7 @@ class Stage(NamedTuple):
     k_tiles: object  # K-steps of its K loop
     wait: object  # sync.Wait: its input link (None: its input is ready before the launch)
     signal: object  # sync.Signal: its output link (None: the chain's last stage)
-    err_ptr: object  # *i64: its error word (None: it does not wait)
+    err_ptr: object  # *i64: its error word (the last stage's: also where an inconsistent ticket is reported)
     trace_ptr: object  # *i64 [tiles, TRACE_FIELDS]: per-tile stamps (None: no trace)
     stage: object  # its index in the chain (error words name it)
 
@@ -119,7 +120,7 @@ def chain_kernel(
     a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
     stages,  # tuple of Stage, one per stage
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
-    ticket, epoch_ptr, timeout_ns,  # *i64 [2] positions claimed, CTAs done (0, 0 between runs); *i64 [1] run count
+    ticket, epoch_ptr, timeout_ns,  # *i64 [1] positions claimed over all runs; *i64 [1] run count
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -143,11 +144,11 @@ def chain_kernel(
     # stays a loop of its own, its loads after its waits
     grid = tl.num_programs(0)
     trips = tl.cdiv(total, grid) + 1
+    base = (epoch - 1) * grid * trips  # the claims of the runs before this one
     for _ in tl.range(0, trips, flatten=True):
-        pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # one thread; the CTA shares it
-        if pos >= grid * trips:  # past this run's claims: the ticket was not at zero when the kernel began
-            if stages[S - 1].err_ptr is not None:
-                report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
+        pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base  # one thread; the CTA shares it
+        if (pos < 0) | (pos >= grid * trips):  # not this run's: the ticket is out of step with the epoch
+            report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
             alive = alive & False
         if (pos < total) & alive:  # CTA-uniform
             lo = 0  # the stage's first position
@@ -171,7 +172,3 @@ def chain_kernel(
                 pending, epoch, stages[S - 1].signal, c_descs[S - 1] is not None, QUEUE, INTERPRET
             )
     _flush(pending, pending_stage, epoch, stages, c_descs, S - 1, INTERPRET)
-    # the last CTA out (every claim of this run made) sets the ticket back for the next run
-    if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == grid - 1:
-        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ticket + 1, 0, sem="relaxed", scope="gpu")

@@ -150,11 +150,10 @@ def compile_chain(
             _bundle(Signal, SIGNAL_TYPES, dict(PUSH_BLOCK=32, MAX_SIGNALS=1), (at, i, 3), const)
             if signals else "constexpr"
         )  # fmt: skip
-        for field, on in ((2, waits), (3, signals), (4, waits), (5, trace)):
+        for field, on in ((2, waits), (3, signals), (5, trace)):
             if not on:
                 const[(at, i, field)] = None
-        bundles.append(Stage("i32", "i32", wait, signal, "*i64" if waits else "constexpr",
-                             "*i64" if trace else "constexpr", "i32"))  # fmt: skip
+        bundles.append(Stage("i32", "i32", wait, signal, "*i64", "*i64" if trace else "constexpr", "i32"))
     sig["stages"] = tuple(bundles)
     sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", epoch_ptr="*i64", timeout_ns="i64")
     if tma_store:

@@ -95,7 +95,6 @@ class GemmConfig:
 
 SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
 TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
-TAIL_MIN_SLICE_K = 16  # K-steps a split tail's slice has at least (shorter: mostly pipeline fill)
 
 # Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192], interleaved runs
 # (benchmarks/results/2026-11-30-h200x2-s2/, -s3/, -s4/, -s6/; each folder's README):

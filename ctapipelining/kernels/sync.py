@@ -104,7 +104,7 @@ ERR_FLAG, ERR_STAGE, ERR_TILE, ERR_KIND, ERR_INDEX, ERR_SEEN, ERR_TARGET, ERR_CT
 KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
 KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
 KIND_HEAD = tl.constexpr(3)  # claimed a ring position before this run's: the ring state is inconsistent
-KIND_TICKET = tl.constexpr(4)  # a chain kernel claimed past its run's positions: its ticket was not at zero
+KIND_TICKET = tl.constexpr(4)  # a chain kernel claimed outside its run's positions: its ticket is out of step
 INTERPRET_POLLS = tl.constexpr(64)
 
 # Every thread polls ld.acquire.sys until the value reaches the target or its deadline passes
