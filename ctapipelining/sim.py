@@ -137,7 +137,7 @@ class Calibration:
     chain_tile_factor: float = 1.009  # a chain kernel's tile over the GEMM's
     chain_fixed_ns: float = 12_700.0  # a chain kernel's own cost (its ticket's first and last claims)
     # a split tail's cost per slice beyond its share of K (its partial's write and read in the sum,
-    # its pipeline fill), fitted on our two GEMMs at 640 and 768 rows (shared_gpu.json, same folder)
+    # its pipeline fill), fitted on our two GEMMs at 640 and 768 rows (shared_gpu-956d730.json, same folder)
     tail_slice_ns: float = 4_000.0
     # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
     # to the calibrated 128x256 tile), measured in a tuning run
