@@ -383,7 +383,7 @@ class Pipeline:
     loopback : ``True``: each stage that shares a device is a kernel of its own on an equal
         share of its SMs, through the cross-GPU code path (how the GPU tests exercise it on one
         GPU); ``False``: consecutive stages on one device run in one chain kernel (measured
-        0.735-0.837x the loopback at 640-2048 rows on one H200,
+        0.72-0.84x the loopback at 640-2048 rows on one H200,
         benchmarks/results/2026-12-01-h200-chain/). Default: ``False`` on CUDA devices,
         ``True`` for CPU tensors under the interpreter (each stage then runs as on a device of
         its own; ``False`` runs the chain kernel there too).
