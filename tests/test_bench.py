@@ -102,3 +102,23 @@ def test_paired_ratio_in_the_headline(results):
     ratios = [a / b for a, b in zip(cta, mb)]  # repetition i of one against repetition i of the other
     assert h["cta_over_microbatch_paired"] == pytest.approx(statistics.median(ratios), abs=1e-4)
     assert "cta_over_microbatch_paired" not in bench.headline(results["summaries"])[0]
+
+
+def test_headline_takes_the_strongest_baselines_and_keeps_replicas_apart():
+    """Micro-batching is the best of cuBLAS and our GEMM chunks, TP the fastest of its lines, and
+    a chain with weight replicas (ends) is set against data parallelism with the same replicas."""
+    rows = [
+        dict(method="floor_cublas", seq=4096, chunk=None, median_ms=1.0),
+        dict(method="microbatch", seq=4096, chunk=1024, median_ms=1.30),
+        dict(method="microbatch_ours", seq=4096, chunk=1024, median_ms=1.25),
+        dict(method="tp", seq=4096, chunk=None, median_ms=1.6),
+        dict(method="tp_overlap", seq=4096, chunk=None, median_ms=1.4),
+        dict(method="cta_static_graph", seq=4096, chunk=None, median_ms=1.2),
+        dict(method="cta_static_ends_graph", seq=4096, chunk=None, median_ms=1.1),
+        dict(method="dp_replicas", seq=4096, chunk=None, median_ms=1.05),
+    ]
+    (h,) = bench.headline(rows)
+    assert h["best_microbatch"] == "microbatch_ours" and h["best_microbatch_ms"] == 1.25
+    assert h["tp_method"] == "tp_overlap" and h["cta_over_tp"] == round(1.1 / 1.4, 4)
+    assert h["cta_weights_placed_once_ms"] == 1.2 and h["cta_replicated_ms"] == 1.1
+    assert h["cta_replicated_over_dp"] == round(1.1 / 1.05, 4)

@@ -1,0 +1,85 @@
+"""The baselines' logic on the CPU (the GPU runs are the 2-GPU bench's): micro-batching on our
+GEMM (the Triton interpreter) and on torch's, tensor parallelism with its all-reduce in chunks,
+data parallelism over rows; each equal to the chain computed at once."""
+
+import pytest
+import torch
+
+from ctapipelining.baselines import DataParallel, MicroBatch, TensorParallel
+
+pytestmark = pytest.mark.interpreter
+
+
+def chain(*dims):
+    return [(torch.randn(k, n) / k**0.5).half() for k, n in zip(dims, dims[1:])]
+
+
+def reference(x, ws):
+    y = x.float()
+    for w in ws:
+        y = (y @ w.float()).half().float()  # each layer rounded as the GEMMs round it
+    return y
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "ours"])
+@pytest.mark.parametrize("chunk", [16, 24, 100])
+def test_microbatch_equals_the_chain(gemm, chunk):
+    ws = chain(32, 48, 16)
+    mb = MicroBatch(ws, 40, chunk, gemm=gemm)
+    assert [(r.start, r.stop) for r in mb.rows] == [(i, min(i + chunk, 40)) for i in range(0, 40, chunk)]
+    mb.x.copy_(torch.randn(40, 32).half())
+    y = mb()
+    assert y is mb.outs[-1] and y.shape == (40, 16)
+    assert float((y.float() - reference(mb.x, ws)).abs().max()) < 2e-2
+
+
+def test_microbatch_refuses_bad_arguments():
+    ws = chain(16, 16)
+    with pytest.raises(ValueError, match="chunk"):
+        MicroBatch(ws, 32, 0)
+    with pytest.raises(ValueError, match="gemm"):
+        MicroBatch(ws, 32, 16, gemm="cutlass")
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
+    """A by columns, B by rows over ``g`` shards; the all-reduce per chunk of rows sums the
+    shards' partial outputs into every shard's output; without it each shard holds its part."""
+    A, B = (torch.randn(32, 64) / 6).half(), (torch.randn(64, 16) / 8).half()
+    tp = TensorParallel(A, B, ["cpu"] * g, 30, chunks=chunks)
+    x = torch.randn(30, 32).half()
+    for xg in tp.x:
+        xg.copy_(x)
+    y = tp()
+    ref = x.float() @ A.float() @ B.float()
+    assert float((y.float() - ref).abs().max()) < 5e-2
+    for o in tp.out:
+        assert torch.equal(o, y)
+    tp(all_reduce=False)
+    if g > 1:
+        part = (x.float() @ A[:, : 64 // g].float()).half().float() @ B[: 64 // g].float()
+        assert float((tp.out[0].float() - part).abs().max()) < 5e-2
+    with pytest.raises(ValueError, match="cannot be split"):
+        TensorParallel(A, B, ["cpu"] * 3, 30)
+    with pytest.raises(ValueError, match="chunks"):
+        TensorParallel(A, B, ["cpu"] * g, 30, chunks=0)
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "ours"])
+@pytest.mark.parametrize("g,M", [(1, 40), (2, 40), (3, 40), (2, 100), (4, 20)])
+def test_data_parallel_rows_and_gather(gemm, g, M):
+    """Rows split in whole 16-row blocks (the last share takes the rest; a share may be empty),
+    each share through the whole chain, gathered into one output."""
+    ws = chain(32, 48, 16)
+    dp = DataParallel(ws, ["cpu"] * g, M, gemm=gemm, row_align=16)
+    cuts = [r.start for r in dp.rows] + [dp.rows[-1].stop]
+    assert cuts[0] == 0 and cuts[-1] == M and all(a <= b for a, b in zip(cuts, cuts[1:]))
+    assert all(c % 16 == 0 for c in cuts[:-1])
+    dp.x.copy_(torch.randn(M, 32).half())
+    dp.out.fill_(float("nan"))
+    y = dp()
+    assert not y.isnan().any()
+    assert float((y.float() - reference(dp.x, ws)).abs().max()) < 2e-2
+    with pytest.raises(ValueError, match="weight 1"):
+        DataParallel([ws[0], ws[0]], ["cpu"], M)
