@@ -83,6 +83,9 @@ class MicroBatch:
                 if s + 1 < n:
                     src, dst = self.copy[s], self.copy[s + 1]
                     src.wait_stream(comp)
+                    # the copy runs on one of the two current streams; on one device (stages
+                    # sharing a GPU) that is dst's, which must also follow this chunk's GEMM
+                    dst.wait_stream(comp)
                     with torch.cuda.stream(src), torch.cuda.stream(dst):
                         self.ins[s + 1][r].copy_(self.outs[s][r], non_blocking=True)
         for st in self.compute + self.copy:
