@@ -8,6 +8,9 @@
 #   tests  the GPU tests (markers gpu, gpu2; on one GPU the pipelines run in loopback) -> gpu-tests.log
 #   bench  ctapipelining bench at 2048, 8192, 16384 rows, BENCH_REPS repetitions (default 30);
 #          BENCH_ENDS=R,D: the ends line with these prefill and drain rows     -> bench.log, bench/
+#   decision (2 GPUs: issue 19's first part) the bench at 2048, 4096, 8192, 16384 rows: every method
+#          and baseline (micro-batching on cuBLAS and on our GEMM, TP plain and overlapped, data
+#          parallelism with replicas, the chain with and without ends), BENCH_REPS (default 30) -> decision.log, decision/
 #   order  the bench at 16384 rows in fixed and in shuffled order (same machine) -> order-*.log, order-*/
 #   hooks  the bench at 16384 rows with each hook's cost timed alone           -> hooks.log, hooks/
 #   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
@@ -24,7 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-device-out}"
 STEPS="${STEPS:-env demo tests bench trace}"
 CLI="python3 -m ctapipelining"
-SUMMARY='^(method|floor|triton|tp|micro|cta|sequential|producer|consumer|visib)|"seq"|WRONG|Error'
+SUMMARY='^(method|floor|triton|tp|micro|cta|dp|sequential|producer|consumer|visib)|"seq"|WRONG|Error'
 mkdir -p "$OUT"
 for step in $STEPS; do
   echo "== $step ($(date -u +%T))"
@@ -41,6 +44,9 @@ for step in $STEPS; do
     bench) timeout 300 $CLI bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
         --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       grep -E "$SUMMARY" "$OUT/bench.log" | tail -60 ;;
+    decision) timeout 560 $CLI bench --seq 2048,4096,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
+        --hooks-seq 0 --out "$OUT/decision" > "$OUT/decision.log" 2>&1
+      grep -E "$SUMMARY" "$OUT/decision.log" | tail -60 ;;
     order) for o in fixed shuffled; do
         timeout 150 $CLI bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
           --hooks-seq 0 --order $o --out "$OUT/order-$o" > "$OUT/order-$o.log" 2>&1
