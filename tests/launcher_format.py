@@ -15,14 +15,19 @@ from ctapipelining.kernels.compile_check import compile_chain, compile_variant
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 
 
-def launcher_format(kernel) -> str:
+def launcher_format(kernel) -> tuple[str, dict[int, str]]:
     """The argument format (``PyArg_ParseTuple``) of Triton's launcher for ``kernel``, after
-    its 13 base arguments, as :class:`triton.backends.nvidia.driver.CudaLauncher` builds it."""
+    its 13 base arguments, as :class:`triton.backends.nvidia.driver.CudaLauncher` builds it,
+    and the role of each object slot by its index among the flattened arguments: ``"ptr"`` (a
+    device pointer: it must be an address) or ``"tma"`` (a tensor map); other object slots are
+    constexprs."""
     src = kernel.src
     arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
     constants = {arg_idx(k): v for k, v in src.constants.items()}
     c_src = make_launcher(constants, dict(src.signature), getattr(kernel.metadata, "tensordesc_meta", None))
-    return re.search(r'PyArg_ParseTuple\(args, "([^"]*)"', c_src).group(1)[13:]
+    roles = {int(i): "ptr" for i in re.findall(r"getPointer\(_arg(\d+),", c_src)}
+    roles |= {int(i): "tma" for i in re.findall(r"getTmaDesc\(_arg(\d+)\)", c_src)}
+    return re.search(r'PyArg_ParseTuple\(args, "([^"]*)"', c_src).group(1)[13:], roles
 
 
 def tokens(fmt: str) -> list:
@@ -40,16 +45,32 @@ def tokens(fmt: str) -> list:
     return out
 
 
-def check(args, fmt, where="") -> None:
+class TensorMap:
+    """What the fake ``tensor_map`` puts where a CUDA tensor map goes."""
+
+
+def check(args, fmt, roles, where="", pos=None) -> None:
+    """``args`` fit ``fmt`` (counts, tuples, integers) and each object slot holds what its role
+    needs: an address for a pointer, a tensor map for a descriptor, never a tensor elsewhere."""
+    pos = [0] if pos is None else pos  # index among the flattened arguments
     if len(args) != len(fmt):
         raise AssertionError(f"{where}: {len(args)} arguments for a format of {len(fmt)}: {fmt}")
     for i, (a, f) in enumerate(zip(args, fmt)):
         if isinstance(f, list):
             if not isinstance(a, tuple):
                 raise AssertionError(f"{where}[{i}]: a tuple expected, got {a!r}")
-            check(a, f, f"{where}[{i}]")
-        elif f in "ilLKI" and not (isinstance(a, int) and not isinstance(a, bool)):
+            check(a, f, roles, f"{where}[{i}]", pos)
+            continue
+        role = roles.get(pos[0])
+        pos[0] += 1
+        if f in "ilLKI" and not (isinstance(a, int) and not isinstance(a, bool)):
             raise AssertionError(f"{where}[{i}]: an integer expected ({f}), got {a!r}")
+        if role == "ptr" and not (isinstance(a, int) and not isinstance(a, bool)):
+            raise AssertionError(f"{where}[{i}]: a device pointer's address expected, got {a!r}")
+        if role == "tma" and not isinstance(a, TensorMap):
+            raise AssertionError(f"{where}[{i}]: a tensor map expected, got {a!r}")
+        if role is None and f == "O" and isinstance(a, (torch.Tensor, TensorMap)):
+            raise AssertionError(f"{where}[{i}]: a constexpr slot holds {type(a).__name__}")
 
 
 def i64(n):
@@ -79,14 +100,15 @@ def main():
         ((False, True, False), {"split_tail": True, "tma_store": False}, dataclasses.replace(cfg, split_tail=True),
          dict(signal=signal, epoch=hooks["epoch"]), False),
     ]  # fmt: skip
-    fake_map = lambda slot, t, block: [object(), *t.shape, *t.stride()]  # noqa: E731
+    fake_map = lambda slot, t, block: [TensorMap(), *t.shape, *t.stride()]  # noqa: E731
     for flags, options, config, launch_hooks, tma_store in variants:
-        fmt = tokens(launcher_format(compile_variant(*flags, **options)))
+        fmt, roles = launcher_format(compile_variant(*flags, **options))
+        fmt = tokens(fmt)
         launch = GemmLaunch(M, N, K, config, ctas, dev, **launch_hooks)
         assert (launch.tail is not None) == options.get("split_tail", False)
         a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
         c = torch.zeros(M, N + (0 if tma_store else 64), dtype=torch.bfloat16)[:, :N]
-        check(launch.raw_args(fake_map, a, b, c), fmt, str((flags, options)))
+        check(launch.raw_args(fake_map, a, b, c), fmt, roles, str((flags, options)))
         print("ok", flags, options)
     # chain kernels: (compile_chain flags and options, stages, outer links by ring)
     inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)
@@ -100,7 +122,8 @@ def main():
                                         inner_wait], False),
     ]  # fmt: skip
     for flags, options, hooks, queue_links in chains:
-        fmt = tokens(launcher_format(compile_chain(*flags, **options)))
+        fmt, roles = launcher_format(compile_chain(*flags, **options))
+        fmt = tokens(fmt)
         stages = [ChainStage(N, K, stage=i, **({"err": i64(8)} | h)) for i, h in enumerate(hooks)]
         launch = ChainLaunch(M, stages, cfg, ctas, dev, ticket=i64(1), epoch=i64(1), queue=queue_links)
         tma_store = options.get("tma_store", True)
@@ -110,7 +133,7 @@ def main():
             last = i == len(stages) - 1
             c = torch.zeros(M, N + (0 if tma_store or not last else 64), dtype=torch.bfloat16)[:, :N]
             ops.append((a, b, c))
-        check(launch.raw_args(fake_map, ops), fmt, str((flags, options)))
+        check(launch.raw_args(fake_map, ops), fmt, roles, str((flags, options)))
         print("ok chain", flags, options)
 
 
