@@ -40,7 +40,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .gemm import _now, _poll_before, _run_tile, _signal_pending, tile_of_position
+from .gemm import Operands, Protocol, _now, _poll_before, _run_tile, _signal_pending, tile_of_position
 from .sync import KIND_TICKET, fence_proxy_async, report_timeout, wait_slot
 
 MAX_STAGES = 4  # stages one chain kernel runs (the kernel takes their descriptors one by one)
@@ -74,14 +74,16 @@ def _flush(pending, pending_stage, epoch, stages, c_descs, BEFORE: tl.constexpr,
 
 @triton.jit
 def _stage_tile(
-    stage, a_desc, b_desc, c_desc, c_ptr, c_rows, stride_cm, pos, num_m, epoch, pending, timeout_ns,
+    stage, op, pos, num_m, epoch, pending, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE_IN: tl.constexpr, QUEUE_OUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The tile at position ``pos`` of ``stage`` (a :class:`Stage`; ``QUEUE_IN``: its input comes
-    through a ring, ``QUEUE_OUT``: its signal pushes into one). Returns ``(pending, alive)``:
-    the tile still to signal, and false if a wait timed out (CTA-uniform, reported)."""
+    """The tile at position ``pos`` of ``stage`` (a :class:`Stage`; its operands ``op``:
+    :class:`~.gemm.Operands`; ``QUEUE_IN``: its input comes through a ring, ``QUEUE_OUT``: its
+    signal pushes into one). Returns ``(pending, alive)``: the tile still to signal, and false
+    if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
+    prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
     if QUEUE_IN:
@@ -92,9 +94,8 @@ def _stage_tile(
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
             pending, _ = _run_tile(
-                a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, stage.N, stage.k_tiles, stride_cm, epoch,
-                stage.signal, pending, None, 0, True, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr, t_wait,
-                BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
+                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, BLOCK_M, BLOCK_N, BLOCK_K,
+                QUEUE_OUT, INTERPRET,
             )  # fmt: skip
         alive = ok
     else:
@@ -106,9 +107,8 @@ def _stage_tile(
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
         pending, ok = _run_tile(
-            a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, stage.N, stage.k_tiles, stride_cm, epoch,
-            stage.signal, pending, stage.wait, counter0, ok, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr,
-            t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
+            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, BLOCK_M, BLOCK_N,
+            BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:
             alive = ok
@@ -159,9 +159,11 @@ def chain_kernel(
                     pending = _flush(pending, pending_stage, epoch, stages, c_descs, s, INTERPRET)
                     pending_stage = pending * 0 + s
                     tl.static_assert(c_descs[s] is not None or s == S - 1, "only the last stage stores without TMA")
+                    op = Operands(
+                        a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stages[s].N, stages[s].k_tiles, stride_cm
+                    )
                     pending, alive = _stage_tile(
-                        stages[s], a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stride_cm, pos - lo, num_m,
-                        epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                         QUEUE and s == 0 and stages[s].wait is not None, QUEUE and s == S - 1, INTERPRET,
                     )  # fmt: skip
                 lo += tiles

@@ -133,6 +133,32 @@ def get_configs(elem_bytes: int = 2) -> list[GemmConfig]:
     return [c for c in CONFIGS if c.smem_bytes(elem_bytes) <= SMEM_LIMIT]
 
 
+class Operands(NamedTuple):
+    """A GEMM's operands and shape inside a kernel (built there: descriptors are the kernel's
+    own arguments): A and B; C as a TMA descriptor, or (``c_desc`` None) ``c_ptr`` with
+    ``c_rows`` rows ``stride_cm`` apart; ``N`` output columns; ``k_tiles`` K-steps."""
+
+    a_desc: object
+    b_desc: object
+    c_desc: object
+    c_ptr: object
+    c_rows: object
+    N: object
+    k_tiles: object
+    stride_cm: object
+
+
+class Protocol(NamedTuple):
+    """A stage's protocol state inside a kernel: the run count ``epoch``, its error word and
+    index, its waits' ``timeout_ns``, its per-tile stamps (``trace_ptr`` None: none)."""
+
+    epoch: object
+    err_ptr: object
+    stage: object
+    timeout_ns: object
+    trace_ptr: object
+
+
 class Tail(NamedTuple):
     """A split tail's kernel arguments (:class:`ctapipelining.deps.TailSplit`)."""
 
@@ -218,45 +244,44 @@ def _report_wait(wait, c0, tile, epoch, err_ptr, stage):
 
 @triton.jit
 def _mma_tile(
-    a_desc, b_desc, pm, pn, k_begin, k_end, epoch, signal, pending, wait, c0, ok, timeout_ns,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
-    QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The compute body: one output tile from K-steps ``[k_begin, k_end)`` (all of K but in a
-    split tail), fp32 accumulator. Two hooks reach into the K loop, each a branch at one step:
-    with ``signal`` the CTA's previous tile (``pending``) is signalled a quarter into the loop,
-    by when its writes have drained; with ``wait`` in parts this thread waits for part ``q``
-    of the input rows (counters from ``c0``) at step :func:`_part_step` (``ok``: per thread).
-    Otherwise the loop is the plain GEMM's. Returns ``(acc, pending, ok)``."""
+    """The compute body: one output tile of ``op`` (:class:`Operands`) from K-steps
+    ``[k_begin, k_end)`` (all of K but in a split tail), fp32 accumulator. Two hooks reach into
+    the K loop, each a branch at one step: with ``signal`` the CTA's previous tile
+    (``pending``) is signalled a quarter into the loop, by when its writes have drained; with
+    ``wait`` in parts this thread waits for part ``q`` of the input rows (counters from ``c0``)
+    at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
+    Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_begin, k_end):
-        a = a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
-        b = b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
+        a = op.a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
+        b = op.b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
         if signal is not None:
             if ki == k_begin + (k_end - k_begin) // 4:
-                pending = _signal_pending(pending, epoch, signal, TMA_STORE, QUEUE, INTERPRET)
+                pending = _signal_pending(pending, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
         if wait is not None:
             for q in tl.static_range(1, wait.PARTS):
                 if ki == _part_step(q, wait, BLOCK_K):
-                    ok = _poll_counter(wait, c0 + q, epoch, timeout_ns, ok, INTERPRET)
+                    ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
     return acc, pending, ok
 
 
 @triton.jit
-def _store_tile(
-    c_desc, c_ptr, acc, pm, pn, c_rows, N, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):  # fmt: skip
-    """Write tile (pm, pn) of C: an asynchronous TMA store (clipped to C's rows by the
-    descriptor), or ordinary stores masked to ``c_rows`` x ``N``."""
-    if c_desc is not None:
-        c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(c_desc.dtype))
+def _store_tile(op, acc, pm, pn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write tile (pm, pn) of C (:class:`Operands`): an asynchronous TMA store (clipped to C's
+    rows by the descriptor), or ordinary stores masked to ``c_rows`` x ``N``."""
+    if op.c_desc is not None:
+        op.c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(op.c_desc.dtype))
     else:
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m[:, None] < c_rows) & (offs_n[None, :] < N)
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+        mask = (offs_m[:, None] < op.c_rows) & (offs_n[None, :] < op.N)
+        ptrs = op.c_ptr + offs_m[:, None] * op.stride_cm + offs_n[None, :]
+        tl.store(ptrs, acc.to(op.c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -282,8 +307,7 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored):
 
 @triton.jit
 def _run_tile(
-    a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, N, k_tiles, stride_cm, epoch, signal, pending, wait, c0, ok,
-    err_ptr, stage, timeout_ns, trace_ptr, t_wait,
+    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One tile: compute, then, if every wait of every thread held (a static consumer's one
@@ -291,32 +315,30 @@ def _run_tile(
     report the timeout and drop it. Returns ``(tile still to signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
-    t_start = _now(trace_ptr)
+    t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
-        a_desc, b_desc, pm, pn, 0, k_tiles, epoch, signal, pending, wait, c0, ok, timeout_ns,
-        BLOCK_M, BLOCK_N, BLOCK_K, c_desc is not None, QUEUE, INTERPRET,
-    )  # fmt: skip
+        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+    )
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
-        _store_tile(c_desc, c_ptr, acc, pm, pn, c_rows, N, stride_cm, BLOCK_M, BLOCK_N)
+        _store_tile(op, acc, pm, pn, BLOCK_M, BLOCK_N)
         if signal is not None:
             pending = tile  # signalled a quarter into the next tile, or after the loop
-        _record(trace_ptr, tile, t_wait, t_start, _now(trace_ptr))
+        _record(prot.trace_ptr, tile, t_wait, t_start, _now(prot.trace_ptr))
     else:
         if wait is not None:
-            _report_wait(wait, c0, tile, epoch, err_ptr, stage)
+            _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
     return pending, ok
 
 
 @triton.jit
 def _split_tail(
-    a_desc, b_desc, c_desc, c_ptr, tail, num_m, num_n, c_rows, N, k_tiles, stride_cm, epoch, alive, wait, signal,
-    err_ptr, stage, timeout_ns, trace_ptr,
+    op, prot, tail, num_m, num_n, alive, wait, signal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """After the full rounds: this CTA's slice of the split tail (:class:`Tail`).
+    """After the full rounds: this CTA's slice of the split tail (:class:`Tail`) of ``op``.
 
     CTA ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
     for its input, in a consumer: every part of it, one vote) and stores the fp32 partial in
@@ -332,22 +354,22 @@ def _split_tail(
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
-        t_wait = _now(trace_ptr)
+        t_wait = _now(prot.trace_ptr)
         ready = True
         c0 = 0
         if wait is not None:
             c0 = tl.load(wait.counter_of_tile + tile)
-            ready = cta_all(_poll_before(wait, c0, epoch, timeout_ns, True, BLOCK_K, INTERPRET), INTERPRET)
+            ready = cta_all(_poll_before(wait, c0, prot.epoch, prot.timeout_ns, True, BLOCK_K, INTERPRET), INTERPRET)
         if ready:
             if wait is not None:
                 fence_proxy_async(INTERPRET)
-            t_start = _now(trace_ptr)
+            t_start = _now(prot.trace_ptr)
             pm = tile // num_n
             pn = tile % num_n
+            k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
             acc, _, _ = _mma_tile(
-                a_desc, b_desc, pm, pn, part * k_tiles // tail.splits, (part + 1) * k_tiles // tail.splits, epoch,
-                None, -1, None, 0, True, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, False, QUEUE, INTERPRET,
-            )  # fmt: skip
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+            )
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail.workspace + (j * tail.splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(partials + part * (BLOCK_M * BLOCK_N) + offs, acc)
@@ -359,14 +381,14 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(c_desc, c_ptr, acc, pm, pn, c_rows, N, stride_cm, BLOCK_M, BLOCK_N)
-                t_stored = _now(trace_ptr)
+                _store_tile(op, acc, pm, pn, BLOCK_M, BLOCK_N)
+                t_stored = _now(prot.trace_ptr)
                 if signal is not None:
-                    _signal_pending(tile, epoch, signal, c_desc is not None, QUEUE, INTERPRET)
-                _record(trace_ptr, tile, t_wait, t_start, t_stored)
+                    _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
+                _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
         else:
             if wait is not None:
-                _report_wait(wait, c0, tile, epoch, err_ptr, stage)
+                _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
 
 
 @triton.jit(do_not_specialize=["c_rows", "stage", "timeout_ns"])
@@ -390,6 +412,8 @@ def gemm_kernel(
     if wait is not None or signal is not None:
         epoch = tl.load(epoch_ptr)
     pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled
+    op = Operands(a_desc, b_desc, c_desc, c_ptr, c_rows, N, k_tiles, stride_cm)
+    prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr)
     # Without a wait `alive` is the constant True, so the plain GEMM has no branch on it.
     alive = True
     if wait is not None:
@@ -403,8 +427,7 @@ def gemm_kernel(
             if ok:  # CTA-uniform (voted)
                 fence_proxy_async(INTERPRET)
                 pending, _ = _run_tile(
-                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, N, k_tiles, stride_cm, epoch, signal, pending,
-                    None, 0, True, err_ptr, stage, timeout_ns, trace_ptr, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+                    op, prot, tile, num_n, signal, pending, None, 0, True, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
                     INTERPRET,
                 )  # fmt: skip
                 pos = claim(wait.head, epoch, num_tiles, NUM_CTAS)
@@ -427,9 +450,8 @@ def gemm_kernel(
                     ok = _poll_before(wait, c0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
                 pending, ok = _run_tile(
-                    a_desc, b_desc, c_desc, c_ptr, tile, num_n, c_rows, N, k_tiles, stride_cm, epoch, signal, pending,
-                    wait, c0, ok, err_ptr, stage, timeout_ns, trace_ptr, t_wait, BLOCK_M, BLOCK_N, BLOCK_K,
-                    QUEUE, INTERPRET,
+                    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+                    INTERPRET,
                 )  # fmt: skip
                 if wait is not None:
                     alive = ok
@@ -437,6 +459,5 @@ def gemm_kernel(
         _signal_pending(pending, epoch, signal, c_desc is not None, QUEUE, INTERPRET)
     if tail is not None:
         _split_tail(
-            a_desc, b_desc, c_desc, c_ptr, tail, num_m, num_n, c_rows, N, k_tiles, stride_cm, epoch, alive, wait,
-            signal, err_ptr, stage, timeout_ns, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
-        )  # fmt: skip
+            op, prot, tail, num_m, num_n, alive, wait, signal, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET
+        )
