@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 from triton import knobs
 
+from . import deps
 from .gemm import (
     SignalHook,
+    TailBuffers,
     WaitHook,
     _cdiv,
     check_wait,
@@ -26,8 +28,25 @@ from .gemm import (
     wait_bundle,
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
-from .kernels.gemm import GemmConfig
+from .kernels.gemm import GemmConfig, Tail
 from .launcher import RawLaunch, addresses
+
+
+def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
+    """The split tail of a chain kernel over stages of ``(K, N)`` ``shapes`` on ``M`` rows (None:
+    none): with ``config.split_tail``, the partial last round of the combined order, split along
+    K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), if it lies within the
+    last stage. Its ``first_pos`` counts from the last stage's first tile, as the stage run
+    alone would (:meth:`ctapipelining.pipeline.Pipeline.sequential` runs it so)."""
+    if not config.split_tail:
+        return None
+    tiles = [_cdiv(M, config.block_m) * _cdiv(n, config.block_n) for _, n in shapes]
+    k_tiles = _cdiv(shapes[-1][0], config.block_k)
+    split = deps.split_tail(sum(tiles), num_ctas, k_tiles, 1 if interpreting() else deps.TAIL_MIN_SLICE_K)
+    before = sum(tiles[:-1])
+    if split is None or split.first_pos < before:
+        return None
+    return deps.TailSplit(split.first_pos - before, split.tiles, split.splits)
 
 
 @dataclass
@@ -69,8 +88,6 @@ class ChainLaunch:
     ):
         if not 1 <= len(stages) <= MAX_STAGES:
             raise ValueError(f"a chain kernel runs 1 to {MAX_STAGES} stages, got {len(stages)}")
-        if config.split_tail:
-            raise ValueError("a chain kernel's stages have no split tail (the combined order fills the rounds)")
         for i, st in enumerate(stages):
             if i and st.K != stages[i - 1].N:
                 raise ValueError(f"stage {st.stage} has K={st.K} but the stage before it has N={stages[i - 1].N}")
@@ -102,8 +119,18 @@ class ChainLaunch:
             )
         self.ticket = ticket
         self.positions = sum(_cdiv(M, config.block_m) * _cdiv(st.N, config.block_n) for st in stages)
+        self.split = chain_tail_split(M, [(st.K, st.N) for st in stages], config, num_ctas)
+        if self.split is not None and len(stages) == 1 and stages[0].wait is not None and queue:
+            self.split = None  # a ring's tiles come in readiness order: nothing to split at the end
+        self.tail = None if self.split is None else TailBuffers.create(self.split, config, device)
+        tail = (
+            None
+            if self.tail is None
+            else Tail(self.tail.workspace, self.tail.counters, self.split.first_pos, self.split.splits)
+        )
+        claims = self.positions if self.split is None else self.positions - self.split.tiles + self.split.items
         # how far a run moves the ticket: every CTA claims one more than an even share
-        self.claims_per_run = num_ctas * (_cdiv(self.positions, num_ctas) + 1)
+        self.claims_per_run = num_ctas * (_cdiv(claims, num_ctas) + 1)
         bundle = tuple(
             Stage(
                 st.N,
@@ -117,7 +144,7 @@ class ChainLaunch:
             for st in stages
         )
         self._state = (ticket, epoch, timeout_ns)
-        self._bundle, self._addresses = bundle, addresses(bundle)
+        self._bundle, self._addresses = (bundle, tail), (addresses(bundle), addresses(tail))
         self._state_addresses = addresses(self._state)
         self._constexprs = dict(
             BLOCK_M=config.block_m,
@@ -162,7 +189,7 @@ class ChainLaunch:
                 ]
             else:
                 descs += [None, None, None]
-        args = (*descs, self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
+        args = (*descs, *self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
         on_stream = not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=c.device)) if on_stream else nullcontext():
             kernel = chain_kernel[(self.num_ctas,)](
@@ -194,7 +221,7 @@ class ChainLaunch:
                 args += tensor_map(slot, ci, c_block)
                 slot += 1
         return (
-            *args, self._addresses, self.M, None if tma_store else c.data_ptr(), c.shape[0], c.stride(0),
+            *args, *self._addresses, self.M, None if tma_store else c.data_ptr(), c.shape[0], c.stride(0),
             *self._state_addresses, *self._trailing,
         )  # fmt: skip
 

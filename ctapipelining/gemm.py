@@ -234,7 +234,9 @@ class GemmLaunch:
     specialised on the integers, the element type and the pointers' 16-byte alignment, so it
     is reused only for the same row stride of ``c``, store kind and dtype; plan-held buffers
     never move, and callers' tensors are checked for 16-byte alignment. Under the interpreter
-    every launch goes through Triton's path.
+    every launch goes through Triton's path. ``split``: the split tail to run instead of the one
+    the configuration and grid give (a chain kernel's last stage run alone:
+    :meth:`ctapipelining.pipeline.Pipeline.sequential`).
     """
 
     def __init__(
@@ -252,6 +254,7 @@ class GemmLaunch:
         err: torch.Tensor | None = None,
         trace: torch.Tensor | None = None,
         tail: TailBuffers | None = None,
+        split: deps.TailSplit | None = None,
         stage: int = 0,
         timeout_ns: int = 1_000_000_000,
     ):
@@ -263,7 +266,11 @@ class GemmLaunch:
         if (wait is not None or signal is not None) and epoch is None:
             raise ValueError("a launch with a hook needs its stage's epoch")
         check_wait(wait, err, K)
-        split = tail_split(M, N, K, cfg, num_ctas)
+        if split is None:
+            split = tail_split(M, N, K, cfg, num_ctas)
+        elif not (0 < split.first_pos and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
+                  and split.items <= num_ctas):  # fmt: skip
+            raise ValueError(f"{split} is not a tail of {M} x {N} on {num_ctas} CTAs")
         if split is not None and wait is not None and wait.queue:
             raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
         if split is not None and tail is None:

@@ -71,7 +71,7 @@ import torch
 import triton
 
 from . import deps, fabric
-from .chain import ChainLaunch, ChainStage
+from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .gemm import (
     GemmLaunch,
     SignalHook,
@@ -584,11 +584,13 @@ class Pipeline:
 
     def stage_config(self, s: int) -> GemmConfig:
         """The configuration stage ``s`` runs: :attr:`config`, without a split tail for a
-        ``workqueue`` consumer (it runs whole tiles in readiness order) and in a chain kernel
-        (its combined order fills the partial rounds instead). The sequential GEMMs
-        with these configurations give bitwise the chain's result."""
+        ``workqueue`` consumer (it runs whole tiles in readiness order) and for a chain
+        kernel's stages but its last (the tail of the combined order lies in the last stage:
+        :func:`ctapipelining.chain.chain_tail_split`). The sequential GEMMs with these
+        configurations (and a chain kernel's tail split) give bitwise the chain's result."""
         queue_consumer = s > 0 and self.policy.uses_queue and not self._same_kernel(s - 1, s)
-        if self.config.split_tail and (queue_consumer or len(self._group_of[s]) > 1):
+        group = self._group_of[s]
+        if self.config.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
             return dataclasses.replace(self.config, split_tail=False)
         return self.config
 
@@ -615,7 +617,19 @@ class Pipeline:
         stream = 0 if drain else s
         (rows, K), N = a.shape, w.shape[1]
         c = torch.empty(rows, N, dtype=w.dtype, device=w.device)
-        launch = GemmLaunch(rows, N, K, self.stage_config(stream), self._grid(stream, rows, N), w.device)
+        cfg, grid, split = self.stage_config(stream), self._grid(stream, rows, N), None
+        group = self._group_of[s]
+        if not drain and len(group) > 1 and cfg.split_tail:  # a chain kernel's last stage: its tail split
+            shapes = [tuple(self.weights[t].shape) for t in group]
+            ctas = max(
+                1, min(self._sm_share(group[0]), sum(-(-rows // cfg.block_m) * -(-n // cfg.block_n) for _, n in shapes))
+            )
+            split = chain_tail_split(rows, shapes, cfg, ctas)
+            if split is None:
+                cfg = dataclasses.replace(cfg, split_tail=False)
+            else:
+                grid = max(grid, split.items)
+        launch = GemmLaunch(rows, N, K, cfg, grid, w.device, split=split)
         with torch.cuda.device(w.device) if self.on_gpu else contextlib.nullcontext():
             launch(a, w, c)
         return c
@@ -803,9 +817,10 @@ class Pipeline:
                 for s in group
             ]
             gemm = ChainLaunch(
-                P, stages, self.stage_config(group[0]), ctas, dev, ticket=plan.tickets[-1],
+                P, stages, self.stage_config(group[-1]), ctas, dev, ticket=plan.tickets[-1],
                 epoch=plan.epochs[group[0]], queue=queue, timeout_ns=self.timeout_ns,
             )  # fmt: skip
+            plan.tails.append(gemm.tail)  # its split tail's arrival counters (reset after a timeout)
             ops = [
                 (("x", 0, P) if s == 0 else inputs[s], ws[s], ("out", 0, P) if s == n - 1 else inputs[s + 1])
                 for s in group

@@ -120,12 +120,15 @@ def main():
         ((2, True, True, True), {}, [outer_wait | inner_signal, inner_wait | outer_signal], True),
         ((4, False, False, False), {}, [inner_signal, inner_wait | inner_signal, inner_wait | inner_signal,
                                         inner_wait], False),
+        ((2, False, False, False), {"split_tail": True}, [dict(inner_signal), dict(inner_wait)], False),
     ]  # fmt: skip
     for flags, options, hooks, queue_links in chains:
         fmt, roles = launcher_format(compile_chain(*flags, **options))
         fmt = tokens(fmt)
         stages = [ChainStage(N, K, stage=i, **({"err": i64(8)} | h)) for i, h in enumerate(hooks)]
-        launch = ChainLaunch(M, stages, cfg, ctas, dev, ticket=i64(1), epoch=i64(1), queue=queue_links)
+        chain_cfg = dataclasses.replace(cfg, split_tail=options.get("split_tail", False))
+        launch = ChainLaunch(M, stages, chain_cfg, ctas, dev, ticket=i64(1), epoch=i64(1), queue=queue_links)
+        assert (launch.tail is not None) == options.get("split_tail", False)  # 320 tiles on 132 CTAs: 56 left
         tma_store = options.get("tma_store", True)
         ops = []
         for i in range(len(stages)):

@@ -3,6 +3,8 @@ ticket in one combined order) under the Triton interpreter: results bitwise equa
 stages run one after another, the ticket's arithmetic for any number of calls, timeouts that
 end clean, links to other kernels through rings or counters."""
 
+import dataclasses
+
 import pytest
 import torch
 from protocol_state import preset_epoch
@@ -246,8 +248,6 @@ def test_chain_launch_refuses_what_it_cannot_run():
         ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=_i64(2, CPU))
     with pytest.raises(ValueError, match="last stage needs its error word"):
         ChainLaunch(M, [ChainStage(24, 16)], cfg, 2, CPU, ticket=t, epoch=e)
-    with pytest.raises(ValueError, match="no split tail"):
-        ChainLaunch(M, ok, GemmConfig(16, 16, 16, split_tail=True), 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="ticket must be an int64 tensor"):
         ChainLaunch(M, ok, cfg, 2, CPU, ticket=_i64(2, CPU), epoch=e)
 
@@ -264,3 +264,43 @@ def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
         Pipeline(ws[:2], loopback=False, ends="balanced")
     with pytest.raises(ValueError, match="need the stages on two GPUs"):
         Pipeline(ws[:2], config=PARTS, loopback=False, prefill_rows=16)
+
+
+SPLIT = dataclasses.replace(PARTS, split_tail=True)
+
+
+@pytest.mark.parametrize("M", [48, 33])
+def test_chain_split_tail_equals_the_stages_with_the_same_split(M):
+    """With ``split_tail``, the combined order's partial last round (within the last stage) runs
+    as K-slices claimed from the ticket: bitwise the stages one after another with the same
+    split; every tail tile written (NaN-poisoned output), the arrival counters back to zero,
+    the ticket moved by a run's claims (slices counted)."""
+    ws = chain(16, 48, 48)
+    pipe = Pipeline(ws, config=SPLIT, loopback=False)
+    plan = pipe.plan(M)
+    ch = plan.launches[0].gemm
+    assert ch.split is not None and ch.split.splits > 1  # 18 tiles on 4 CTAs: 2 left, 2 slices each
+    assert ch.claims_per_run == 4 * (-(-(18 - ch.split.tiles + ch.split.items) // 4) + 1)
+    for call in range(1, 3):
+        x = torch.randn(M, 16).half()
+        out = torch.full((M, 48), float("nan"), dtype=torch.float16)
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x))
+        assert ch.tail.counters.tolist() == [0] * ch.split.tiles
+        assert int(plan.tickets[0]) == call * ch.claims_per_run
+
+
+def test_chain_split_tail_timeout_is_clean():
+    """A tail tile whose input never completes: PipelineTimeout naming the last stage, and the
+    pipeline right again after it (its arrival counters reset)."""
+    ws = chain(16, 48, 48)
+    pipe = Pipeline(ws, config=SPLIT, loopback=False, timeout_s=0.05)
+    x = torch.randn(48, 16).half()
+    plan = pipe.plan(48)
+    ch = plan.launches[0].gemm
+    tail_tile = deps.grouped_tile(ch.split.first_pos, 3, 3, SPLIT.group_m)  # the first tail tile's row-block
+    plan.links[0].need_consumer[int(plan.links[0].counter_of_tile[tail_tile])] += 1
+    with pytest.raises(PipelineTimeout, match="stage 1"):
+        pipe(x, check=True)
+    plan.links[0].need_consumer[int(plan.links[0].counter_of_tile[tail_tile])] -= 1
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))

@@ -166,3 +166,13 @@ def test_the_fence_check_finds_a_missing_fence():
     assert unfenced_loads("\n".join([acquire, load, load])) == 2
     assert unfenced_loads("\n".join([acquire, fence, load, acquire, store, fence, load])) == 0
     assert unfenced_loads("\n".join([load, acquire, fence, load, acquire, load])) == 1
+
+
+def test_chain_kernel_split_tail_keeps_its_buffers_and_reads_partials_through_l2(report):
+    """With the last stage's tail split, the chain kernel keeps the same shared memory (the
+    slices' K loop is pipelined too), adds a second body of the last stage (the slices'), reads
+    the partials through L2 (``.cg``) and takes its arrival counters at GPU scope."""
+    r, b = report["chain2+split_tail"], report["chain2"]
+    assert b["smem"] <= r["smem"] <= b["smem"] + 1024
+    assert r["wgmma"] == b["wgmma"] + b["wgmma"] // 2 and r["ld_cg"] > 0 == b["ld_cg"]
+    assert r["atom_gpu"] > b["atom_gpu"] and r["unfenced_loads"] == 0

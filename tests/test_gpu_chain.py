@@ -2,6 +2,7 @@
 the stages one after another for 2 to 6 stages and ragged shapes, back-to-back calls and graph
 replays without reset, no wrap, a clean timeout, an SM budget."""
 
+import dataclasses
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from protocol_state import preset_epoch
 
 from ctapipelining.chain import ChainLaunch
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
 pytestmark = pytest.mark.gpu
@@ -144,6 +146,20 @@ def test_chain_kernels_linked_across_gpus(policy, devices):
         x = rand(M, dims[0])
         assert torch.equal(g(x), pipe.sequential(x))
     g.check_errors()
+
+
+@pytest.mark.parametrize("M", [640, 16384])
+def test_chain_split_tail(M):
+    """The chain kernel's last partial round split along K (``split_tail``): bitwise the stages
+    one after another with the same split, NaN-poisoned output, twice (compiled, then raw)."""
+    ws = chain(8192, 8192, 8192)
+    pipe = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True))
+    assert pipe.plan(M).launches[0].gemm.split is not None
+    for _ in range(2):
+        x = rand(M, 8192)
+        out = torch.full((M, 8192), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        pipe(x, out=out, check=True)
+        assert torch.equal(out, pipe.sequential(x))
 
 
 def test_chain_sm_budget():

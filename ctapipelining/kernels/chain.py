@@ -21,6 +21,13 @@ stage of :func:`~.gemm.gemm_kernel` does (``QUEUE``: those links follow the work
 policy; the ticket's position of a first-stage tile is then its ring position). The links
 inside the kernel always wait on counters (``static``), in parts (``Wait.PARTS``).
 
+With a split tail (:class:`~.gemm.Tail`, the host's ``chain_tail_split``), the combined order's
+partial last round, when it lies within the last stage, is cut into K-slices: each of its tiles
+becomes ``splits`` positions, claimed from the ticket like the others, each run as an item of
+:func:`~.gemm._split_tail` (after waiting for every part of the tile's input; the CTA that
+brings a tile's last slice sums them in slice order, stores and signals it), so the last round
+takes a fraction of a tile time where whole tiles would take one.
+
 The ticket only grows, like the counters: each CTA of the grid (whatever its size) claims a fixed
 number of times, one more than an even share of the positions (so its loop has a trip count, and
 a fast CTA may take an extra tile from a slow one), so a run moves it by ``grid * trips`` and run
@@ -40,7 +47,16 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .gemm import Operands, Protocol, _now, _poll_before, _run_tile, _signal_pending, tile_of_position
+from .gemm import (
+    Operands,
+    Protocol,
+    _now,
+    _poll_before,
+    _run_tile,
+    _signal_pending,
+    _split_tail,
+    tile_of_position,
+)
 from .sync import KIND_TICKET, fence_proxy_async, report_timeout, wait_slot
 
 MAX_STAGES = 4  # stages one chain kernel runs (the kernel takes their descriptors one by one)
@@ -57,6 +73,16 @@ class Stage(NamedTuple):
     err_ptr: object  # *i64: its error word (the last stage's: also where an inconsistent ticket is reported)
     trace_ptr: object  # *i64 [tiles, TRACE_FIELDS]: per-tile stamps (None: no trace)
     stage: object  # its index in the chain (error words name it)
+
+
+@triton.jit
+def _span(stage, tail, num_m, LAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The positions of ``stage`` in the combined order: its tiles, or, for the last stage with
+    a split tail, its whole tiles and then each tail tile's ``splits`` K-slices."""
+    tiles = num_m * tl.cdiv(stage.N, BLOCK_N)
+    if tail is not None and LAST:
+        tiles = tail.first + (tiles - tail.first) * tail.splits
+    return tiles
 
 
 @triton.jit
@@ -118,7 +144,7 @@ def _stage_tile(
 @triton.jit(do_not_specialize=["c_rows", "timeout_ns"])
 def chain_kernel(
     a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
-    stages,  # tuple of Stage, one per stage
+    stages, tail,  # tuple of Stage, one per stage; the last stage's split tail (gemm.Tail; None: off)
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
     ticket, epoch_ptr, timeout_ns,  # *i64 [1] positions claimed over all runs; *i64 [1] run count
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -132,9 +158,10 @@ def chain_kernel(
     # the stages present (len(stages) does not compile in Triton 3.6; a stage has an A descriptor)
     S: tl.constexpr = 1 + (a1 is not None) + (a2 is not None) + (a3 is not None)
     num_m = tl.cdiv(M, BLOCK_M)
-    total = 0
+    tl.static_assert(tail is None or not (S == 1 and QUEUE and stages[0].wait is not None), "a ring has no split tail")
+    total = 0  # positions: each stage's tiles (the last stage's tail tiles as their K-slices)
     for s in tl.static_range(S):
-        total += num_m * tl.cdiv(stages[s].N, BLOCK_N)
+        total += _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)
     epoch = tl.load(epoch_ptr)
     pending = tl.program_id(0) * 0 - 1  # a tile stored but not yet signalled, of stage pending_stage
     pending_stage = pending
@@ -153,8 +180,8 @@ def chain_kernel(
         if (pos < total) & alive:  # CTA-uniform
             lo = 0  # the stage's first position
             for s in tl.static_range(S):
-                tiles = num_m * tl.cdiv(stages[s].N, BLOCK_N)
-                if (pos >= lo) & (pos < lo + tiles):
+                span = _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)
+                if (pos >= lo) & (pos < lo + span):
                     # the CTA's tile of an earlier stage is signalled before it waits (a later tile may need it)
                     pending = _flush(pending, pending_stage, epoch, stages, c_descs, s, INTERPRET)
                     pending_stage = pending * 0 + s
@@ -162,11 +189,31 @@ def chain_kernel(
                     op = Operands(
                         a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stages[s].N, stages[s].k_tiles, stride_cm
                     )
-                    pending, alive = _stage_tile(
-                        stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        QUEUE and s == 0 and stages[s].wait is not None, QUEUE and s == S - 1, INTERPRET,
-                    )  # fmt: skip
-                lo += tiles
+                    queue_in: tl.constexpr = QUEUE and s == 0 and stages[s].wait is not None
+                    if tail is not None and s == S - 1:
+                        if pos - lo >= tail.first:  # a K-slice of a tail tile: the CTA's held tile first
+                            if stages[s].signal is not None:
+                                if pending_stage == s:
+                                    pending = _signal_pending(
+                                        pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
+                                    )
+                            prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
+                            _split_tail(
+                                op, prot, tail, (pos - lo - tail.first).to(tl.int32), num_m,
+                                tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
+                            )  # fmt: skip
+                        else:
+                            pending, alive = _stage_tile(
+                                stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, queue_in, QUEUE, INTERPRET,
+                            )  # fmt: skip
+                    else:
+                        pending, alive = _stage_tile(
+                            stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, queue_in, QUEUE and s == S - 1, INTERPRET,
+                        )  # fmt: skip
+                lo += span
     # the CTA's last tile: its stage's signal (the last stage's may cross to the next GPU)
     if stages[S - 1].signal is not None:
         if pending_stage == S - 1:

@@ -119,9 +119,10 @@ def compile_variant(
 
 def compile_chain(
     stages: int, wait_first: bool, signal_last: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3,
-    *, tma_store: bool = True, wait_parts: int = 4, trace: bool = False,
+    *, tma_store: bool = True, wait_parts: int = 4, trace: bool = False, split_tail: bool = False,
 ):  # fmt: skip
-    """Compile :func:`~.chain.chain_kernel` over ``stages`` stages for sm_90: the first stage
+    """Compile :func:`~.chain.chain_kernel` over ``stages`` stages for sm_90 (``split_tail``: the
+    last stage's tail split into K-slices): the first stage
     waiting on another GPU (``wait_first``), the last signalling one (``signal_last``), the
     links inside waiting in ``wait_parts`` parts; ``tma_store=False``: the last stage stores
     with ordinary stores."""
@@ -155,6 +156,10 @@ def compile_chain(
                 const[(at, i, field)] = None
         bundles.append(Stage("i32", "i32", wait, signal, "*i64", "*i64" if trace else "constexpr", "i32"))
     sig["stages"] = tuple(bundles)
+    if split_tail:
+        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
+    else:
+        sig["tail"], const["tail"] = "constexpr", None
     sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", epoch_ptr="*i64", timeout_ns="i64")
     if tma_store:
         sig["c_ptr"], const["c_ptr"] = "constexpr", None
@@ -207,6 +212,7 @@ def report() -> dict:
         "chain2+ordinary_store": ((2, False, False, False), {"tma_store": False}),
         "chain2+outer_queue": ((2, True, True, True), {}),
         "chain4": ((4, False, False, False), {}),
+        "chain2+split_tail": ((2, False, False, False), {"split_tail": True}),
     }
     for name, (flags, options) in chains.items():
         out[name] = _summary(compile_chain(*flags, **options))

@@ -334,13 +334,14 @@ def _run_tile(
 
 @triton.jit
 def _split_tail(
-    op, prot, tail, num_m, num_n, alive, wait, signal,
+    op, prot, tail, item, num_m, num_n, alive, wait, signal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """After the full rounds: this CTA's slice of the split tail (:class:`Tail`) of ``op``.
+    """After the full rounds: work item ``item`` of the split tail (:class:`Tail`) of ``op``
+    (the plain kernel's CTA ``i`` runs item ``i``; a chain kernel's CTAs claim them).
 
-    CTA ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
+    Item ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
     for its input, in a consumer: every part of it, one vote) and stores the fp32 partial in
     ``workspace`` (slot ``i``). Ordering: every thread's partial stores, a CTA barrier, then
     one thread's ``atom.add.acq_rel.gpu`` on the tile's arrival counter (release: the partials
@@ -349,7 +350,6 @@ def _split_tail(
     add them in slice order (so the sum does not depend on who came last), store and signal
     the tile, and set the counter back to 0 for the next launch.
     """
-    item = tl.program_id(0)
     j = item // tail.splits
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
@@ -459,5 +459,6 @@ def gemm_kernel(
         _signal_pending(pending, epoch, signal, c_desc is not None, QUEUE, INTERPRET)
     if tail is not None:
         _split_tail(
-            op, prot, tail, num_m, num_n, alive, wait, signal, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET
-        )
+            op, prot, tail, tl.program_id(0), num_m, num_n, alive, wait, signal,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
+        )  # fmt: skip
