@@ -427,14 +427,19 @@ def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration) -> float
     return sum(simulate_gemm(M, k, n, cal, split_tail=True) for k, n in zip(dims, dims[1:]))
 
 
-def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:
+def simulate_chain_kernel(
+    M: int, dims: list[int], cal: Calibration, wait_parts: int = 8, split_tail: bool = False
+) -> float:
     """The stages of ``dims`` sharing one GPU in one chain kernel (:mod:`ctapipelining.kernels.chain`):
     CTAs claim the positions of the combined order (every tile of stage 0 in its tile order, then
     of stage 1, ...) as they come free; a tile of a later stage waits for each part of its
     input as :func:`_gemm_stage` does; a tile is signalled a fraction into its CTA's next tile of
     the same stage, or when its CTA takes a tile of a later stage (before it waits), or ends.
     Tiles take :attr:`Calibration.chain_tile_factor` times the GEMM's, the kernel
-    :attr:`Calibration.chain_fixed_ns` more. Returns the GPU time."""
+    :attr:`Calibration.chain_fixed_ns` more. ``split_tail``: the combined order's partial last
+    round, when it lies in the last stage, runs as K-slices (each waits for its tile's whole
+    input; a tile is done with its last slice, plus :attr:`Calibration.tail_slice_ns` per
+    slice). Returns the GPU time."""
     bm, bn = cal.block_m, cal.block_n
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
@@ -450,9 +455,17 @@ def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts:
     cta_free = np.zeros(P)
     pending: dict[int, tuple[int, int]] = {}
     heap = [(0.0, c) for c in range(P)]  # CTAs free at the same time claim in CTA order
+    total = sum(g.num_tiles for g in grids)
+    k_last = -(-dims[-2] // cal.block_k)
+    split = deps.split_tail(total, P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
+    if split is not None and split.first_pos < total - grids[-1].num_tiles:
+        split = None  # the tail reaches into an earlier stage: no split (as chain_tail_split)
+    end_all = 0.0
     for s, grid in enumerate(grids):
         t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
-        for tile in deps.tile_order(grid, cal.group_m):
+        order = deps.tile_order(grid, cal.group_m)
+        first_tail = grid.num_tiles if split is None or s < S - 1 else split.first_pos - (total - grid.num_tiles)
+        for tile in order[:first_tail]:
             t, c = heapq.heappop(heap)
             same = c in pending and pending[c][0] == s
             if c in pending and not same:  # flushed before this tile waits
@@ -481,7 +494,28 @@ def simulate_chain_kernel(M: int, dims: list[int], cal: Calibration, wait_parts:
             if s < S - 1:
                 pending[c] = (s, tile)
             heapq.heappush(heap, (cta_free[c], c))
-    return float(cta_free.max()) + cal.chain_fixed_ns + cal.launch_ns
+        for tile in order[first_tail:]:  # the last stage's tail tiles, in K-slices
+            done = 0.0
+            for p in range(split.splits):
+                t, c = heapq.heappop(heap)
+                if c in pending:
+                    ps, pt = pending.pop(c)
+                    signal[ps][pt] = t
+                d = links[s - 1] if s > 0 else None
+                ready = t
+                if d is not None:
+                    ps_all = np.concatenate(
+                        [producers[s - 1][int(d.counter_of_tile[tile]) + q] for q in range(d.parts)]
+                    )
+                    sig = signal[s - 1][ps_all]
+                    sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps_all]], sig)
+                    ready = max(t, float(sig.max()) + cal.t2_ns) + cal.t3_ns
+                k0, k1 = p * k_last // split.splits, (p + 1) * k_last // split.splits
+                cta_free[c] = ready + (k1 - k0) / k_last * t_tile
+                done = max(done, cta_free[c])
+                heapq.heappush(heap, (cta_free[c], c))
+            end_all = max(end_all, done + split.splits * cal.tail_slice_ns)
+    return max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
 
 
 def simulate_loopback(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:

@@ -246,3 +246,16 @@ def test_split_tail_model():
     got = sim.simulate_gemm(16384, 8192, 8192, CAL, split_tail=True)
     assert got == pytest.approx(31 * t + t / 8 + 8 * CAL.tail_slice_ns + CAL.launch_ns, rel=1e-6)
     assert got < sim.simulate_gemm(16384, 8192, 8192, CAL)
+
+
+def test_chain_kernel_model_with_a_split_tail():
+    """At 640 rows (320 positions on 132 SMs: a third round of 56 tiles in the last stage, split
+    in two) the split tail saves about half a tile round; at 2048 rows (100 tiles left: no room to
+    split) it changes nothing."""
+    t = CAL.tile_ns(8192)
+    whole = sim.simulate_chain_kernel(640, [8192] * 3, CAL)
+    split = sim.simulate_chain_kernel(640, [8192] * 3, CAL, split_tail=True)
+    assert 0.3 * t < whole - split < 0.6 * t
+    assert sim.simulate_chain_kernel(2048, [8192] * 3, CAL, split_tail=True) == sim.simulate_chain_kernel(
+        2048, [8192] * 3, CAL
+    )
