@@ -268,8 +268,8 @@ class GemmLaunch:
         check_wait(wait, err, K)
         if split is None:
             split = tail_split(M, N, K, cfg, num_ctas)
-        elif not (0 < split.first_pos and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)
-                  and split.items <= num_ctas):  # fmt: skip
+        elif not (0 <= split.first_pos and split.tiles >= 1 and split.splits >= 1 and split.items <= num_ctas
+                  and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)):  # fmt: skip
             raise ValueError(f"{split} is not a tail of {M} x {N} on {num_ctas} CTAs")
         if split is not None and wait is not None and wait.queue:
             raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")

@@ -587,7 +587,9 @@ class Pipeline:
         ``workqueue`` consumer (it runs whole tiles in readiness order) and for a chain
         kernel's stages but its last (the tail of the combined order lies in the last stage:
         :func:`ctapipelining.chain.chain_tail_split`). The sequential GEMMs with these
-        configurations (and a chain kernel's tail split) give bitwise the chain's result."""
+        configurations (and a chain kernel's tail split, :func:`ctapipelining.chain.chain_tail_split`:
+        the last stage run alone with this configuration splits its own tail, not the chain's) give
+        bitwise the chain's result."""
         queue_consumer = s > 0 and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
         if self.config.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):

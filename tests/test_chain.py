@@ -304,3 +304,44 @@ def test_chain_split_tail_timeout_is_clean():
         pipe(x, check=True)
     plan.links[0].need_consumer[int(plan.links[0].counter_of_tile[tail_tile])] -= 1
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_sequential_runs_the_last_stage_with_the_chain_kernels_split(monkeypatch):
+    """The reference splits the last stage's tail as the chain kernel does (fp16 rounding can
+    hide a different split's summation order, so the split itself is checked), also when the
+    whole last stage is the tail (its first tail position 0)."""
+    import ctapipelining.pipeline as pl
+
+    seen = []
+    real = pl.GemmLaunch
+
+    def recording(*args, **kw):
+        seen.append(kw.get("split"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pl, "GemmLaunch", recording)
+    for dims, M in (((16, 48, 48), 48), ((64, 64, 32), 16)):
+        pipe = Pipeline(chain(*dims), config=SPLIT, loopback=False)
+        split = pipe.plan(M).launches[0].gemm.split
+        assert split is not None
+        seen.clear()
+        x = torch.randn(M, dims[0]).half()
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+        assert seen == [None, split], (dims, seen)  # the first stage whole, the last with the chain's split
+
+
+def test_chain_split_tail_counters_are_reset_after_a_timeout():
+    """A timed-out tail leaves a tile's arrival counter part way (one slice in, the other
+    skipped): the reset after the timeout sets it back, so later calls are right."""
+    ws = chain(16, 32, 80)
+    pipe = Pipeline(ws, config=SPLIT, loopback=False, timeout_s=0.05)
+    plan = pipe.plan(48)
+    assert plan.launches[0].gemm.split is not None
+    plan.links[0].need_consumer[0] += 1  # row-block 0, part 0 never completes
+    with pytest.raises(PipelineTimeout):
+        pipe(torch.randn(48, 16).half(), check=True)
+    plan.links[0].need_consumer[0] -= 1
+    assert all(int(c) == 0 for c in plan.launches[0].gemm.tail.counters)
+    for _ in range(2):
+        x = torch.randn(48, 16).half()
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))

@@ -198,7 +198,7 @@ def chain_kernel(
                                         pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
                                     )
                             prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
-                            _split_tail(
+                            alive = _split_tail(
                                 op, prot, tail, (pos - lo - tail.first).to(tl.int32), num_m,
                                 tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,

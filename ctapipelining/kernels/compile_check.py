@@ -213,6 +213,7 @@ def report() -> dict:
         "chain2+outer_queue": ((2, True, True, True), {}),
         "chain4": ((4, False, False, False), {}),
         "chain2+split_tail": ((2, False, False, False), {"split_tail": True}),
+        "chain2+signal+split_tail": ((2, False, True, False), {"split_tail": True}),
     }
     for name, (flags, options) in chains.items():
         out[name] = _summary(compile_chain(*flags, **options))

@@ -348,9 +348,11 @@ def _split_tail(
     before the count). The CTA that brings the count to ``splits`` has acquired every other
     slice's release; after a second barrier its threads read all partials from L2 (``.cg``),
     add them in slice order (so the sum does not depend on who came last), store and signal
-    the tile, and set the counter back to 0 for the next launch.
+    the tile, and set the counter back to 0 for the next launch. Returns whether its waits
+    held (CTA-uniform; ``alive`` if the item has no slice).
     """
     j = item // tail.splits
+    ready = alive
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -389,6 +391,7 @@ def _split_tail(
         else:
             if wait is not None:
                 _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
+    return ready
 
 
 @triton.jit(do_not_specialize=["c_rows", "stage", "timeout_ns"])
