@@ -24,7 +24,9 @@ from .gemm import (
     check_wait,
     descriptor,
     interpreting,
+    launch_constexprs,
     signal_bundle,
+    tma_blocks,
     wait_bundle,
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
@@ -34,19 +36,13 @@ from .launcher import RawLaunch, addresses
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
     """The split tail of a chain kernel over stages of ``(K, N)`` ``shapes`` on ``M`` rows (None:
-    none): with ``config.split_tail``, the partial last round of the combined order, split along
-    K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), if it lies within the
-    last stage. Its ``first_pos`` counts from the last stage's first tile, as the stage run
-    alone would (:meth:`ctapipelining.pipeline.Pipeline.sequential` runs it so)."""
+    none): with ``config.split_tail``, :func:`ctapipelining.deps.last_stage_tail` of the combined
+    order (:meth:`ctapipelining.pipeline.Pipeline.sequential` runs the last stage with it)."""
     if not config.split_tail:
         return None
     tiles = [_cdiv(M, config.block_m) * _cdiv(n, config.block_n) for _, n in shapes]
     k_tiles = _cdiv(shapes[-1][0], config.block_k)
-    split = deps.split_tail(sum(tiles), num_ctas, k_tiles, 1 if interpreting() else deps.TAIL_MIN_SLICE_K)
-    before = sum(tiles[:-1])
-    if split is None or split.first_pos < before:
-        return None
-    return deps.TailSplit(split.first_pos - before, split.tiles, split.splits)
+    return deps.last_stage_tail(tiles, num_ctas, k_tiles, 1 if interpreting() else deps.TAIL_MIN_SLICE_K)
 
 
 @dataclass
@@ -146,17 +142,9 @@ class ChainLaunch:
         self._state = (ticket, epoch, timeout_ns)
         self._bundle, self._addresses = (bundle, tail), (addresses(bundle), addresses(tail))
         self._state_addresses = addresses(self._state)
-        self._constexprs = dict(
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            GROUP_M=config.group_m,
-            QUEUE=queue,
-            INTERPRET=interpreting(),
-        )
+        self._constexprs = launch_constexprs(config, queue)
         self._trailing = tuple(self._constexprs.values())
-        bm, bn, bk = config.block_m, config.block_n, config.block_k
-        self._blocks = ([bm, bk], [bk, bn], [bm, bn])
+        self._blocks = tma_blocks(config)
         self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
 
     def __call__(self, ops: list[tuple], stream: int | None = None):

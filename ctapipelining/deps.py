@@ -394,6 +394,18 @@ def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) ->
     return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None
 
 
+def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
+    """The split tail of one persistent loop over several stages' tiles in turn (``tiles[s]``
+    each; a chain kernel's combined order): :func:`split_tail` of the whole, if it lies within
+    the last stage (``k_tiles``: its K-steps), with ``first_pos`` counted from the last stage's
+    first tile, as the stage run alone counts it; else None."""
+    split = split_tail(sum(tiles), num_ctas, k_tiles, min_slice_k)
+    before = sum(tiles[:-1])
+    if split is None or split.first_pos < before:
+        return None
+    return TailSplit(split.first_pos - before, split.tiles, split.splits)
+
+
 def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """``(R, D)``: the rows a two-stage chain's second GPU prefills and its first GPU drains
     (``Pipeline(ends="balanced")``), so that the two GPUs' paths are about as long.

@@ -214,6 +214,21 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
+def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None) -> dict:
+    """A kernel's trailing ``tl.constexpr`` arguments, in signature order (``NUM_CTAS``: the GEMM
+    kernel's; a chain kernel counts its grid itself)."""
+    out = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    if num_ctas is not None:
+        out["NUM_CTAS"] = num_ctas
+    return out | dict(QUEUE=queue, INTERPRET=interpreting())
+
+
+def tma_blocks(config: GemmConfig) -> tuple[list[int], list[int], list[int]]:
+    """The TMA block shapes of A, B and C for ``config``'s tiles."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    return [bm, bk], [bk, bn], [bm, bn]
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``t`` (already checked: 2-D, rows 16-byte aligned, contiguous last
     dimension): Triton's :class:`TensorDescriptor` without its own checks, which cost more host
@@ -292,17 +307,9 @@ class GemmLaunch:
         self._sizes = (M, N, _cdiv(K, cfg.block_k))
         self._bundles = bundles
         self._addresses = tuple(addresses(b) for b in bundles)  # plan-held: they never move
-        self._constexprs = dict(
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            NUM_CTAS=num_ctas,
-            QUEUE=self.queue,
-            INTERPRET=interpreting(),
-        )
+        self._constexprs = launch_constexprs(cfg, self.queue, num_ctas)
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
-        self._blocks = ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n])
+        self._blocks = tma_blocks(cfg)
         self._compiled = {}  # (TMA store, row stride of c, dtype) -> (Triton's compiled kernel, its RawLaunch)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None):

@@ -623,10 +623,7 @@ class Pipeline:
         group = self._group_of[s]
         if not drain and len(group) > 1 and cfg.split_tail:  # a chain kernel's last stage: its tail split
             shapes = [tuple(self.weights[t].shape) for t in group]
-            ctas = max(
-                1, min(self._sm_share(group[0]), sum(-(-rows // cfg.block_m) * -(-n // cfg.block_n) for _, n in shapes))
-            )
-            split = chain_tail_split(rows, shapes, cfg, ctas)
+            split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows))
             if split is None:
                 cfg = dataclasses.replace(cfg, split_tail=False)
             else:
@@ -804,7 +801,7 @@ class Pipeline:
         def bind_chain(group):
             """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
             dev = devs[group[0]]
-            ctas = max(1, min(self._sm_share(group[0]), sum(grids[s].num_tiles for s in group)))
+            ctas = self._chain_grid(group, P)
             plan.tickets.append(_i64(1, dev))
             stages = [
                 ChainStage(
@@ -870,6 +867,13 @@ class Pipeline:
         CTA per SM of the stage's share, fewer when there are fewer tiles."""
         cfg = self.config
         return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
+
+    def _chain_grid(self, group: list[int], rows: int) -> int:
+        """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows: a
+        CTA per SM of its share, fewer when all its stages have fewer tiles."""
+        cfg = self.config
+        tiles = sum(-(-rows // cfg.block_m) * -(-self.weights[s].shape[1] // cfg.block_n) for s in group)
+        return max(1, min(self._sm_share(group[0]), tiles))
 
     def _sm_share(self, s: int) -> int:
         """The CTAs stage ``s`` may hold: its GPU's SMs (at most :attr:`sm_budget`); in loopback

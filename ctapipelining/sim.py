@@ -455,16 +455,23 @@ def simulate_chain_kernel(
     cta_free = np.zeros(P)
     pending: dict[int, tuple[int, int]] = {}
     heap = [(0.0, c) for c in range(P)]  # CTAs free at the same time claim in CTA order
-    total = sum(g.num_tiles for g in grids)
+
+    def visible(s, tile, q):
+        """When part ``q`` of stage ``s``'s ``tile``'s input is visible: its producers' signals,
+        a signal not yet sent estimated at its CTA's free time (when it is flushed)."""
+        ps = producers[s - 1][int(links[s - 1].counter_of_tile[tile]) + q]
+        sig = signal[s - 1][ps]
+        sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps]], sig)
+        return float(sig.max()) + cal.t2_ns
+
     k_last = -(-dims[-2] // cal.block_k)
-    split = deps.split_tail(total, P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
-    if split is not None and split.first_pos < total - grids[-1].num_tiles:
-        split = None  # the tail reaches into an earlier stage: no split (as chain_tail_split)
+    tiles = [g.num_tiles for g in grids]
+    split = deps.last_stage_tail(tiles, P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
     end_all = 0.0
     for s, grid in enumerate(grids):
         t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
         order = deps.tile_order(grid, cal.group_m)
-        first_tail = grid.num_tiles if split is None or s < S - 1 else split.first_pos - (total - grid.num_tiles)
+        first_tail = grid.num_tiles if split is None or s < S - 1 else split.first_pos
         for tile in order[:first_tail]:
             t, c = heapq.heappop(heap)
             same = c in pending and pending[c][0] == s
@@ -474,17 +481,10 @@ def simulate_chain_kernel(
             begin = end = t
             if s > 0:
                 d = links[s - 1]
-
-                def visible(q, s=s, d=d, tile=tile):
-                    ps = producers[s - 1][int(d.counter_of_tile[tile]) + q]
-                    sig = signal[s - 1][ps]
-                    sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps]], sig)  # flushed when its CTA is free
-                    return float(sig.max()) + cal.t2_ns
-
-                begin = end = max(t, visible(0)) + cal.t3_ns
+                begin = end = max(t, visible(s, tile, 0)) + cal.t3_ns
                 for q in range(1, d.parts):
                     frac = (d.part_k_start(q) - d.part_k_start(q - 1)) / dims[s]
-                    end = max(end + frac * t_tile, visible(q))
+                    end = max(end + frac * t_tile, visible(s, tile, q))
                 end -= d.part_k_start(d.parts - 1) / dims[s] * t_tile
             if same:
                 ps, pt = pending.pop(c)
@@ -501,15 +501,9 @@ def simulate_chain_kernel(
                 if c in pending:
                     ps, pt = pending.pop(c)
                     signal[ps][pt] = t
-                d = links[s - 1] if s > 0 else None
                 ready = t
-                if d is not None:
-                    ps_all = np.concatenate(
-                        [producers[s - 1][int(d.counter_of_tile[tile]) + q] for q in range(d.parts)]
-                    )
-                    sig = signal[s - 1][ps_all]
-                    sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps_all]], sig)
-                    ready = max(t, float(sig.max()) + cal.t2_ns) + cal.t3_ns
+                if s > 0:  # every part of its input
+                    ready = max(t, max(visible(s, tile, q) for q in range(links[s - 1].parts))) + cal.t3_ns
                 k0, k1 = p * k_last // split.splits, (p + 1) * k_last // split.splits
                 cta_free[c] = ready + (k1 - k0) / k_last * t_tile
                 done = max(done, cta_free[c])

@@ -195,11 +195,10 @@ def chain_kernel(
                     queue_in: tl.constexpr = QUEUE and s == 0 and stages[s].wait is not None
                     if tail is not None and s == S - 1:
                         if pos - lo >= tail.first:  # a K-slice of a tail tile: the CTA's held tile first
-                            if stages[s].signal is not None:
-                                if pending_stage == s:
-                                    pending = _signal_pending(
-                                        pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
-                                    )
+                            if stages[s].signal is not None:  # (pending_stage is s: set above)
+                                pending = _signal_pending(
+                                    pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
+                                )
                             prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
                             alive = _split_tail(
                                 op, prot, tail, (pos - lo - tail.first).to(tl.int32), num_m,

@@ -59,6 +59,19 @@ SIGNAL_TYPES = dict(counters="*i64", signal_ptr="*i32", signal_counters="*i32", 
                     push_tiles="*i32", slots="*i64", tail="*i64", consumer_tiles="i32")  # fmt: skip
 
 
+def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int):
+    """Compile ``kernel`` for sm_90 with the argument types ``sig`` (its constexpr parameters,
+    those after ``timeout_ns``, filled in) and the constexpr values ``const``."""
+    names = kernel.arg_names
+    for n in names[names.index("timeout_ns") + 1 :]:
+        sig[n] = "constexpr"
+    assert set(sig) == set(names), set(names) ^ set(sig)
+    src = triton.compiler.ASTSource(fn=kernel, signature={n: sig[n] for n in names}, constexprs=const)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
 def compile_variant(
     wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, *,
     tma_store: bool = True, trace: bool = False, split_tail: bool = False, wait_parts: int = 1,
@@ -108,13 +121,7 @@ def compile_variant(
     else:
         off("trace_ptr")
     const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, NUM_CTAS=132, QUEUE=queue, INTERPRET=False)
-    for n in names[names.index("timeout_ns") + 1 :]:
-        sig[n] = "constexpr"
-    assert set(sig) == set(names), set(names) ^ set(sig)
-    src = triton.compiler.ASTSource(fn=gemm_kernel, signature={n: sig[n] for n in names}, constexprs=const)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
-    )
+    return _compile(gemm_kernel, sig, const, num_warps, num_stages)
 
 
 def compile_chain(
@@ -166,13 +173,7 @@ def compile_chain(
     else:
         sig["c_ptr"] = "*bf16"
     const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, QUEUE=queue, INTERPRET=False)
-    for n in names[names.index("timeout_ns") + 1 :]:
-        sig[n] = "constexpr"
-    assert set(sig) == set(names), set(names) ^ set(sig)
-    src = triton.compiler.ASTSource(fn=chain_kernel, signature={n: sig[n] for n in names}, constexprs=const)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
-    )
+    return _compile(chain_kernel, sig, const, num_warps, num_stages)
 
 
 def unfenced_loads(ptx: str) -> int:
