@@ -489,11 +489,35 @@ def run(args) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     protocol = dict(order=args.order, rest_ms=args.rest_ms, seed=0)
+    env = environment()
+
+    def save(rows: list[Row]) -> tuple[list[dict], dict]:
+        """Write what is measured so far (after each size: a run cut short keeps its sizes)."""
+        sums = [r.summary() for r in rows]
+        raw = [dict(asdict(r)) for r in rows]
+        results = dict(
+            gpus=args.gpus,
+            environment=env,
+            k=args.k,
+            summaries=sums,
+            protocol=protocol,
+            ends=ends if ends == "balanced" else dict(prefill_rows=ends[0], drain_rows=ends[1]),
+            headline=headline(sums, raw),
+            raw=raw,
+        )
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        with open(args.out / "results.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(sums[0]))
+            w.writeheader()
+            w.writerows(sums)
+        return sums, results
+
     rows: list[Row] = []
     for M in args.seq:
         rows += _bench_seq(
             M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, ends
         )
+        save(rows)
         torch.cuda.empty_cache()
     if args.hooks_seq:
         rows += _bench_hooks(args.hooks_seq, args.k, args.reps, args.warmup, progress)
@@ -501,23 +525,7 @@ def run(args) -> int:
         rows += _bench_fig7(args.fig7_seq, args.k, args.gpus, args.reps, args.warmup, args.sets, progress)
     if bar:
         bar.close()
-    sums = [r.summary() for r in rows]
-    raw = [dict(asdict(r)) for r in rows]
-    results = dict(
-        gpus=args.gpus,
-        environment=environment(),
-        k=args.k,
-        summaries=sums,
-        protocol=protocol,
-        ends=ends if ends == "balanced" else dict(prefill_rows=ends[0], drain_rows=ends[1]),
-        headline=headline(sums, raw),
-        raw=raw,
-    )
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    with open(args.out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(sums[0]))
-        w.writeheader()
-        w.writerows(sums)
+    sums, results = save(rows)
     print(table(sums))
     print("\nheadline (CTA-pipelining = best of both policies):")
     for h in results["headline"]:
