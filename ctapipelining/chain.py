@@ -148,18 +148,20 @@ class ChainLaunch:
         self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
 
     def __call__(self, ops: list[tuple], stream: int | None = None):
-        """Launch on ``stream`` (raw handle on the current device; default its current stream)
+        """Launch on ``stream`` (raw handle on the kernel's GPU, that of the first stage's weights;
+        default its current stream)
         with ``ops[i] = (a, b, c)`` of stage ``i`` (``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c``
         ``[m, N]``, already checked, ``m <= M``; only the last ``c`` may have padded rows, and
         only it may be a caller's tensor whose rows past ``m`` are not written). Returns
         Triton's compiled kernel."""
-        c = ops[-1][2]
+        c = ops[-1][2]  # on a peer GPU when the last stage writes across
+        device = ops[0][1].device  # the kernel's GPU: where its first stage's weights are
         stride = c.stride(0)
         tma_store = stride == c.shape[1]
         key = (tma_store, stride, c.dtype)
         got = self._compiled.get(key)
         if stream is None and not interpreting():
-            stream = torch._C._cuda_getCurrentRawStream(c.device.index)
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops))
@@ -179,7 +181,7 @@ class ChainLaunch:
                 descs += [None, None, None]
         args = (*descs, *self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
         on_stream = not interpreting()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=c.device)) if on_stream else nullcontext():
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if on_stream else nullcontext():
             kernel = chain_kernel[(self.num_ctas,)](
                 *args, **self._constexprs, num_stages=self.config.num_stages, num_warps=self.config.num_warps
             )

@@ -1086,6 +1086,9 @@ class Pipeline:
                             kernels[t] = kernel
                 if self.on_gpu and s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
+                if self.on_gpu:  # the caller's stream current again on this device: a later
+                    # stage's copy from it (a prefill's x) must not queue behind this stage's kernel
+                    torch.cuda.set_stream(saved[self._device_indices.index(self.devices[s].index)])
         except BaseException:
             plan.stale = True
             if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work

@@ -176,3 +176,16 @@ def test_chain_kernel_split_tail_keeps_its_buffers_and_reads_partials_through_l2
     assert b["smem"] <= r["smem"] <= b["smem"] + 1024
     assert r["wgmma"] == b["wgmma"] + b["wgmma"] // 2 and r["ld_cg"] > 0 == b["ld_cg"]
     assert r["atom_gpu"] > b["atom_gpu"] and r["unfenced_loads"] == 0
+
+
+def test_clock_probe_compiles_and_each_side_votes_on_its_waits():
+    """The clock probe of ``ctapipelining trace`` (two GPUs only): both sides compile, and
+    every wait ends in a CTA-wide vote."""
+    code = "import json; from ctapipelining.kernels.compile_check import compile_probe as p; print(json.dumps(p()))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    serve, answer = json.loads(r.stdout)
+    for side in (serve, answer):
+        assert side["vote"] >= 1 and side["vote"] == side["ld_acquire_sys"], side
+        assert side["atom_sys"] >= 1, side

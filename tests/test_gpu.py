@@ -424,6 +424,32 @@ def test_prefill_bitwise(policy):
 
 
 @pytest.mark.gpu2
+def test_prefill_runs_while_the_producer_still_runs():
+    """The prefill (its copy of x, then its GEMM on GPU 1) does not queue behind the producer
+    on GPU 0: with the producer held back ~0.2 s, the prefill's rows of layer 1 land long
+    before the producer ends (a copy issued on GPU 0's stage stream would wait for it)."""
+    ws = weights([8192, 8192, 8192], ["cuda:0", "cuda:1"])
+    pipe = Pipeline(ws, prefill_rows=1024, timeout_s=5.0)
+    M = 4096
+    plan = pipe.plan(M)
+    x = rand(M, 8192, device="cuda:0")
+    expect = (x[:1024] @ ws[0]).to("cuda:1")  # only the timing matters here; bitwise: the tests above
+    plan.inputs[1].fill_(float("nan"))
+    torch.cuda.synchronize("cuda:0"), torch.cuda.synchronize("cuda:1")
+    pipe._launch(plan, x, torch.empty(M, 8192, dtype=torch.bfloat16, device="cuda:1"), delay_cycles={0: 400_000_000})
+    time.sleep(0.05)
+    side = torch.cuda.Stream("cuda:1")
+    with torch.cuda.stream(side):
+        landed = plan.inputs[1][:1024].clone()
+    side.synchronize()
+    producer_busy = not pipe.streams[0].query()
+    pipe.check_errors(plan)
+    assert producer_busy, "the producer ended within 0.05 s: the delay did not hold it back"
+    assert not landed.isnan().any(), "the prefill's rows had not landed while the producer was held back"
+    torch.testing.assert_close(landed.float(), expect.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu2
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_drain_bitwise(policy):
     """GPU 0 computes the last rows of both layers itself after its producer (a replica of B),

@@ -223,5 +223,16 @@ def report() -> dict:
     return out
 
 
+def compile_probe():
+    """Compile both sides of :func:`ctapipelining.kernels.probe.pingpong_kernel` for sm_90."""
+    from .probe import pingpong_kernel
+
+    sig = dict(local_flag="*i32", remote_flag="*i32", out="*i64", rounds="i32", timeout_ns="i64")
+    return [
+        _summary(_compile(pingpong_kernel, dict(sig), dict(SERVE=serve), num_warps=1, num_stages=1))
+        for serve in (True, False)
+    ]
+
+
 if __name__ == "__main__":
     print(json.dumps(report(), indent=1))

@@ -20,19 +20,22 @@ def pingpong_kernel(local_flag, remote_flag, out, rounds, timeout_ns, SERVE: tl.
     t_send = t0
     t_recv = t0
     i = tl.full((), 1, tl.int32)
-    seen = tl.full((), 0, tl.int32)
-    while (i <= rounds) & (seen >= i - 1):
+    done = tl.full((), 0, tl.int32)  # rounds completed
+    ok = i > 0
+    while (i <= rounds) & ok:  # ``ok`` is the CTA's vote: the loop stays CTA-uniform
         if SERVE:
             t_send = globaltimer()
             tl.atomic_xchg(remote_flag, i, sem="release", scope="sys")
-            seen = wait_geq(local_flag, i, timeout_ns, False)
+            _, ok = wait_geq(local_flag, i, timeout_ns, False)
             t_recv = globaltimer()
         else:
-            seen = wait_geq(local_flag, i, timeout_ns, False)
+            _, ok = wait_geq(local_flag, i, timeout_ns, False)
             t_recv = globaltimer()
-            tl.atomic_xchg(remote_flag, i, sem="release", scope="sys")
+            if ok:
+                tl.atomic_xchg(remote_flag, i, sem="release", scope="sys")
+        done = tl.where(ok, i, done)
         i += 1
     tl.store(out, globaltimer() - t0)
-    tl.store(out + 1, tl.minimum(i - 1, seen).to(tl.int64))
+    tl.store(out + 1, done.to(tl.int64))
     tl.store(out + 2, t_send)
     tl.store(out + 3, t_recv)
