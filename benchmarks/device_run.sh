@@ -11,6 +11,8 @@
 #   decision (2 GPUs: issue 19's first part) the bench at 2048, 4096, 8192, 16384 rows: every method
 #          and baseline (micro-batching on cuBLAS and on our GEMM, TP plain and overlapped, data
 #          parallelism with replicas, the chain with and without ends), BENCH_REPS (default 30) -> decision.log, decision/
+#   depth  (2 GPUs) the bench with 4 layers on 2 GPUs (two per GPU, each pair one chain kernel) at 2048,
+#          8192, 16384 rows against the floor (two of our GEMMs on one GPU) and micro-batching -> depth.log, depth/
 #   order  the bench at 16384 rows in fixed and in shuffled order (same machine) -> order-*.log, order-*/
 #   hooks  the bench at 16384 rows with each hook's cost timed alone           -> hooks.log, hooks/
 #   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
@@ -46,7 +48,10 @@ for step in $STEPS; do
       grep -E "$SUMMARY" "$OUT/bench.log" | tail -60 ;;
     decision) timeout 560 $CLI bench --seq 2048,4096,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
         --hooks-seq 0 --out "$OUT/decision" > "$OUT/decision.log" 2>&1
-      grep -E "$SUMMARY" "$OUT/decision.log" | tail -60 ;;
+      grep -E "$SUMMARY|^ +[0-9]+ (placed|repl)" "$OUT/decision.log" | tail -60 ;;
+    depth) timeout 400 $CLI bench --gpus 2 --layers 4 --seq 2048,8192,16384 --chunks 512,1024,2048 \
+        --reps "${BENCH_REPS:-30}" --hooks-seq 0 --out "$OUT/depth" > "$OUT/depth.log" 2>&1
+      grep -E "$SUMMARY|^ +[0-9]+ (placed|repl)" "$OUT/depth.log" | tail -40 ;;
     order) for o in fixed shuffled; do
         timeout 150 $CLI bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
           --hooks-seq 0 --order $o --out "$OUT/order-$o" > "$OUT/order-$o.log" 2>&1

@@ -19,6 +19,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from .trace import clock_offset
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
 MICROBATCH = ("microbatch", "microbatch_ours")  # chunks of cuBLAS or of our GEMM: the best of both counts
 TP = ("tp", "tp_graph", "tp_overlap")  # eager, graph-replayed, all-reduce overlapped: the fastest counts
+FLOORS = ("floor_cublas", "floor_triton", "floor_triton_graph")  # one layer on one GPU: the fastest counts
 
 
 @dataclass
@@ -77,9 +79,12 @@ def _bench_seq(
     gpus: int = 2,
     protocol: dict | None = None,
     ends: str | tuple[int, int] = "balanced",
+    layers: int | None = None,
 ) -> list[Row]:
-    """Every method on ``X[M, K]`` through ``gpus`` layers ``[K, K]``, layer ``s`` on cuda:``s``
-    (the paper's Figure 4 setup; with 2 GPUs, the 2-layer MLP of Figure 5, plus TP).
+    """Every method on ``X[M, K]`` through ``layers`` (default ``gpus``) layers ``[K, K]`` on
+    ``gpus`` GPUs, each GPU a contiguous range of them (one each: the paper's Figure 4 setup;
+    with 2 GPUs, the 2-layer MLP of Figure 5, plus TP). The floor lines run one GPU's share of
+    the layers (the most any GPU holds) back to back on cuda:0.
     ``ends``: the ``cta_static_ends`` line's ``Pipeline(ends="balanced")`` (then also
     ``cta_static_ends_tuned``: the same after :meth:`Pipeline.tune_ends`), or its prefill and
     drain rows ((0, 0): no such line)."""
@@ -91,30 +96,39 @@ def _bench_seq(
     from .pipeline import Pipeline
 
     devs = list(range(gpus))
+    layers = layers or gpus
     last = f"cuda:{gpus - 1}"
     torch.manual_seed(M)
-    ws = [(torch.randn(K, K, device=f"cuda:{d}") / K**0.5).bfloat16() for d in devs]
+    ws = [(torch.randn(K, K, device=f"cuda:{s * gpus // layers}") / K**0.5).bfloat16() for s in range(layers)]
     A = ws[0]
+    share = -(-layers // gpus)  # the most layers one GPU holds
     xs = [torch.randn(M, K, device="cuda:0").bfloat16() for _ in range(nsets)]
     rot = Rotation(xs)
     c0 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
+    c1 = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0")
     peer = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
     out = torch.empty(M, K, dtype=torch.bfloat16, device=last)
     seq = Sequential(ws, M)
+
+    def floor(mm, x):
+        """One GPU's share of the layers back to back: ``x @ A`` ``share`` times."""
+        for i in range(share):
+            mm(x if i == 0 else (c0, c1)[(i - 1) % 2], A, out=(c0, c1)[i % 2])
+
     methods = [
-        Method("floor_cublas", lambda: torch.matmul(rot.x, A, out=c0), rot.select),
-        Method("floor_triton", lambda: matmul(rot.x, A, out=c0), rot.select),
+        Method("floor_cublas", lambda: floor(torch.matmul, rot.x), rot.select),
+        Method("floor_triton", lambda: floor(matmul, rot.x), rot.select),
         Method("triton_remote_write", lambda: matmul(rot.x, A, out=peer), rot.select),
     ]
     # our GEMM captured in a CUDA graph, as the pipelines' and micro-batching's lines are: the
     # floor without Python's launch cost (the eager line above includes it)
     x_floor = torch.empty_like(xs[0])
-    floor_graph = capture(lambda: matmul(x_floor, A, out=c0), [0])
+    floor_graph = capture(lambda: floor(matmul, x_floor), [0])
     methods += [
         Method("floor_triton_graph", floor_graph.replay, lambda i: x_floor.copy_(rot.get(i))),
         Method("sequential", seq, lambda i: seq.x.copy_(rot.get(i))),
     ]
-    if gpus == 2:  # Megatron TP of the 2-layer MLP
+    if gpus == 2 == layers:  # Megatron TP of the 2-layer MLP
         tp = TensorParallel(A, ws[1].to("cuda:0"), devs, M)
 
         def tp_prep(i):
@@ -145,11 +159,11 @@ def _bench_seq(
     # gains) and the static pipeline with both ends filled (ends: "balanced", or explicit rows with split tails)
     x_static = torch.empty_like(xs[0])
     pipes["static_whole_rows"] = Pipeline(ws, config=dataclasses.replace(PIPELINE_CONFIG, wait_parts=1))
-    if len(ws) == 2 and ends == "balanced":
+    if len(ws) == 2 == gpus and ends == "balanced":
         pipes["static_ends"] = Pipeline(ws, ends="balanced")
         pipes["static_ends_tuned"] = tuned = Pipeline(ws, ends="balanced")
         tuned.tune_ends(M)
-    elif len(ws) == 2 and any(ends):
+    elif len(ws) == 2 == gpus and any(ends):
         pipes["static_ends"] = Pipeline(ws, config=ENDS_CONFIG, prefill_rows=ends[0], drain_rows=ends[1])
     names = ("workqueue", "static", "static_whole_rows", "static_ends", "static_ends_tuned")
     for name in [k for k in names if k in pipes]:
@@ -295,7 +309,7 @@ def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]
         cta = [s for s in rows if s["method"].startswith("cta_")]
         mb = [s for s in rows if s["method"] in MICROBATCH]
         tp = sorted((s for s in rows if s["method"] in TP), key=lambda s: s["median_ms"])[:1]  # the fastest TP
-        floors = [s for s in rows if s["method"] in ("floor_cublas", "floor_triton", "floor_triton_graph")]
+        floors = [s for s in rows if s["method"] in FLOORS]
         if not (cta and mb and floors):
             continue
         best = min(cta, key=lambda s: s["median_ms"])
@@ -334,6 +348,85 @@ def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]
     return out
 
 
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free confidence interval for it: the order
+    statistics ``k`` and ``n + 1 - k`` with the largest ``k`` whose binomial tail
+    ``P(Binom(n, 1/2) < k)`` stays within ``(1 - level) / 2`` (for n = 30 at 95%: the 10th and
+    21st smallest). Fewer than 6 values give no interval at 95% (``nan`` ends)."""
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        raise ValueError("median_ci of no values")
+    tail, k, cdf = (1 - level) / 2, 0, 0.0
+    while True:
+        cdf += math.comb(n, k) / 2**n  # P(Binom(n, 1/2) <= k), so P(< k + 1)
+        if cdf > tail:
+            break
+        k += 1
+    if k == 0:
+        return statistics.median(v), math.nan, math.nan
+    return statistics.median(v), v[k - 1], v[n - k]
+
+
+def _fastest(lines: dict[tuple, list[float]], pred) -> tuple | None:
+    """The ``(method, chunk)`` of ``lines`` whose method passes ``pred`` with the lowest median."""
+    keys = [k for k in lines if pred(k[0])]
+    return min(keys, key=lambda k: statistics.median(lines[k])) if keys else None
+
+
+def decision(raw: list[dict]) -> list[dict]:
+    """Issue 19's question per input height: against the strongest fair baseline of each
+    setting, how fast is CTA-pipelining? Two settings: weights placed once (the chain without
+    weight replicas) and with replicas (the chain with ``ends``; data parallelism over rows
+    with the same replicas is then also fair). Each baseline is its fastest line by median (the
+    best chunk of cuBLAS or our GEMM for micro-batching, the fastest TP); each ratio is paired:
+    the median of per-repetition ratios (the two runs of a repetition taken together), with its
+    95% confidence interval (:func:`median_ci`). Below 1: CTA-pipelining is faster."""
+    by: dict[int, dict[tuple, list[float]]] = {}
+    for r in raw:
+        by.setdefault(r["seq"], {})[(r["method"], r["chunk"])] = r["ms"]
+    out = []
+    for seq, lines in sorted(by.items()):
+        settings = {
+            "placed_once": _fastest(lines, lambda m: m.startswith("cta_") and "ends" not in m),
+            "replicated": _fastest(lines, lambda m: m.startswith("cta_") and "ends" in m),
+        }
+        baselines = {
+            "microbatch": _fastest(lines, lambda m: m in MICROBATCH),
+            "tp": _fastest(lines, lambda m: m in TP),
+            "dp_replicas": _fastest(lines, lambda m: m == "dp_replicas"),
+            "floor": _fastest(lines, lambda m: m in FLOORS),
+        }
+        for setting, mine in settings.items():
+            if mine is None:
+                continue
+            row = dict(seq=seq, setting=setting, method=mine[0], ms=round(statistics.median(lines[mine]), 4))
+            for name, base in baselines.items():
+                if base is None or (name == "dp_replicas" and setting == "placed_once"):
+                    continue  # data parallelism needs the replicas that only the second setting has
+                a, b = lines[mine], lines[base]
+                if len(a) != len(b):
+                    continue
+                med, lo, hi = median_ci([x / y for x, y in zip(a, b)])
+                label = base[0] if base[1] is None else f"{base[0]}/{base[1]}"
+                row[name] = dict(line=label, ratio=round(med, 4), ci95=[round(lo, 4), round(hi, 4)])
+            out.append(row)
+    return out
+
+
+def decision_table(rows: list[dict]) -> str:
+    """:func:`decision` as text: ratio [95% CI] against each baseline (its line in brackets)."""
+    lines = []
+    for r in rows:
+        cells = [f"{r['seq']:6d} {r['setting']:12s} {r['method']:28s} {r['ms']:8.4f} ms"]
+        for name in ("microbatch", "tp", "dp_replicas", "floor"):
+            if name in r:
+                c = r[name]
+                cells.append(f"{name} {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] ({c['line']})")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
 def plot(results: dict, out_dir: Path) -> list[Path]:
     """Figure 4 (reduction vs micro-batching per chunk) and Figure 5 (latency vs sequence)."""
     import matplotlib
@@ -355,7 +448,7 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
         ax.set_xlabel("micro-batching chunk size (rows)")
         ax.set_ylabel("latency reduction of CTA-pipelining (%)")
         g = results.get("gpus", 2)
-        ax.set_title(f"Fig. 4: {g} GPUs, X[{seq},K] through {g} layers")
+        ax.set_title(f"Fig. 4: {g} GPUs, X[{seq},K] through {results.get('layers', g)} layers")
         for i, r in enumerate(red):
             ax.text(i, r, f"{r:.1f}", ha="center", va="bottom" if r >= 0 else "top", fontsize=8)
         fig.tight_layout()
@@ -412,7 +505,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=positive_ints, default="1024,2048,4096,8192,16384", help="rows of X (comma-separated)")
     p.add_argument("--k", type=positive_int, default=8192, help="hidden size: A and B are [k, k]")
     p.add_argument("--chunks", type=positive_ints, default="512,1024,2048,4096,8192", help="micro-batching chunk sizes")
-    p.add_argument("--gpus", type=at_least(2), default=2, help="N: an N-layer chain on N GPUs (TP only for N = 2)")
+    p.add_argument("--gpus", type=at_least(2), default=2, help="N: the chain on N GPUs (TP only for N = 2 layers)")
+    p.add_argument(
+        "--layers", type=positive_int, default=None,
+        help="layers of the chain (default: one per GPU; more: each GPU a contiguous range, run as one chain kernel)",
+    )  # fmt: skip
     p.add_argument("--reps", type=at_least(3), default=30, help="timed repetitions of every method")
     p.add_argument("--warmup", type=at_least(0), default=5, help="untimed repetitions first")
     p.add_argument("--sets", type=positive_int, default=3, help="input sets rotated between runs")
@@ -460,10 +557,14 @@ def run(args) -> int:
         results = _read_results(args.plot_only)
         args.out.mkdir(parents=True, exist_ok=True)
         print(table(results["summaries"]))
+        if results.get("raw"):
+            print("\ndecision (paired ratios, 95% CI):\n" + decision_table(decision(results["raw"])))
         for p in plot(results, args.out):
             print("wrote", p)
         return 0
     ends = args.ends
+    if args.layers is not None and args.layers < args.gpus:
+        raise UsageError(f"--layers {args.layers}: fewer than the {args.gpus} GPUs (each GPU holds at least one)")
     import torch  # here: the parser and --plot-only do without it
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -497,12 +598,14 @@ def run(args) -> int:
         raw = [dict(asdict(r)) for r in rows]
         results = dict(
             gpus=args.gpus,
+            layers=args.layers or args.gpus,
             environment=env,
             k=args.k,
             summaries=sums,
             protocol=protocol,
             ends=ends if ends == "balanced" else dict(prefill_rows=ends[0], drain_rows=ends[1]),
             headline=headline(sums, raw),
+            decision=decision(raw),
             raw=raw,
         )
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
@@ -515,7 +618,7 @@ def run(args) -> int:
     rows: list[Row] = []
     for M in args.seq:
         rows += _bench_seq(
-            M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, ends
+            M, args.k, args.chunks, args.reps, args.warmup, args.sets, progress, args.gpus, protocol, ends, args.layers
         )
         save(rows)
         torch.cuda.empty_cache()
@@ -527,6 +630,7 @@ def run(args) -> int:
         bar.close()
     sums, results = save(rows)
     print(table(sums))
+    print("\ndecision (paired ratios, 95% CI):\n" + decision_table(results["decision"]))
     print("\nheadline (CTA-pipelining = best of both policies):")
     for h in results["headline"]:
         print("  " + json.dumps(h))

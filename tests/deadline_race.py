@@ -2,9 +2,10 @@
 each trial must end with a right result or a clean PipelineTimeout, and the process must
 neither hang nor die. Run in a subprocess with a watchdog (tests/test_gpu_core.py):
 
-    python tests/deadline_race.py TRIALS_PER_POLICY [OUT.json]
+    python tests/deadline_race.py TRIALS_PER_POLICY [OUT.json] [cross]
 
-One GPU: both stages on cuda:0 (loopback). Stage 1's input is written once by the plain GEMM;
+One GPU: both stages on cuda:0 (loopback); ``cross``: stage 1 on cuda:1, released from cuda:0
+(peer writes into its counters, the cross-GPU link's path). Stage 1's input is written once by the plain GEMM;
 per trial the consumer is launched alone and a side stream sleeps, then releases what it waits
 on: everything (both policies), or only the last part of each row-block's input, the others
 being there from the start (``static_late_part``: the race is then on a wait inside the K
@@ -30,7 +31,7 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
     """Bisect for the deadline, then ``trials`` releases around it; the outcome counts.
     ``late_part`` (static): every part of the consumer's input but the last is there before it
     starts, so the wait that races its deadline is the one inside the K loop."""
-    dev, M, K = x.device, x.shape[0], x.shape[1]
+    dev, M, K = x.device, x.shape[0], x.shape[1]  # the releases are made on x's GPU (the producer's)
     pipe = Pipeline(ws, loopback=True, policy=policy, timeout_s=TIMEOUT_S)
     plan = pipe.plan(M)
     link = plan.links[0]
@@ -39,7 +40,7 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
     need = torch.as_tensor(link.dep.need, dtype=torch.int64, device=dev)
     T = link.dep.consumer.num_tiles
     tiles = torch.arange(T, dtype=torch.int64, device=dev)
-    out = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=ws[1].device)
     parts = link.dep.parts
     early = torch.arange(len(need), device=dev) % parts != parts - 1  # counter r * parts + q: part q
     if late_part:
@@ -50,14 +51,14 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
         out.fill_(float("nan"))
         if late_part:
             link.counters.copy_(torch.where(early, e, e - 1) * need)
-        torch.cuda.synchronize()
+        sync()
         pipe._launch(plan, x, out, only=[1])
         with torch.cuda.stream(side):
             torch.cuda._sleep(int(delay_us * cycles_per_us))
             link.counters.copy_(e * need)
             link.slots.copy_(e * T + tiles)
             link.tail.fill_(e * T)
-        torch.cuda.synchronize()
+        sync()
         try:
             pipe.check_errors(plan)
         except PipelineTimeout:
@@ -90,11 +91,16 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
     return {"edge_delay_us": edge, "counts": counts, "within_5us_of_edge": near}
 
 
-def main(trials: int, out_path: str | None) -> dict:
+def sync():
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+
+
+def main(trials: int, out_path: str | None, cross: bool = False) -> dict:
     torch.manual_seed(0)
     dev = "cuda:0"
     M, K = 1024, 1024
-    ws = [(torch.randn(K, K, device=dev) / K**0.5).bfloat16() for _ in range(2)]
+    ws = [(torch.randn(K, K, device=d) / K**0.5).bfloat16() for d in (dev, "cuda:1" if cross else dev)]
     x = torch.randn(M, K, device=dev).bfloat16()
     side = torch.cuda.Stream(dev)
     # clock64 cycles per microsecond, for torch.cuda._sleep
@@ -105,6 +111,7 @@ def main(trials: int, out_path: str | None) -> dict:
     torch.cuda.synchronize()
     cycles_per_us = 20_000_000 / (a.elapsed_time(b) * 1e3)
     report = {"trials_per_policy": trials, "timeout_us": TIMEOUT_S * 1e6, "cycles_per_us": cycles_per_us}
+    report["devices"] = [str(w.device) for w in ws]
     for policy in ("static", "workqueue"):
         report[policy] = run_policy(policy, ws, x, side, cycles_per_us, trials)
     report["static_late_part"] = run_policy("static", ws, x, side, cycles_per_us, trials, late_part=True)
@@ -115,4 +122,4 @@ def main(trials: int, out_path: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)))
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3:] == ["cross"])))

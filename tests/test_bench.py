@@ -122,3 +122,52 @@ def test_headline_takes_the_strongest_baselines_and_keeps_replicas_apart():
     assert h["tp_method"] == "tp_overlap" and h["cta_over_tp"] == round(1.1 / 1.4, 4)
     assert h["cta_weights_placed_once_ms"] == 1.2 and h["cta_replicated_ms"] == 1.1
     assert h["cta_replicated_over_dp"] == round(1.1 / 1.05, 4)
+
+
+def test_median_ci_takes_the_binomial_order_statistics():
+    v = list(range(1, 31))  # n = 30: the 10th and 21st smallest at 95%
+    assert bench.median_ci([float(x) for x in reversed(v)]) == (15.5, 10.0, 21.0)
+    med, lo, hi = bench.median_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # too few for a 95% interval
+    assert med == 3.0 and lo != lo and hi != hi
+    assert bench.median_ci([1.0] * 6) == (1.0, 1.0, 1.0)  # n = 6: the 1st and 6th (1/64 < 2.5%)
+    with pytest.raises(ValueError):
+        bench.median_ci([])
+
+
+def test_decision_pairs_each_setting_with_its_strongest_baselines():
+    """Per repetition: the chain without replicas against micro-batching, TP and the floor, the
+    chain with ends also against data parallelism; each baseline its fastest line by median."""
+    n = 30
+
+    def line(method, ms, chunk=None):
+        return dict(method=method, seq=2048, chunk=chunk, ms=list(ms))
+
+    noise = [1 + 0.001 * ((7 * i) % 11) for i in range(n)]  # shared by a repetition's runs
+    raw = [
+        line("floor_triton_graph", [1.0 * z for z in noise]),
+        line("microbatch", [2.0 * z for z in noise], 512),
+        line("microbatch_ours", [1.6 * z for z in noise], 1024),  # the best micro-batching
+        line("microbatch_ours", [1.9 * z for z in noise], 512),
+        line("tp_graph", [2.0 * z for z in noise]),
+        line("tp_overlap", [1.8 * z for z in noise]),
+        line("dp_replicas", [1.5 * z for z in noise]),
+        line("cta_static_graph", [1.44 * z for z in noise]),
+        line("cta_workqueue_graph", [1.7 * z for z in noise]),
+        line("cta_static_ends_graph", [1.2 * z for z in noise]),
+    ]
+    rows = {r["setting"]: r for r in bench.decision(raw)}
+    placed, repl = rows["placed_once"], rows["replicated"]
+    assert placed["method"] == "cta_static_graph" and repl["method"] == "cta_static_ends_graph"
+    assert placed["microbatch"] == dict(line="microbatch_ours/1024", ratio=0.9, ci95=[0.9, 0.9])
+    assert placed["tp"]["line"] == "tp_overlap" and placed["tp"]["ratio"] == 0.8
+    assert "dp_replicas" not in placed  # no replicas in this setting
+    assert repl["dp_replicas"]["ratio"] == 0.8 and repl["floor"]["ratio"] == 1.2
+    text = bench.decision_table(bench.decision(raw))
+    assert "microbatch 0.900 [0.900, 0.900] (microbatch_ours/1024)" in text
+
+
+def test_fewer_layers_than_gpus_is_refused_before_looking_for_gpus(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--gpus", "2", "--layers", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--layers 1: fewer than the 2 GPUs" in capsys.readouterr().err

@@ -32,10 +32,20 @@ def test_release_at_the_deadline_ends_right_or_in_a_clean_timeout():
     K loop), in a subprocess with a watchdog: every trial is right or a clean
     PipelineTimeout, the process neither hangs nor dies. (Decided per thread, this hung the GPU
     or faulted in 5 of 5 processes.)"""
-    trials = int(os.environ.get("DEADLINE_TRIALS", "500"))
-    out = Path(os.environ.get("OUT", "/tmp")) / "deadline_race.json"
+    assert_deadline_race(int(os.environ.get("DEADLINE_TRIALS", "500")), "deadline_race.json")
+
+
+@pytest.mark.gpu2
+def test_release_across_gpus_at_the_deadline_ends_right_or_in_a_clean_timeout():
+    """The same on a cross-GPU link: the consumer on cuda:1, its counters or ring released by
+    peer writes from cuda:0 about its deadline."""
+    assert_deadline_race(int(os.environ.get("DEADLINE_TRIALS", "500")), "deadline_race_cross.json", "cross")
+
+
+def assert_deadline_race(trials: int, name: str, *mode: str):
+    out = Path(os.environ.get("OUT", "/tmp")) / name
     r = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "deadline_race.py"), str(trials), str(out)],
+        [sys.executable, str(Path(__file__).parent / "deadline_race.py"), str(trials), str(out), *mode],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
