@@ -15,6 +15,8 @@ paired), so only ratios inside one run count:
 * ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
 * ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4;
 * ``chain_split``: the chain kernel with its last partial round split along K (``split_tail``);
+* ``chain_stage_major``: the chain kernel with its stages one after the other in its combined
+  order (:meth:`~ctapipelining.chain.ChainLaunch.set_order` ``None``), not interleaved;
 * ``chain_graphedcall``: ``chain`` replayed through :meth:`~ctapipelining.pipeline.Pipeline.capture`'s
   :class:`~ctapipelining.pipeline.GraphedCall` (its host work included), where every other line
   is a bare CUDA graph of its calls (:func:`ctapipelining.timing.capture`).
@@ -65,11 +67,14 @@ def main():
         "chain_sm120": Pipeline([a, b], sm_budget=120),
         "chain_g8": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, group_m=8)),
         "chain_split": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
+        "chain_stage_major": Pipeline([a, b]),
     }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
         x = torch.randn(M, K, device="cuda:0").bfloat16()
         h, y = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0"), torch.empty_like(x)
+        for launch in pipes["chain_stage_major"].plan(M).launches:
+            launch.gemm.set_order(None)
         for name, pipe in pipes.items():
             assert torch.equal(pipe(x, check=True), pipe.sequential(x)), (name, M)
         methods = [
@@ -87,7 +92,7 @@ def main():
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
         for num, den in (
             ("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain"),
-            ("chain_split", "chain"),
+            ("chain_split", "chain"), ("chain_stage_major", "chain"),
             ("chain_graphedcall", "chain"),
         ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])

@@ -165,7 +165,12 @@ def _bench_seq(
         tuned.tune_ends(M)
     elif len(ws) == 2 == gpus and any(ends):
         pipes["static_ends"] = Pipeline(ws, config=ENDS_CONFIG, prefill_rows=ends[0], drain_rows=ends[1])
-    names = ("workqueue", "static", "static_whole_rows", "static_ends", "static_ends_tuned")
+    if layers > gpus:  # chain kernels: their interleaved order against stage after stage
+        pipes["static_stage_major"] = stage_major = Pipeline(ws)
+        for launch in stage_major.plan(M).launches:
+            if hasattr(launch.gemm, "set_order"):
+                launch.gemm.set_order(None)
+    names = ("workqueue", "static", "static_whole_rows", "static_ends", "static_ends_tuned", "static_stage_major")
     for name in [k for k in names if k in pipes]:
         pipe = pipes[name]
         graph = capture(lambda pipe=pipe: pipe(x_static, out=out, check=False), devs)

@@ -406,6 +406,85 @@ def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: 
     return TailSplit(split.first_pos - before, split.tiles, split.splits)
 
 
+STAGE_SHIFT = 24  # a chain order's code: stage << STAGE_SHIFT | the stage's own position
+
+
+def chain_order(
+    num_m: int,
+    num_ns: list[int],
+    group_m: int,
+    lag: int | None,
+    tail: TailSplit | None = None,
+    ring_first: bool = False,
+) -> np.ndarray:
+    """The combined tile order of a chain kernel over stages of ``num_ns[s]`` column-blocks on
+    ``num_m`` row-blocks: ``code[pos] = stage << STAGE_SHIFT | q``, ``q`` the stage's own
+    position in its grouped order (with ``tail``, the last stage's positions past
+    ``tail.first_pos`` are its tail tiles' K-slices, ``tail.splits`` each). ``ring_first``: the
+    first stage's input comes through a ring, so its ``q``-th position runs the tile that became
+    ready ``q``-th, whichever it is: the second stage then waits for all of the first.
+
+    Each stage keeps its own order; a tile of stage ``s > 0`` reads its row-block of stage
+    ``s - 1`` and is placed after every tile of it, so a tile waits only on earlier positions
+    (the kernel's no-deadlock argument). ``lag=None``: stage after stage. Otherwise stages
+    interleave: before each position, the deepest stage whose next tile's inputs were placed
+    more than ``lag`` positions ago takes it (about one round of the grid: those inputs are then
+    likely written when it is claimed), else the first stage with work whose inputs are
+    placed. The last stage's rows then come out from the first rounds on, not only after every
+    earlier stage is done: what a next GPU waits for, and what it needs to start."""
+    S = len(num_ns)
+    if S < 1 or S > 1 << (31 - STAGE_SHIFT) or num_m < 1 or min(num_ns) < 1 or group_m < 1:
+        raise ValueError(f"chain_order: bad shape num_m={num_m}, num_ns={num_ns}, group_m={group_m}")
+    if lag is not None and lag < 0:
+        raise ValueError(f"lag must be >= 0 or None, got {lag}")
+    rows = []  # rows[s][q]: the row-block of stage s's position q
+    for s, num_n in enumerate(num_ns):
+        tiles = num_m * num_n
+        if max(tiles, 1) >= 1 << STAGE_SHIFT:
+            raise ValueError(f"stage {s} has {tiles} tiles: at most {(1 << STAGE_SHIFT) - 1} in a chain order")
+        q_tile = np.arange(tiles)
+        if s == S - 1 and tail is not None:
+            slices = np.arange(tail.tiles * tail.splits)
+            q_tile = np.concatenate([np.arange(tail.first_pos), tail.first_pos + slices // tail.splits])
+        rows.append([grouped_tile(int(q), num_m, num_n, group_m) // num_n for q in q_tile])
+    spans = [len(r) for r in rows]
+    # per stage and row-block: positions placed, and the last one's place in the combined order
+    done = [np.zeros(num_m, dtype=np.int64) for _ in range(S)]
+    last = [np.zeros(num_m, dtype=np.int64) for _ in range(S)]
+    full = [np.bincount(r, minlength=num_m) for r in rows]  # positions of each row-block
+    nxt = [0] * S
+    codes = np.empty(sum(spans), dtype=np.int32)
+
+    if ring_first:
+        rows[0] = [0] * spans[0]  # one row-block as far as the order knows: the second stage waits for all
+        full[0] = np.bincount(rows[0], minlength=num_m)
+
+    def input_rows(s: int) -> int:
+        """The row-block of stage ``s - 1`` that stage ``s``'s next position reads."""
+        return 0 if s == 1 and ring_first else rows[s][nxt[s]]
+
+    def inputs_placed(s: int) -> bool:
+        return s == 0 or done[s - 1][input_rows(s)] == full[s - 1][input_rows(s)]
+
+    for pos in range(len(codes)):
+        pick = None
+        if lag is not None:
+            for s in range(S - 1, 0, -1):  # the deepest stage whose next tile's inputs are old enough
+                if nxt[s] < spans[s] and inputs_placed(s) and pos - last[s - 1][input_rows(s)] > lag:
+                    pick = s
+                    break
+        if pick is None:  # the first stage with work whose inputs are placed (one always is)
+            pick = next(s for s in range(S) if nxt[s] < spans[s] and inputs_placed(s))
+            if lag is None:
+                pick = next(s for s in range(S) if nxt[s] < spans[s])
+        r = rows[pick][nxt[pick]]
+        codes[pos] = pick << STAGE_SHIFT | nxt[pick]
+        done[pick][r] += 1
+        last[pick][r] = pos
+        nxt[pick] += 1
+    return codes
+
+
 def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """``(R, D)``: the rows a two-stage chain's second GPU prefills and its first GPU drains
     (``Pipeline(ends="balanced")``), so that the two GPUs' paths are about as long.

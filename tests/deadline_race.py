@@ -14,6 +14,7 @@ majority of three trials per step), so a share of the trials release within a fe
 of it either way; the centre follows the outcomes near it (the edge drifts with the clocks).
 Prints one JSON line."""
 
+import contextlib
 import json
 import random
 import sys
@@ -35,6 +36,7 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
     pipe = Pipeline(ws, loopback=True, policy=policy, timeout_s=TIMEOUT_S)
     plan = pipe.plan(M)
     link = plan.links[0]
+    idle = torch.cuda.Stream(ws[1].device) if ws[1].device != dev else None
     plan.inputs[1].copy_(matmul(x, ws[0], config=pipe.stage_config(0)))
     ref = matmul(plan.inputs[1], ws[1], config=pipe.stage_config(1))
     need = torch.as_tensor(link.dep.need, dtype=torch.int64, device=dev)
@@ -55,9 +57,15 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
         pipe._launch(plan, x, out, only=[1])
         with torch.cuda.stream(side):
             torch.cuda._sleep(int(delay_us * cycles_per_us))
-            link.counters.copy_(e * need)
-            link.slots.copy_(e * T + tiles)
-            link.tail.fill_(e * T)
+            # a copy into another GPU also waits for that GPU's current stream: one there that
+            # waits only for this sleep (its default stream would wait for the consumer, which
+            # waits for this copy)
+            if idle is not None:
+                idle.wait_stream(side)
+            with torch.cuda.stream(idle) if idle is not None else contextlib.nullcontext():
+                link.counters.copy_(e * need)
+                link.slots.copy_(e * T + tiles)
+                link.tail.fill_(e * T)
         sync()
         try:
             pipe.check_errors(plan)

@@ -345,3 +345,31 @@ def test_chain_split_tail_counters_are_reset_after_a_timeout():
     for _ in range(2):
         x = torch.randn(48, 16).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_the_kernel_decodes_the_order_as_deps_encodes_it():
+    from ctapipelining.kernels import chain as kernel
+
+    assert kernel.STAGE_SHIFT.value == deps.STAGE_SHIFT
+    assert kernel.POSITION_MASK.value == (1 << deps.STAGE_SHIFT) - 1
+
+
+@pytest.mark.parametrize("lag", ["bound", None, 0])
+def test_any_order_gives_the_same_result(lag):
+    """The interleaved combined order bound at plan time (stages take turns from the first
+    rounds on), stage after stage, and no lag at all: bitwise the stages one after another."""
+    ws = chain(16, 24, 40, 16)
+    pipe = Pipeline(ws, config=PARTS, loopback=False)
+    plan = pipe.plan(100)  # 7 row-blocks
+    ch = plan.launches[0].gemm
+    stages = (ch.order >> deps.STAGE_SHIFT).tolist()
+    assert stages != sorted(stages), "the bound order does not interleave the stages"
+    if lag != "bound":
+        ch.set_order(lag)
+        stages = (ch.order >> deps.STAGE_SHIFT).tolist()
+        assert (stages == sorted(stages)) == (lag is None)
+    for _ in range(2):
+        x = torch.randn(100, 16).half()
+        for buf in plan.inputs[1:]:
+            buf.fill_(float("nan"))
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))

@@ -174,3 +174,62 @@ def test_balanced_ends_are_row_blocks_and_the_drain_fits_one_round(M, n0, n1, bm
     # both drain GEMMs in one round of the CTAs, unless even one row-block needs more
     assert D // bm * per_row_block <= max(sms, per_row_block)
     assert (D // bm + 1) * per_row_block > sms
+
+
+def _decode(codes):
+    return [(int(c) >> deps.STAGE_SHIFT, int(c) & ((1 << deps.STAGE_SHIFT) - 1)) for c in codes]
+
+
+@given(
+    num_m=st.integers(1, 12),
+    num_ns=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    group_m=st.integers(1, 4),
+    lag=st.one_of(st.none(), st.integers(0, 20)),
+    ring_first=st.booleans(),
+)
+def test_chain_order_keeps_each_stage_in_order_after_its_inputs(num_m, num_ns, group_m, lag, ring_first):
+    """Every position of every stage once, each stage in its own order, and every tile after
+    each tile of the stage before that it reads (all of them when the first stage's tiles come
+    from a ring): a tile waits only on earlier positions, so the chain kernel cannot deadlock."""
+    order = _decode(deps.chain_order(num_m, num_ns, group_m, lag, ring_first=ring_first))
+    S = len(num_ns)
+    where = {}  # (stage, row-block) -> positions in the combined order
+    for s in range(S):
+        mine = [q for t, q in order if t == s]
+        assert mine == list(range(num_m * num_ns[s])), s
+    for pos, (s, q) in enumerate(order):
+        r = deps.grouped_tile(q, num_m, num_ns[s], group_m) // num_ns[s]
+        where.setdefault((s, r), []).append(pos)
+    for pos, (s, q) in enumerate(order):
+        if s == 0:
+            continue
+        r = deps.grouped_tile(q, num_m, num_ns[s], group_m) // num_ns[s]
+        inputs = [p for (t, rr), ps in where.items() if t == s - 1 and (rr == r or (s == 1 and ring_first)) for p in ps]
+        assert max(inputs) < pos, (pos, s, q)
+    if lag is None:
+        assert [s for s, _ in order] == sorted(s for s, _ in order)  # stage after stage
+
+
+def test_chain_order_interleaves_so_the_last_stage_starts_early():
+    """Two 8192-wide stages on 2048 rows (16 row-blocks of 32 tiles) on 132 CTAs: the second
+    stage starts about a round after its first row-blocks are placed, long before the first
+    stage ends, and not before a whole round has passed since its inputs."""
+    num_m, num_ns = 16, [32, 32]
+    order = _decode(deps.chain_order(num_m, num_ns, 4, 132))
+    first_consumer = next(p for p, (s, _) in enumerate(order) if s == 1)
+    last_producer = max(p for p, (s, _) in enumerate(order) if s == 0)
+    row0 = 31 * 4  # the producer's row-block 0 ends with the last column of its group of 4 row-blocks
+    assert first_consumer == row0 + 132 + 1
+    assert first_consumer < last_producer - 132
+    assert _decode(deps.chain_order(num_m, num_ns, 4, None))[512] == (1, 0)  # stage after stage
+
+
+def test_chain_order_places_the_tail_slices_of_the_last_stage():
+    tail = deps.TailSplit(first_pos=6, tiles=2, splits=3)
+    order = _decode(deps.chain_order(2, [4, 4], 1, 2, tail))
+    last = [q for s, q in order if s == 1]
+    assert last == list(range(6 + 2 * 3))
+    with pytest.raises(ValueError):
+        deps.chain_order(2, [4, 0], 1, 2)
+    with pytest.raises(ValueError):
+        deps.chain_order(2, [4, 4], 1, -1)

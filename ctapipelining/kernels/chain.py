@@ -62,6 +62,9 @@ from .gemm import (
 )
 from .sync import KIND_TICKET, fence_proxy_async, report_timeout, wait_slot
 
+STAGE_SHIFT: tl.constexpr = tl.constexpr(24)  # the combined order's code: stage << STAGE_SHIFT | position (deps)
+POSITION_MASK: tl.constexpr = tl.constexpr((1 << 24) - 1)
+
 MAX_STAGES = 4  # stages one chain kernel runs (the kernel takes their descriptors one by one)
 
 
@@ -89,15 +92,20 @@ def _span(stage, tail, num_m, LAST: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _flush(pending, pending_stage, epoch, stages, c_descs, BEFORE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Signal the CTA's pending tile if it belongs to a stage before ``BEFORE`` (a link inside
-    the kernel, so static). Returns the pending tile left (-1 if it was signalled)."""
-    for t in tl.static_range(BEFORE):
-        if stages[t].signal is not None:
-            if pending_stage == t:
-                pending = _signal_pending(
-                    pending, epoch, stages[t].signal, c_descs[t] is not None, False, INTERPRET
-                )  # fmt: skip
+def _flush(
+    pending, pending_stage, epoch, stages, c_descs, KEEP: tl.constexpr, S: tl.constexpr, QUEUE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Signal the CTA's pending tile unless it belongs to stage ``KEEP`` (-1: whatever its
+    stage; the last stage's signal may push into a next GPU's ring, ``QUEUE``). Returns the
+    pending tile left (-1 if it was signalled)."""
+    for t in tl.static_range(S):
+        if t != KEEP:
+            if stages[t].signal is not None:
+                if pending_stage == t:
+                    pending = _signal_pending(
+                        pending, epoch, stages[t].signal, c_descs[t] is not None, QUEUE and t == S - 1, INTERPRET
+                    )  # fmt: skip
     return pending
 
 
@@ -149,7 +157,7 @@ def chain_kernel(
     a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
     stages, tail,  # tuple of Stage, one per stage; the last stage's split tail (gemm.Tail; None: off)
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
-    ticket, epoch_ptr, timeout_ns,  # *i64 [1] positions claimed over all runs; *i64 [1] run count
+    ticket, order, epoch_ptr, timeout_ns,  # *i64 [1] claims over all runs; *i32 the combined order; *i64 [1] runs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -181,12 +189,14 @@ def chain_kernel(
             report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
             alive = alive & False
         if (pos < total) & alive:  # CTA-uniform
-            lo = 0  # the stage's first position
+            code = tl.load(order + pos)  # the stage and its own position (deps.chain_order)
+            at = code >> STAGE_SHIFT
+            q = code & POSITION_MASK
             for s in tl.static_range(S):
-                span = _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)
-                if (pos >= lo) & (pos < lo + span):
-                    # the CTA's tile of an earlier stage is signalled before it waits (a later tile may need it)
-                    pending = _flush(pending, pending_stage, epoch, stages, c_descs, s, INTERPRET)
+                if at == s:
+                    # the CTA's tile of another stage is signalled before this one waits (a later
+                    # tile may need it) and before this one's signal (each stage signals its own)
+                    pending = _flush(pending, pending_stage, epoch, stages, c_descs, s, S, QUEUE, INTERPRET)
                     pending_stage = pending * 0 + s
                     tl.static_assert(c_descs[s] is not None or s == S - 1, "only the last stage stores without TMA")
                     op = Operands(
@@ -194,32 +204,26 @@ def chain_kernel(
                     )
                     queue_in: tl.constexpr = QUEUE and s == 0 and stages[s].wait is not None
                     if tail is not None and s == S - 1:
-                        if pos - lo >= tail.first:  # a K-slice of a tail tile: the CTA's held tile first
+                        if q >= tail.first:  # a K-slice of a tail tile: the CTA's held tile first
                             if stages[s].signal is not None:  # (pending_stage is s: set above)
                                 pending = _signal_pending(
                                     pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
                                 )
                             prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
                             alive = _split_tail(
-                                op, prot, tail, (pos - lo - tail.first).to(tl.int32), num_m,
+                                op, prot, tail, q - tail.first, num_m,
                                 tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
                             )  # fmt: skip
                         else:
                             pending, alive = _stage_tile(
-                                stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                                stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
                                 GROUP_M, queue_in, QUEUE, INTERPRET,
                             )  # fmt: skip
                     else:
                         pending, alive = _stage_tile(
-                            stages[s], op, pos - lo, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                            stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
                             GROUP_M, queue_in, QUEUE and s == S - 1, INTERPRET,
                         )  # fmt: skip
-                lo += span
     # the CTA's last tile: its stage's signal (the last stage's may cross to the next GPU)
-    if stages[S - 1].signal is not None:
-        if pending_stage == S - 1:
-            pending = _signal_pending(
-                pending, epoch, stages[S - 1].signal, c_descs[S - 1] is not None, QUEUE, INTERPRET
-            )
-    _flush(pending, pending_stage, epoch, stages, c_descs, S - 1, INTERPRET)
+    _flush(pending, pending_stage, epoch, stages, c_descs, -1, S, QUEUE, INTERPRET)

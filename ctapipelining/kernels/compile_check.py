@@ -167,7 +167,7 @@ def compile_chain(
         sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
     else:
         sig["tail"], const["tail"] = "constexpr", None
-    sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", epoch_ptr="*i64", timeout_ns="i64")
+    sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", order="*i32", epoch_ptr="*i64", timeout_ns="i64")
     if tma_store:
         sig["c_ptr"], const["c_ptr"] = "constexpr", None
     else:
