@@ -20,6 +20,8 @@
 #   shared benchmarks/shared_gpu.py: two stages sharing one GPU against the floor -> shared_gpu.log, shared_gpu.json
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck on benchmarks/sanitize_chain.py (the chain
 #          kernel, then the loopback for memcheck)                                -> sanitize-*.log
+#   soak   (1 or 2 GPUs) benchmarks/soak.py: SOAK_CALLS (default 10000) checked calls on one pipeline -> soak.log, soak.json
+#   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
@@ -70,6 +72,11 @@ for step in $STEPS; do
       timeout 150 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_chain.py loopback \
         > "$OUT/sanitize-memcheck-loopback.log" 2>&1
       echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
+    soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
+      echo "soak rc=$?"; tail -c 1500 "$OUT/soak.log" ;;
+    sancross) for tool in memcheck racecheck synccheck; do
+        timeout 150 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py cross > "$OUT/sanitize-cross-$tool.log" 2>&1
+        echo "$tool cross rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bitwise|Error" "$OUT/sanitize-cross-$tool.log" | tail -4; done ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
     *) echo "unknown step $step (see the list at the top of $0)" ;;

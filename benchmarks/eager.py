@@ -17,6 +17,8 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
    one interleaved run; new / old per repetition, median and 95% CI.
+With two GPUs, 2. also for the two layers on two GPUs (``cross_*``: a producer on cuda:0
+writing into cuda:1, a consumer there) at M = 2048 and 16384.
 Writes eager.json in OUT_DIR and prints a table.
 """
 
@@ -94,8 +96,8 @@ def host_and_total(calls: dict, reps=30):
     return {k: {"host_us": statistics.median(h), "total_us": statistics.median(t)} for k, (h, t) in out.items()}
 
 
-def paired(methods, pairs):
-    times = time_interleaved(methods, [0], REPS, 5)
+def paired(methods, pairs, devices=(0,)):
+    times = time_interleaved(methods, list(devices), REPS, 5)
     out = {m.name: {"median_ms": statistics.median(times[m.name]), "p10": sorted(times[m.name])[REPS // 10],
                     "p90": sorted(times[m.name])[(9 * REPS) // 10]} for m in methods}  # fmt: skip
     for num, den in pairs:
@@ -146,6 +148,19 @@ def main():
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     report["eager_vs_graph"] |= paired(methods, pairs)
     pipe.check_errors()
+    if torch.cuda.device_count() >= 2:  # the two layers on two GPUs: the cross-GPU chain
+        cross = Pipeline([ws[0], ws[1].to("cuda:1")])
+        methods, pairs = [], []
+        for M in (2048, 16384):
+            x, y = rand(M, K), torch.empty(M, K, dtype=torch.bfloat16, device="cuda:1")
+            cross(x, out=y)
+            replay = capture(lambda x=x, y=y: cross(x, out=y), [0, 1]).replay
+            eager = Method(f"cross_{M}_eager", lambda x=x, y=y: cross(x, out=y))
+            methods += [eager, Method(f"cross_{M}_graph", replay)]
+            pairs.append((f"cross_{M}_eager", f"cross_{M}_graph"))
+            assert torch.equal(cross(x, check=True), cross.sequential(x))
+        report["eager_vs_graph"] |= paired(methods, pairs, (0, 1))
+        cross.check_errors()
     if OLD and os.environ.get("KERNELS", "1") != "0":
         report["new_vs_old"] = new_vs_old()
     (OUT / "eager.json").write_text(json.dumps(report, indent=1))
