@@ -7,6 +7,7 @@ next stage's). Inputs are checked here, before anything is launched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
+from .epilogue import OFF, Epilogue
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses
@@ -223,10 +225,11 @@ def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = No
     return out | dict(QUEUE=queue, INTERPRET=interpreting())
 
 
-def tma_blocks(config: GemmConfig) -> tuple[list[int], list[int], list[int]]:
-    """The TMA block shapes of A, B and C for ``config``'s tiles."""
+def tma_blocks(config: GemmConfig, gated: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """The TMA block shapes of A, B and C for ``config``'s tiles (``gated``: C's tile is half
+    as wide, :class:`~ctapipelining.epilogue.Epilogue`)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    return [bm, bk], [bk, bn], [bm, bn]
+    return [bm, bk], [bk, bn], [bm, bn // 2 if gated else bn]
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -270,10 +273,16 @@ class GemmLaunch:
         trace: torch.Tensor | None = None,
         tail: TailBuffers | None = None,
         split: deps.TailSplit | None = None,
+        epilogue: Epilogue | None = None,
         stage: int = 0,
         timeout_ns: int = 1_000_000_000,
     ):
         cfg = config
+        if epilogue is not None:
+            if split is not None or tail is not None or cfg.split_tail:
+                raise ValueError("an epilogue needs whole tiles: use a configuration without split_tail")
+            if wait is not None or signal is not None:
+                raise ValueError("an epilogue runs in a plain GEMM here, not in a pipeline stage")
         if trace is not None and interpreting():
             raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         if wait is not None and signal is not None and wait.queue != signal.queue:
@@ -293,11 +302,13 @@ class GemmLaunch:
         elif split is not None and tail.split != split:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
+        self.epilogue = epilogue
         self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
         bundles = (
             wait_bundle(wait, cfg),
             signal_bundle(signal),
             None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
+            OFF if epilogue is None else epilogue.bundle(K, None),  # a call binds its residual
             epoch if wait is not None or signal is not None else None,
             err if wait is not None else None,
             trace,
@@ -309,31 +320,46 @@ class GemmLaunch:
         self._addresses = tuple(addresses(b) for b in bundles)  # plan-held: they never move
         self._constexprs = launch_constexprs(cfg, self.queue, num_ctas)
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
-        self._blocks = tma_blocks(cfg)
-        self._compiled = {}  # (TMA store, row stride of c, dtype) -> (Triton's compiled kernel, its RawLaunch)
+        self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
+        self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None):
+    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool) -> tuple:
+        """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue."""
+        if self.epilogue is None or not self.epilogue.residual:
+            return bundles
+        epi = self.epilogue.bundle(self.K, residual)
+        return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
+
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None,
+        residual: torch.Tensor | None = None,
+    ):  # fmt: skip
         """Launch on ``stream`` (a raw CUDA stream handle on the current device; default the
         current stream of ``a``'s device): ``c = a @ b`` with this launch's hooks (operands already checked:
         ``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c`` ``[m, N]`` row-major, rows may be padded;
         ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
         plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
-        Returns Triton's compiled kernel (PTX, register and spill counts for inspection)."""
+        Returns Triton's compiled kernel (PTX, register and spill counts for inspection).
+        ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked)."""
+        if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
+            raise ValueError("a residual goes with an epilogue that adds one, and only there")
         stride = c.stride(0)
         tma_store = stride == c.shape[1]  # rows padded: ordinary stores
-        got = self._compiled.get((tma_store, stride, a.dtype))
+        key = (tma_store, stride, a.dtype, None if residual is None else residual.stride(0))
+        got = self._compiled.get(key)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c))
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c, residual))
             return kernel
         # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
         # (Triton's path calls them): kernel[grid]
         a_block, b_block, c_block = self._blocks
         args = (
             descriptor(a, a_block), descriptor(b, b_block), descriptor(c, c_block) if tma_store else None,
-            None if tma_store else c, *self._sizes, c.shape[0], c.stride(0), *self._bundles,
+            None if tma_store else c, *self._sizes, c.shape[0], c.stride(0),
+            *self._with_residual(self._bundles, residual, False),
         )  # fmt: skip
         if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
@@ -351,10 +377,12 @@ class GemmLaunch:
                 *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )
         if not interpreting() and got is None:
-            self._compiled[(tma_store, stride, a.dtype)] = (kernel, RawLaunch.of(kernel))
+            self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
 
-    def raw_args(self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
+    def raw_args(
+        self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple:
         """The kernel's arguments as the compiled launcher takes them: each tensor descriptor
         expanded by ``tensor_map(slot, tensor, block)`` (:meth:`RawLaunch.tensor_map`), the
         plan's buffers as addresses, then the trailing constexprs."""
@@ -363,7 +391,8 @@ class GemmLaunch:
         return (
             *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
             *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
-            *self._sizes, c.shape[0], c.stride(0), *self._addresses, *self._trailing,
+            *self._sizes, c.shape[0], c.stride(0), *self._with_residual(self._addresses, residual, True),
+            *self._trailing,
         )  # fmt: skip
 
     @property
@@ -384,10 +413,13 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_launch(M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int) -> GemmLaunch:
-    """The plain GEMM's launch for one shape, bound once. Per stream too: launches on one
-    stream are ordered, so they may share the split tail's buffers; two streams may not."""
-    return GemmLaunch(M, N, K, cfg, grid_size(M, N, cfg, device), device)
+def _plain_launch(
+    M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None
+) -> GemmLaunch:
+    """The plain GEMM's launch for one shape (and epilogue), bound once. Per stream too:
+    launches on one stream are ordered, so they may share the split tail's buffers; two
+    streams may not."""
+    return GemmLaunch(M, N, K, cfg, grid_size(M, N, cfg, device), device, epilogue=epilogue)
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
@@ -426,18 +458,40 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
 
 
 def matmul(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    epilogue: Epilogue | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain persistent GEMM ``a @ b`` (both hooks off). ``out`` (row-major, rows may be padded,
-    not overlapping ``a`` or ``b``) may be on a peer GPU (peer access is enabled here, or a
-    :class:`~ctapipelining.fabric.PeerAccessError` says why not)."""
+    """Plain persistent GEMM ``a @ b`` (both hooks off), with an optional fused ``epilogue``
+    (:class:`~ctapipelining.epilogue.Epilogue`; ``residual``: the matrix it adds, of the
+    output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
+    ``a``, ``b`` or ``residual``) may be on a peer GPU (peer access is enabled here, or a
+    :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
+    configuration has no split tail (an epilogue needs whole tiles)."""
     check_operands(a, b)
-    cfg = config or PLAIN_CONFIG
+    if epilogue is not None and not isinstance(epilogue, Epilogue):
+        raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
+    cfg = config or (PLAIN_CONFIG if epilogue is None else dataclasses.replace(PLAIN_CONFIG, split_tail=False))
     (M, K), N = a.shape, b.shape[1]
+    n_out = N if epilogue is None else epilogue.out_cols(N)
+    if epilogue is not None:
+        epilogue.check(N, K, a.dtype, a.device, cfg.block_n)
+    if (residual is not None) != (epilogue is not None and epilogue.residual):
+        raise ValueError("pass residual exactly when the epilogue adds one (Epilogue(residual=True))")
+    if residual is not None:
+        check_tensor(residual, "matmul: residual")
+        if residual.shape != (M, n_out) or residual.dtype != a.dtype or residual.device != a.device:
+            raise ValueError(
+                f"residual must be a [{M}, {n_out}] {a.dtype} tensor on {a.device}, got "
+                f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+            )
     if out is None:
-        out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    check_out(out, M, N, a.dtype)
-    if overlaps(out, a, b):
+        out = torch.empty(M, n_out, dtype=a.dtype, device=a.device)
+    check_out(out, M, n_out, a.dtype)
+    if overlaps(out, a, b, *([] if residual is None else [residual])):
         raise ValueError("out overlaps an operand: the GEMM would read what it has already overwritten")
     if M == 0 or N == 0:
         return out
@@ -446,11 +500,11 @@ def matmul(
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
         fabric.enable_peer_access([a.device.index, out.device.index])
     if a.device.type != "cuda":  # the interpreter
-        _plain_launch(M, N, K, cfg, a.device, 0)(a, b, out)
+        _plain_launch(M, N, K, cfg, a.device, 0, epilogue)(a, b, out, residual=residual)
         return out
     index = a.device.index
-    launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index))
+    launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index), epilogue)
     # the kernel launches in the current device's context
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
-        launch(a, b, out)
+        launch(a, b, out, residual=residual)
     return out

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from . import epilogue
 from .gemm import (
     Operands,
     Protocol,
@@ -131,8 +132,8 @@ def _stage_tile(
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
             pending, _ = _run_tile(
-                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, BLOCK_M, BLOCK_N, BLOCK_K,
-                QUEUE_OUT, INTERPRET,
+                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, epilogue.none(), BLOCK_M,
+                BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
             )  # fmt: skip
         alive = ok
     else:
@@ -144,8 +145,8 @@ def _stage_tile(
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
         pending, ok = _run_tile(
-            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, BLOCK_M, BLOCK_N,
-            BLOCK_K, QUEUE_OUT, INTERPRET,
+            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, epilogue.none(),
+            BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:
             alive = ok
@@ -200,7 +201,15 @@ def chain_kernel(
                     pending_stage = pending * 0 + s
                     tl.static_assert(c_descs[s] is not None or s == S - 1, "only the last stage stores without TMA")
                     op = Operands(
-                        a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stages[s].N, stages[s].k_tiles, stride_cm
+                        a_descs[s],
+                        b_descs[s],
+                        c_descs[s],
+                        c_ptr,
+                        c_rows,
+                        stages[s].N,
+                        stages[s].k_tiles,
+                        stride_cm,
+                        None,
                     )
                     queue_in: tl.constexpr = QUEUE and s == 0 and stages[s].wait is not None
                     if tail is not None and s == S - 1:

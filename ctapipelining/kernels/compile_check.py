@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .chain import MAX_STAGES, Stage, chain_kernel
+from .epilogue import Epilogue, gelu, silu
 from .gemm import Tail, gemm_kernel
 from .sync import Signal, Wait
 
@@ -75,8 +76,11 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int):
 def compile_variant(
     wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, *,
     tma_store: bool = True, trace: bool = False, split_tail: bool = False, wait_parts: int = 1,
+    epilogue: str | None = None,
 ):  # fmt: skip
-    """Compile one variant of :func:`gemm_kernel` for sm_90; a hook that is off is ``None``."""
+    """Compile one variant of :func:`gemm_kernel` for sm_90; a hook that is off is ``None``.
+    ``epilogue``: ``"gated_rms"`` (Llama's first GEMM: RMSNorm folded, SiLU-gated) or
+    ``"bias_residual"`` (a GELU, a bias and a residual)."""
     bm, bn, bk = block
     names = gemm_kernel.arg_names
     sig, const = {}, {}
@@ -87,7 +91,7 @@ def compile_variant(
     sig["a_desc"] = f"tensordesc<bf16[{bm}, {bk}]>"
     sig["b_desc"] = f"tensordesc<bf16[{bk}, {bn}]>"
     if tma_store:
-        sig["c_desc"] = f"tensordesc<bf16[{bm}, {bn}]>"
+        sig["c_desc"] = f"tensordesc<bf16[{bm}, {bn // 2 if epilogue == 'gated_rms' else bn}]>"
         off("c_ptr")
     else:
         off("c_desc")
@@ -108,6 +112,24 @@ def compile_variant(
         sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
     else:
         off("tail")
+    if epilogue is None:
+        at = names.index("epi")
+        sig["epi"] = Epilogue(*["constexpr"] * len(Epilogue._fields))
+        for i in range(len(Epilogue._fields)):
+            const[(at, i)] = None
+        const[(at, 6)] = False
+    else:
+        gated = epilogue == "gated_rms"
+        at = names.index("epi")
+        sig["epi"] = Epilogue(
+            "fp32" if gated else "constexpr", "i32", "constexpr" if gated else "*bf16",
+            "constexpr" if gated else "*bf16", "constexpr" if gated else "i32", "constexpr", "constexpr",
+        )  # fmt: skip
+        for i in range(len(Epilogue._fields)):
+            if sig["epi"][i] == "constexpr":
+                const[(at, i)] = None
+        const[(at, 5)] = silu if gated else gelu
+        const[(at, 6)] = gated
     if wait or signal:
         sig["epoch_ptr"] = "*i64"
     else:

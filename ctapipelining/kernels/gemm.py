@@ -32,6 +32,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from . import epilogue
 from .sync import (
     KIND_COUNTER,
     bulk_store_wait,
@@ -244,7 +245,7 @@ def _report_wait(wait, c0, tile, epoch, err_ptr, stage):
 
 @triton.jit
 def _mma_tile(
-    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok,
+    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile of ``op`` (:class:`Operands`) from K-steps
@@ -255,10 +256,13 @@ def _mma_tile(
     at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
     Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # A's rows, for an RMSNorm epilogue (else unused)
     for ki in range(k_begin, k_end):
         a = op.a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = op.b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
+        if epi.rms_eps is not None:
+            sumsq += epilogue.row_sumsq(a)
         if signal is not None:
             if ki == k_begin + (k_end - k_begin) // 4:
                 pending = _signal_pending(pending, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
@@ -267,19 +271,31 @@ def _mma_tile(
                 if ki == _part_step(q, wait, BLOCK_K):
                     ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
-    return acc, pending, ok
+    return epilogue.rms_scale(epi, acc, sumsq), pending, ok
 
 
 @triton.jit
-def _store_tile(op, acc, pm, pn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write tile (pm, pn) of C (:class:`Operands`): an asynchronous TMA store (clipped to C's
-    rows by the descriptor), or ordinary stores masked to ``c_rows`` x ``N``."""
+def _out_cols(op, epi):
+    """C's columns: the GEMM's, or half of them with a gated epilogue ``epi``."""
+    n = op.N
+    if epi.GATED:
+        n = op.N // 2
+    return n
+
+
+@triton.jit
+def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue: an asynchronous TMA
+    store (clipped to C's rows by the descriptor), or ordinary stores masked to ``c_rows`` x
+    the output's columns (half of ``N`` with a gated epilogue)."""
+    acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M)
+    OUT_N: tl.constexpr = acc.shape[1]
     if op.c_desc is not None:
-        op.c_desc.store([pm * BLOCK_M, pn * BLOCK_N], acc.to(op.c_desc.dtype))
+        op.c_desc.store([pm * BLOCK_M, pn * OUT_N], acc.to(op.c_desc.dtype))
     else:
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m[:, None] < op.c_rows) & (offs_n[None, :] < op.N)
+        offs_n = pn * OUT_N + tl.arange(0, OUT_N)
+        mask = (offs_m[:, None] < op.c_rows) & (offs_n[None, :] < _out_cols(op, epi))
         ptrs = op.c_ptr + offs_m[:, None] * op.stride_cm + offs_n[None, :]
         tl.store(ptrs, acc.to(op.c_ptr.dtype.element_ty), mask=mask)
 
@@ -307,22 +323,24 @@ def _record(trace_ptr, tile, t_wait, t_start, t_stored):
 
 @triton.jit
 def _run_tile(
-    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait,
+    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One tile: compute, then, if every wait of every thread held (a static consumer's one
-    vote per tile; ``ok`` comes in per thread), store it and note it for signalling, else
-    report the timeout and drop it. Returns ``(tile still to signal, ok)``, ``ok`` CTA-uniform."""
+    """One tile (``epi``: its epilogue, :func:`.epilogue.none`: none): compute, then, if every wait of every
+    thread held (a static consumer's one vote per tile; ``ok`` comes in per thread), store it
+    and note it for signalling, else report the timeout and drop it. Returns ``(tile still to
+    signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
     t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
-        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
-    )
+        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, epi, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+        INTERPRET,
+    )  # fmt: skip
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
-        _store_tile(op, acc, pm, pn, BLOCK_M, BLOCK_N)
+        _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
         if signal is not None:
             pending = tile  # signalled a quarter into the next tile, or after the loop
         _record(prot.trace_ptr, tile, t_wait, t_start, _now(prot.trace_ptr))
@@ -370,8 +388,9 @@ def _split_tail(
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
             acc, _, _ = _mma_tile(
-                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
-            )
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, epilogue.none(), BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+                INTERPRET,
+            )  # fmt: skip
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail.workspace + (j * tail.splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(partials + part * (BLOCK_M * BLOCK_N) + offs, acc)
@@ -383,7 +402,7 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(op, acc, pm, pn, BLOCK_M, BLOCK_N)
+                _store_tile(op, acc, pm, pn, epilogue.none(), BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
                     _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
@@ -399,7 +418,7 @@ def gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr,  # A, B; C as a TMA descriptor, or (c_desc None) a pointer
     M, N, k_tiles,  # the tile grid: M x N outputs (A and C may have fewer rows: TMA reads zeros, stores clip)
     c_rows, stride_cm,  # C's rows and row stride (ordinary stores)
-    wait, signal, tail,  # the hooks (sync.Wait, sync.Signal) and the split tail (Tail); None: off
+    wait, signal, tail, epi,  # the hooks (sync.Wait, sync.Signal), the split tail (Tail): None, off; the epilogue
     epoch_ptr, err_ptr, trace_ptr,  # this stage's run count, error word, per-tile stamps; None: unused
     stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -408,6 +427,8 @@ def gemm_kernel(
     """``C = A @ B`` over a persistent grid of ``NUM_CTAS`` CTAs; ``QUEUE``: the hooks follow
     the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
+    plain_epi: tl.constexpr = (epi.rms_eps is None) & (epi.ACTIVATION is None) & (epi.bias is None)
+    tl.static_assert(tail is None or plain_epi & (epi.residual is None), "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -430,8 +451,8 @@ def gemm_kernel(
             if ok:  # CTA-uniform (voted)
                 fence_proxy_async(INTERPRET)
                 pending, _ = _run_tile(
-                    op, prot, tile, num_n, signal, pending, None, 0, True, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
-                    INTERPRET,
+                    op, prot, tile, num_n, signal, pending, None, 0, True, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
+                    QUEUE, INTERPRET,
                 )  # fmt: skip
                 pos = claim(wait.head, epoch, num_tiles, NUM_CTAS)
             else:
@@ -453,8 +474,8 @@ def gemm_kernel(
                     ok = _poll_before(wait, c0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
                 pending, ok = _run_tile(
-                    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
-                    INTERPRET,
+                    op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
+                    QUEUE, INTERPRET,
                 )  # fmt: skip
                 if wait is not None:
                     alive = ok

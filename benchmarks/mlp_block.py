@@ -1,0 +1,110 @@
+"""One fused Llama MLP block on one GPU against ``torch.compile`` of ``transformers``' block and
+against its two GEMMs alone in cuBLAS (issue 16's speed targets).
+
+usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE]
+
+Llama-70B (hidden 8192, intermediate 28672) at M = 4096 and 8192, and Llama-8B (4096, 14336)
+at M = 1024 and 4096, bf16. Lines, graph-replayed, timed by the bench's harness (shuffled
+turns, paired):
+
+* ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused);
+* ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
+  (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode);
+* ``cublas_gemms``: the block's two GEMMs alone in cuBLAS (``x @ [gate|up]``, then the real
+  intermediate ``@ down``), nothing else;
+* ``down_stages``: ``ours`` with the down GEMM's alternative tiles (128 x 128, 4 stages).
+
+Also ``ours_eager``: the block called eagerly, paired with its replay. Prints and writes
+OUT_DIR/mlp_block.json: medians and, per shape, ratios with 95% CIs.
+"""
+
+import dataclasses
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ctapipelining.kernels.gemm import PLAIN_CONFIG
+from ctapipelining.nn import LlamaMLP
+from ctapipelining.timing import Method, capture, environment, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
+SHAPES = [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)]
+DOWN_ALT = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
+
+
+def ci(ratios, n=2000):
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return {"median": statistics.median(ratios), "ci95": [meds[int(0.025 * n)], meds[int(0.975 * n)]]}
+
+
+def main():
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    report = {"environment": environment(), "reps": REPS, "compile_mode": MODE, "command": " ".join(sys.argv)}
+    report["shapes"] = {}
+    for H, inter, M in SHAPES:
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=64)
+        mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+        for p in list(mlp.parameters()) + list(norm.parameters()):
+            p.requires_grad_(False)
+        block = LlamaMLP.from_hf(mlp, norm)
+        alt = LlamaMLP.from_hf(mlp, norm, down_config=DOWN_ALT)
+        x = torch.randn(M, H, device="cuda").bfloat16()
+        assert torch.equal(block(x), alt(x)), "the down GEMM's tiles changed the result"
+
+        def hf(x):
+            return x + mlp(norm(x))
+
+        compiled = torch.compile(hf, mode=None if MODE == "default" else MODE)
+        with torch.no_grad():
+            compiled(x)
+            compiled(x)
+        gu = torch.cat([mlp.gate_proj.weight.t(), mlp.up_proj.weight.t()], 1).contiguous()
+        down = mlp.down_proj.weight.t().contiguous()
+        h_real = _intermediate(block, x)
+        gu_out = torch.empty(M, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            methods = [
+                Method("ours", capture(lambda: block(x), [0]).replay),
+                Method("ours_eager", lambda: block(x)),
+                Method("down_stages", capture(lambda: alt(x), [0]).replay),
+                Method("compiled", capture(lambda: compiled(x), [0]).replay),
+                Method(
+                    "cublas_gemms",
+                    capture(lambda: (torch.mm(x, gu, out=gu_out), torch.mm(h_real, down, out=y)), [0]).replay,
+                ),
+            ]
+            times = time_interleaved(methods, [0], REPS, 3)
+        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
+        for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
+                         ("down_stages", "ours"), ("compiled", "cublas_gemms")):  # fmt: skip
+            row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
+        key = f"H{H}_I{inter}_M{M}"
+        report["shapes"][key] = row
+        print(key, json.dumps(row), flush=True)
+        del compiled
+        torch._dynamo.reset()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mlp_block.json").write_text(json.dumps(report, indent=1))
+
+
+def _intermediate(block, x):
+    """The block's real intermediate (what its down GEMM reads)."""
+    from ctapipelining.gemm import matmul
+
+    return matmul(x, block.gate_up, config=block.gate_up_config, epilogue=block._first)
+
+
+if __name__ == "__main__":
+    main()

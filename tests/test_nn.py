@@ -1,0 +1,125 @@
+"""Fused epilogues and the Llama MLP block, under the Triton interpreter on the CPU (fp16: the
+interpreter computes bf16 dots wrongly); the GPU tests run the same at full size."""
+
+import pytest
+import torch
+
+from ctapipelining.epilogue import Epilogue, fold_rms_weight, gelu, interleave, silu
+from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import GemmConfig
+from ctapipelining.nn import LlamaMLP
+
+pytestmark = pytest.mark.interpreter
+SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
+H, INTER = 48, 80  # the gate/up GEMM is 160 wide: 5 tiles of 32, the last ragged in the output
+
+
+def rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+def hf_block(seed=0, dtype=torch.float16):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=H, intermediate_size=INTER, hidden_act="silu", rms_norm_eps=1e-5, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    mlp, norm = HFMLP(cfg), LlamaRMSNorm(H, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(H))
+    return mlp.to(dtype), norm.to(dtype)
+
+
+def reference(mlp, norm, x):
+    """The block in float32: ``x + mlp(norm(x))``."""
+    x = x.float()
+    var = x.pow(2).mean(-1, keepdim=True)
+    xn = x * torch.rsqrt(var + norm.variance_epsilon) * norm.weight.float()
+    g, u = xn @ mlp.gate_proj.weight.float().t(), xn @ mlp.up_proj.weight.float().t()
+    return x + (torch.nn.functional.silu(g) * u) @ mlp.down_proj.weight.float().t()
+
+
+@pytest.mark.parametrize("M", [1, 37, 100])
+def test_llama_block_is_as_accurate_as_transformers(M):
+    """Against float32: the fused block's error is at most 2x that of ``transformers``' own
+    LlamaMLP + LlamaRMSNorm in the same precision (fp16 here), and the output has no NaN."""
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(M, H).half() * 3
+    ref = reference(mlp, norm, x)
+    with torch.no_grad():
+        theirs = x + mlp(norm(x))
+    ours = block(x)
+    assert ours.shape == x.shape and ours.dtype == x.dtype and not ours.isnan().any()
+    assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+
+
+def test_block_takes_any_leading_shape_and_refreshes_from_its_source():
+    mlp, norm = hf_block(1)
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(2, 5, H).half()
+    y = block(x)
+    assert y.shape == (2, 5, H)
+    assert torch.equal(y.reshape(10, H), block(x.reshape(10, H)))
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(2)
+    assert torch.equal(block(x), y)  # the block keeps its own layout until refreshed
+    block.refresh()
+    assert rel(block(x) - x, 2 * (y - x)) < 1e-2
+
+
+def test_epilogues_on_a_plain_gemm():
+    """Each step of an epilogue alone and together, against float32: RMSNorm rows, a GELU with
+    a bias, a gated SiLU (half-width output), a residual."""
+    torch.manual_seed(0)
+    M, K, N = 40, 48, 64
+    a, w = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
+    af, wf = a.float(), w.float()
+    bias = torch.randn(N).half()
+    y = matmul(a, w, config=SMALL, epilogue=Epilogue(gelu, bias=bias))
+    assert rel(y, torch.nn.functional.gelu(af @ wf, approximate="tanh") + bias.float()) < 2e-3
+    g = (1 + 0.1 * torch.randn(K)).half()
+    y = matmul(a, fold_rms_weight(g, w), config=SMALL, epilogue=Epilogue(rms_eps=1e-6))
+    ref = (af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()) @ wf
+    assert rel(y, ref) < 2e-3
+    up = (torch.randn(K, N) / K**0.5).half()
+    y = matmul(a, interleave(w, up), config=SMALL, epilogue=Epilogue(silu, gated=True))
+    assert y.shape == (M, N)
+    assert rel(y, torch.nn.functional.silu(af @ wf) * (af @ up.float())) < 2e-3
+    res = torch.randn(M, N).half()
+    y = matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=res)
+    assert rel(y, af @ wf + res.float()) < 2e-3
+
+
+def test_bad_epilogues_are_refused_before_launch():
+    a, w = torch.randn(32, 48).half(), torch.randn(48, 64).half()
+    with pytest.raises(TypeError, match="@triton.jit"):
+        Epilogue(torch.nn.functional.silu)
+    with pytest.raises(ValueError, match="needs its activation"):
+        Epilogue(gated=True)
+    with pytest.raises(ValueError, match="rms_eps"):
+        Epilogue(rms_eps=0.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        matmul(a, torch.randn(48, 72).half(), config=SMALL, epilogue=Epilogue(silu, gated=True))
+    with pytest.raises(ValueError, match="bias must be a \\[32\\]"):
+        matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(64).half()))
+    with pytest.raises(ValueError, match="pass residual exactly"):
+        matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True))
+    with pytest.raises(ValueError, match="pass residual exactly"):
+        matmul(a, w, config=SMALL, residual=torch.zeros(32, 64).half())
+    with pytest.raises(ValueError, match="residual must be a \\[32, 64\\]"):
+        matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=torch.zeros(32, 32).half())
+    with pytest.raises(ValueError, match="whole tiles"):
+        matmul(a, w, config=GemmConfig(16, 32, 16, split_tail=True), epilogue=Epilogue(gelu))
+    with pytest.raises(ValueError, match="shapes do not make a block"):
+        LlamaMLP(torch.zeros(80, 48), torch.zeros(80, 48), torch.zeros(80, 48), torch.zeros(48))
+    block = LlamaMLP(*(torch.zeros(s).half() for s in ((80, 48), (80, 48), (48, 80), (48,))), 1e-5)
+    with pytest.raises(ValueError, match="x must be"):
+        block(torch.zeros(4, 40).half())
+    with pytest.raises(ValueError, match="x is torch.float32"):
+        block(torch.zeros(4, 48))
