@@ -45,58 +45,62 @@ def ci(ratios, n=2000):
 
 
 def main():
+    report = {"environment": environment(), "reps": REPS, "compile_mode": MODE, "command": " ".join(sys.argv)}
+    report["shapes"] = {}
+    for H, inter, M in SHAPES:
+        key = f"H{H}_I{inter}_M{M}"
+        report["shapes"][key] = row = one_shape(H, inter, M)
+        print(key, json.dumps(row), flush=True)
+        torch._dynamo.reset()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mlp_block.json").write_text(json.dumps(report, indent=1))
+
+
+def one_shape(H: int, inter: int, M: int) -> dict:
+    """Every line on one block shape and input height; medians and paired ratios."""
     import transformers
     from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    report = {"environment": environment(), "reps": REPS, "compile_mode": MODE, "command": " ".join(sys.argv)}
-    report["shapes"] = {}
-    for H, inter, M in SHAPES:
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=64)
-        mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
-        for p in list(mlp.parameters()) + list(norm.parameters()):
-            p.requires_grad_(False)
-        block = LlamaMLP.from_hf(mlp, norm)
-        alt = LlamaMLP.from_hf(mlp, norm, down_config=DOWN_ALT)
-        x = torch.randn(M, H, device="cuda").bfloat16()
-        assert torch.equal(block(x), alt(x)), "the down GEMM's tiles changed the result"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=64)
+    mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+    for p in list(mlp.parameters()) + list(norm.parameters()):
+        p.requires_grad_(False)
+    block = LlamaMLP.from_hf(mlp, norm)
+    alt = LlamaMLP.from_hf(mlp, norm, down_config=DOWN_ALT)
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    assert torch.equal(block(x), alt(x)), "the down GEMM's tiles changed the result"
 
-        def hf(x):
-            return x + mlp(norm(x))
+    def hf(x):
+        return x + mlp(norm(x))
 
-        compiled = torch.compile(hf, mode=None if MODE == "default" else MODE)
-        with torch.no_grad():
-            compiled(x)
-            compiled(x)
-        gu = torch.cat([mlp.gate_proj.weight.t(), mlp.up_proj.weight.t()], 1).contiguous()
-        down = mlp.down_proj.weight.t().contiguous()
-        h_real = _intermediate(block, x)
-        gu_out = torch.empty(M, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            methods = [
-                Method("ours", capture(lambda: block(x), [0]).replay),
-                Method("ours_eager", lambda: block(x)),
-                Method("down_stages", capture(lambda: alt(x), [0]).replay),
-                Method("compiled", capture(lambda: compiled(x), [0]).replay),
-                Method(
-                    "cublas_gemms",
-                    capture(lambda: (torch.mm(x, gu, out=gu_out), torch.mm(h_real, down, out=y)), [0]).replay,
-                ),
-            ]
-            times = time_interleaved(methods, [0], REPS, 3)
-        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
-        for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
-                         ("down_stages", "ours"), ("compiled", "cublas_gemms")):  # fmt: skip
-            row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
-        key = f"H{H}_I{inter}_M{M}"
-        report["shapes"][key] = row
-        print(key, json.dumps(row), flush=True)
-        del compiled
-        torch._dynamo.reset()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "mlp_block.json").write_text(json.dumps(report, indent=1))
+    compiled = torch.compile(hf, mode=None if MODE == "default" else MODE)
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+    gu = torch.cat([mlp.gate_proj.weight.t(), mlp.up_proj.weight.t()], 1).contiguous()
+    down = mlp.down_proj.weight.t().contiguous()
+    h_real = _intermediate(block, x)
+    gu_out = torch.empty(M, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        methods = [
+            Method("ours", capture(lambda: block(x), [0]).replay),
+            Method("ours_eager", lambda: block(x)),
+            Method("down_stages", capture(lambda: alt(x), [0]).replay),
+            Method("compiled", capture(lambda: compiled(x), [0]).replay),
+            Method(
+                "cublas_gemms",
+                capture(lambda: (torch.mm(x, gu, out=gu_out), torch.mm(h_real, down, out=y)), [0]).replay,
+            ),
+        ]
+        times = time_interleaved(methods, [0], REPS, 3)
+    row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
+    for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
+                     ("down_stages", "ours"), ("compiled", "cublas_gemms")):  # fmt: skip
+        row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
+    return row
 
 
 def _intermediate(block, x):
