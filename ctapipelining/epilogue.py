@@ -83,11 +83,11 @@ class Epilogue:
             residual,
             residual.stride(0) if residual is not None else 0,
             None if self.activation is None else tl.constexpr(self.activation),
-            tl.constexpr(self.gated),
+            tl.constexpr(True) if self.gated else None,
         )
 
 
-OFF = device.Epilogue(None, None, None, None, None, None, tl.constexpr(False))  # the kernel's bundle without one
+OFF = device.Epilogue(None, None, None, None, None, None, None)  # the kernel's bundle without one
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

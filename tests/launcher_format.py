@@ -10,6 +10,7 @@ import torch
 from triton.backends.nvidia.driver import make_launcher
 
 from ctapipelining.chain import ChainLaunch, ChainStage
+from ctapipelining.epilogue import Epilogue, gelu, silu
 from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
 from ctapipelining.kernels.compile_check import compile_chain, compile_variant
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
@@ -110,6 +111,19 @@ def main():
         c = torch.zeros(M, N + (0 if tma_store else 64), dtype=torch.bfloat16)[:, :N]
         check(launch.raw_args(fake_map, a, b, c), fmt, roles, str((flags, options)))
         print("ok", flags, options)
+    # fused epilogues: the residual is a call's own tensor, the gated output half as wide
+    plain = dataclasses.replace(cfg, split_tail=False)
+    a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+    for name, epi, n_out in (
+        ("gated_rms", Epilogue(silu, gated=True, rms_eps=1e-5), N // 2),
+        ("bias_residual", Epilogue(gelu, bias=torch.zeros(N, dtype=torch.bfloat16), residual=True), N),
+    ):
+        fmt, roles = launcher_format(compile_variant(False, False, False, epilogue=name))
+        launch = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi)
+        c = torch.zeros(M, n_out, dtype=torch.bfloat16)
+        residual = torch.zeros(M, n_out, dtype=torch.bfloat16) if epi.residual else None
+        check(launch.raw_args(fake_map, a, b, c, residual), tokens(fmt), roles, name)
+        print("ok", name)
     # chain kernels: (compile_chain flags and options, stages, outer links by ring)
     inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)
     outer_wait = dict(wait=dataclasses.replace(wait, **queue), err=i64(8))

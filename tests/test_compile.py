@@ -189,3 +189,22 @@ def test_clock_probe_compiles_and_each_side_votes_on_its_waits():
     for side in (serve, answer):
         assert side["vote"] >= 1 and side["vote"] == side["ld_acquire_sys"], side
         assert side["atom_sys"] >= 1, side
+
+
+def test_fused_epilogues_compile_and_fit_the_block_configurations():
+    """The Llama block's epilogues compile to pipelined TMA/wgmma GEMMs within Hopper's shared
+    memory in the configurations :mod:`ctapipelining.nn` gives them; a residual tile with three
+    stages of 128 x 256 tiles would not fit (why the down GEMM has two)."""
+    code = "import json; from ctapipelining.kernels.compile_check import compile_epilogues as e; print(json.dumps(e()))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from ctapipelining.kernels.gemm import SMEM_LIMIT
+    from ctapipelining.nn import DOWN_CONFIG, GATE_UP_CONFIG
+
+    assert (GATE_UP_CONFIG.num_stages, DOWN_CONFIG.num_stages) == (3, 2)
+    got = json.loads(r.stdout)
+    for name in ("gated_rms", "bias_residual"):
+        assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name
+        assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
+    assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT

@@ -122,6 +122,7 @@ def _stage_tile(
     if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
     prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
+    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None)  # stores the accumulator as it is
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
     if QUEUE_IN:
@@ -132,7 +133,7 @@ def _stage_tile(
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
             pending, _ = _run_tile(
-                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, epilogue.none(), BLOCK_M,
+                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, no_epi, BLOCK_M,
                 BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
             )  # fmt: skip
         alive = ok
@@ -145,7 +146,7 @@ def _stage_tile(
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
         pending, ok = _run_tile(
-            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, epilogue.none(),
+            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, no_epi,
             BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:
@@ -201,15 +202,7 @@ def chain_kernel(
                     pending_stage = pending * 0 + s
                     tl.static_assert(c_descs[s] is not None or s == S - 1, "only the last stage stores without TMA")
                     op = Operands(
-                        a_descs[s],
-                        b_descs[s],
-                        c_descs[s],
-                        c_ptr,
-                        c_rows,
-                        stages[s].N,
-                        stages[s].k_tiles,
-                        stride_cm,
-                        None,
+                        a_descs[s], b_descs[s], c_descs[s], c_ptr, c_rows, stages[s].N, stages[s].k_tiles, stride_cm
                     )
                     queue_in: tl.constexpr = QUEUE and s == 0 and stages[s].wait is not None
                     if tail is not None and s == S - 1:

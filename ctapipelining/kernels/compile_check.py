@@ -117,7 +117,6 @@ def compile_variant(
         sig["epi"] = Epilogue(*["constexpr"] * len(Epilogue._fields))
         for i in range(len(Epilogue._fields)):
             const[(at, i)] = None
-        const[(at, 6)] = False
     else:
         gated = epilogue == "gated_rms"
         at = names.index("epi")
@@ -129,7 +128,7 @@ def compile_variant(
             if sig["epi"][i] == "constexpr":
                 const[(at, i)] = None
         const[(at, 5)] = silu if gated else gelu
-        const[(at, 6)] = gated
+        const[(at, 6)] = True if gated else None
     if wait or signal:
         sig["epoch_ptr"] = "*i64"
     else:
@@ -243,6 +242,20 @@ def report() -> dict:
     for name, flags, options in builds:
         out[name] = _summary(compile_variant(*flags, **options))
     return out
+
+
+def compile_epilogues() -> dict:
+    """The fused epilogues of :class:`ctapipelining.nn.LlamaMLP`'s two GEMMs, in its
+    configurations (gate/up: 3 stages, the tile stored half as wide; down with its residual: 2
+    stages), and the residual one with 3 stages: their summaries (``smem`` against
+    :data:`~.gemm.SMEM_LIMIT`)."""
+    return {
+        "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
+        "bias_residual": _summary(compile_variant(False, False, False, epilogue="bias_residual", num_stages=2)),
+        "bias_residual_3_stages": _summary(
+            compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
+        ),
+    }
 
 
 def compile_probe():

@@ -3,8 +3,8 @@ applied to the fp32 accumulator tile before it is stored, so it costs no pass ov
 
 :class:`Epilogue` is one kernel argument bundle (None: off, and the kernel is the plain GEMM).
 Its fields are None when unused (the kernel never compares the bundle itself with None: Triton
-3.6 cannot when it holds None fields; :func:`none` is the epilogue that does nothing, the
-plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B``:
+3.6 cannot when it holds None fields; ``Epilogue(None, ..., None)`` is the epilogue that does
+nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B``:
 
 1. ``rms_eps`` (not None): RMSNorm of A's rows folded in. The norm's weight is folded into B
    on the host (``B' = diag(g) @ B``); the K loop sums the squares of the A tiles it already
@@ -37,13 +37,7 @@ class Epilogue(NamedTuple):
     residual: object  # *T [rows, N out]: added (None: none)
     stride_res: object  # the residual's row stride
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
-    GATED: object  # B's columns are (gate, up) pairs: ACTIVATION(gate) * up, a half-width tile
-
-
-@triton.jit
-def none():
-    """The epilogue that does nothing (the accumulator stored as it is)."""
-    return Epilogue(None, None, None, None, None, None, False)
+    GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
 
 
 @triton.jit
@@ -78,8 +72,8 @@ def rms_scale(epi, acc, sumsq):
 def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     """Steps 2-4 of the epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows``
     x ``n_out``: the output's extent, for masks). Returns the tile to store (half as wide
-    with ``GATED``; ``acc`` itself with :func:`none`)."""
-    if epi.GATED:
+    with ``GATED``; ``acc`` itself with nothing to do)."""
+    if epi.GATED is not None:
         gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
         acc = epi.ACTIVATION(gate) * up
     elif epi.ACTIVATION is not None:

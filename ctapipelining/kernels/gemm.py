@@ -278,7 +278,7 @@ def _mma_tile(
 def _out_cols(op, epi):
     """C's columns: the GEMM's, or half of them with a gated epilogue ``epi``."""
     n = op.N
-    if epi.GATED:
+    if epi.GATED is not None:
         n = op.N // 2
     return n
 
@@ -326,7 +326,7 @@ def _run_tile(
     op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One tile (``epi``: its epilogue, :func:`.epilogue.none`: none): compute, then, if every wait of every
+    """One tile (``epi``: its :class:`.epilogue.Epilogue`, all None for none): compute, then, if every wait of every
     thread held (a static consumer's one vote per tile; ``ok`` comes in per thread), store it
     and note it for signalling, else report the timeout and drop it. Returns ``(tile still to
     signal, ok)``, ``ok`` CTA-uniform."""
@@ -371,6 +371,7 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
+    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None)  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -388,7 +389,7 @@ def _split_tail(
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
             acc, _, _ = _mma_tile(
-                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, epilogue.none(), BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, no_epi, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
                 INTERPRET,
             )  # fmt: skip
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -402,7 +403,7 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(op, acc, pm, pn, epilogue.none(), BLOCK_M, BLOCK_N)
+                _store_tile(op, acc, pm, pn, no_epi, BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
                     _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
