@@ -123,7 +123,7 @@ def test_cached_launch_equals_tritons_launch_path(M):
     without the integer specialisations, for new tensors and for a padded output."""
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
-    launch = _plain_launch(M, 3072, 4096, PLAIN_CONFIG, a.device, torch.cuda.current_stream().cuda_stream)
+    launch = _plain_launch(M, 3072, 4096, PLAIN_CONFIG, a.device, torch.cuda.current_stream().cuda_stream, None)
     assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))

@@ -1,0 +1,63 @@
+"""Where the fused Llama block's time goes: each of its GEMMs with each part of its epilogue,
+against the same GEMM plain and in cuBLAS, graph-replayed, paired (one H200, Llama-70B MLP,
+M = 4096).
+
+usage: python3 benchmarks/mlp_parts.py OUT_DIR [REPS]
+"""
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ctapipelining.epilogue import Epilogue, silu
+from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import PLAIN_CONFIG
+from ctapipelining.timing import Method, capture, environment, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+H, INTER, M = 8192, 28672, 4096
+
+
+def main():
+    torch.manual_seed(0)
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    gu = (torch.randn(H, 2 * INTER, device="cuda") * H**-0.5).bfloat16()
+    down = (torch.randn(INTER, H, device="cuda") * INTER**-0.5).bfloat16()
+    h = torch.randn(M, INTER, device="cuda").bfloat16()
+    full, half = torch.empty(M, 2 * INTER, device="cuda").bfloat16(), torch.empty(M, INTER, device="cuda").bfloat16()
+    y = torch.empty(M, H, device="cuda").bfloat16()
+    cfg3 = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
+    cfg2 = dataclasses.replace(cfg3, num_stages=2)
+    n128 = dataclasses.replace(cfg3, block_n=128, num_stages=4)
+    gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
+    res = Epilogue(residual=True)
+    lines = {
+        "gu_cublas": lambda: torch.mm(x, gu, out=full),
+        "gu_plain": lambda: matmul(x, gu, out=full, config=cfg3),
+        "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
+        "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
+        "down_cublas": lambda: torch.mm(h, down, out=y),
+        "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
+        "down_plain2": lambda: matmul(h, down, out=y, config=cfg2),
+        "down_res2": lambda: matmul(h, down, out=y, config=cfg2, epilogue=res, residual=x),
+        "down_plain_n128": lambda: matmul(h, down, out=y, config=n128),
+        "down_res_n128": lambda: matmul(h, down, out=y, config=n128, epilogue=res, residual=x),
+    }
+    methods = [Method(k, capture(fn, [0]).replay) for k, fn in lines.items()]
+    times = time_interleaved(methods, [0], REPS, 3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {f"{k}/{base}": round(med[k] / med[base], 4) for k in med for base in ("gu_cublas", "down_cublas")
+              if k.split("_")[0] == base.split("_")[0]}  # fmt: skip
+    report = {"environment": environment(), "command": " ".join(sys.argv), "median_ms": med, "ratios": ratios}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mlp_parts.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({"median_ms": med, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
