@@ -27,7 +27,8 @@ class Epilogue:
     """What a GEMM ``C = A @ B`` does to each output tile before storing it, in this order:
 
     * ``rms_eps``: scale each row by ``rsqrt(mean(A_row ** 2) + rms_eps)`` (an RMSNorm of A
-      whose weight is folded into B: :func:`fold_rms_weight`);
+      whose weight is folded into B: :func:`fold_rms_weight`), the scales computed by a pass
+      over A before the GEMM (:func:`ctapipelining.kernels.epilogue.rms_rows`);
     * ``activation``: a ``@triton.jit`` function of one fp32 tile (:func:`silu`,
       :func:`gelu`, or your own); with ``gated``, B's columns are (gate, up) pairs
       (:func:`interleave`) and output column ``j`` is ``activation(gate_j) * up_j``: C has
@@ -74,11 +75,10 @@ class Epilogue:
                     f"{tuple(self.bias.shape)} {self.bias.dtype} on {self.bias.device}"
                 )
 
-    def bundle(self, K: int, residual: torch.Tensor | None) -> device.Epilogue:
-        """The kernel's argument bundle, with this call's ``residual``."""
+    def bundle(self, row_scale: torch.Tensor | None, residual: torch.Tensor | None) -> device.Epilogue:
+        """The kernel's argument bundle: the rows' scales (with ``rms_eps``), this call's ``residual``."""
         return device.Epilogue(
-            self.rms_eps,
-            K,
+            row_scale,
             self.bias,
             residual,
             residual.stride(0) if residual is not None else 0,
@@ -87,7 +87,7 @@ class Epilogue:
         )
 
 
-OFF = device.Epilogue(None, None, None, None, None, None, None)  # the kernel's bundle without one
+OFF = device.Epilogue(None, None, None, None, None, None)  # the kernel's bundle without one
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,10 @@ from .gemm import check_tensor, matmul
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
-# down GEMM's (its residual tile needs shared memory too: two stages of 128 x 256 tiles fit).
+# down GEMM's: its residual tile needs shared memory too, and 128 x 256 tiles then fit two stages
+# only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
 GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
-DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False, num_stages=2)
+DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
 
 class LlamaMLP(torch.nn.Module):

@@ -194,7 +194,7 @@ def test_clock_probe_compiles_and_each_side_votes_on_its_waits():
 def test_fused_epilogues_compile_and_fit_the_block_configurations():
     """The Llama block's epilogues compile to pipelined TMA/wgmma GEMMs within Hopper's shared
     memory in the configurations :mod:`ctapipelining.nn` gives them; a residual tile with three
-    stages of 128 x 256 tiles would not fit (why the down GEMM has two)."""
+    stages of 128 x 256 tiles would not fit (why the down GEMM's tiles are narrower)."""
     code = "import json; from ctapipelining.kernels.compile_check import compile_epilogues as e; print(json.dumps(e()))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -202,7 +202,8 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
     from ctapipelining.kernels.gemm import SMEM_LIMIT
     from ctapipelining.nn import DOWN_CONFIG, GATE_UP_CONFIG
 
-    assert (GATE_UP_CONFIG.num_stages, DOWN_CONFIG.num_stages) == (3, 2)
+    assert (GATE_UP_CONFIG.block_n, GATE_UP_CONFIG.num_stages) == (256, 3)
+    assert (DOWN_CONFIG.block_n, DOWN_CONFIG.num_stages) == (128, 4)
     got = json.loads(r.stdout)
     for name in ("gated_rms", "bias_residual"):
         assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name

@@ -121,14 +121,14 @@ def compile_variant(
         gated = epilogue == "gated_rms"
         at = names.index("epi")
         sig["epi"] = Epilogue(
-            "fp32" if gated else "constexpr", "i32", "constexpr" if gated else "*bf16",
-            "constexpr" if gated else "*bf16", "constexpr" if gated else "i32", "constexpr", "constexpr",
+            "*fp32" if gated else "constexpr", "constexpr" if gated else "*bf16", "constexpr" if gated else "*bf16",
+            "constexpr" if gated else "i32", "constexpr", "constexpr",
         )  # fmt: skip
         for i in range(len(Epilogue._fields)):
             if sig["epi"][i] == "constexpr":
                 const[(at, i)] = None
-        const[(at, 5)] = silu if gated else gelu
-        const[(at, 6)] = True if gated else None
+        const[(at, 4)] = silu if gated else gelu
+        const[(at, 5)] = True if gated else None
     if wait or signal:
         sig["epoch_ptr"] = "*i64"
     else:
@@ -246,12 +246,14 @@ def report() -> dict:
 
 def compile_epilogues() -> dict:
     """The fused epilogues of :class:`ctapipelining.nn.LlamaMLP`'s two GEMMs, in its
-    configurations (gate/up: 3 stages, the tile stored half as wide; down with its residual: 2
-    stages), and the residual one with 3 stages: their summaries (``smem`` against
-    :data:`~.gemm.SMEM_LIMIT`)."""
+    configurations (gate/up: 128 x 256 tiles, 3 stages, stored half as wide; down with its
+    residual: 128 x 128, 4 stages), and the residual one with 128 x 256 tiles and 3 stages:
+    their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
     return {
         "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
-        "bias_residual": _summary(compile_variant(False, False, False, epilogue="bias_residual", num_stages=2)),
+        "bias_residual": _summary(
+            compile_variant(False, False, False, (128, 128, 64), epilogue="bias_residual", num_stages=4)
+        ),
         "bias_residual_3_stages": _summary(
             compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
         ),

@@ -6,9 +6,11 @@ Its fields are None when unused (the kernel never compares the bundle itself wit
 3.6 cannot when it holds None fields; ``Epilogue(None, ..., None)`` is the epilogue that does
 nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B``:
 
-1. ``rms_eps`` (not None): RMSNorm of A's rows folded in. The norm's weight is folded into B
-   on the host (``B' = diag(g) @ B``); the K loop sums the squares of the A tiles it already
-   loads, and the tile's rows are scaled by ``rsqrt(sum / k_size + rms_eps)``. It rounds
+1. ``row_scale`` (not None): each row scaled by its entry, the RMSNorm of A's rows folded in.
+   The norm's weight is folded into B on the host (``B' = diag(g) @ B``); :func:`rms_rows`
+   computes each row's ``rsqrt(mean(a ** 2) + eps)`` before the GEMM, one read of A (at the
+   Llama-70B MLP's first GEMM, M = 4096: a sum of squares inside the K loop, from the A tiles
+   it loads, made the GEMM 1.30x as long; ``benchmarks/results/2026-12-01-h200-mlp/``). It rounds
    differently from normalising first: ``x`` is not rounded to bf16 after the norm, and
    ``g * B`` is rounded once, at fold time, instead of ``g * x_normed`` in every call.
 2. ``ACTIVATION`` (a ``@triton.jit`` function of one fp32 tile, or None). With ``GATED``, B's
@@ -31,8 +33,7 @@ import triton.language as tl
 class Epilogue(NamedTuple):
     """A GEMM's epilogue (module docstring). UPPER_CASE fields are ``tl.constexpr``."""
 
-    rms_eps: object  # fp32: the RMSNorm's epsilon (None: no norm)
-    k_size: object  # A's columns: what the squares are averaged over
+    row_scale: object  # *fp32 [rows]: each row's scale (None: none)
     bias: object  # *T [N out]: added to each row (None: none)
     residual: object  # *T [rows, N out]: added (None: none)
     stride_res: object  # the residual's row stride
@@ -54,25 +55,26 @@ def gelu(x):
 
 
 @triton.jit
-def row_sumsq(a):
-    """Each row's sum of squares of an A tile (fp32)."""
-    af = a.to(tl.float32)
-    return tl.sum(af * af, axis=1)
-
-
-@triton.jit
-def rms_scale(epi, acc, sumsq):
-    """Step 1 (after the K loop, which summed ``sumsq``): the rows scaled by their RMSNorm."""
-    if epi.rms_eps is not None:
-        acc = acc * tl.rsqrt(sumsq / epi.k_size + epi.rms_eps)[:, None]
-    return acc
+def rms_rows(a_ptr, out_ptr, rows, cols, stride, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out[r] = rsqrt(mean(a[r, :] ** 2) + eps)`` (fp32) for ``BLOCK_R`` rows a program."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, cols, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        a = tl.load(a_ptr + r[:, None].to(tl.int64) * stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(a * a, axis=1)
+    tl.store(out_ptr + r, tl.rsqrt(acc / cols + eps), mask=r < rows)
 
 
 @triton.jit
 def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
-    """Steps 2-4 of the epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows``
-    x ``n_out``: the output's extent, for masks). Returns the tile to store (half as wide
-    with ``GATED``; ``acc`` itself with nothing to do)."""
+    """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
+    the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
+    ``acc`` itself with nothing to do)."""
+    offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if epi.row_scale is not None:
+        acc = acc * tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)[:, None]
     if epi.GATED is not None:
         gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
         acc = epi.ACTIVATION(gate) * up
@@ -83,7 +85,6 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     if epi.bias is not None:
         acc += tl.load(epi.bias + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
     if epi.residual is not None:
-        offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (offs_m[:, None] < rows) & (cols[None, :] < n_out)
         res = tl.load(epi.residual + offs_m[:, None] * epi.stride_res + cols[None, :], mask=mask, other=0.0)
         acc += res.to(tl.float32)

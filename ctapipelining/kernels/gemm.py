@@ -245,7 +245,7 @@ def _report_wait(wait, c0, tile, epoch, err_ptr, stage):
 
 @triton.jit
 def _mma_tile(
-    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok, epi,
+    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile of ``op`` (:class:`Operands`) from K-steps
@@ -256,13 +256,10 @@ def _mma_tile(
     at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
     Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # A's rows, for an RMSNorm epilogue (else unused)
     for ki in range(k_begin, k_end):
         a = op.a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = op.b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
-        if epi.rms_eps is not None:
-            sumsq += epilogue.row_sumsq(a)
         if signal is not None:
             if ki == k_begin + (k_end - k_begin) // 4:
                 pending = _signal_pending(pending, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
@@ -271,7 +268,7 @@ def _mma_tile(
                 if ki == _part_step(q, wait, BLOCK_K):
                     ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
-    return epilogue.rms_scale(epi, acc, sumsq), pending, ok
+    return acc, pending, ok
 
 
 @triton.jit
@@ -334,9 +331,8 @@ def _run_tile(
     pn = tile % num_n
     t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
-        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, epi, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
-        INTERPRET,
-    )  # fmt: skip
+        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+    )
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
@@ -371,7 +367,7 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
-    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None)  # partials: stored as they are
+    no_epi = epilogue.Epilogue(None, None, None, None, None, None)  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -389,9 +385,8 @@ def _split_tail(
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
             acc, _, _ = _mma_tile(
-                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, no_epi, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE,
-                INTERPRET,
-            )  # fmt: skip
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+            )
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail.workspace + (j * tail.splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(partials + part * (BLOCK_M * BLOCK_N) + offs, acc)
@@ -428,7 +423,7 @@ def gemm_kernel(
     """``C = A @ B`` over a persistent grid of ``NUM_CTAS`` CTAs; ``QUEUE``: the hooks follow
     the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
-    plain_epi: tl.constexpr = (epi.rms_eps is None) & (epi.ACTIVATION is None) & (epi.bias is None)
+    plain_epi: tl.constexpr = (epi.row_scale is None) & (epi.ACTIVATION is None) & (epi.bias is None)
     tl.static_assert(tail is None or plain_epi & (epi.residual is None), "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
