@@ -119,8 +119,7 @@ class ChainLaunch:
         if self.split is not None and len(stages) == 1 and stages[0].wait is not None and queue:
             self.split = None  # a ring's tiles come in readiness order: nothing to split at the end
         self.tail = None if self.split is None else TailBuffers.create(self.split, config, device)
-        self.order = torch.empty(0, dtype=torch.int32)
-        self.set_order(num_ctas, device)
+        self.order = torch.from_numpy(self._order_codes(num_ctas)).to(device)
         tail = (
             None
             if self.tail is None
@@ -149,19 +148,19 @@ class ChainLaunch:
         self._blocks = tma_blocks(config)
         self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
 
-    def set_order(self, lag: int | None, device: torch.device | None = None) -> None:
-        """(Re)write the combined order (:func:`ctapipelining.deps.chain_order`) in place: stages
-        interleaved with ``lag`` positions (bound: one round of the grid), or stage after stage
-        (``lag=None``, what the benchmarks set the interleaved order against). In place, so a
-        launch or graph that points at it runs the new order; not while a launch is running."""
+    def _order_codes(self, lag: int | None):
+        """The combined order's codes (:func:`ctapipelining.deps.chain_order`) with ``lag``."""
         cfg = self.config
         num_ns = [_cdiv(st.N, cfg.block_n) for st in self.stages]
         ring_first = self.queue and self.stages[0].wait is not None
-        codes = deps.chain_order(_cdiv(self.M, cfg.block_m), num_ns, cfg.group_m, lag, self.split, ring_first)
-        if device is not None:
-            self.order = torch.from_numpy(codes).to(device)
-        else:
-            self.order.copy_(torch.from_numpy(codes))
+        return deps.chain_order(_cdiv(self.M, cfg.block_m), num_ns, cfg.group_m, lag, self.split, ring_first)
+
+    def set_order(self, lag: int | None) -> None:
+        """Rewrite the combined order in place: stages interleaved with ``lag`` positions (bound:
+        one round of the grid), or stage after stage (``lag=None``, what the benchmarks set the
+        interleaved order against). In place, so a launch or graph that points at it runs the
+        new order; not while a launch is running."""
+        self.order.copy_(torch.from_numpy(self._order_codes(lag)))
 
     def __call__(self, ops: list[tuple], stream: int | None = None):
         """Launch on ``stream`` (raw handle on the kernel's GPU, that of the first stage's weights;

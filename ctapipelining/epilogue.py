@@ -53,8 +53,10 @@ class Epilogue:
             raise ValueError("a gated epilogue needs its activation (e.g. silu for Llama's MLP)")
         if self.rms_eps is not None and not (isinstance(self.rms_eps, float) and self.rms_eps > 0):
             raise ValueError(f"rms_eps must be a float > 0, got {self.rms_eps!r}")
-        if self.bias is not None and (not isinstance(self.bias, torch.Tensor) or self.bias.dim() != 1):
-            raise ValueError("bias must be a 1-D tensor of the output's columns")
+        if self.bias is not None and (
+            not isinstance(self.bias, torch.Tensor) or self.bias.dim() != 1 or self.bias.stride(0) != 1
+        ):
+            raise ValueError("bias must be a contiguous 1-D tensor of the output's columns")
 
     def out_cols(self, N: int) -> int:
         """C's columns for a GEMM with ``N`` columns of B."""

@@ -392,6 +392,8 @@ class GemmLaunch:
     def _rms_rows(self, a: torch.Tensor, stream: int | None) -> None:
         """``row_scale[r] = rsqrt(mean(a[r] ** 2) + eps)`` for ``a``'s rows, on ``stream``."""
         rows, cols = a.shape
+        if rows > self.M:
+            raise ValueError(f"a has {rows} rows; this launch's row scales hold {self.M}")
         on_stream = stream is not None and not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
             rms_rows[(_cdiv(rows, RMS_ROWS),)](
@@ -509,7 +511,8 @@ def matmul(
     if out is None:
         out = torch.empty(M, n_out, dtype=a.dtype, device=a.device)
     check_out(out, M, n_out, a.dtype)
-    if overlaps(out, a, b, *([] if residual is None else [residual])):
+    bias = [] if epilogue is None or epilogue.bias is None else [epilogue.bias[None, :]]
+    if overlaps(out, a, b, *([] if residual is None else [residual]), *bias):
         raise ValueError("out overlaps an operand: the GEMM would read what it has already overwritten")
     if M == 0 or N == 0:
         return out

@@ -16,6 +16,7 @@ lays them out again from the source module after it changed).
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
+Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
 Inputs with few rows (decode) run as they are: the kernels need no minimum, but a block of a
 few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here changes that.
 """
@@ -66,6 +67,8 @@ class LlamaMLP(torch.nn.Module):
                 f"w_down {tuple(w_down.shape)}, norm_weight {tuple(norm_weight.shape)} "
                 "(want [I, H], [I, H], [H, I], [H])"
             )
+        if inter % 8 or H % 8:
+            raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
         if len({t.dtype for t in ws.values()}) != 1 or len({t.device for t in ws.values()}) != 1:
             raise ValueError("the block's weights must share one dtype and one device")
         if not (isinstance(eps, float) and eps > 0):

@@ -373,3 +373,21 @@ def test_any_order_gives_the_same_result(lag):
         for buf in plan.inputs[1:]:
             buf.fill_(float("nan"))
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_the_kernel_follows_the_bound_order():
+    """An order that puts every consumer tile before its producer's tiles (the first CTA then
+    waits for tiles that no CTA has run): the call times out cleanly, so the kernel does read
+    the table; rewritten right, the next call is right again."""
+    ws = chain(16, 24, 40, 16)
+    pipe = Pipeline(ws, config=PARTS, loopback=False, timeout_s=0.05)
+    plan = pipe.plan(40)
+    ch = plan.launches[0].gemm
+    stage = (ch.order >> deps.STAGE_SHIFT).tolist()
+    later_first = sorted(range(len(stage)), key=lambda p: -stage[p])  # the last stage's positions first
+    ch.order.copy_(ch.order[later_first])
+    x = torch.randn(40, 16).half()
+    with pytest.raises(PipelineTimeout):
+        pipe(x, check=True)
+    ch.set_order(ch.num_ctas)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
