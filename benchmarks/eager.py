@@ -24,7 +24,6 @@ Writes eager.json in OUT_DIR and prints a table.
 
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,19 +35,13 @@ from ctapipelining import deps
 from ctapipelining.gemm import GemmLaunch, grid_size, matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Link, Pipeline
-from ctapipelining.timing import Method, capture, environment, time_interleaved
+from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 OLD = sys.argv[3] if len(sys.argv) > 3 else None
 DEV = "cuda:0"
 K = 8192
-
-
-def ci(ratios, n=2000):
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
-    return statistics.median(ratios), meds[int(0.025 * n)], meds[int(0.975 * n)]
 
 
 def rand(*shape, scale=1.0):
@@ -101,7 +94,7 @@ def paired(methods, pairs, devices=(0,)):
     out = {m.name: {"median_ms": statistics.median(times[m.name]), "p10": sorted(times[m.name])[REPS // 10],
                     "p90": sorted(times[m.name])[(9 * REPS) // 10]} for m in methods}  # fmt: skip
     for num, den in pairs:
-        med, lo, hi = ci([a / b for a, b in zip(times[num], times[den])])
+        med, lo, hi = bootstrap_ci([a / b for a, b in zip(times[num], times[den])])
         out[f"{num}/{den}"] = {"median": med, "ci95": [lo, hi]}
     return out
 

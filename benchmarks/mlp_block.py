@@ -20,7 +20,6 @@ OUT_DIR/mlp_block.json: medians and, per shape, ratios with 95% CIs.
 
 import dataclasses
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from ctapipelining.kernels.gemm import PLAIN_CONFIG
 from ctapipelining.nn import LlamaMLP
-from ctapipelining.timing import Method, capture, environment, time_interleaved
+from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
@@ -38,10 +37,9 @@ SHAPES = [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 
 DOWN_ALT = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
 
-def ci(ratios, n=2000):
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
-    return {"median": statistics.median(ratios), "ci95": [meds[int(0.025 * n)], meds[int(0.975 * n)]]}
+def ci(ratios):
+    med, lo, hi = bootstrap_ci(ratios)
+    return {"median": med, "ci95": [lo, hi]}
 
 
 def main():

@@ -29,7 +29,6 @@ faster of the two sequential lines, ``chain`` over ``loopback`` and ``chain_sm12
 
 import dataclasses
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
-from ctapipelining.timing import Method, capture, environment, time_interleaved
+from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
@@ -47,10 +46,9 @@ K = 8192
 ROWS = (128, 640, 768, 1024, 2048, 16384)
 
 
-def ci(ratios, n=2000):
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
-    return {"median": statistics.median(ratios), "ci95": [meds[int(0.025 * n)], meds[int(0.975 * n)]]}
+def ci(ratios):
+    med, lo, hi = bootstrap_ci(ratios)
+    return {"median": med, "ci95": [lo, hi]}
 
 
 def graphed(fn):

@@ -380,8 +380,8 @@ def _fastest(lines: dict[tuple, list[float]], pred) -> tuple | None:
 
 
 def decision(raw: list[dict]) -> list[dict]:
-    """Issue 19's question per input height: against the strongest fair baseline of each
-    setting, how fast is CTA-pipelining? Two settings: weights placed once (the chain without
+    """Per input height: against the strongest fair baseline of each setting, how fast is
+    CTA-pipelining? Two settings: weights placed once (the chain without
     weight replicas) and with replicas (the chain with ``ends``; data parallelism over rows
     with the same replicas is then also fair). Each baseline is its fastest line by median (the
     best chunk of cuBLAS or our GEMM for micro-batching, the fastest TP); each ratio is paired:

@@ -446,7 +446,7 @@ def chain_order(
         if s == S - 1 and tail is not None:
             slices = np.arange(tail.tiles * tail.splits)
             q_tile = np.concatenate([np.arange(tail.first_pos), tail.first_pos + slices // tail.splits])
-        rows.append([grouped_tile(int(q), num_m, num_n, group_m) // num_n for q in q_tile])
+        rows.append(list(tile_order(TileGrid(num_m, num_n, 1, 1), group_m)[q_tile] // num_n))
     spans = [len(r) for r in rows]
     # per stage and row-block: positions placed, and the last one's place in the combined order
     done = [np.zeros(num_m, dtype=np.int64) for _ in range(S)]
@@ -473,10 +473,9 @@ def chain_order(
                 if nxt[s] < spans[s] and inputs_placed(s) and pos - last[s - 1][input_rows(s)] > lag:
                     pick = s
                     break
-        if pick is None:  # the first stage with work whose inputs are placed (one always is)
+        if pick is None:  # the first stage with work whose inputs are placed (one always is; stage
+            # after stage, the first with work, every stage before it being done)
             pick = next(s for s in range(S) if nxt[s] < spans[s] and inputs_placed(s))
-            if lag is None:
-                pick = next(s for s in range(S) if nxt[s] < spans[s])
         r = rows[pick][nxt[pick]]
         codes[pos] = pick << STAGE_SHIFT | nxt[pick]
         done[pick][r] += 1

@@ -62,8 +62,8 @@ class Epilogue:
         """C's columns for a GEMM with ``N`` columns of B."""
         return N // 2 if self.gated else N
 
-    def check(self, N: int, K: int, dtype: torch.dtype, device: torch.device, block_n: int) -> None:
-        """Raise a clear error if this epilogue cannot close a GEMM ``[*, K] @ [K, N]``."""
+    def check(self, N: int, dtype: torch.dtype, device: torch.device, block_n: int) -> None:
+        """Raise a clear error if this epilogue cannot close a GEMM with ``N`` columns of B."""
         if self.gated and (N % 16 or block_n % 2):
             raise ValueError(
                 f"a gated epilogue halves B's {N} columns, (gate, up) pairs: it needs a multiple of 16 "

@@ -498,7 +498,7 @@ def matmul(
     (M, K), N = a.shape, b.shape[1]
     n_out = N if epilogue is None else epilogue.out_cols(N)
     if epilogue is not None:
-        epilogue.check(N, K, a.dtype, a.device, cfg.block_n)
+        epilogue.check(N, a.dtype, a.device, cfg.block_n)
     if (residual is not None) != (epilogue is not None and epilogue.residual):
         raise ValueError("pass residual exactly when the epilogue adds one (Epilogue(residual=True))")
     if residual is not None:

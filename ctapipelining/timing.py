@@ -19,6 +19,7 @@ import importlib.metadata
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +108,14 @@ def time_interleaved(
 def time_method(run: Callable[[], object], prepare: Callable[[int], object], devices, reps: int, warmup: int):
     """Milliseconds of ``reps`` runs of one method (see :func:`time_interleaved`)."""
     return time_interleaved([Method("m", run, prepare)], devices, reps, warmup)["m"]
+
+
+def bootstrap_ci(ratios: list[float], n: int = 2000) -> tuple[float, float, float]:
+    """The median of paired ``ratios`` and its 95% percentile-bootstrap interval (``n``
+    resamples, seeded): ``(median, low, high)``."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return statistics.median(ratios), meds[int(0.025 * n)], meds[int(0.975 * n)]
 
 
 def capture(fn: Callable[[], object], devices):
