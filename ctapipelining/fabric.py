@@ -1,16 +1,29 @@
-"""Memory that one GPU writes and another reads, in one process: peer access.
+"""Memory that one GPU writes and another reads: peer access in one process, a symmetric heap
+across processes.
 
 A producer stage writes its output tiles, bumps counters and pushes ring slots directly in
-the consumer GPU's memory. That needs CUDA peer access from the producer's device to the
-consumer's. PyTorch has no public call to enable it (it enables it as a side effect of a
-cross-device copy), so :func:`enable_peer_access` calls ``cudaDeviceEnablePeerAccess`` of the
-CUDA runtime that PyTorch already loaded, and says clearly when the hardware cannot do it.
+the consumer GPU's memory.
+
+- One process driving every GPU: that needs CUDA peer access from the producer's device to the
+  consumer's. PyTorch has no public call to enable it (it enables it as a side effect of a
+  cross-device copy), so :func:`enable_peer_access` calls ``cudaDeviceEnablePeerAccess`` of the
+  CUDA runtime that PyTorch already loaded, and says clearly when the hardware cannot do it.
+- One process per GPU (:mod:`ctapipelining.distributed`): each rank allocates one
+  :class:`Heap`, the same size on every rank, and addresses every rank's heap from its own
+  GPU. On GPUs it is PyTorch symmetric memory (``empty`` + ``rendezvous``, each peer's buffer
+  through ``get_buffer``: peer pointers, no multicast, which the GPU machines keep off); for
+  CPU ranks under the Triton interpreter (the tests) it is a shared-memory file per rank that
+  every rank maps.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,3 +96,87 @@ def enable_peer_access(devices: list[int]) -> None:
             )
         _enable_one(src, dst)
         _enabled.add((src, dst))
+
+
+SYMMETRIC_MEMORY_TORCH = "2.6"  # the first release with public symm_mem.empty and rendezvous
+
+
+class SymmetricMemoryError(RuntimeError):
+    """This PyTorch build cannot allocate memory that other ranks address."""
+
+
+@dataclass(eq=False)
+class Heap:
+    """One buffer per rank of a process group, the same size on each (``nbytes``), every one
+    addressable from this rank: ``peers[r]`` is rank ``r``'s buffer as a ``uint8`` tensor on
+    this rank's device (``peers[rank]`` is our own). :meth:`view` carves typed tensors out of
+    it. ``keep`` holds what must live as long as the mappings (the symmetric-memory handle)."""
+
+    rank: int
+    nbytes: int
+    peers: list[torch.Tensor]
+    keep: list = field(default_factory=list, repr=False)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.peers[self.rank]
+
+    def view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``shape`` elements of ``dtype`` at byte ``offset`` of rank ``rank``'s buffer (a
+        contiguous tensor aliasing it; ``offset`` a multiple of the element size)."""
+        size = dtype.itemsize
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offset % size or offset + numel * size > self.nbytes:
+            raise ValueError(f"a {dtype} view of {shape} at byte {offset} does not fit a heap of {self.nbytes} bytes")
+        return self.peers[rank][offset : offset + numel * size].view(dtype).view(shape)
+
+
+def symmetric_heap(nbytes: int, device: torch.device, group) -> Heap:
+    """A :class:`Heap` of PyTorch symmetric memory on ``device`` (collective over ``group``:
+    every rank calls it, in the same order, with the same ``nbytes``)."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        empty, rendezvous = symm_mem.empty, symm_mem.rendezvous
+    except (ImportError, AttributeError) as e:
+        raise SymmetricMemoryError(
+            f"one process per GPU needs PyTorch symmetric memory (torch >= {SYMMETRIC_MEMORY_TORCH} built with CUDA); "
+            f"this is torch {torch.__version__}"
+        ) from e
+    import torch.distributed as dist
+
+    t = empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        handle = rendezvous(t, group)
+    except RuntimeError as e:
+        raise SymmetricMemoryError(
+            f"symmetric-memory rendezvous failed on {device} ({e}): the ranks' GPUs must reach each other's memory "
+            "(peer access over NVLink, one host)"
+        ) from e
+    world = dist.get_world_size(group)
+    peers = [t if r == handle.rank else handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
+    return Heap(handle.rank, nbytes, peers, keep=[handle, t])
+
+
+def shared_heap(nbytes: int, group) -> Heap:
+    """A :class:`Heap` of CPU memory (collective): a shared-memory file per rank that every rank
+    maps, for CPU ranks under the Triton interpreter. The files are unlinked once every rank has
+    mapped them (the mappings stay)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return Heap(0, nbytes, [torch.zeros(nbytes, dtype=torch.uint8)])
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(root, f"ctapipelining-{uuid.uuid4().hex}-{rank}")
+    own = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    own.zero_()
+    paths = [None] * world
+    dist.all_gather_object(paths, path, group=group)
+    peers = [own if r == rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+             for r, p in enumerate(paths)]  # fmt: skip
+    dist.barrier(group=group)
+    os.unlink(path)
+    return Heap(rank, nbytes, peers)

@@ -64,6 +64,7 @@ import dataclasses
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
-from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_HEAD, KIND_TICKET
+from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_START, KIND_TICKET
 from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
@@ -239,6 +240,32 @@ def _rows(src, x, out) -> torch.Tensor:
     return t if lo == 0 and hi >= t.shape[0] else t[lo:hi]
 
 
+def link_dependency(
+    producer: deps.TileGrid, consumer: deps.TileGrid, consumer_k: int, queue: bool, config: GemmConfig
+) -> deps.Dependency:
+    """The dependency arrays of a link: a consumer that waits on a ring (``queue``) waits for
+    whole row-blocks; one that waits on counters does so in ``config.wait_parts`` parts (at most
+    the producer's column-blocks). Both ends of a link build it with this one rule."""
+    parts = 1 if queue else min(config.wait_parts, producer.num_n)
+    return deps.build_dependency(producer, consumer, "gemm", consumer_k=consumer_k, parts=parts)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where a :class:`Pipeline` sits in a longer chain whose other stages run in other
+    launches (another process: :mod:`ctapipelining.distributed`). Its stages are stages
+    ``first_stage, first_stage + 1, ...`` of the chain. ``links(M)`` gives, for a plan of ``M``
+    rows, the :class:`Link` into its first stage (scoreboard and ring in this segment's memory,
+    filled by the previous segment; None for the chain's first stage) and the link out of its
+    last (the next segment's scoreboard and ring, as addressed from here; None for the chain's
+    last stage); both with :func:`link_dependency`, waited on and signalled under the
+    pipeline's policy. ``where`` names the place in errors (e.g. ``"rank 1"``)."""
+
+    first_stage: int
+    links: Callable[[int], tuple[Link | None, Link | None]]
+    where: str = ""
+
+
 @dataclass(eq=False)
 class Plan:
     """Everything one input height ``M`` needs, allocated and bound once, reused by every call:
@@ -259,6 +286,7 @@ class Plan:
     prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
     drain_rows: int = 0  # last rows of the chain computed on stage 0's GPU (see Pipeline)
     drain_h: torch.Tensor | None = None  # [drain_rows, N_0] on stage 0's device: the drain's layer 1
+    inbound: Link | None = None  # a segment's link from the previous segment (its scoreboard is ours)
     pinned: bool = False  # a CUDA graph points at these buffers: never evicted
     stale: bool = False  # a launch failed part way: reset before the next call
     err_host: list[torch.Tensor] = field(default_factory=list)  # pinned copies of the error words
@@ -277,7 +305,7 @@ class Plan:
 
     def state(self) -> list[torch.Tensor]:
         tails = [t.counters for t in self.tails if t is not None]  # partial after a timeout
-        links = [t for link in self.links for t in link.state()]
+        links = [t for link in self.links + ([self.inbound] if self.inbound else []) for t in link.state()]
         return links + self.epochs + self.errors + self.tickets + tails
 
 
@@ -412,6 +440,9 @@ class Pipeline:
         ``w.copy_(...)``: the tensor's version moves); a change it does not count (through
         ``w.data``, or by another library writing the memory) needs :meth:`refresh_replicas`.
         Not with explicit ``prefill_rows`` / ``drain_rows``.
+    segment : this pipeline runs a part of a longer chain (:class:`Segment`): its first stage
+        waits on the previous part's link, its last signals the next part's. Set by
+        :class:`ctapipelining.distributed.DistributedPipeline`; calls then go through it.
     """
 
     def __init__(
@@ -429,6 +460,7 @@ class Pipeline:
         row_buckets: int = ROW_BUCKETS,
         sm_budget: int | None = None,
         loopback: bool | None = None,
+        segment: Segment | None = None,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -441,6 +473,9 @@ class Pipeline:
             raise ValueError("trace mode does not stamp the prefill and drain GEMMs: use ends=None to trace")
         if ends and len(weights) != 2:
             raise ValueError(f"ends='balanced' needs a chain of exactly two stages, got {len(weights)}")
+        if segment is not None and (ends or prefill_rows or drain_rows):
+            raise ValueError("a segment of a longer chain has no prefill or drain rows")
+        self.segment = segment
         self.ends = ends
         self.config = config or (ENDS_CONFIG if ends else PIPELINE_CONFIG)
         if timeout_s <= 0:
@@ -544,6 +579,18 @@ class Pipeline:
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
 
+    @property
+    def _inbound(self) -> bool:
+        """Whether stage 0 waits on a previous segment's link."""
+        return self.segment is not None and self.segment.first_stage > 0
+
+    def where(self, s: int) -> str:
+        """Stage ``s`` as errors name it: its number in the chain and where it runs."""
+        seg = self.segment
+        if seg is None:
+            return f"stage {s} on {self.devices[s]}"
+        return f"stage {seg.first_stage + s} on {seg.where + ', ' if seg.where else ''}{self.devices[s]}"
+
     def _replica(self, w: torch.Tensor, device: torch.device) -> torch.Tensor:
         copy = w.to(device, copy=True)
         self._replicas.append([w, copy, w._version])
@@ -590,7 +637,8 @@ class Pipeline:
         configurations (and a chain kernel's tail split, :func:`ctapipelining.chain.chain_tail_split`:
         the last stage run alone with this configuration splits its own tail, not the chain's) give
         bitwise the chain's result."""
-        queue_consumer = s > 0 and self.policy.uses_queue and not self._same_kernel(s - 1, s)
+        consumer = s > 0 or self._inbound
+        queue_consumer = consumer and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
         if self.config.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
             return dataclasses.replace(self.config, split_tail=False)
@@ -756,12 +804,16 @@ class Pipeline:
         # link inside a chain kernel waits on counters, in parts)
         link_queue = [self.policy.uses_queue and not self._same_kernel(s - 1, s) for s in range(n)]
         for s in range(1, n):
-            parts = 1 if link_queue[s] else min(cfg.wait_parts, grids[s - 1].num_n)
-            dep = deps.build_dependency(grids[s - 1], grids[s], "gemm", consumer_k=ws[s].shape[0], parts=parts)
+            dep = link_dependency(grids[s - 1], grids[s], ws[s].shape[0], link_queue[s], cfg)
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         if R:  # the prefill GEMM reads the CSR lists from its own device
             links[0].local_lists = SignalLists.create(links[0].dep, devs[1])
+        # a segment's links to the segments before and after it (built by the caller)
+        inbound, outbound = self.segment.links(M) if self.segment is not None else (None, None)
+        queue = self.policy.uses_queue
+        wait_in = inbound.wait_hook(queue) if inbound is not None else None
+        signal_out = outbound.signal_hook(queue) if outbound is not None else None
         plan = Plan(
             M=M,
             inputs=inputs,
@@ -780,8 +832,8 @@ class Pipeline:
             drain_rows=D,
             drain_h=torch.empty(D, ws[0].shape[1], dtype=ws[0].dtype, device=devs[0]) if D else None,
             err_host=[torch.zeros(len(ERR_FIELDS), dtype=torch.int64, pin_memory=self.on_gpu) for _ in devs],
+            inbound=inbound,
         )
-        queue = self.policy.uses_queue
 
         def bind(stream, rows, w, s_cfg, a, c, stage=None, **hooks):
             """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
@@ -807,8 +859,8 @@ class Pipeline:
                 ChainStage(
                     ws[s].shape[1],
                     ws[s].shape[0],
-                    wait=links[s - 1].wait_hook(link_queue[s]) if s > 0 else None,
-                    signal=links[s].signal_hook(link_queue[s + 1]) if s < n - 1 else None,
+                    wait=links[s - 1].wait_hook(link_queue[s]) if s > 0 else wait_in,
+                    signal=links[s].signal_hook(link_queue[s + 1]) if s < n - 1 else signal_out,
                     err=plan.errors[s],
                     trace=plan.traces[s],
                     stage=s,
@@ -851,8 +903,8 @@ class Pipeline:
                     ("x", lo, P) if s == 0 else inputs[s][lo:P],
                     ("out", lo, P) if s == n - 1 else inputs[s + 1][lo:P],
                     stage=s,
-                    wait=links[s - 1].wait_hook(queue) if s > 0 else None,
-                    signal=links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else None,
+                    wait=links[s - 1].wait_hook(queue) if s > 0 else wait_in,
+                    signal=links[s].signal_hook(queue, first if s == 0 else 0) if s < n - 1 else signal_out,
                     epoch=plan.epochs[s],
                     trace=plan.traces[s],
                 )  # fmt: skip
@@ -1084,7 +1136,8 @@ class Pipeline:
                         kernel = launch.run(x, out, stream)
                         for t in launch.stages:
                             kernels[t] = kernel
-                if self.on_gpu and s > 0 and not capturing:  # stage 0 waits on nothing: its word stays clear
+                waits = s > 0 or plan.inbound is not None  # else its word stays clear
+                if self.on_gpu and waits and not capturing:
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
                 if self.on_gpu:  # the caller's stream current again on this device: a later
                     # stage's copy from it (a prefill's x) must not queue behind this stage's kernel
@@ -1157,38 +1210,55 @@ class Pipeline:
                 self.check_errors(plan)  # the device's words (the host copy may be older), reset, raise
 
     def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:
-        bad = [(s, dict(zip(ERR_FIELDS, w))) for s, w in enumerate(words) if w[0]]
-        if not bad:
+        msgs = self.error_messages(words)
+        if not msgs:
             return
         self.reset(plan)
-        msgs = []
-        for s, e in bad:
-            if e["kind"] == KIND_HEAD.value:
-                msgs.append(
-                    f"stage {s} on {self.devices[s]}: CTA {e['cta']} claimed work-queue position "
-                    f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
-                    "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
-                )
-                continue
-            if e["kind"] == KIND_TICKET.value:
-                msgs.append(
-                    f"stage {s} on {self.devices[s]}: CTA {e['cta']} of its chain kernel claimed position "
-                    f"{e['index']} of a run of {e['target']} claims: the kernel's ticket is out of step with its "
-                    "epoch (buffers overwritten, or a kernel that never ended)"
-                )
-                continue
-            on_counter = e["kind"] == KIND_COUNTER.value
-            what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
-            tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
-            msgs.append(
-                f"stage {s} on {self.devices[s]}: CTA {e['cta']} timed out waiting for {tile} "
-                f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
-            )
         raise PipelineTimeout(
             f"a call with the plan for {plan.M} rows failed: "
             + "; ".join(msgs)
             + ". State reset; the next call starts clean."
         )
 
+    def error_messages(self, words: list[list[int]]) -> list[str]:
+        """What the error words ``words`` (one per stage, :data:`ERR_FIELDS`) say, one line per
+        stage that failed."""
+        msgs = []
+        for s, w in enumerate(words):
+            if not w[0]:
+                continue
+            e, where = dict(zip(ERR_FIELDS, w)), self.where(s)
+            if e["kind"] == KIND_HEAD.value:
+                msgs.append(
+                    f"{where}: CTA {e['cta']} claimed work-queue position "
+                    f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
+                    "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
+                )
+            elif e["kind"] == KIND_TICKET.value:
+                msgs.append(
+                    f"{where}: CTA {e['cta']} of its chain kernel claimed position "
+                    f"{e['index']} of a run of {e['target']} claims: the kernel's ticket is out of step with its "
+                    "epoch (buffers overwritten, or a kernel that never ended)"
+                )
+            elif e["kind"] == KIND_START.value:
+                msgs.append(
+                    f"{where}: the previous segment had started {e['seen']} calls on this plan, this was call "
+                    f"{e['target']}: it did not start this call in time (a rank that never made it, or fell behind)"
+                )
+            elif e["kind"] == KIND_DONE.value:
+                msgs.append(
+                    f"{where}: the next segment had finished {e['seen']} calls on this plan, this call needs "
+                    f"{e['target']} (it still reads the buffer this call overwrites): it did not finish in time"
+                )
+            else:
+                on_counter = e["kind"] == KIND_COUNTER.value
+                what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
+                tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
+                msgs.append(
+                    f"{where}: CTA {e['cta']} timed out waiting for {tile} "
+                    f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
+                )
+        return msgs
 
-__all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "Plan", "Launch", "Link", "GraphedCall"]
+
+__all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "Plan", "Launch", "Link", "GraphedCall", "Segment"]

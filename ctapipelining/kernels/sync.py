@@ -105,6 +105,8 @@ KIND_COUNTER = tl.constexpr(1)  # waited on a counter (static policy)
 KIND_SLOT = tl.constexpr(2)  # waited on a ring slot (workqueue policy)
 KIND_HEAD = tl.constexpr(3)  # claimed a ring position before this run's: the ring state is inconsistent
 KIND_TICKET = tl.constexpr(4)  # a chain kernel claimed outside its run's positions: its ticket is out of step
+KIND_START = tl.constexpr(5)  # a segment's gate waited for the previous segment to start the call (handshake)
+KIND_DONE = tl.constexpr(6)  # a segment's gate waited for the next segment to finish the call before (handshake)
 INTERPRET_POLLS = tl.constexpr(64)
 
 # Every thread polls ld.acquire.sys until the value reaches the target or its deadline passes

@@ -1,0 +1,646 @@
+"""One process per GPU: a chain whose stages run on the ranks of a process group (``torchrun``).
+
+Serving and training engines run one process per GPU. Each rank builds a
+:class:`DistributedPipeline` from the weights of *its* stages; the chain is those lists put end
+to end in rank order (rank 0 holds the first stages, the last rank the last). Every rank calls
+it the same way, once per call of the chain: the first rank with the input, the others with
+its row count; the last rank gets the output.
+
+How it maps onto the one-process design (:mod:`ctapipelining.pipeline`): the stages a rank runs
+in one launch form a *segment*, an ordinary :class:`~ctapipelining.pipeline.Pipeline` (one chain
+kernel, or more for many stages) whose first stage waits on the link from the previous segment
+and whose last stage signals the link to the next. The kernels, dependency arrays, policies,
+epochs and error words are the same. A rank runs one segment (``loopback=True``: one per
+stage, each on an equal share of its GPU's SMs, so that every link of a chain on one GPU goes
+through the cross-rank code path; the tests use it).
+
+Memory (:class:`~ctapipelining.fabric.Heap`): what a producer writes on another segment's
+rank (that segment's input rows, its scoreboard, its ring's slots and tail, a handshake flag)
+lives in one heap per rank and plan height, the same size on every rank (symmetric memory on
+GPUs, addressed through peer pointers: no multicast; shared-memory files for CPU ranks under
+the interpreter). Counters and rings are an ordinary part of the heap, not the symmetric
+memory's signal pads: the pads are a few KB, and a ring holds a slot per tile. Every rank
+computes every rank's layout (:func:`heap_layout`) from the chain's shapes, so a producer
+knows where to write without asking.
+
+Handshake (:mod:`ctapipelining.kernels.handshake`): nothing orders the ranks' streams, so each
+segment brackets its call with a one-CTA *gate* (wait until the previous segment has started
+this call, and the next has finished the one before; then say "started") and a *finish* ("no
+longer reading my input"). A consumer's deadline therefore counts from when its producer runs,
+however late its rank started (compiling, descheduled), and a producer never overwrites an
+input its consumer still reads. The gate's waits are bounded by ``start_timeout_s``.
+
+Errors are collective: a call does not read the error words; :meth:`DistributedPipeline.check_errors`
+(every rank calls it, or ``check=True`` on a call) gathers every rank's words, and if any stage
+failed, every rank resets its state (epochs start again in step) and raises the same
+:class:`~ctapipelining.pipeline.PipelineTimeout`, naming rank, stage and tile. A result is known
+good only then. Host waits for this rank's GPU are bounded (``host_timeout_s``); a wait for a
+peer rank inside a collective is bounded by the process group's own timeout.
+
+Plan building, eviction and the error check are collective: every rank must make the same calls
+(the same row counts, in the same order); a plan's first call checks that the ranks agree.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import deps, fabric
+from .gemm import check_out, check_weight, num_sms, overlaps
+from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
+from .kernels.handshake import finish, gate
+from .pipeline import MAX_PLANS, ROW_BUCKETS, Link, Pipeline, PipelineHung, PipelineTimeout, Plan, Segment, SignalLists
+from .pipeline import link_dependency as _link_dependency
+
+ALIGN = 256  # bytes: every heap region starts on this boundary (TMA wants 16; a cache line is 128)
+HANDSHAKE_WARPS = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which rank runs which stages, and in which launches (segments).
+
+    ``shapes[s]``: stage ``s``'s weight ``(K_s, N_s)``; ``rank_of[s]``: its rank;
+    ``segments[i]``: the stages segment ``i`` runs (consecutive, one rank), in chain order."""
+
+    shapes: tuple[tuple[int, int], ...]
+    rank_of: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, per_rank: list[list[tuple[int, int]]], loopback: bool = False) -> Placement:
+        """The chain made of each rank's stages (``per_rank[r]``: rank ``r``'s weight shapes, in
+        order) put end to end; one segment per rank (``loopback``: per stage). Raises a clear
+        error for a rank without stages or shapes that do not chain."""
+        world = len(per_rank)
+        empty = [r for r, st in enumerate(per_rank) if not st]
+        if empty:
+            raise ValueError(
+                f"world size {world} does not match the placement: rank(s) {empty} hold no stage (every rank of the "
+                "group runs at least one stage of the chain)"
+            )
+        shapes, rank_of, segments = [], [], []
+        for r, stages in enumerate(per_rank):
+            first = len(shapes)
+            for k, (K, N) in enumerate(stages):
+                if shapes and K != shapes[-1][1]:
+                    where = f"rank {r}'s weight {k}" if k else f"rank {r}'s first weight"
+                    raise ValueError(
+                        f"{where} is [{K}, {N}] but the stage before it (on rank {rank_of[-1]}) outputs "
+                        f"{shapes[-1][1]} columns"
+                    )
+                shapes.append((int(K), int(N)))
+                rank_of.append(r)
+            mine = tuple(range(first, len(shapes)))
+            segments.extend((s,) for s in mine) if loopback else segments.append(mine)
+        return cls(tuple(shapes), tuple(rank_of), tuple(segments))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.shapes)
+
+    def segments_of(self, rank: int) -> list[int]:
+        """The segments rank ``rank`` runs, in chain order."""
+        return [i for i, seg in enumerate(self.segments) if self.rank_of[seg[0]] == rank]
+
+    def cross_links(self) -> list[int]:
+        """The stages whose input comes from another segment (a link through a heap)."""
+        return [seg[0] for seg in self.segments[1:]]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where one buffer of a plan lives: ``rank``'s heap, byte ``offset``, ``shape``, ``dtype``."""
+
+    rank: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    """The heap regions of a plan of ``rows`` rows on every rank, and the links' dependency
+    arrays. ``regions[(name, s)]`` for each stage ``s`` fed by another segment: in the
+    consumer's heap ``"input"`` ``[rows, K_s]``, ``"counters"``, ``"slots"``, ``"tail"`` and
+    ``"started"`` (the previous segment has started call n); in the producer's heap
+    ``"consumed"`` (the consumer has finished call n). ``nbytes``: the heap size, the largest
+    rank's (a symmetric heap is the same size everywhere)."""
+
+    rows: int
+    regions: dict[tuple[str, int], Region]
+    deps: dict[int, deps.Dependency]
+    nbytes: int
+
+
+def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torch.dtype, queue: bool) -> HeapLayout:
+    """Lay out a plan of ``rows`` rows (every rank computes the same layout for every rank)."""
+    used = [0] * (max(placement.rank_of) + 1)
+    regions, links = {}, {}
+
+    def put(name, s, rank, shape, dt):
+        size = dt.itemsize
+        for d in shape:
+            size *= d
+        regions[(name, s)] = Region(rank, used[rank], tuple(shape), dt)
+        used[rank] += -(-size // ALIGN) * ALIGN
+
+    grids = [deps.TileGrid(rows, N, config.block_m, config.block_n) for _, N in placement.shapes]
+    for s in placement.cross_links():
+        K = placement.shapes[s][0]
+        dep = links[s] = _link_dependency(grids[s - 1], grids[s], K, queue, config)
+        consumer, producer = placement.rank_of[s], placement.rank_of[s - 1]
+        for name, shape in (("counters", (dep.num_counters,)), ("slots", (dep.consumer.num_tiles,)),
+                            ("tail", (1,)), ("started", (1,))):  # fmt: skip
+            put(name, s, consumer, shape, torch.int64)
+        put("consumed", s, producer, (1,), torch.int64)
+        put("input", s, consumer, (rows, K), dtype)
+    return HeapLayout(rows, regions, links, max(max(used), ALIGN))
+
+
+@dataclass(eq=False)
+class DistributedPlan:
+    """This rank's part of a plan of ``M`` rows: its heap, the links that touch it, and per
+    local segment its :class:`~ctapipelining.pipeline.Plan`, its input and output (None: the
+    caller's ``x`` / ``out``) and its handshake state (``calls``: int64 [1], this plan's
+    calls on the segment; the flags: int64 [1] views of a heap, None where there is no
+    neighbour)."""
+
+    M: int
+    heap: fabric.Heap
+    links: dict[int, Link]
+    plans: list[Plan] = field(default_factory=list)
+    inputs: list[torch.Tensor | None] = field(default_factory=list)
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    calls: list[torch.Tensor] = field(default_factory=list)
+    started_in: list[torch.Tensor | None] = field(default_factory=list)
+    consumed_out: list[torch.Tensor | None] = field(default_factory=list)
+    started_out: list[torch.Tensor | None] = field(default_factory=list)
+    consumed_in: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def pinned(self) -> bool:
+        return any(p.pinned for p in self.plans)
+
+
+class DistributedPipeline:
+    """This rank's stages of a chain ``x @ W_0 @ W_1 @ ...`` spread over a process group.
+
+    Parameters
+    ----------
+    weights : this rank's stages' ``[K, N]`` weights, in chain order, on this rank's GPU (CPU
+        tensors under the Triton interpreter). Rank 0 holds the first stages, the last rank the
+        last; every rank holds at least one.
+    group : the process group (default: the world). GPU ranks need one host and peer access
+        between consecutive ranks' GPUs.
+    policy, config, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
+        :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
+    start_timeout_s : how long a segment's gate waits for a peer rank to start a call (or to
+        finish the one before) before it reports; default ``host_timeout_s``. It bounds how far
+        apart the ranks may start a call.
+    max_plans : plan heights kept (least recently used freed first, never one a captured graph
+        points at; freeing is collective, at the same call on every rank).
+    loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
+        link goes through the heap: how one GPU tests the cross-rank path.
+
+    Calls and graph replays hold a lock (one at a time on the host). A call is ordered after
+    whatever the caller queued on this GPU's current stream, and that stream waits for it.
+    """
+
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        group=None,
+        *,
+        policy: str = "static",
+        config: GemmConfig | None = None,
+        timeout_s: float = 1.0,
+        start_timeout_s: float | None = None,
+        host_timeout_s: float | None = None,
+        max_plans: int = MAX_PLANS,
+        row_buckets: int = ROW_BUCKETS,
+        sm_budget: int | None = None,
+        loopback: bool = False,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedPipeline needs torch.distributed: call init_process_group first (torchrun)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if not isinstance(weights, (list, tuple)):
+            raise ValueError("weights must be a list of this rank's weight matrices")
+        weights = list(weights)
+        for k, w in enumerate(weights):
+            check_weight(w, f"rank {self.rank}'s weight {k}")
+        devices = {w.device for w in weights}
+        if len(devices) > 1:
+            raise ValueError(f"rank {self.rank}'s weights are on {sorted(map(str, devices))}: a rank runs on one GPU")
+        self.config = config or PIPELINE_CONFIG
+        self.policy = deps.get_policy(policy)
+        if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
+            raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
+        self.max_plans = max_plans
+        deps.bucket_rows(1, self.config.block_m, row_buckets)  # validates row_buckets
+        self.row_buckets = row_buckets
+        host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
+        start_timeout_s = host_timeout_s if start_timeout_s is None else float(start_timeout_s)
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
+        self.start_timeout_ns = int(start_timeout_s * 1e9)
+
+        device = weights[0].device if weights else None
+        mine = {
+            "shapes": [tuple(w.shape) for w in weights],
+            "dtype": str(weights[0].dtype) if weights else None,
+            "device": None if device is None else (device.type, device.index),
+            "host": socket.gethostname(),
+            "settings": (repr(self.config), self.policy.name, loopback, row_buckets),
+        }
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        self.placement = Placement.of([e["shapes"] for e in every], loopback)
+        _check_ranks(every)
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.weights = weights
+        self.loopback = loopback
+        n = self.placement.num_stages
+        self.is_first, self.is_last = self.rank == self.placement.rank_of[0], self.rank == self.placement.rank_of[-1]
+        if self.on_gpu:
+            _check_peer_access(every, self.rank)
+        # the segments this rank runs, each a Pipeline over its stages on an equal share of the SMs
+        self._segment_ids = self.placement.segments_of(self.rank)
+        first_local = self.placement.rank_of.index(self.rank)
+        sms = min(num_sms(device), sm_budget or num_sms(device))
+        share = sms // len(self._segment_ids) if self.on_gpu else None
+        if share is not None and share < 1:
+            raise ValueError(f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments")
+        self.segments: list[Pipeline] = []
+        for i in self._segment_ids:
+            stages = self.placement.segments[i]
+            self.segments.append(
+                Pipeline(
+                    [weights[s - first_local] for s in stages],
+                    policy=self.policy,
+                    config=self.config,
+                    timeout_s=timeout_s,
+                    host_timeout_s=host_timeout_s,
+                    max_plans=1 << 30,
+                    row_buckets=0,
+                    sm_budget=share,
+                    loopback=None if self.on_gpu else True,
+                    segment=Segment(stages[0], functools.partial(self._segment_links, stages), f"rank {self.rank}"),
+                )  # fmt: skip
+            )
+        self.num_stages = n
+        self.out_features = self.placement.shapes[-1][1]
+        self.in_features = self.placement.shapes[0][0]
+        self._plans: collections.OrderedDict[int, DistributedPlan] = collections.OrderedDict()
+        self._building: DistributedPlan | None = None
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
+        return (
+            f"DistributedPipeline(rank {self.rank} of {self.world}: stages {stages} of {self.num_stages}, "
+            f"{len(self.segments)} segment(s), on {self.device})"
+        )
+
+    # -- plans -------------------------------------------------------------------------------
+    def rows_for(self, M: int) -> int:
+        """The height of the plan that serves calls on ``M`` rows (see ``row_buckets``)."""
+        return deps.bucket_rows(M, self.config.block_m, self.row_buckets)
+
+    def plan(self, M: int) -> DistributedPlan:
+        """The plan for calls on ``M`` rows (collective when it is built or another is freed:
+        every rank asks for it at the same call)."""
+        B = self.rows_for(M)
+        dp = self._plans.get(B)
+        if dp is None:
+            if self._capturing():
+                raise RuntimeError(f"no plan for {M} rows yet: make one call on {M} rows before capturing it")
+            dp = self._build_plan(B)
+            self._plans[B] = dp
+            self._evict(B)
+        self._plans.move_to_end(B)
+        return dp
+
+    def _build_plan(self, B: int) -> DistributedPlan:
+        heights = [None] * self.world
+        dist.all_gather_object(heights, B, group=self.group)
+        if len(set(heights)) > 1:
+            raise ValueError(
+                f"the ranks called with different row counts (plan heights {heights} by rank): every rank must "
+                "pass the same rows"
+            )
+        w = self.weights[0]
+        layout = heap_layout(self.placement, B, self.config, w.dtype, self.policy.uses_queue)
+        if self.on_gpu:
+            heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group)
+        else:
+            heap = fabric.shared_heap(layout.nbytes, self.group)
+        heap.local.zero_()
+
+        def view(name, s):
+            r = layout.regions[(name, s)]
+            return heap.view(r.rank, r.offset, r.shape, r.dtype)
+
+        dp = DistributedPlan(B, heap, {})
+        for s, dep in layout.deps.items():
+            here_c, here_p = self.placement.rank_of[s] == self.rank, self.placement.rank_of[s - 1] == self.rank
+            if not (here_c or here_p):
+                continue
+            dev = self.device
+            dp.links[s] = Link(
+                dep=dep,
+                counters=view("counters", s),
+                counter_of_tile=torch.as_tensor(dep.counter_of_tile, dtype=torch.int32).to(dev) if here_c else None,
+                need_consumer=torch.as_tensor(dep.need, dtype=torch.int32).to(dev) if here_c else None,
+                slots=view("slots", s),
+                head=torch.zeros(1, dtype=torch.int64, device=dev) if here_c else None,
+                tail=view("tail", s),
+                lists=SignalLists.create(dep, dev) if here_p else None,
+            )
+        self._building = dp
+        try:
+            for i, seg in zip(self._segment_ids, self.segments):
+                stages = self.placement.segments[i]
+                first, last = stages[0], stages[-1]
+                dp.plans.append(seg._build_plan(B, 0, 0))
+                seg._plans[B] = dp.plans[-1]
+                dp.inputs.append(view("input", first) if first > 0 else None)
+                dp.outputs.append(view("input", last + 1) if last + 1 < self.num_stages else None)
+                dp.calls.append(torch.zeros(1, dtype=torch.int64, device=self.device))
+                dp.started_in.append(view("started", first) if first > 0 else None)
+                dp.consumed_in.append(view("consumed", first) if first > 0 else None)
+                dp.started_out.append(view("started", last + 1) if last + 1 < self.num_stages else None)
+                dp.consumed_out.append(view("consumed", last + 1) if last + 1 < self.num_stages else None)
+        finally:
+            self._building = None
+        return dp
+
+    def _segment_links(self, stages: tuple[int, ...], M: int) -> tuple[Link | None, Link | None]:
+        """The links into and out of the segment running ``stages``, for the plan being built."""
+        dp = self._building
+        if dp is None or dp.M != M:
+            raise RuntimeError("a segment's plan is built by its DistributedPipeline.plan, not on its own")
+        return dp.links.get(stages[0]), dp.links.get(stages[-1] + 1)
+
+    def _evict(self, keep: int) -> None:
+        """Free the least recently used unpinned plans beyond :attr:`max_plans` (collective:
+        every rank frees the same plans at the same call, after its GPU is done with them, so no
+        producer still writes into a heap that goes)."""
+        evict = [m for m, p in self._plans.items() if not p.pinned and m != keep]
+        evict = evict[: max(0, len(self._plans) - self.max_plans)]
+        if not evict:
+            return
+        self._wait()
+        dist.barrier(group=self.group)
+        for m in evict:
+            self._plans.pop(m)
+            for seg in self.segments:
+                seg._plans.pop(m, None)
+                seg._pending.clear()
+
+    # -- running -----------------------------------------------------------------------------
+    def _rows(self, x, rows) -> int:
+        """Check a call's input before anything changes; its row count."""
+        if self.is_first:
+            if x is None:
+                raise ValueError(f"rank {self.rank} runs the chain's first stage: pass the input x")
+            self.segments[0].check_input(x)
+            if rows is not None and rows != x.shape[0]:
+                raise ValueError(f"rows={rows} but x has {x.shape[0]} rows")
+            return x.shape[0]
+        if x is not None:
+            raise ValueError(f"rank {self.rank} does not run the first stage: pass rows=M, not x")
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ValueError(f"rank {self.rank}: rows must be the call's row count (an int >= 1), got {rows!r}")
+        return rows
+
+    def _check_out(self, out: torch.Tensor, x: torch.Tensor | None, M: int) -> None:
+        if not self.is_last:
+            raise ValueError(f"rank {self.rank} does not run the last stage: it has no out")
+        check_out(out, M, self.out_features, self.weights[0].dtype)
+        if out.device != self.device:
+            raise ValueError(f"out is on {out.device}; rank {self.rank} runs on {self.device}")
+        if overlaps(out, *([x] if x is not None else []), *self.weights):
+            raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
+
+    def __call__(
+        self,
+        x: torch.Tensor | None = None,
+        rows: int | None = None,
+        out: torch.Tensor | None = None,
+        check: bool = False,
+    ) -> torch.Tensor | None:
+        """Run one call of the chain. The first rank passes ``x`` ``[M, K_0]`` (on its GPU), the
+        others ``rows=M``; the last rank gets ``[M, N_last]`` (``out`` if given), the others
+        None. Does not synchronise and does not read the error words: call
+        :meth:`check_errors` on every rank (``check=True``: here, collectively)."""
+        with self._lock:
+            self._usable()
+            M = self._rows(x, rows)
+            if out is not None:
+                self._check_out(out, x, M)
+            dp = self.plan(M)
+            if self.is_last and out is None:
+                out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
+            self._run(dp, x, out)
+            if check and not self._capturing():
+                self.check_errors()
+            return out if self.is_last else None
+
+    def _run(self, dp: DistributedPlan, x, out, only: list[int] | None = None) -> None:
+        """Launch this rank's segments of one call, each on its own stream: gate, the segment's
+        kernels, finish. ``only`` (tests): the local segments to launch."""
+        caller = torch.cuda.current_stream(self.device) if self.on_gpu else None
+        fork = caller.record_event() if caller is not None else None
+        ran = []
+        for k, seg in enumerate(self.segments):
+            if only is not None and k not in only:
+                continue
+            stream = seg.streams[0] if self.on_gpu else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:
+                    stream.wait_event(fork)
+                self._gate(dp, k)
+                a = x if dp.inputs[k] is None else dp.inputs[k]
+                c = out if dp.outputs[k] is None else dp.outputs[k]
+                seg._launch(dp.plans[k], a, c)
+                if dp.consumed_in[k] is not None:
+                    finish[(1,)](dp.calls[k], dp.consumed_in[k], num_warps=HANDSHAKE_WARPS)
+            ran.append(stream)
+        for stream in ran:
+            if stream is not None:
+                caller.wait_stream(stream)
+
+    def _gate(self, dp: DistributedPlan, k: int) -> None:
+        calls, first = dp.calls[k], self.placement.segments[self._segment_ids[k]][0]
+        s_in, c_out, s_out = dp.started_in[k], dp.consumed_out[k], dp.started_out[k]
+        flags = [calls if f is None else f for f in (s_in, c_out, s_out)]  # unused pointers: any valid one
+        gate[(1,)](
+            calls, *flags, dp.plans[k].errors[0], first, self.start_timeout_ns,
+            HAS_IN=s_in is not None, HAS_OUT=s_out is not None, INTERPRET=not self.on_gpu, num_warps=HANDSHAKE_WARPS,
+        )  # fmt: skip
+
+    def capture(self, M: int, out: torch.Tensor | None = None) -> DistributedGraphedCall:
+        """Capture one call on ``M`` rows in a CUDA graph on every rank (collective: a checked
+        warm-up call first, which builds the plan). Returns a :class:`DistributedGraphedCall`."""
+        if not self.on_gpu:
+            raise RuntimeError("capture needs CUDA devices (CUDA graphs do not exist on the CPU)")
+        if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+            raise ValueError(f"M must be a positive int, got {M!r}")
+        x = None
+        if self.is_first:
+            x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)
+        with self._lock:
+            out = self(x, rows=None if self.is_first else M, out=out, check=True)
+            self._wait()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+                self(x, rows=None if self.is_first else M, out=out)
+            self._wait()
+            return DistributedGraphedCall(self, self.plan(M), graph, x, out)
+
+    def sequential(self, x: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor | None:
+        """The same stages one after another, no pipelining (collective: each rank's result goes
+        to the next by ``send``/``recv``): what a call must equal bitwise. Arguments and result
+        as for a call."""
+        M = self._rows(x, rows)
+        B = self.rows_for(M)
+        stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
+        if self.is_first:
+            h = torch.cat([x, x.new_zeros(B - M, x.shape[1])]) if B > M else x
+        else:
+            h = torch.empty(B, self.placement.shapes[stages[0]][0], dtype=self.weights[0].dtype, device=self.device)
+            dist.recv(h, group_src=self.rank - 1, group=self.group)
+        for seg in self.segments:
+            h = seg.sequential(h)
+        if not self.is_last:
+            dist.send(h.contiguous(), group_dst=self.rank + 1, group=self.group)
+            return None
+        return h[:M]
+
+    # -- errors and state --------------------------------------------------------------------
+    def check_errors(self) -> None:
+        """Collective: wait for this rank's GPU (bounded), gather every rank's error words; if a
+        stage failed anywhere, reset every rank (collectively) and raise
+        :class:`~ctapipelining.pipeline.PipelineTimeout` on every rank, naming each failure."""
+        with self._lock:
+            self._wait()
+            msgs = []
+            for dp in self._plans.values():
+                for seg, p in zip(self.segments, dp.plans):
+                    words = [e.cpu().tolist() for e in p.errors]
+                    msgs += [f"(plan of {dp.M} rows) {m}" for m in seg.error_messages(words)]
+            every = [None] * self.world
+            dist.all_gather_object(every, msgs, group=self.group)
+            failed = [m for r in every for m in r]
+            if failed:
+                self.reset()
+                raise PipelineTimeout(
+                    "a call failed: " + "; ".join(failed) + ". State reset on every rank; the next call starts clean."
+                )
+
+    def reset(self) -> None:
+        """Collective: wait for this rank's GPU (bounded), zero every plan's heap, counters,
+        epochs, error words and call counts, and meet the other ranks, so that the next call
+        starts in step everywhere."""
+        with self._lock:
+            self._wait()
+            for dp in self._plans.values():
+                dp.heap.local.zero_()
+                for c in dp.calls:
+                    c.zero_()
+                for seg, p in zip(self.segments, dp.plans):
+                    seg.reset(p)
+            self._wait()
+            dist.barrier(group=self.group)
+
+    def _wait(self) -> None:
+        for seg in self.segments:
+            seg._wait()
+
+    def _usable(self) -> None:
+        for seg in self.segments:
+            if seg._broken:
+                raise PipelineHung(f"this DistributedPipeline is unusable: {seg._broken}")
+
+    def _capturing(self) -> bool:
+        return self.on_gpu and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(eq=False)
+class DistributedGraphedCall:
+    """One call on ``M`` rows captured in a CUDA graph on this rank
+    (:meth:`DistributedPipeline.capture`). Every rank replays it, the same number of times:
+    ``replay()`` runs on whatever :attr:`x` (first rank) holds and returns :attr:`out` (last
+    rank; None elsewhere). It keeps the pipeline, the plan (pinned) and the static tensors alive."""
+
+    pipeline: DistributedPipeline
+    plan: DistributedPlan
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor | None
+    out: torch.Tensor | None
+
+    def replay(self) -> torch.Tensor | None:
+        with self.pipeline._lock:
+            self.pipeline._usable()
+            with torch.cuda.device(self.pipeline.device):
+                self.graph.replay()
+        return self.out
+
+    def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """First rank: copy ``x`` in (the shape and dtype of :attr:`x`), then replay."""
+        if x is not None:
+            if self.x is None:
+                raise ValueError("only the first rank gives the input")
+            if x.shape != self.x.shape or x.dtype != self.x.dtype or x.device != self.x.device:
+                raise ValueError(f"this graph reads x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device}")
+            self.x.copy_(x)
+        return self.replay()
+
+
+def _check_ranks(every: list[dict]) -> None:
+    """The ranks agree on dtype, device type and settings, and GPU ranks share one host."""
+    first = every[0]
+    for r, e in enumerate(every[1:], 1):
+        if e["dtype"] != first["dtype"]:
+            raise TypeError(f"rank {r}'s weights are {e['dtype']}, rank 0's are {first['dtype']}")
+        if e["device"][0] != first["device"][0]:
+            raise ValueError(f"rank {r} runs on {e['device'][0]}, rank 0 on {first['device'][0]}")
+        if e["settings"] != first["settings"]:
+            raise ValueError(
+                f"rank {r} was built with (config, policy, loopback, row_buckets) = {e['settings']}, rank 0 with "
+                f"{first['settings']}: every rank must pass the same"
+            )
+        if e["host"] != first["host"]:
+            raise ValueError(
+                f"rank {r} runs on host {e['host']}, rank 0 on {first['host']}: CTA-pipelining spans the GPUs of one "
+                "NVLink domain (one host); between hosts, use ordinary pipeline parallelism"
+            )
+
+
+def _check_peer_access(every: list[dict], rank: int) -> None:
+    """This rank's GPU reaches the next rank's (when this process can see it)."""
+    if rank + 1 >= len(every):
+        return
+    mine, nxt = every[rank]["device"][1], every[rank + 1]["device"][1]
+    if mine == nxt and len(every) > 1:
+        raise ValueError(f"ranks {rank} and {rank + 1} are on the same GPU (cuda:{mine}): one rank per GPU")
+    if nxt < torch.cuda.device_count() and not torch.cuda.can_device_access_peer(mine, nxt):
+        raise fabric.PeerAccessError(
+            f"rank {rank}'s GPU cuda:{mine} cannot access rank {rank + 1}'s cuda:{nxt} (no P2P between them): "
+            "CTA-pipelining needs peer access between consecutive ranks' GPUs"
+        )
+
+
+__all__ = ["DistributedPipeline", "DistributedGraphedCall", "Placement", "heap_layout", "HeapLayout", "Region"]
