@@ -24,6 +24,8 @@
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused Llama MLP block against torch.compile and cuBLAS, MLP_REPS
 #          (default 20), MLP_MODE (default max-autotune-no-cudagraphs)          -> mlp_block.log, mlp_block.json
+#   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
+#          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
@@ -81,6 +83,13 @@ for step in $STEPS; do
     sancross) for tool in memcheck racecheck synccheck; do
         timeout 150 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py cross > "$OUT/sanitize-cross-$tool.log" 2>&1
         echo "$tool cross rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bitwise|Error" "$OUT/sanitize-cross-$tool.log" | tail -4; done ;;
+    dist) timeout 240 python3 -m pytest -q -m gpu tests/test_gpu_distributed.py -rs -p no:cacheprovider \
+        > "$OUT/dist-tests.log" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/dist-tests.log" | tail -8
+      NG=$(nvidia-smi -L | wc -l); SPR=$(( NG == 1 ? 2 : 1 ))
+      for lb in "" "--loopback"; do name="torchrun${lb:+-loopback}"
+        timeout 180 torchrun --nproc-per-node "$NG" examples/torchrun_chain.py --rows "${DIST_ROWS:-4096}" \
+          --stages-per-rank "$SPR" $lb --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "$name rc=$?"; grep -E "^\{|Error" "$OUT/$name.log" | tail -3; done ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
     *) echo "unknown step $step (see the list at the top of $0)" ;;

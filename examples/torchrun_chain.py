@@ -1,0 +1,113 @@
+"""A CTA-pipelined chain with one process per GPU.
+
+    torchrun --nproc-per-node N examples/torchrun_chain.py [--rows 4096] [--dim 8192] [--stages-per-rank 1]
+
+Each rank holds ``--stages-per-rank`` layers of ``x @ W_0 @ W_1 @ ...`` (``dim`` x ``dim``, bf16).
+It checks the result (bitwise) against the same stages run one after another and against the
+one-process :class:`~ctapipelining.pipeline.Pipeline` over the same GPUs, then times both
+graph-replayed, taking turns, and prints the median of each and their paired ratio. With one GPU,
+``--loopback`` puts a segment per stage on it, so the links go through symmetric memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ctapipelining.distributed import DistributedPipeline
+from ctapipelining.pipeline import Pipeline
+from ctapipelining.timing import bootstrap_ci, environment
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=4096, help="input rows M (default 4096)")
+    p.add_argument("--dim", type=int, default=8192, help="every layer is dim x dim (default 8192)")
+    p.add_argument("--stages-per-rank", type=int, default=1, help="layers per rank (default 1)")
+    p.add_argument("--loopback", action="store_true", help="a segment per stage (links through the heap on one GPU)")
+    p.add_argument("--reps", type=int, default=30, help="timed graph replays of each (default 30)")
+    p.add_argument("--out", default=None, help="write the result as JSON here (rank 0)")
+    args = p.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = world * args.stages_per_rank
+    g = torch.Generator().manual_seed(0)  # every rank draws the same chain and keeps its own layers
+    layers = [(torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5).bfloat16() for _ in range(n)]
+    mine = [w.to(device) for w in layers[rank * args.stages_per_rank : (rank + 1) * args.stages_per_rank]]
+    pipe = DistributedPipeline(mine, loopback=args.loopback)
+    x = torch.randn(args.rows, args.dim, generator=g).bfloat16().to(device) if rank == 0 else None
+    rows = None if rank == 0 else args.rows
+
+    y = pipe(x, rows=rows, check=True)
+    ref = pipe.sequential(x, rows=rows)
+    same_sequential = torch.equal(y, ref) if y is not None else None
+    # the one-process pipeline over the same GPUs, on rank 0 (the others wait)
+    if rank == world - 1 and world > 1:
+        dist.send(y, dst=0)
+    single = None
+    if rank == 0:
+        placed = [w.to(f"cuda:{s // args.stages_per_rank}") for s, w in enumerate(layers)]
+        single = Pipeline(placed, loopback=args.loopback)
+        y_last = y if world == 1 else torch.empty(args.rows, args.dim, dtype=torch.bfloat16, device=device)
+        if world > 1:
+            dist.recv(y_last, src=world - 1)
+        same_single = torch.equal(single(x, check=True).to(device), y_last)
+    dist.barrier()
+
+    graphed = pipe.capture(args.rows)
+    single_graph = single.capture(args.rows) if rank == 0 else None
+    times = {"distributed": [], "one_process": []}
+    for i in range(args.reps + 5):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphed.replay()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        stamps = [None] * world
+        dist.all_gather_object(stamps, (t0, t1))
+        if rank == 0:  # from the first rank's start to the last rank's end (one host: one clock)
+            wall = max(b for _, b in stamps) - min(a for a, _ in stamps)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            single_graph.replay()
+            for d in range(min(world, torch.cuda.device_count())):
+                torch.cuda.synchronize(d)
+            one = time.perf_counter() - t0
+            if i >= 5:
+                times["distributed"].append(wall * 1e3)
+                times["one_process"].append(one * 1e3)
+    pipe.check_errors()
+    if rank == 0:
+        single.check_errors()
+        ratios = [a / b for a, b in zip(times["distributed"], times["one_process"])]
+        med, lo, hi = bootstrap_ci(ratios)
+        result = {
+            "world": world, "rows": args.rows, "dim": args.dim, "stages": n, "loopback": args.loopback,
+            "bitwise_equal_sequential": same_sequential if world == 1 else "on the last rank",
+            "bitwise_equal_one_process": same_single,
+            "median_ms": {k: statistics.median(v) for k, v in times.items()},
+            "distributed_over_one_process": {"median": med, "ci95": [lo, hi]},
+            "times_ms": times, "env": environment(),
+        }  # fmt: skip
+        print(json.dumps({k: v for k, v in result.items() if k not in ("times_ms", "env")}))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    if rank == world - 1 and world > 1:
+        print(json.dumps({"rank": rank, "bitwise_equal_sequential": same_sequential}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""One process per GPU on one GPU: world size 1 with a segment per stage, so every link goes
+through PyTorch symmetric memory and the gate/finish handshake, bitwise equal to the
+one-process pipeline; graph replay; a producer that starts late does not time its consumer
+out. (Two ranks under torchrun: examples/torchrun_chain.py, in the 2-GPU runs.)"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ctapipelining.distributed import DistributedPipeline
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda:0")
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def weights(dims, seed=0):
+    g = torch.Generator(device="cuda:0").manual_seed(seed)
+    return [(torch.randn(k, n, device="cuda:0", generator=g) / k**0.5).bfloat16() for k, n in zip(dims, dims[1:])]
+
+
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+@pytest.mark.parametrize("dims", [[1024, 2048, 1024], [1024, 1536, 2048, 512]])
+def test_through_symmetric_memory_equals_the_one_process_pipeline(world1, policy, dims):
+    ws = weights(dims)
+    pipe = DistributedPipeline(ws, policy=policy, loopback=True, timeout_s=0.5)
+    ref = Pipeline(ws, policy=policy, loopback=True, timeout_s=0.5)
+    for M in (3000, 128, 3000):
+        x = torch.randn(M, dims[0], device="cuda:0").bfloat16()
+        y = pipe(x, check=True)
+        assert torch.equal(y, ref(x)) and torch.equal(y, pipe.sequential(x))
+    out = torch.full((3000, dims[-1]), float("nan"), device="cuda:0").bfloat16()
+    for _ in range(200):  # back to back, one output buffer (the handshake orders the calls)
+        pipe(x, out=out)
+    pipe.check_errors()
+    assert torch.equal(out, ref(x))
+
+
+def test_graph_replay_and_a_whole_chain_on_one_rank(world1):
+    ws = weights([1024, 2048, 1024])
+    for loopback in (True, False):
+        pipe = DistributedPipeline(ws, loopback=loopback)
+        graphed = pipe.capture(4096)
+        x = torch.randn(4096, 1024, device="cuda:0").bfloat16()
+        want = pipe.sequential(x)
+        for _ in range(20):
+            assert torch.equal(graphed(x), want)
+        pipe.check_errors()
+
+
+def test_a_producer_that_starts_late_does_not_time_its_consumer_out(world1):
+    """The consumer segment is launched, then the host waits 4 x its timeout before it launches
+    the producer (a rank that starts late): the gate holds the consumer until the producer
+    starts, so the call is right and nothing times out."""
+    ws = weights([1024, 2048, 1024])
+    pipe = DistributedPipeline(ws, loopback=True, timeout_s=0.05, start_timeout_s=5.0)
+    x = torch.randn(2048, 1024, device="cuda:0").bfloat16()
+    want = pipe.sequential(x)
+    pipe(x, check=True)
+    dp = pipe.plan(2048)
+    out = torch.full((2048, 1024), float("nan"), device="cuda:0").bfloat16()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        pipe._run(dp, x, out, only=[1])  # the consumer first, on a stream of its own
+    time.sleep(0.2)
+    pipe._run(dp, x, out, only=[0])
+    torch.cuda.synchronize()
+    pipe.check_errors()
+    assert torch.equal(out, want)
+    # and a producer that never comes is reported on the consumer's stage, after the start timeout
+    quick = DistributedPipeline(ws, loopback=True, timeout_s=0.05, start_timeout_s=0.2)
+    quick(x, check=True)
+    quick._run(quick.plan(2048), x, out, only=[1])
+    with pytest.raises(PipelineTimeout, match="stage 1 on rank 0, cuda:0: the previous segment had started 1 calls"):
+        quick.check_errors()
+    assert torch.equal(quick(x, check=True), want)
+
+
+def test_the_config_and_placement_must_agree(world1):
+    ws = weights([1024, 2048])
+    with pytest.raises(ValueError, match="rank 0's weight 1 is on cpu"):
+        DistributedPipeline([ws[0], ws[0].cpu()])
+    pipe = DistributedPipeline(ws, config=PIPELINE_CONFIG)
+    assert pipe.is_first and pipe.is_last and len(pipe.segments) == 1
