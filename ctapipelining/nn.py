@@ -17,6 +17,9 @@ lays them out again from the source module after it changed).
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
+``forward`` calls the custom operator ``torch.ops.ctapipelining.llama_mlp`` (``torch.library``,
+with a fake implementation for shapes), so a model compiled with ``torch.compile`` traces through
+the block without a graph break.
 Inputs with few rows (decode) run as they are: the kernels need no minimum, but a block of a
 few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here changes that.
 """
@@ -24,6 +27,8 @@ few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 
 import torch
 
@@ -36,6 +41,25 @@ from .kernels.gemm import PLAIN_CONFIG, GemmConfig
 # only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
 GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
+
+
+_BLOCKS: weakref.WeakValueDictionary[str, LlamaMLP] = weakref.WeakValueDictionary()  # the operator's blocks by key
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("ctapipelining::llama_mlp", mutates_args=())
+def llama_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, block: str) -> torch.Tensor:
+    """The fused block ``block`` (a :class:`LlamaMLP`'s key; ``gate_up`` and ``down`` are its
+    laid-out weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
+    mlp = _BLOCKS.get(block)
+    if mlp is None:
+        raise RuntimeError(f"no LlamaMLP block {block!r} (it was freed)")
+    return mlp._run(x, gate_up, down)
+
+
+@llama_mlp.register_fake
+def _(x, gate_up, down, block):
+    return torch.empty_like(x)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -77,6 +101,16 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_config, self.down_config = gate_up_config, down_config
         self._source = None
         self._lay_out(w_gate, w_up, w_down, norm_weight)
+        self._register()
+
+    def _register(self) -> None:
+        """Give this block its own key in the operator's registry."""
+        self._key = f"llama_mlp_{next(_KEYS)}"
+        _BLOCKS[self._key] = self
+
+    def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
+        super().__setstate__(state)
+        self._register()
 
     def _lay_out(self, w_gate, w_up, w_down, norm_weight) -> None:
         """The kernels' weights: ``[H, 2I]`` gate/up (norm folded, columns in pairs), ``[I, H]`` down."""
@@ -118,12 +152,13 @@ class LlamaMLP(torch.nn.Module):
             raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
         if x.dtype != self.down.dtype or x.device != self.down.device:
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.down.dtype} on {self.down.device}")
-        rows = x.reshape(-1, self.hidden)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        h = matmul(rows, self.gate_up, config=self.gate_up_config, epilogue=self._first)
-        y = matmul(h, self.down, config=self.down_config, epilogue=self._second, residual=rows)
-        return y.reshape(x.shape)
+        rows = x.reshape(-1, self.hidden).contiguous()
+        return llama_mlp(rows, self.gate_up, self.down, self._key).reshape(x.shape)
+
+    def _run(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
+        h = matmul(rows, gate_up, config=self.gate_up_config, epilogue=self._first)
+        return matmul(h, down, config=self.down_config, epilogue=self._second, residual=rows)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, intermediate={self.intermediate}, eps={self.eps}"

@@ -123,3 +123,42 @@ def test_bad_epilogues_are_refused_before_launch():
         block(torch.zeros(4, 40).half())
     with pytest.raises(ValueError, match="x is torch.float32"):
         block(torch.zeros(4, 48))
+
+
+def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
+    """``forward`` calls ``torch.ops.ctapipelining.llama_mlp``: its schema and fake (shape)
+    implementation pass PyTorch's checks, and a compiled model around the block traces as one
+    graph (``fullgraph=True`` raises on a graph break) and computes what the eager block does."""
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(2, 5, H).half()
+    rows = x.reshape(-1, H).contiguous()
+    torch.library.opcheck(
+        torch.ops.ctapipelining.llama_mlp.default, (rows, block.gate_up, block.down, block._key),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return self.block(x * 2) + 1
+
+    compiled = torch.compile(Model(), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), block(x * 2) + 1)
+
+
+def test_a_copied_block_runs_its_own_weights():
+    import copy
+
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        twin.down.mul_(2)
+    x = torch.randn(7, H).half()
+    assert not torch.equal(twin(x), block(x))
+    del block
+    assert twin(x).shape == x.shape
