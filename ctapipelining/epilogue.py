@@ -1,10 +1,11 @@
-"""Host side of a GEMM's fused epilogue (:mod:`ctapipelining.kernels.epilogue`): RMSNorm of
-A's rows, an activation (gated or not), bias and residual, applied to each accumulator tile
-before it is stored.
+"""Host side of a GEMM's fused epilogue (:mod:`ctapipelining.kernels.epilogue`): an RMSNorm
+or LayerNorm of A's rows, bias, an activation (gated or not) and residual, applied to each
+accumulator tile before it is stored.
 
 :class:`Epilogue` says what a GEMM does after its K loop; :func:`interleave` lays out a gated
 MLP's gate and up weights so that one output tile holds both halves of its columns;
-:func:`fold_rms_weight` folds an RMSNorm's weight into the weight that reads its output.
+:func:`fold_rms_weight` and :func:`fold_layer_norm` fold a norm's weight (and bias) into the
+weight (and bias) that reads its output.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from .kernels import epilogue as device
 from .kernels.epilogue import gelu, silu
 
-__all__ = ["Epilogue", "fold_rms_weight", "gelu", "interleave", "silu"]
+__all__ = ["Epilogue", "fold_layer_norm", "fold_rms_weight", "gelu", "interleave", "silu"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,13 +28,16 @@ class Epilogue:
     """What a GEMM ``C = A @ B`` does to each output tile before storing it, in this order:
 
     * ``rms_eps``: scale each row by ``rsqrt(mean(A_row ** 2) + rms_eps)`` (an RMSNorm of A
-      whose weight is folded into B: :func:`fold_rms_weight`), the scales computed by a pass
-      over A before the GEMM (:func:`ctapipelining.kernels.epilogue.rms_rows`);
+      whose weight is folded into B: :func:`fold_rms_weight`); or ``layer_norm_eps`` with
+      ``col_sum``: ``(acc - mean(A_row) * col_sum) * rsqrt(var(A_row) + layer_norm_eps)`` (a
+      LayerNorm of A whose weight is folded into B and whose bias into ``bias``, ``col_sum``
+      being B's column sums: :func:`fold_layer_norm`). The rows' statistics come from a pass over
+      A before the GEMM (:func:`ctapipelining.kernels.epilogue.norm_rows`);
+    * ``bias``: a vector of the GEMM's columns (B's), added;
     * ``activation``: a ``@triton.jit`` function of one fp32 tile (:func:`silu`,
       :func:`gelu`, or your own); with ``gated``, B's columns are (gate, up) pairs
       (:func:`interleave`) and output column ``j`` is ``activation(gate_j) * up_j``: C has
       half of B's columns;
-    * ``bias``: a vector of C's columns, added;
     * ``residual``: each call passes a matrix of C's shape, added (a block's input).
 
     Bound at plan time; compared by identity (a launch compiled for one epilogue is not reused
@@ -44,6 +48,8 @@ class Epilogue:
     rms_eps: float | None = None
     bias: torch.Tensor | None = None
     residual: bool = False
+    layer_norm_eps: float | None = None
+    col_sum: torch.Tensor | None = None
 
     def __post_init__(self):
         jit = (triton.runtime.JITFunction, InterpretedFunction)  # the interpreter's @triton.jit
@@ -51,12 +57,28 @@ class Epilogue:
             raise TypeError(f"activation must be a @triton.jit function, got {type(self.activation).__name__}")
         if self.gated and self.activation is None:
             raise ValueError("a gated epilogue needs its activation (e.g. silu for Llama's MLP)")
-        if self.rms_eps is not None and not (isinstance(self.rms_eps, float) and self.rms_eps > 0):
-            raise ValueError(f"rms_eps must be a float > 0, got {self.rms_eps!r}")
+        for name in ("rms_eps", "layer_norm_eps"):
+            eps = getattr(self, name)
+            if eps is not None and not (isinstance(eps, float) and eps > 0):
+                raise ValueError(f"{name} must be a float > 0, got {eps!r}")
+        if self.rms_eps is not None and self.layer_norm_eps is not None:
+            raise ValueError("one norm per GEMM: rms_eps or layer_norm_eps, not both")
+        if (self.layer_norm_eps is None) != (self.col_sum is None):
+            raise ValueError("a LayerNorm epilogue needs B's column sums: pass layer_norm_eps and col_sum together")
+        if self.col_sum is not None and (
+            not isinstance(self.col_sum, torch.Tensor) or self.col_sum.dtype != torch.float32
+            or self.col_sum.dim() != 1 or self.col_sum.stride(0) != 1
+        ):  # fmt: skip
+            raise ValueError("col_sum must be a contiguous 1-D float32 tensor of B's columns (fold_layer_norm)")
         if self.bias is not None and (
             not isinstance(self.bias, torch.Tensor) or self.bias.dim() != 1 or self.bias.stride(0) != 1
         ):
-            raise ValueError("bias must be a contiguous 1-D tensor of the output's columns")
+            raise ValueError("bias must be a contiguous 1-D tensor of the GEMM's columns")
+
+    @property
+    def norm_eps(self) -> float | None:
+        """The norm's epsilon (None: no norm)."""
+        return self.rms_eps if self.rms_eps is not None else self.layer_norm_eps
 
     def out_cols(self, N: int) -> int:
         """C's columns for a GEMM with ``N`` columns of B."""
@@ -70,17 +92,26 @@ class Epilogue:
                 "(an output row of whole 16-byte units)"
             )
         if self.bias is not None:
-            n_out = self.out_cols(N)
-            if self.bias.shape != (n_out,) or self.bias.dtype != dtype or self.bias.device != device:
+            if self.bias.shape != (N,) or self.bias.dtype != dtype or self.bias.device != device:
                 raise ValueError(
-                    f"bias must be a [{n_out}] {dtype} tensor on {device}, got "
+                    f"bias must be a [{N}] {dtype} tensor (B's columns) on {device}, got "
                     f"{tuple(self.bias.shape)} {self.bias.dtype} on {self.bias.device}"
                 )
+        if self.col_sum is not None and (self.col_sum.shape != (N,) or self.col_sum.device != device):
+            raise ValueError(
+                f"col_sum must be B's [{N}] column sums on {device}, got {tuple(self.col_sum.shape)} "
+                f"on {self.col_sum.device}"
+            )
 
-    def bundle(self, row_scale: torch.Tensor | None, residual: torch.Tensor | None) -> device.Epilogue:
-        """The kernel's argument bundle: the rows' scales (with ``rms_eps``), this call's ``residual``."""
+    def bundle(
+        self, row_scale: torch.Tensor | None, row_shift: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> device.Epilogue:
+        """The kernel's argument bundle: the rows' scales (with a norm) and shifts (LayerNorm),
+        this call's ``residual``."""
         return device.Epilogue(
             row_scale,
+            row_shift,
+            self.col_sum,
             self.bias,
             residual,
             residual.stride(0) if residual is not None else 0,
@@ -89,7 +120,7 @@ class Epilogue:
         )
 
 
-OFF = device.Epilogue(None, None, None, None, None, None)  # the kernel's bundle without one
+OFF = device.Epilogue(None, None, None, None, None, None, None, None)  # the kernel's bundle without one
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -107,3 +138,27 @@ def fold_rms_weight(norm_weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if norm_weight.shape != (w.shape[0],):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match w's {w.shape[0]} rows")
     return (norm_weight.float()[:, None] * w.float()).to(w.dtype).contiguous()
+
+
+def fold_layer_norm(
+    weight: torch.Tensor, bias: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A LayerNorm (``weight``, ``bias``: [K]) folded into the GEMM that reads its output
+    (``w`` [K, N], its bias ``b`` [N]): returns ``(w', col_sum, b')`` for an epilogue
+    ``Epilogue(layer_norm_eps=eps, col_sum=col_sum, bias=b')`` on ``A @ w'``:
+    ``w' = diag(weight) @ w`` rounded once to ``w``'s dtype, ``col_sum`` its column sums in fp32
+    (of the rounded ``w'``: what the GEMM multiplies), ``b' = bias @ w + b`` in ``w``'s dtype."""
+    K, N = w.shape
+    if weight.shape != (K,) or (bias is not None and bias.shape != (K,)) or (b is not None and b.shape != (N,)):
+        raise ValueError(
+            f"a LayerNorm of [{K}] into a [{K}, {N}] weight: got weight {tuple(weight.shape)}, "
+            f"bias {None if bias is None else tuple(bias.shape)}, GEMM bias {None if b is None else tuple(b.shape)}"
+        )
+    folded = fold_rms_weight(weight, w)
+    col_sum = folded.double().sum(0).float().contiguous()
+    shift = torch.zeros(N, dtype=torch.float64, device=w.device)
+    if bias is not None:
+        shift += bias.double() @ w.double()
+    if b is not None:
+        shift += b.double()
+    return folded, col_sum, shift.to(w.dtype).contiguous()

@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .epilogue import OFF, Epilogue
-from .kernels.epilogue import rms_rows
+from .kernels.epilogue import norm_rows
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses
@@ -217,7 +217,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
-RMS_ROWS = 8  # rows a program of the RMSNorm pass sums
+NORM_ROWS = 8  # rows a program of the norm's statistics pass reads
 
 
 def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None) -> dict:
@@ -307,15 +307,18 @@ class GemmLaunch:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.epilogue = epilogue
-        # an RMSNorm epilogue's row scales, computed before each launch (plan-held: the kernel reads them)
-        rms = epilogue is not None and epilogue.rms_eps is not None
-        self.row_scale = torch.empty(M, dtype=torch.float32, device=device) if rms else None
+        # a norm epilogue's row statistics, computed before each launch (plan-held: the kernel reads them)
+        norm = epilogue is not None and epilogue.norm_eps is not None
+        layer = norm and epilogue.layer_norm_eps is not None
+        self.row_scale = torch.empty(M, dtype=torch.float32, device=device) if norm else None
+        self.row_shift = torch.empty(M, dtype=torch.float32, device=device) if layer else None
         self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
         bundles = (
             wait_bundle(wait, cfg),
             signal_bundle(signal),
             None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
-            OFF if epilogue is None else epilogue.bundle(self.row_scale, None),  # a call binds its residual
+            # a call binds its residual
+            OFF if epilogue is None else epilogue.bundle(self.row_scale, self.row_shift, None),
             epoch if wait is not None or signal is not None else None,
             err if wait is not None else None,
             trace,
@@ -334,7 +337,7 @@ class GemmLaunch:
         """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue."""
         if self.epilogue is None or not self.epilogue.residual:
             return bundles
-        epi = self.epilogue.bundle(self.row_scale, residual)
+        epi = self.epilogue.bundle(self.row_scale, self.row_shift, residual)
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
 
     def __call__(
@@ -354,8 +357,8 @@ class GemmLaunch:
         tma_store = stride == c.shape[1]  # rows padded: ordinary stores
         key = (tma_store, stride, a.dtype, None if residual is None else residual.stride(0))
         got = self._compiled.get(key)
-        if self.row_scale is not None:  # the RMSNorm's row scales first, on the same stream
-            self._rms_rows(a, stream)
+        if self.row_scale is not None:  # the norm's row statistics first, on the same stream
+            self._norm_rows(a, stream)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             if stream is None:
@@ -389,16 +392,18 @@ class GemmLaunch:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
 
-    def _rms_rows(self, a: torch.Tensor, stream: int | None) -> None:
-        """``row_scale[r] = rsqrt(mean(a[r] ** 2) + eps)`` for ``a``'s rows, on ``stream``."""
+    def _norm_rows(self, a: torch.Tensor, stream: int | None) -> None:
+        """The norm's statistics of ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`), on ``stream``."""
         rows, cols = a.shape
         if rows > self.M:
             raise ValueError(f"a has {rows} rows; this launch's row scales hold {self.M}")
         on_stream = stream is not None and not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-            rms_rows[(_cdiv(rows, RMS_ROWS),)](
-                a, self.row_scale, rows, cols, a.stride(0), self.epilogue.rms_eps, BLOCK_R=RMS_ROWS, BLOCK_C=256
-            )
+            shift = self.row_shift if self.row_shift is not None else self.row_scale  # unused without CENTER
+            norm_rows[(_cdiv(rows, NORM_ROWS),)](
+                a, self.row_scale, shift, rows, cols, a.stride(0), self.epilogue.norm_eps,
+                CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=256,
+            )  # fmt: skip
 
     def raw_args(
         self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None
@@ -511,8 +516,8 @@ def matmul(
     if out is None:
         out = torch.empty(M, n_out, dtype=a.dtype, device=a.device)
     check_out(out, M, n_out, a.dtype)
-    bias = [] if epilogue is None or epilogue.bias is None else [epilogue.bias[None, :]]
-    if overlaps(out, a, b, *([] if residual is None else [residual]), *bias):
+    vectors = [] if epilogue is None else [v[None, :] for v in (epilogue.bias, epilogue.col_sum) if v is not None]
+    if overlaps(out, a, b, *([] if residual is None else [residual]), *vectors):
         raise ValueError("out overlaps an operand: the GEMM would read what it has already overwritten")
     if M == 0 or N == 0:
         return out

@@ -1,25 +1,29 @@
-"""Transformer blocks as ``torch.nn`` modules, their elementwise work fused into the GEMMs.
+"""Transformer MLP blocks as ``torch.nn`` modules, their elementwise work fused into the GEMMs.
 
-:class:`LlamaMLP` is a Llama-style MLP block with its RMSNorm and residual,
-``y = x + W_down(silu(rmsnorm(x) @ W_gate) * (rmsnorm(x) @ W_up))``, as two GEMMs
-(:func:`ctapipelining.gemm.matmul` with an :class:`~ctapipelining.epilogue.Epilogue`):
+Each block is two GEMMs (:func:`ctapipelining.gemm.matmul` with an
+:class:`~ctapipelining.epilogue.Epilogue`), and nothing else touches memory: ``x`` is read by the
+first GEMM (and as the residual by the second), the intermediate ``h`` is written once and read
+once. The norm's weight (and bias) is folded into the first GEMM's weight (and bias); a pass
+over ``x`` before it computes each row's statistics, which its epilogue applies.
 
-1. ``h = silu(gate) * up`` of ``x @ [W_gate | W_up]'``: the norm's weight folded into the gate
-   and up weights, their columns interleaved in pairs, the rows' RMS summed in the K loop from
-   the tiles of ``x`` it loads, and the activation in the epilogue (``h`` is half as wide as
-   the GEMM);
-2. ``y = x + h @ W_down``: the residual added in the epilogue.
+- :class:`LlamaMLP`: ``y = x + W_down(silu(rmsnorm(x) @ W_gate) * (rmsnorm(x) @ W_up))``, no
+  bias. The gate and up columns are interleaved in pairs, so the gated activation is an
+  epilogue and ``h`` is half as wide as the first GEMM.
+- :class:`GPTMLP`: ``y = x + W_2(gelu(layernorm(x) @ W_1 + b_1)) + b_2``. The LayerNorm is
+  ``(x @ W_1' - mean * colsum(W_1')) * rstd + (beta @ W_1 + b_1)`` in the first epilogue
+  (:func:`~ctapipelining.epilogue.fold_layer_norm`; where a row's mean is large next to its
+  spread the subtraction cancels: the error is then about the fp32 accumulator's rounding of
+  ``mean * colsum``, tested on such rows).
 
-Nothing else touches memory: ``x`` is read by the first GEMM (and as the residual), ``h`` is
-written once and read once. The weights are laid out once, at construction (:meth:`refresh`
-lays them out again from the source module after it changed).
+The weights are laid out once, at construction (:meth:`~LlamaMLP.refresh` lays them out again
+from the source module after it changed). ``forward`` calls the custom operator
+``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
+shapes), so a model compiled with ``torch.compile`` traces through the block without a graph
+break.
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
-``forward`` calls the custom operator ``torch.ops.ctapipelining.llama_mlp`` (``torch.library``,
-with a fake implementation for shapes), so a model compiled with ``torch.compile`` traces through
-the block without a graph break.
 Inputs with few rows (decode) run as they are: the kernels need no minimum, but a block of a
 few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here changes that.
 """
@@ -32,7 +36,7 @@ import weakref
 
 import torch
 
-from .epilogue import Epilogue, fold_rms_weight, interleave, silu
+from .epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import check_tensor, matmul
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig
 
@@ -41,28 +45,99 @@ from .kernels.gemm import PLAIN_CONFIG, GemmConfig
 # only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
 GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
+# a GPT block's first GEMM stores full tiles (no gating): its bias and column sums fit beside three stages
+UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 
 
-_BLOCKS: weakref.WeakValueDictionary[str, LlamaMLP] = weakref.WeakValueDictionary()  # the operator's blocks by key
+_BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks
 _KEYS = itertools.count()
 
 
-@torch.library.custom_op("ctapipelining::llama_mlp", mutates_args=())
-def llama_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, block: str) -> torch.Tensor:
-    """The fused block ``block`` (a :class:`LlamaMLP`'s key; ``gate_up`` and ``down`` are its
+@torch.library.custom_op("ctapipelining::mlp_block", mutates_args=())
+def mlp_block(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, block: str) -> torch.Tensor:
+    """The fused block ``block`` (a :class:`FusedMLP`'s key; ``w_in`` and ``w_out`` are its
     laid-out weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
     mlp = _BLOCKS.get(block)
     if mlp is None:
-        raise RuntimeError(f"no LlamaMLP block {block!r} (it was freed)")
-    return mlp._run(x, gate_up, down)
+        raise RuntimeError(f"no fused MLP block {block!r} (it was freed)")
+    return mlp._run(x, w_in, w_out)
 
 
-@llama_mlp.register_fake
-def _(x, gate_up, down, block):
+@mlp_block.register_fake
+def _(x, w_in, w_out, block):
     return torch.empty_like(x)
 
 
-class LlamaMLP(torch.nn.Module):
+class FusedMLP(torch.nn.Module):
+    """What the blocks share: the weights ``w_in`` ``[H, N_in]`` and ``w_out`` ``[I, H]`` as
+    laid out for the kernels (buffers), the two epilogues, the configurations, the operator
+    key. Subclasses lay the weights out and say what the first GEMM's epilogue does."""
+
+    hidden: int
+    w_in: torch.Tensor
+    w_out: torch.Tensor
+
+    def __init__(self, in_config: GemmConfig, out_config: GemmConfig):
+        super().__init__()
+        self.in_config, self.out_config = in_config, out_config
+        self._source = None
+        self._register()
+
+    def _register(self) -> None:
+        """Give this block its own key in the operator's registry."""
+        self._key = f"mlp_block_{next(_KEYS)}"
+        _BLOCKS[self._key] = self
+
+    def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
+        super().__setstate__(state)
+        self._register()
+
+    def _set_weights(self, w_in: torch.Tensor, w_out: torch.Tensor, first: Epilogue, second: Epilogue) -> None:
+        check_tensor(w_in, f"{type(self).__name__}: first weight")
+        check_tensor(w_out, f"{type(self).__name__}: second weight")
+        self.register_buffer("w_in", w_in, persistent=False)
+        self.register_buffer("w_out", w_out, persistent=False)
+        self._first, self._second = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
+            raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+        if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
+            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
+        rows = x.reshape(-1, self.hidden).contiguous()
+        return mlp_block(rows, self.w_in, self.w_out, self._key).reshape(x.shape)
+
+    def _run(self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
+        h = matmul(rows, w_in, config=self.in_config, epilogue=self._first)
+        return matmul(h, w_out, config=self.out_config, epilogue=self._second, residual=rows)
+
+    def refresh(self) -> None:
+        """Lay the weights out again from the module this block was built from (after the
+        source's weights changed: the block keeps its own copies)."""
+        if self._source is None:
+            raise RuntimeError("this block was built from tensors: build a new one instead")
+        self._lay_out(*self._source_weights())
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, intermediate={self.intermediate}, eps={self.eps}"
+
+
+def _check_block(ws: dict, shapes: dict, optional: tuple[str, ...] = ()) -> None:
+    """Tensors of the ``shapes`` (by name; the ``optional`` ones may be None), of one dtype on one
+    device."""
+    for name, t in ws.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    got = {n: tuple(t.shape) for n, t in ws.items() if t is not None}
+    if got != {n: s for n, s in shapes.items() if n in got}:
+        raise ValueError(f"shapes do not make a block: {got} (want {shapes})")
+    present = [t for t in ws.values() if t is not None]
+    if len({t.dtype for t in present}) != 1 or len({t.device for t in present}) != 1:
+        raise ValueError("the block's weights must share one dtype and one device")
+
+
+class LlamaMLP(FusedMLP):
     """A Llama MLP block with its pre-norm and residual (module docstring), from weights in
     ``torch.nn.Linear``'s layout: ``w_gate``, ``w_up`` ``[I, H]``, ``w_down`` ``[H, I]``, the
     RMSNorm's ``norm_weight`` ``[H]`` and ``eps``. All on one device, one dtype (bf16, or fp16).
@@ -79,50 +154,23 @@ class LlamaMLP(torch.nn.Module):
         gate_up_config: GemmConfig = GATE_UP_CONFIG,
         down_config: GemmConfig = DOWN_CONFIG,
     ):
-        super().__init__()
+        super().__init__(gate_up_config, down_config)
+        inter, H = w_gate.shape if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 2 else (0, 0)
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
-        for name, t in ws.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        inter, H = w_gate.shape
-        if w_up.shape != (inter, H) or w_down.shape != (H, inter) or norm_weight.shape != (H,):
-            raise ValueError(
-                f"shapes do not make a block: w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)}, "
-                f"w_down {tuple(w_down.shape)}, norm_weight {tuple(norm_weight.shape)} "
-                "(want [I, H], [I, H], [H, I], [H])"
-            )
-        if inter % 8 or H % 8:
+        _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
+        if inter % 8 or H % 8 or not inter:
             raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
-        if len({t.dtype for t in ws.values()}) != 1 or len({t.device for t in ws.values()}) != 1:
-            raise ValueError("the block's weights must share one dtype and one device")
         if not (isinstance(eps, float) and eps > 0):
             raise ValueError(f"eps must be a float > 0, got {eps!r}")
         self.hidden, self.intermediate, self.eps = H, inter, eps
-        self.gate_up_config, self.down_config = gate_up_config, down_config
-        self._source = None
         self._lay_out(w_gate, w_up, w_down, norm_weight)
-        self._register()
-
-    def _register(self) -> None:
-        """Give this block its own key in the operator's registry."""
-        self._key = f"llama_mlp_{next(_KEYS)}"
-        _BLOCKS[self._key] = self
-
-    def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
-        super().__setstate__(state)
-        self._register()
 
     def _lay_out(self, w_gate, w_up, w_down, norm_weight) -> None:
-        """The kernels' weights: ``[H, 2I]`` gate/up (norm folded, columns in pairs), ``[I, H]`` down."""
+        """``[H, 2I]`` gate/up (norm folded, columns in pairs) and ``[I, H]`` down."""
         with torch.no_grad():
             gate_up = interleave(fold_rms_weight(norm_weight, w_gate.t()), fold_rms_weight(norm_weight, w_up.t()))
             down = w_down.t().contiguous()
-        check_tensor(gate_up, "LlamaMLP: gate/up weight")
-        check_tensor(down, "LlamaMLP: down weight")
-        self.register_buffer("gate_up", gate_up, persistent=False)
-        self.register_buffer("down", down, persistent=False)
-        self._first = Epilogue(silu, gated=True, rms_eps=self.eps)
-        self._second = Epilogue(residual=True)
+        self._set_weights(gate_up, down, Epilogue(silu, gated=True, rms_eps=self.eps), Epilogue(residual=True))
 
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> LlamaMLP:
@@ -139,26 +187,84 @@ class LlamaMLP(torch.nn.Module):
         block._source = (mlp, norm)
         return block
 
-    def refresh(self) -> None:
-        """Lay the weights out again from the module this block was built from (after the
-        source's weights changed: the block keeps its own copies)."""
-        if self._source is None:
-            raise RuntimeError("this block was built from tensors: build a new one instead")
+    def _source_weights(self):
         mlp, norm = self._source
-        self._lay_out(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight)
+        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
-            raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
-        if x.dtype != self.down.dtype or x.device != self.down.device:
-            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.down.dtype} on {self.down.device}")
-        rows = x.reshape(-1, self.hidden).contiguous()
-        return llama_mlp(rows, self.gate_up, self.down, self._key).reshape(x.shape)
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.w_in
 
-    def _run(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
-        h = matmul(rows, gate_up, config=self.gate_up_config, epilogue=self._first)
-        return matmul(h, down, config=self.down_config, epilogue=self._second, residual=rows)
+    @property
+    def down(self) -> torch.Tensor:
+        return self.w_out
 
-    def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, intermediate={self.intermediate}, eps={self.eps}"
+
+GELU_TANH = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh", "FastGELUActivation")
+
+
+class GPTMLP(FusedMLP):
+    """A GPT-style MLP block with its pre-norm and residual (module docstring), from weights in
+    ``torch.nn.Linear``'s layout: ``w_1`` ``[I, H]`` and ``b_1`` ``[I]``, ``w_2`` ``[H, I]`` and
+    ``b_2`` ``[H]``, the LayerNorm's ``norm_weight`` and ``norm_bias`` ``[H]`` (``None``: no
+    bias) and ``eps``. The activation is GELU's tanh form (GPT-2's ``gelu_new``). All on one
+    device, one dtype. ``forward(x)`` takes ``[..., H]`` and returns the block's output."""
+
+    def __init__(
+        self,
+        w_1: torch.Tensor,
+        b_1: torch.Tensor | None,
+        w_2: torch.Tensor,
+        b_2: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        norm_bias: torch.Tensor | None,
+        eps: float = 1e-5,
+        *,
+        up_config: GemmConfig = UP_CONFIG,
+        down_config: GemmConfig = DOWN_CONFIG,
+    ):
+        super().__init__(up_config, down_config)
+        inter, H = w_1.shape if isinstance(w_1, torch.Tensor) and w_1.dim() == 2 else (0, 0)
+        ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
+        want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),
+                "norm_bias": (H,)}  # fmt: skip
+        _check_block(ws, want, optional=("b_1", "b_2", "norm_bias"))
+        if inter % 8 or H % 8 or not inter:
+            raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
+        if not (isinstance(eps, float) and eps > 0):
+            raise ValueError(f"eps must be a float > 0, got {eps!r}")
+        self.hidden, self.intermediate, self.eps = H, inter, eps
+        self._lay_out(w_1, b_1, w_2, b_2, norm_weight, norm_bias)
+
+    def _lay_out(self, w_1, b_1, w_2, b_2, norm_weight, norm_bias) -> None:
+        """``[H, I]`` first weight (norm folded) with its column sums and bias, ``[I, H]`` second."""
+        with torch.no_grad():
+            w_in, col_sum, b_in = fold_layer_norm(norm_weight, norm_bias, w_1.t(), b_1)
+            w_out = w_2.t().contiguous()
+            b_out = None if b_2 is None else b_2.detach().clone().contiguous()
+        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=col_sum, bias=b_in)
+        self._set_weights(w_in, w_out, first, Epilogue(bias=b_out, residual=True))
+
+    @classmethod
+    def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> GPTMLP:
+        """From a ``transformers`` ``GPT2MLP`` (``c_fc``, ``c_proj``: ``Conv1D``, whose weights are
+        ``[in, out]``; or ``nn.Linear``) with a GELU-tanh activation, and the ``LayerNorm`` before
+        it; :meth:`refresh` re-reads them."""
+        act = getattr(mlp, "act", None)
+        if type(act).__name__ not in GELU_TANH:
+            raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
+        block = cls(*cls._hf_weights(mlp, norm), float(norm.eps), **configs)
+        block._source = (mlp, norm)
+        return block
+
+    @staticmethod
+    def _hf_weights(mlp, norm):
+        def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in]
+            w = layer.weight.t() if type(layer).__name__ == "Conv1D" else layer.weight
+            return w, layer.bias
+
+        (w_1, b_1), (w_2, b_2) = linear(mlp.c_fc), linear(mlp.c_proj)
+        return w_1, b_1, w_2, b_2, norm.weight, norm.bias
+
+    def _source_weights(self):
+        return self._hf_weights(*self._source)

@@ -4,10 +4,10 @@ interpreter computes bf16 dots wrongly); the GPU tests run the same at full size
 import pytest
 import torch
 
-from ctapipelining.epilogue import Epilogue, fold_rms_weight, gelu, interleave, silu
+from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import GemmConfig
-from ctapipelining.nn import LlamaMLP
+from ctapipelining.nn import GPTMLP, LlamaMLP
 
 pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
@@ -82,7 +82,7 @@ def test_epilogues_on_a_plain_gemm():
     af, wf = a.float(), w.float()
     bias = torch.randn(N).half()
     y = matmul(a, w, config=SMALL, epilogue=Epilogue(gelu, bias=bias))
-    assert rel(y, torch.nn.functional.gelu(af @ wf, approximate="tanh") + bias.float()) < 2e-3
+    assert rel(y, torch.nn.functional.gelu(af @ wf + bias.float(), approximate="tanh")) < 2e-3
     g = (1 + 0.1 * torch.randn(K)).half()
     y = matmul(a, fold_rms_weight(g, w), config=SMALL, epilogue=Epilogue(rms_eps=1e-6))
     ref = (af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()) @ wf
@@ -106,8 +106,8 @@ def test_bad_epilogues_are_refused_before_launch():
         Epilogue(rms_eps=0.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         matmul(a, torch.randn(48, 72).half(), config=SMALL, epilogue=Epilogue(silu, gated=True))
-    with pytest.raises(ValueError, match="bias must be a \\[32\\]"):
-        matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(64).half()))
+    with pytest.raises(ValueError, match="bias must be a \\[64\\]"):
+        matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(32).half()))
     with pytest.raises(ValueError, match="pass residual exactly"):
         matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True))
     with pytest.raises(ValueError, match="pass residual exactly"):
@@ -126,7 +126,7 @@ def test_bad_epilogues_are_refused_before_launch():
 
 
 def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
-    """``forward`` calls ``torch.ops.ctapipelining.llama_mlp``: its schema and fake (shape)
+    """``forward`` calls ``torch.ops.ctapipelining.mlp_block``: its schema and fake (shape)
     implementation pass PyTorch's checks, and a compiled model around the block traces as one
     graph (``fullgraph=True`` raises on a graph break) and computes what the eager block does."""
     mlp, norm = hf_block()
@@ -134,7 +134,7 @@ def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
     x = torch.randn(2, 5, H).half()
     rows = x.reshape(-1, H).contiguous()
     torch.library.opcheck(
-        torch.ops.ctapipelining.llama_mlp.default, (rows, block.gate_up, block.down, block._key),
+        torch.ops.ctapipelining.mlp_block.default, (rows, block.gate_up, block.down, block._key),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
 
@@ -162,3 +162,66 @@ def test_a_copied_block_runs_its_own_weights():
     assert not torch.equal(twin(x), block(x))
     del block
     assert twin(x).shape == x.shape
+
+
+def gpt_block(seed=0, dtype=torch.float16):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_embd=H, n_head=4, activation_function="gelu_new", layer_norm_epsilon=1e-5)
+    mlp, norm = GPT2MLP(INTER, cfg).eval(), torch.nn.LayerNorm(H, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(H))
+        norm.bias.copy_(0.1 * torch.randn(H))
+        mlp.c_fc.bias.copy_(0.1 * torch.randn(INTER))
+        mlp.c_proj.bias.copy_(0.1 * torch.randn(H))
+    return mlp.to(dtype), norm.to(dtype)
+
+
+def gpt_reference(mlp, norm, x):
+    """The GPT block in float32: ``x + mlp(layernorm(x))``."""
+    x = x.float()
+    xn = torch.nn.functional.layer_norm(x, (H,), norm.weight.float(), norm.bias.float(), norm.eps)
+    h = torch.nn.functional.gelu(xn @ mlp.c_fc.weight.float() + mlp.c_fc.bias.float(), approximate="tanh")
+    return x + h @ mlp.c_proj.weight.float() + mlp.c_proj.bias.float()
+
+
+@pytest.mark.parametrize("M", [1, 37, 100])
+@pytest.mark.parametrize("offset", [0.0, 30.0])
+def test_gpt_block_is_as_accurate_as_transformers(M, offset):
+    """Against float32: the fused GPT block (LayerNorm folded into the first GEMM, bias and GELU
+    in its epilogue; bias and residual in the second's) errs at most 2x as much as
+    ``transformers``' GPT2MLP + LayerNorm in fp16, also on rows whose mean (``offset``) is 30x
+    their spread, where the fold's subtraction cancels."""
+    mlp, norm = gpt_block()
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = (torch.randn(M, H) + offset).half()
+    ref = gpt_reference(mlp, norm, x)
+    with torch.no_grad():
+        theirs = x + mlp(norm(x))
+    ours = block(x)
+    assert ours.shape == x.shape and ours.dtype == x.dtype and not ours.isnan().any()
+    # the block's own part (y - x): the residual's size would hide an error in it
+    own = ref - x.float()
+    err_ours, err_theirs = rel(ours.float() - x.float(), own), rel(theirs.float() - x.float(), own)
+    assert err_ours <= 2 * max(err_theirs, 1e-4), (err_ours, err_theirs)
+
+
+def test_layer_norm_epilogue_and_its_statistics_on_a_plain_gemm():
+    torch.manual_seed(1)
+    M, K, N = 40, 48, 64
+    a = (torch.randn(M, K) * 2 + torch.linspace(-20, 20, M)[:, None]).half()
+    w, b = (torch.randn(K, N) / K**0.5).half(), (0.1 * torch.randn(N)).half()
+    g, beta = (1 + 0.1 * torch.randn(K)).half(), (0.1 * torch.randn(K)).half()
+    folded, col_sum, bias = fold_layer_norm(g, beta, w, b)
+    assert torch.allclose(col_sum.double(), folded.double().sum(0))
+    y = matmul(a, folded, config=SMALL, epilogue=Epilogue(layer_norm_eps=1e-5, col_sum=col_sum, bias=bias))
+    xn = torch.nn.functional.layer_norm(a.float(), (K,), g.float(), beta.float(), 1e-5)
+    assert rel(y, xn @ w.float() + b.float()) < 3e-3
+    with pytest.raises(ValueError, match="col_sum together"):
+        Epilogue(layer_norm_eps=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        Epilogue(rms_eps=1e-5, layer_norm_eps=1e-5, col_sum=col_sum)
+    with pytest.raises(ValueError, match="col_sum must be B's \\[32\\]"):
+        matmul(a, folded[:, :32].contiguous(), config=SMALL, epilogue=Epilogue(layer_norm_eps=1e-5, col_sum=col_sum))

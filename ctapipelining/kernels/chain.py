@@ -122,7 +122,7 @@ def _stage_tile(
     if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
     prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
-    no_epi = epilogue.Epilogue(None, None, None, None, None, None)  # stores the accumulator as it is
+    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None, None)  # stores the accumulator as it is
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
     if QUEUE_IN:

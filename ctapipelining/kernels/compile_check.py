@@ -118,17 +118,15 @@ def compile_variant(
         for i in range(len(Epilogue._fields)):
             const[(at, i)] = None
     else:
-        gated = epilogue == "gated_rms"
         at = names.index("epi")
-        sig["epi"] = Epilogue(
-            "*fp32" if gated else "constexpr", "constexpr" if gated else "*bf16", "constexpr" if gated else "*bf16",
-            "constexpr" if gated else "i32", "constexpr", "constexpr",
-        )  # fmt: skip
-        for i in range(len(Epilogue._fields)):
-            if sig["epi"][i] == "constexpr":
+        fields = EPILOGUE_VARIANTS[epilogue]
+        types = [fields.get(f, "constexpr") if f.islower() else "constexpr" for f in Epilogue._fields]
+        sig["epi"] = Epilogue(*types)
+        for i, f in enumerate(Epilogue._fields):
+            if f in ("ACTIVATION", "GATED"):
+                const[(at, i)] = fields.get(f)
+            elif sig["epi"][i] == "constexpr":
                 const[(at, i)] = None
-        const[(at, 4)] = silu if gated else gelu
-        const[(at, 5)] = True if gated else None
     if wait or signal:
         sig["epoch_ptr"] = "*i64"
     else:
@@ -244,10 +242,19 @@ def report() -> dict:
     return out
 
 
+# The epilogues of the MLP blocks' GEMMs: the fields each one sets (the others are None)
+EPILOGUE_VARIANTS = {
+    "gated_rms": dict(row_scale="*fp32", ACTIVATION=silu, GATED=True),  # Llama gate/up
+    "bias_residual": dict(bias="*bf16", residual="*bf16", stride_res="i32", ACTIVATION=gelu),  # a down GEMM
+    "layer_norm_bias": dict(row_scale="*fp32", row_shift="*fp32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
+}
+
+
 def compile_epilogues() -> dict:
     """The fused epilogues of :class:`ctapipelining.nn.LlamaMLP`'s two GEMMs, in its
     configurations (gate/up: 128 x 256 tiles, 3 stages, stored half as wide; down with its
-    residual: 128 x 128, 4 stages), and the residual one with 128 x 256 tiles and 3 stages:
+    residual: 128 x 128, 4 stages), the residual one with 128 x 256 tiles and 3 stages, and
+    :class:`ctapipelining.nn.GPTMLP`'s first (LayerNorm, bias, GELU; 128 x 256, 3 stages):
     their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
     return {
         "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
@@ -257,6 +264,7 @@ def compile_epilogues() -> dict:
         "bias_residual_3_stages": _summary(
             compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
         ),
+        "layer_norm_bias": _summary(compile_variant(False, False, False, epilogue="layer_norm_bias", num_stages=3)),
     }
 
 

@@ -6,18 +6,26 @@ Its fields are None when unused (the kernel never compares the bundle itself wit
 3.6 cannot when it holds None fields; ``Epilogue(None, ..., None)`` is the epilogue that does
 nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B``:
 
-1. ``row_scale`` (not None): each row scaled by its entry, the RMSNorm of A's rows folded in.
-   The norm's weight is folded into B on the host (``B' = diag(g) @ B``); :func:`rms_rows`
-   computes each row's ``rsqrt(mean(a ** 2) + eps)`` before the GEMM, one read of A (at the
-   Llama-70B MLP's first GEMM, M = 4096: a sum of squares inside the K loop, from the A tiles
-   it loads, made the GEMM 1.30x as long; ``benchmarks/results/2026-12-01-h200-mlp/``). It rounds
-   differently from normalising first: ``x`` is not rounded to bf16 after the norm, and
+1. The norm of A's rows, folded in. ``row_scale`` (not None): each row scaled by its entry;
+   ``row_shift`` (not None, with ``col_sum``): first each row's entry times B's column sums
+   subtracted. The norm's weight is folded into B on the host (``B' = diag(g) @ B``), and
+   :func:`norm_rows` computes each row's statistics before the GEMM (one read of A; at the
+   Llama-70B MLP's first GEMM, M = 4096, a sum of squares inside the K loop, from the A tiles it
+   loads, made the GEMM 1.30x as long; ``benchmarks/results/2026-12-01-h200-mlp/``):
+   - RMSNorm: ``row_scale = rsqrt(mean(a ** 2) + eps)``, ``acc * row_scale``;
+   - LayerNorm: ``row_shift = mean(a)``, ``row_scale = rsqrt(var(a) + eps)``,
+     ``(acc - row_shift * col_sum) * row_scale`` with ``col_sum`` B's column sums: ``(a - mean) @ B``
+     without forming ``a - mean``. The subtraction cancels: where a row's mean is large next to its
+     spread, ``acc`` and ``row_shift * col_sum`` are close, and the fp32 accumulator's rounding of
+     ``acc`` (a relative 2^-24 of ``|mean| * |col_sum|``) is what is left of the result's error.
+   Both round differently from normalising first: ``x`` is not rounded to bf16 after the norm, and
    ``g * B`` is rounded once, at fold time, instead of ``g * x_normed`` in every call.
-2. ``ACTIVATION`` (a ``@triton.jit`` function of one fp32 tile, or None). With ``GATED``, B's
+2. ``bias`` (not None): a row vector of the GEMM's columns, added (before the activation, as in
+   ``act(x @ W + b)``; a LayerNorm's bias folds into it: ``beta @ B + b``).
+3. ``ACTIVATION`` (a ``@triton.jit`` function of one fp32 tile, or None). With ``GATED``, B's
    columns come in pairs (gate, up), so each output tile holds both halves of its columns:
    output column ``j = ACTIVATION(acc[:, 2j]) * acc[:, 2j + 1]``, a tile half as wide as the
    GEMM's (:func:`ctapipelining.epilogue.interleave`).
-3. ``bias`` (not None): a row vector of the output's columns, added.
 4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``), added.
 
 Users pass their own activation: any ``@triton.jit`` function of one tensor, e.g.
@@ -34,7 +42,9 @@ class Epilogue(NamedTuple):
     """A GEMM's epilogue (module docstring). UPPER_CASE fields are ``tl.constexpr``."""
 
     row_scale: object  # *fp32 [rows]: each row's scale (None: none)
-    bias: object  # *T [N out]: added to each row (None: none)
+    row_shift: object  # *fp32 [rows]: each row's mean, times col_sum subtracted before the scale (None: none)
+    col_sum: object  # *fp32 [N]: B's column sums (with row_shift)
+    bias: object  # *T [N]: added to each row of the GEMM's columns (None: none)
     residual: object  # *T [rows, N out]: added (None: none)
     stride_res: object  # the residual's row stride
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
@@ -55,16 +65,32 @@ def gelu(x):
 
 
 @triton.jit
-def rms_rows(a_ptr, out_ptr, rows, cols, stride, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``out[r] = rsqrt(mean(a[r, :] ** 2) + eps)`` (fp32) for ``BLOCK_R`` rows a program."""
+def norm_rows(
+    a_ptr, scale_ptr, shift_ptr, rows, cols, stride, eps, CENTER: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Each row's norm statistics (fp32), ``BLOCK_R`` rows a program: ``CENTER`` (LayerNorm)
+    ``shift[r] = mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two
+    passes over the row: no cancellation in the variance); else (RMSNorm)
+    ``scale[r] = rsqrt(mean(a[r] ** 2) + eps)``."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    base = a_ptr + r[:, None].to(tl.int64) * stride
+    mean = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if CENTER:
+        for c0 in range(0, cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            mean += tl.sum(tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32), axis=1)
+        mean = mean / cols
+        tl.store(shift_ptr + r, mean, mask=r < rows)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, cols, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
-        a = tl.load(a_ptr + r[:, None].to(tl.int64) * stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(a * a, axis=1)
-    tl.store(out_ptr + r, tl.rsqrt(acc / cols + eps), mask=r < rows)
+        a = tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, a - mean[:, None], 0.0)
+        acc += tl.sum(d * d, axis=1)
+    tl.store(scale_ptr + r, tl.rsqrt(acc / cols + eps), mask=r < rows)
 
 
 @triton.jit
@@ -73,8 +99,16 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
     ``acc`` itself with nothing to do)."""
     offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    IN_N: tl.constexpr = acc.shape[1]
+    n_in = n_out * 2 if epi.GATED is not None else n_out  # the GEMM's columns
+    cols_in = pn * IN_N + tl.arange(0, IN_N)
+    if epi.row_shift is not None:
+        shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
+        acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
     if epi.row_scale is not None:
         acc = acc * tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)[:, None]
+    if epi.bias is not None:
+        acc += tl.load(epi.bias + cols_in, mask=cols_in < n_in, other=0.0).to(tl.float32)[None, :]
     if epi.GATED is not None:
         gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
         acc = epi.ACTIVATION(gate) * up
@@ -82,8 +116,6 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
         acc = epi.ACTIVATION(acc)
     OUT_N: tl.constexpr = acc.shape[1]
     cols = pn * OUT_N + tl.arange(0, OUT_N)
-    if epi.bias is not None:
-        acc += tl.load(epi.bias + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
     if epi.residual is not None:
         mask = (offs_m[:, None] < rows) & (cols[None, :] < n_out)
         res = tl.load(epi.residual + offs_m[:, None] * epi.stride_res + cols[None, :], mask=mask, other=0.0)

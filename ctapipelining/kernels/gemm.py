@@ -367,7 +367,7 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
-    no_epi = epilogue.Epilogue(None, None, None, None, None, None)  # partials: stored as they are
+    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None, None)  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -423,7 +423,9 @@ def gemm_kernel(
     """``C = A @ B`` over a persistent grid of ``NUM_CTAS`` CTAs; ``QUEUE``: the hooks follow
     the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
-    plain_epi: tl.constexpr = (epi.row_scale is None) & (epi.ACTIVATION is None) & (epi.bias is None)
+    plain_epi: tl.constexpr = (
+        (epi.row_scale is None) & (epi.row_shift is None) & (epi.ACTIVATION is None) & (epi.bias is None)
+    )
     tl.static_assert(tail is None or plain_epi & (epi.residual is None), "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
