@@ -162,19 +162,22 @@ class ChainLaunch:
         new order; not while a launch is running."""
         self.order.copy_(torch.from_numpy(self._order_codes(lag)))
 
-    def __call__(self, ops: list[tuple], stream: int | None = None):
+    def __call__(self, ops: list[tuple], stream: int | None = None, compile_only: bool = False):
         """Launch on ``stream`` (raw handle on the kernel's GPU, that of the first stage's weights;
         default its current stream)
         with ``ops[i] = (a, b, c)`` of stage ``i`` (``a`` ``[m, K]``, ``b`` ``[K, N]``, ``c``
         ``[m, N]``, already checked, ``m <= M``; only the last ``c`` may have padded rows, and
         only it may be a caller's tensor whose rows past ``m`` are not written). Returns
-        Triton's compiled kernel."""
+        Triton's compiled kernel. ``compile_only``: compile this specialisation (if it is not
+        yet) and launch nothing."""
         c = ops[-1][2]  # on a peer GPU when the last stage writes across
         device = ops[0][1].device  # the kernel's GPU: where its first stage's weights are
         stride = c.stride(0)
         tma_store = stride == c.shape[1]
         key = (tma_store, stride, c.dtype)
         got = self._compiled.get(key)
+        if compile_only and (got is not None or interpreting()):
+            return got and got[0]
         if stream is None and not interpreting():
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
@@ -195,6 +198,13 @@ class ChainLaunch:
             else:
                 descs += [None, None, None]
         args = (*descs, *self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
+        if compile_only:
+            kernel = chain_kernel.warmup(
+                *args, grid=(self.num_ctas,), **self._constexprs, num_stages=self.config.num_stages,
+                num_warps=self.config.num_warps,
+            )  # fmt: skip
+            self._compiled[key] = (kernel, RawLaunch.of(kernel))
+            return kernel
         on_stream = not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if on_stream else nullcontext():
             kernel = chain_kernel[(self.num_ctas,)](

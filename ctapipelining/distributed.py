@@ -130,8 +130,9 @@ class Region:
 class HeapLayout:
     """The heap regions of a plan of ``rows`` rows on every rank, and the links' dependency
     arrays. ``regions[(name, s)]`` for each stage ``s`` fed by another segment: in the
-    consumer's heap ``"input"`` ``[rows, K_s]``, ``"counters"``, ``"slots"``, ``"tail"`` and
-    ``"started"`` (the previous segment has started call n); in the producer's heap
+    consumer's heap ``"input"`` ``[rows, K_s]``, ``"counters"``, ``"slots"``, ``"tail"``,
+    ``"started"`` (the previous segment has started call n) and ``"rows"`` (that call's rows);
+    in the producer's heap
     ``"consumed"`` (the consumer has finished call n). ``nbytes``: the heap size, the largest
     rank's (a symmetric heap is the same size everywhere)."""
 
@@ -159,7 +160,7 @@ def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torc
         dep = links[s] = _link_dependency(grids[s - 1], grids[s], K, queue, config)
         consumer, producer = placement.rank_of[s], placement.rank_of[s - 1]
         for name, shape in (("counters", (dep.num_counters,)), ("slots", (dep.consumer.num_tiles,)),
-                            ("tail", (1,)), ("started", (1,))):  # fmt: skip
+                            ("tail", (1,)), ("started", (1,)), ("rows", (1,))):  # fmt: skip
             put(name, s, consumer, shape, torch.int64)
         put("consumed", s, producer, (1,), torch.int64)
         put("input", s, consumer, (rows, K), dtype)
@@ -185,6 +186,8 @@ class DistributedPlan:
     consumed_out: list[torch.Tensor | None] = field(default_factory=list)
     started_out: list[torch.Tensor | None] = field(default_factory=list)
     consumed_in: list[torch.Tensor | None] = field(default_factory=list)
+    rows_in: list[torch.Tensor | None] = field(default_factory=list)
+    rows_out: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def pinned(self) -> bool:
@@ -204,15 +207,22 @@ class DistributedPipeline:
     policy, config, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
         :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
     start_timeout_s : how long a segment's gate waits for a peer rank to start a call (or to
-        finish the one before) before it reports; default ``host_timeout_s``. It bounds how far
-        apart the ranks may start a call.
+        finish the one before) before it reports; default ``host_timeout_s / 4``. It bounds how
+        far apart the ranks may start a call. ``host_timeout_s`` must exceed twice this plus
+        ``timeout_s`` per local stage and one more (a late peer is then a clean timeout, not a
+        hung GPU).
     max_plans : plan heights kept (least recently used freed first, never one a captured graph
         points at; freeing is collective, at the same call on every rank).
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
         link goes through the heap: how one GPU tests the cross-rank path.
 
-    Calls and graph replays hold a lock (one at a time on the host). A call is ordered after
-    whatever the caller queued on this GPU's current stream, and that stream waits for it.
+    Every rank must pass the same settings, and every rank checks its own arguments and GPU at
+    construction: an error anywhere is raised on every rank. Calls and graph replays hold a lock
+    (one at a time on the host). A call is ordered after whatever the caller queued on this
+    GPU's current stream, and that stream waits for it. A call that one rank refuses (bad input)
+    or that fails part way puts that rank out of step with the others, who made the call: it
+    refuses further calls until every rank calls :meth:`check_errors`, which reports it and
+    resets them all.
     """
 
     def __init__(
@@ -234,9 +244,80 @@ class DistributedPipeline:
             raise RuntimeError("DistributedPipeline needs torch.distributed: call init_process_group first (torchrun)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        if not isinstance(weights, (list, tuple)):
-            raise ValueError("weights must be a list of this rank's weight matrices")
-        weights = list(weights)
+        # what each rank checks alone is gathered, so that every rank raises the same error
+        local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
+        try:
+            self._check_local(weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans,
+                              row_buckets, sm_budget, loopback)  # fmt: skip
+        except (ValueError, TypeError) as e:
+            local_error = f"{type(e).__name__}: {e}"
+        device = weights[0].device if not local_error and weights else None
+        mine = {
+            "shapes": [tuple(w.shape) for w in weights] if not local_error else [],
+            "dtype": str(weights[0].dtype) if not local_error and weights else None,
+            "device": None if device is None else device.type,
+            "uuid": str(torch.cuda.get_device_properties(device).uuid) if device is not None and device.type == "cuda"
+            else None,
+            "host": socket.gethostname(),
+            "settings": self._settings if not local_error else None,
+            "error": local_error,
+        }  # fmt: skip
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        _raise_any(every)
+        self.placement = Placement.of([e["shapes"] for e in every], loopback)
+        _check_ranks(every)
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.weights = weights
+        self.loopback = loopback
+        self.is_first, self.is_last = self.rank == self.placement.rank_of[0], self.rank == self.placement.rank_of[-1]
+        self._segment_ids = self.placement.segments_of(self.rank)
+        share = None
+        if self.on_gpu:
+            sms = min(num_sms(device), sm_budget or num_sms(device))
+            share = sms // len(self._segment_ids)
+            peer = _peer_error(every, self.rank, device)
+            if share < 1:
+                peer = f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments"
+            errors = [None] * self.world
+            dist.all_gather_object(errors, {"error": peer}, group=self.group)
+            _raise_any(errors)
+        # the segments this rank runs, each a Pipeline over its stages on an equal share of the SMs
+        first_local = self.placement.rank_of.index(self.rank)
+        self.segments: list[Pipeline] = []
+        for i in self._segment_ids:
+            stages = self.placement.segments[i]
+            self.segments.append(
+                Pipeline(
+                    [weights[s - first_local] for s in stages],
+                    policy=self.policy,
+                    config=self.config,
+                    timeout_s=timeout_s,
+                    host_timeout_s=self.host_timeout_s,
+                    max_plans=1 << 30,
+                    row_buckets=0,
+                    sm_budget=share,
+                    loopback=None if self.on_gpu else True,
+                    segment=Segment(stages[0], functools.partial(self._segment_links, stages), f"rank {self.rank}"),
+                )  # fmt: skip
+            )
+        self.num_stages = self.placement.num_stages
+        self.out_features = self.placement.shapes[-1][1]
+        self.in_features = self.placement.shapes[0][0]
+        self._plans: collections.OrderedDict[int, DistributedPlan] = collections.OrderedDict()
+        self._building: DistributedPlan | None = None
+        self._lock = threading.RLock()
+        self._unread: list[str] = []  # errors of freed plans, reported at the next check_errors
+        self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
+
+    def _check_local(
+        self, weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans, row_buckets, sm_budget,
+        loopback,
+    ) -> None:  # fmt: skip
+        """What this rank can check alone (raises ValueError / TypeError); sets the settings."""
+        if not isinstance(weights, list) or not weights:
+            raise ValueError("weights must be a non-empty list of this rank's weight matrices")
         for k, w in enumerate(weights):
             check_weight(w, f"rank {self.rank}'s weight {k}")
         devices = {w.device for w in weights}
@@ -249,62 +330,26 @@ class DistributedPipeline:
         self.max_plans = max_plans
         deps.bucket_rows(1, self.config.block_m, row_buckets)  # validates row_buckets
         self.row_buckets = row_buckets
-        host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
-        start_timeout_s = host_timeout_s if start_timeout_s is None else float(start_timeout_s)
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
-        self.start_timeout_ns = int(start_timeout_s * 1e9)
-
-        device = weights[0].device if weights else None
-        mine = {
-            "shapes": [tuple(w.shape) for w in weights],
-            "dtype": str(weights[0].dtype) if weights else None,
-            "device": None if device is None else (device.type, device.index),
-            "host": socket.gethostname(),
-            "settings": (repr(self.config), self.policy.name, loopback, row_buckets),
-        }
-        every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        self.placement = Placement.of([e["shapes"] for e in every], loopback)
-        _check_ranks(every)
-        self.device = device
-        self.on_gpu = device.type == "cuda"
-        self.weights = weights
-        self.loopback = loopback
-        n = self.placement.num_stages
-        self.is_first, self.is_last = self.rank == self.placement.rank_of[0], self.rank == self.placement.rank_of[-1]
-        if self.on_gpu:
-            _check_peer_access(every, self.rank)
-        # the segments this rank runs, each a Pipeline over its stages on an equal share of the SMs
-        self._segment_ids = self.placement.segments_of(self.rank)
-        first_local = self.placement.rank_of.index(self.rank)
-        sms = min(num_sms(device), sm_budget or num_sms(device))
-        share = sms // len(self._segment_ids) if self.on_gpu else None
-        if share is not None and share < 1:
-            raise ValueError(f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments")
-        self.segments: list[Pipeline] = []
-        for i in self._segment_ids:
-            stages = self.placement.segments[i]
-            self.segments.append(
-                Pipeline(
-                    [weights[s - first_local] for s in stages],
-                    policy=self.policy,
-                    config=self.config,
-                    timeout_s=timeout_s,
-                    host_timeout_s=host_timeout_s,
-                    max_plans=1 << 30,
-                    row_buckets=0,
-                    sm_budget=share,
-                    loopback=None if self.on_gpu else True,
-                    segment=Segment(stages[0], functools.partial(self._segment_links, stages), f"rank {self.rank}"),
-                )  # fmt: skip
+        if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
+            raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e6):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        host = max(10.0, 10 * timeout_s) if host_timeout_s is None else host_timeout_s
+        start = host / 4 if start_timeout_s is None else start_timeout_s
+        for name, v in (("host_timeout_s", host), ("start_timeout_s", start)):
+            if not (isinstance(v, (int, float)) and 0 < v < 1e6):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        # a gate may wait twice start_timeout_s, then each stage up to timeout_s: the host waits longer
+        if host <= 2 * start + (len(weights) + 1) * timeout_s:
+            raise ValueError(
+                f"host_timeout_s={host:g} must exceed 2 x start_timeout_s + (stages + 1) x timeout_s = "
+                f"{2 * start + (len(weights) + 1) * timeout_s:g}: a late peer would otherwise look like a hung GPU"
             )
-        self.num_stages = n
-        self.out_features = self.placement.shapes[-1][1]
-        self.in_features = self.placement.shapes[0][0]
-        self._plans: collections.OrderedDict[int, DistributedPlan] = collections.OrderedDict()
-        self._building: DistributedPlan | None = None
-        self._lock = threading.RLock()
+        self.host_timeout_s, self.start_timeout_ns = float(host), int(start * 1e9)
+        self._settings = (
+            repr(self.config), self.policy.name, loopback, row_buckets, max_plans, sm_budget, float(timeout_s),
+            float(start), float(host),
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
@@ -346,14 +391,17 @@ class DistributedPipeline:
             heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group)
         else:
             heap = fabric.shared_heap(layout.nbytes, self.group)
+        # zeroed, and every rank's zeroing done, before any rank's first call can write into it
         heap.local.zero_()
+        self._wait()
+        dist.barrier(group=self.group)
 
         def view(name, s):
             r = layout.regions[(name, s)]
             return heap.view(r.rank, r.offset, r.shape, r.dtype)
 
         dp = DistributedPlan(B, heap, {})
-        for s, dep in layout.deps.items():
+        for s, dep in layout.deps.items():  # the links that touch this rank
             here_c, here_p = self.placement.rank_of[s] == self.rank, self.placement.rank_of[s - 1] == self.rank
             if not (here_c or here_p):
                 continue
@@ -382,8 +430,17 @@ class DistributedPipeline:
                 dp.consumed_in.append(view("consumed", first) if first > 0 else None)
                 dp.started_out.append(view("started", last + 1) if last + 1 < self.num_stages else None)
                 dp.consumed_out.append(view("consumed", last + 1) if last + 1 < self.num_stages else None)
+                dp.rows_in.append(view("rows", first) if first > 0 else None)
+                dp.rows_out.append(view("rows", last + 1) if last + 1 < self.num_stages else None)
         finally:
             self._building = None
+        # every kernel compiled now, not at its first launch: a consumer's deadline must not run
+        # while its producer's rank compiles (the operands: this plan's, or stand-ins of the caller's)
+        x = torch.empty(B, self.in_features, dtype=w.dtype, device=self.device)
+        out = torch.empty(B, self.out_features, dtype=w.dtype, device=self.device)
+        for k, seg in enumerate(self.segments):
+            a = x if dp.inputs[k] is None else dp.inputs[k]
+            seg.compile(dp.plans[k], a, out if dp.outputs[k] is None else dp.outputs[k])
         return dp
 
     def _segment_links(self, stages: tuple[int, ...], M: int) -> tuple[Link | None, Link | None]:
@@ -404,10 +461,11 @@ class DistributedPipeline:
         self._wait()
         dist.barrier(group=self.group)
         for m in evict:
-            self._plans.pop(m)
-            for seg in self.segments:
+            dp = self._plans.pop(m)
+            self._unread += self._messages(dp)  # its last calls' errors are not lost with it
+            for seg, p in zip(self.segments, dp.plans):
                 seg._plans.pop(m, None)
-                seg._pending.clear()
+                seg._pending.pop(p, None)
 
     # -- running -----------------------------------------------------------------------------
     def _rows(self, x, rows) -> int:
@@ -447,18 +505,24 @@ class DistributedPipeline:
         :meth:`check_errors` on every rank (``check=True``: here, collectively)."""
         with self._lock:
             self._usable()
-            M = self._rows(x, rows)
-            if out is not None:
-                self._check_out(out, x, M)
-            dp = self.plan(M)
-            if self.is_last and out is None:
-                out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
-            self._run(dp, x, out)
+            try:
+                M = self._rows(x, rows)
+                if out is not None:
+                    self._check_out(out, x, M)
+                dp = self.plan(M)
+                if self.is_last and out is None:
+                    out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
+                self._run(dp, x, out)
+            except BaseException as e:
+                # the other ranks made (or are making) this call: ours no longer pair with theirs
+                self._out_of_step = f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})"
+                raise
             if check and not self._capturing():
                 self.check_errors()
             return out if self.is_last else None
 
     def _run(self, dp: DistributedPlan, x, out, only: list[int] | None = None) -> None:
+        rows = x.shape[0] if x is not None else out.shape[0] if out is not None else dp.M
         """Launch this rank's segments of one call, each on its own stream: gate, the segment's
         kernels, finish. ``only`` (tests): the local segments to launch."""
         caller = torch.cuda.current_stream(self.device) if self.on_gpu else None
@@ -471,7 +535,7 @@ class DistributedPipeline:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
                     stream.wait_event(fork)
-                self._gate(dp, k)
+                self._gate(dp, k, rows)
                 a = x if dp.inputs[k] is None else dp.inputs[k]
                 c = out if dp.outputs[k] is None else dp.outputs[k]
                 seg._launch(dp.plans[k], a, c)
@@ -482,12 +546,13 @@ class DistributedPipeline:
             if stream is not None:
                 caller.wait_stream(stream)
 
-    def _gate(self, dp: DistributedPlan, k: int) -> None:
+    def _gate(self, dp: DistributedPlan, k: int, rows: int) -> None:
         calls, first = dp.calls[k], self.placement.segments[self._segment_ids[k]][0]
         s_in, c_out, s_out = dp.started_in[k], dp.consumed_out[k], dp.started_out[k]
-        flags = [calls if f is None else f for f in (s_in, c_out, s_out)]  # unused pointers: any valid one
+        r_in, r_out = dp.rows_in[k], dp.rows_out[k]
+        flags = [calls if f is None else f for f in (s_in, r_in, c_out, s_out, r_out)]  # unused: any valid pointer
         gate[(1,)](
-            calls, *flags, dp.plans[k].errors[0], first, self.start_timeout_ns,
+            calls, *flags, dp.plans[k].errors[0], first, rows, self.start_timeout_ns,
             HAS_IN=s_in is not None, HAS_OUT=s_out is not None, INTERPRET=not self.on_gpu, num_warps=HANDSHAKE_WARPS,
         )  # fmt: skip
 
@@ -514,6 +579,10 @@ class DistributedPipeline:
         """The same stages one after another, no pipelining (collective: each rank's result goes
         to the next by ``send``/``recv``): what a call must equal bitwise. Arguments and result
         as for a call."""
+        with self._lock:
+            return self._sequential(x, rows)
+
+    def _sequential(self, x, rows) -> torch.Tensor | None:
         M = self._rows(x, rows)
         B = self.rows_for(M)
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
@@ -531,31 +600,52 @@ class DistributedPipeline:
 
     # -- errors and state --------------------------------------------------------------------
     def check_errors(self) -> None:
-        """Collective: wait for this rank's GPU (bounded), gather every rank's error words; if a
-        stage failed anywhere, reset every rank (collectively) and raise
-        :class:`~ctapipelining.pipeline.PipelineTimeout` on every rank, naming each failure."""
+        """Collective: wait for this rank's GPU (bounded), gather every rank's errors; if a stage
+        failed anywhere (or a rank refused a call), reset every rank (collectively) and raise
+        :class:`~ctapipelining.pipeline.PipelineTimeout` on every rank, naming each failure. A
+        rank whose GPU did not finish raises :class:`~ctapipelining.pipeline.PipelineHung` (and
+        the others learn why they raise)."""
         with self._lock:
-            self._wait()
-            msgs = []
-            for dp in self._plans.values():
-                for seg, p in zip(self.segments, dp.plans):
-                    words = [e.cpu().tolist() for e in p.errors]
-                    msgs += [f"(plan of {dp.M} rows) {m}" for m in seg.error_messages(words)]
+            hung = None
+            try:
+                self._wait()
+                msgs = self._unread + [m for dp in self._plans.values() for m in self._messages(dp)]
+            except PipelineHung as e:
+                hung, msgs = str(e), [f"rank {self.rank}: {e}"]
+            if self._out_of_step:
+                msgs.append(self._out_of_step + ": its calls no longer paired with the other ranks'")
             every = [None] * self.world
             dist.all_gather_object(every, msgs, group=self.group)
             failed = [m for r in every for m in r]
-            if failed:
-                self.reset()
-                raise PipelineTimeout(
-                    "a call failed: " + "; ".join(failed) + ". State reset on every rank; the next call starts clean."
-                )
+            if not failed:
+                return
+            self._reset(zero=hung is None)
+            text = "; ".join(failed)
+            if hung:
+                raise PipelineHung(text)
+            raise PipelineTimeout(f"a call failed: {text}. State reset on every rank; the next call starts clean.")
+
+    def _messages(self, dp: DistributedPlan) -> list[str]:
+        """What ``dp``'s error words say (read from the GPU: call after :meth:`_wait`)."""
+        msgs = []
+        for seg, p in zip(self.segments, dp.plans):
+            words = [e.cpu().tolist() for e in p.errors]
+            msgs += [f"(plan of {dp.M} rows) {m}" for m in seg.error_messages(words)]
+        return msgs
 
     def reset(self) -> None:
-        """Collective: wait for this rank's GPU (bounded), zero every plan's heap, counters,
-        epochs, error words and call counts, and meet the other ranks, so that the next call
-        starts in step everywhere."""
+        """Collective: once every rank's GPU is done, zero every plan's heap, counters, epochs,
+        error words and call counts, and meet again, so that the next call starts in step
+        everywhere (errors not yet read are dropped)."""
         with self._lock:
             self._wait()
+            self._reset(zero=True)
+
+    def _reset(self, zero: bool) -> None:
+        """Meet (no rank still writes into another's heap), zero this rank's state (not with a
+        GPU that did not finish: ``zero=False``; it stays unusable), meet again."""
+        dist.barrier(group=self.group)
+        if zero:
             for dp in self._plans.values():
                 dp.heap.local.zero_()
                 for c in dp.calls:
@@ -563,7 +653,8 @@ class DistributedPipeline:
                 for seg, p in zip(self.segments, dp.plans):
                     seg.reset(p)
             self._wait()
-            dist.barrier(group=self.group)
+        self._unread, self._out_of_step = [], None
+        dist.barrier(group=self.group)
 
     def _wait(self) -> None:
         for seg in self.segments:
@@ -573,6 +664,11 @@ class DistributedPipeline:
         for seg in self.segments:
             if seg._broken:
                 raise PipelineHung(f"this DistributedPipeline is unusable: {seg._broken}")
+        if self._out_of_step:
+            raise RuntimeError(
+                f"{self._out_of_step}, so its calls no longer pair with the other ranks': call check_errors() on "
+                "every rank (it reports this and resets them all) before the next call"
+            )
 
     def _capturing(self) -> bool:
         return self.on_gpu and torch.cuda.is_current_stream_capturing()
@@ -615,12 +711,13 @@ def _check_ranks(every: list[dict]) -> None:
     for r, e in enumerate(every[1:], 1):
         if e["dtype"] != first["dtype"]:
             raise TypeError(f"rank {r}'s weights are {e['dtype']}, rank 0's are {first['dtype']}")
-        if e["device"][0] != first["device"][0]:
-            raise ValueError(f"rank {r} runs on {e['device'][0]}, rank 0 on {first['device'][0]}")
+        if e["device"] != first["device"]:
+            raise ValueError(f"rank {r} runs on {e['device']}, rank 0 on {first['device']}")
         if e["settings"] != first["settings"]:
             raise ValueError(
-                f"rank {r} was built with (config, policy, loopback, row_buckets) = {e['settings']}, rank 0 with "
-                f"{first['settings']}: every rank must pass the same"
+                f"rank {r} was built with (config, policy, loopback, row_buckets, max_plans, sm_budget, timeout_s, "
+                f"start_timeout_s, host_timeout_s) = {e['settings']}, rank 0 with {first['settings']}: every rank "
+                "must pass the same"
             )
         if e["host"] != first["host"]:
             raise ValueError(
@@ -629,18 +726,34 @@ def _check_ranks(every: list[dict]) -> None:
             )
 
 
-def _check_peer_access(every: list[dict], rank: int) -> None:
-    """This rank's GPU reaches the next rank's (when this process can see it)."""
-    if rank + 1 >= len(every):
-        return
-    mine, nxt = every[rank]["device"][1], every[rank + 1]["device"][1]
-    if mine == nxt and len(every) > 1:
-        raise ValueError(f"ranks {rank} and {rank + 1} are on the same GPU (cuda:{mine}): one rank per GPU")
-    if nxt < torch.cuda.device_count() and not torch.cuda.can_device_access_peer(mine, nxt):
-        raise fabric.PeerAccessError(
-            f"rank {rank}'s GPU cuda:{mine} cannot access rank {rank + 1}'s cuda:{nxt} (no P2P between them): "
-            "CTA-pipelining needs peer access between consecutive ranks' GPUs"
-        )
+def _raise_any(every: list[dict]) -> None:
+    """Raise, on every rank, what any rank found wrong alone."""
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def _peer_error(every: list[dict], rank: int, device: torch.device) -> str | None:
+    """Why this rank's GPU cannot work with its neighbours' (None: it can). GPUs are told apart
+    by UUID (each rank may see its GPU as cuda:0); peer access is checked both ways (a producer
+    writes into the next rank's memory, its gate's flags are written back) where this process
+    sees the neighbour's GPU."""
+    mine = every[rank]["uuid"]
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    for other in (rank - 1, rank + 1):
+        if not 0 <= other < len(every):
+            continue
+        theirs = every[other]["uuid"]
+        if theirs == mine:
+            return f"ranks {rank} and {other} are on the same GPU ({mine}): one rank per GPU"
+        if theirs in visible:
+            i, j = device.index, visible[theirs]
+            if not (torch.cuda.can_device_access_peer(i, j) and torch.cuda.can_device_access_peer(j, i)):
+                return (
+                    f"rank {rank}'s GPU cuda:{i} and rank {other}'s cuda:{j} cannot access each other's memory "
+                    "(no P2P between them): CTA-pipelining needs peer access between consecutive ranks' GPUs"
+                )
+    return None
 
 
 __all__ = ["DistributedPipeline", "DistributedGraphedCall", "Placement", "heap_layout", "HeapLayout", "Region"]

@@ -342,7 +342,7 @@ class GemmLaunch:
 
     def __call__(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None, compile_only: bool = False,
     ):  # fmt: skip
         """Launch on ``stream`` (a raw CUDA stream handle on the current device; default the
         current stream of ``a``'s device): ``c = a @ b`` with this launch's hooks (operands already checked:
@@ -350,14 +350,17 @@ class GemmLaunch:
         ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
         plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
         Returns Triton's compiled kernel (PTX, register and spill counts for inspection).
-        ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked)."""
+        ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked).
+        ``compile_only``: compile this specialisation (if it is not yet) and launch nothing."""
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
         stride = c.stride(0)
         tma_store = stride == c.shape[1]  # rows padded: ordinary stores
         key = (tma_store, stride, a.dtype, None if residual is None else residual.stride(0))
         got = self._compiled.get(key)
-        if self.row_scale is not None:  # the norm's row statistics first, on the same stream
+        if compile_only and (got is not None or interpreting()):
+            return got and got[0]
+        if self.row_scale is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self._norm_rows(a, stream)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
@@ -383,6 +386,12 @@ class GemmLaunch:
             )  # fmt: skip
             return kernel
         cfg = self.config
+        if compile_only:
+            kernel = gemm_kernel.warmup(
+                *args, grid=(self.num_ctas,), **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
+            )
+            self._compiled[key] = (kernel, RawLaunch.of(kernel))
+            return kernel
         on_stream = stream is not None and not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
             kernel = gemm_kernel[(self.num_ctas,)](

@@ -88,7 +88,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
-from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_START, KIND_TICKET
+from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
 from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
@@ -219,8 +219,15 @@ class Launch:
     stages: tuple[int, ...] = ()  # the chain's stages it runs (none: a prefill or drain GEMM)
     copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
 
-    def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None):
-        """Launch on ``stream`` (raw handle; None: the current one), which is also current."""
+    def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None, compile_only: bool = False):
+        """Launch on ``stream`` (raw handle; None: the current one), which is also current
+        (``compile_only``: compile the kernel for these operands and launch nothing)."""
+        if compile_only:
+            if isinstance(self.gemm, ChainLaunch):
+                ops = [(_rows(a, x, out), b, _rows(c, x, out)) for a, b, c in self.ops]
+                return self.gemm(ops, stream, compile_only=True)
+            a, b, c = self.ops[0]
+            return self.gemm(_rows(a, x, out), b, _rows(c, x, out), stream, compile_only=True)
         if self.copy_x is not None:
             buf, rows = self.copy_x
             buf.copy_(x[:rows])
@@ -1173,6 +1180,14 @@ class Pipeline:
             self._pending[plan] = self._done
         return kernels
 
+    def compile(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Compile every kernel of ``plan`` for a call with operands like ``x`` and ``out`` (their
+        dtype and ``out``'s row stride), launching nothing: the first call then launches at once.
+        No-op under the interpreter."""
+        for launch in plan.launches:
+            with torch.cuda.device(self.devices[launch.stream]) if self.on_gpu else contextlib.nullcontext():
+                launch.run(x, out, None, compile_only=True)
+
     def _current_streams(self) -> list:
         """The current stream of every stage's device (none on the CPU)."""
         return [torch.cuda.current_stream(i) for i in self._device_indices] if self.on_gpu else []
@@ -1248,7 +1263,13 @@ class Pipeline:
             elif e["kind"] == KIND_DONE.value:
                 msgs.append(
                     f"{where}: the next segment had finished {e['seen']} calls on this plan, this call needs "
-                    f"{e['target']} (it still reads the buffer this call overwrites): it did not finish in time"
+                    f"{e['target']} (it still reads the buffer this call overwrites): it did not finish in time, "
+                    "so every call since the last check is suspect"
+                )
+            elif e["kind"] == KIND_ROWS.value:
+                msgs.append(
+                    f"{where}: the previous segment's call had {e['seen']} rows, this one {e['target']}: every rank "
+                    "must pass the same rows"
                 )
             else:
                 on_counter = e["kind"] == KIND_COUNTER.value

@@ -113,21 +113,52 @@ def test_a_consumer_whose_producer_never_starts_times_out_on_every_rank_then_rec
     pipe.check_errors()
 
 
-def test_bad_input_is_refused_before_anything_runs(world1):
+@pytest.mark.interpreter
+def test_a_refused_call_puts_the_rank_out_of_step_until_every_rank_checks(world1):
+    """Bad input is refused before anything runs on this rank, but the other ranks made the
+    call: the rank refuses further calls until the collective check reports it and resets."""
     ws = _weights([32, 48, 32])
-    pipe = DistributedPipeline(ws, config=CFG, loopback=True)
-    with pytest.raises(ValueError, match="pass the input x"):
-        pipe(rows=40)
-    with pytest.raises(ValueError, match="rows=41 but x has 40 rows"):
-        pipe(torch.randn(40, 32).half(), rows=41)
-    with pytest.raises(ValueError, match=r"x is \(40, 16\)"):
-        pipe(torch.randn(40, 16).half())
-    with pytest.raises(ValueError, match="out shares memory"):
-        x = torch.randn(40, 32).half()
-        pipe(x, out=x)
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1)
+    x = torch.randn(40, 32).half()
+    for bad, match in (
+        (dict(rows=40), "pass the input x"),
+        (dict(x=x, rows=41), "rows=41 but x has 40 rows"),
+        (dict(x=torch.randn(40, 16).half()), r"x is \(40, 16\)"),
+        (dict(x=x, out=x), "out shares memory"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pipe(**bad)
+        with pytest.raises(RuntimeError, match="call check_errors"):
+            pipe(x)
+        with pytest.raises(PipelineTimeout, match="rank 0 refused or failed a call"):
+            pipe.check_errors()
     assert not pipe._plans
-    with pytest.raises(ValueError, match="a rank runs on one GPU"):
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    pipe.check_errors()
+
+
+@pytest.mark.interpreter
+def test_a_freed_plans_errors_are_not_lost(world1):
+    ws = _weights([32, 48, 32])
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, max_plans=1, row_buckets=0)
+    x = torch.randn(40, 32).half()
+    pipe(x)
+    pipe._run(pipe.plan(40), x, torch.empty(40, 32).half(), only=[1])  # times out
+    pipe(x[:17])  # frees the 40-row plan
+    assert list(pipe._plans) == [17]
+    with pytest.raises(PipelineTimeout, match="plan of 40 rows.*stage 1 on rank 0"):
+        pipe.check_errors()
+    pipe.check_errors()
+
+
+def test_settings_are_checked_before_anything_is_built(world1):
+    ws = _weights([32, 48, 32])
+    with pytest.raises(ValueError, match="rank 0: ValueError: rank 0's weights are on"):
         DistributedPipeline([ws[0], ws[1].to("meta")])
+    with pytest.raises(ValueError, match="host_timeout_s=2 must exceed"):
+        DistributedPipeline(ws, config=CFG, timeout_s=0.5, host_timeout_s=2.0, start_timeout_s=0.5)
+    with pytest.raises(ValueError, match="non-empty list"):
+        DistributedPipeline([])
 
 
 def test_it_needs_a_process_group():
@@ -136,57 +167,93 @@ def test_it_needs_a_process_group():
 
 
 # -- two ranks under the interpreter (two processes, gloo, the heap in shared memory) -----------
-def _two_ranks(rank, store, result):
+# Under the interpreter a kernel's waits poll only briefly, so each scenario runs the producer
+# rank's call first and the consumer's after a barrier (on GPUs the calls overlap).
+def _scenarios(rank, store, result):
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    lines = []
+
+    def pair(pipe, x, rows=40, out=None):
+        """One call: rank 0's part, then rank 1's; rank 1's result. (The plan is built first,
+        together: building it is collective.)"""
+        pipe.plan(rows)
+        if rank == 0:
+            pipe(x)
+        dist.barrier()
+        y = pipe(rows=rows, out=out) if rank == 1 else None
+        dist.barrier()
+        return y
+
+    def check(pipe):
+        try:
+            pipe.check_errors()
+            return "clean"
+        except PipelineTimeout as e:
+            return "timeout " + str(e)
+
     try:
         ws = _weights([32, 48, 32, 16])  # rank 0: stages 0-1, rank 1: stage 2
         mine = ws[:2] if rank == 0 else ws[2:]
-        pipe = DistributedPipeline(mine, config=CFG, timeout_s=0.1, row_buckets=0)
         g = torch.Generator().manual_seed(5)
         x = torch.randn(40, 32, generator=g).half()
-        pipe.plan(40)
-        lines = []
-        # under the interpreter a kernel's waits poll only briefly: the producer's call runs
-        # first, then the consumer's (on GPUs the calls overlap)
-        for _ in range(3):
-            if rank == 0:
-                pipe(x)
-            dist.barrier()
+        for policy in ("static", "workqueue"):
+            pipe = DistributedPipeline(mine, policy=policy, config=CFG, timeout_s=0.1, row_buckets=4)
+            ys = [pair(pipe, x) for _ in range(3)]
+            lines.append(check(pipe))
+            ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 40)
             if rank == 1:
-                y = pipe(rows=40)
-            dist.barrier()
-        pipe.check_errors()
-        ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 40)
-        if rank == 1:
-            single = Pipeline(ws, config=CFG, row_buckets=0)(x)
-            lines.append(f"equal {torch.equal(y, ref)} {torch.equal(y, single)}")
-        # rank 1 alone: its gate times out; both ranks raise, naming rank 1
+                single = Pipeline(ws, policy=policy, config=CFG, row_buckets=0)(x)
+                lines.append(f"{policy} equal {all(torch.equal(y, ref) for y in ys)} {torch.equal(ys[0], single)}")
+        # rank 1 alone: its gate times out; both ranks raise, naming rank 1; then right again
+        pipe.plan(40)
         if rank == 1:
             pipe(rows=40)
-        try:
-            pipe.check_errors()
-            lines.append("no timeout")
-        except PipelineTimeout as e:
-            lines.append("timeout " + str(e))
+        lines.append(check(pipe))
+        y = pair(pipe, x)
+        lines.append(f"after timeout {rank == 0 or torch.equal(y, ref)}")
+        # rank 1 refuses a call (a float32 out) that rank 0 made: out of step, reported on both
+        pipe.plan(40)
         if rank == 0:
             pipe(x)
         dist.barrier()
         if rank == 1:
-            lines.append(f"after {torch.equal(pipe(rows=40), ref)}")
-        dist.barrier()
-        pipe.check_errors()
+            try:
+                pipe(rows=40, out=torch.empty(40, 16))
+            except ValueError:
+                pass
+        lines.append(check(pipe))
+        y = pair(pipe, x)
+        lines.append(f"after refusal {rank == 0 or torch.equal(y, ref)}")
+        # rows that differ but share a plan height (40 and 41 rows: 48): the gate compares them
+        pair(pipe, x, rows=41)
+        lines.append(check(pipe))
+        # settings that differ: every rank raises
+        try:
+            DistributedPipeline(mine, config=CFG, timeout_s=0.1, max_plans=3 if rank else 4)
+            lines.append("built")
+        except ValueError as e:
+            lines.append("refused " + str(e))
         result[rank] = lines
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.interpreter
-def test_two_ranks_in_two_processes_equal_the_single_process_pipeline(tmp_path):
+def test_two_ranks_in_two_processes(tmp_path):
+    """Both policies bitwise equal to the stages one after another and to the one-process
+    pipeline; a consumer whose producer never comes, a call one rank refuses, and rows that
+    differ between ranks are each reported on both ranks, after which calls are right; settings
+    that differ are refused on both ranks."""
     result = mp.Manager().dict()
-    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
-    assert result[1][0] == "equal True True"
-    for rank in (0, 1):
-        kind = result[rank][-1 if rank == 0 else 1]
-        assert kind.startswith("timeout") and "stage 2 on rank 1, cpu: the previous segment had started" in kind
-    assert result[1][2] == "after True"
+    mp.spawn(_scenarios, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    r0, r1 = result[0], result[1]
+    assert r1[1] == "static equal True True" and r1[3] == "workqueue equal True True"
+    assert r0[0] == r0[1] == r1[0] == r1[2] == "clean"
+    for lines in (r0[2:], r1[4:]):
+        timeout, after, refusal, after_refusal, rows, settings = lines
+        assert timeout.startswith("timeout") and "stage 2 on rank 1, cpu: the previous segment had started" in timeout
+        assert after == "after timeout True" and after_refusal == "after refusal True"
+        assert "rank 1 refused or failed a call (ValueError: out must be" in refusal
+        assert "the previous segment's call had 40 rows, this one 41" in rows
+        assert settings.startswith("refused rank 1 was built with") and "must pass the same" in settings

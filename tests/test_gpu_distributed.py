@@ -1,7 +1,8 @@
 """One process per GPU on one GPU: world size 1 with a segment per stage, so every link goes
 through PyTorch symmetric memory and the gate/finish handshake, bitwise equal to the
 one-process pipeline; graph replay; a producer that starts late does not time its consumer
-out. (Two ranks under torchrun: examples/torchrun_chain.py, in the 2-GPU runs.)"""
+out; a producer does not overwrite what its consumer has not read. (Two ranks under torchrun:
+examples/torchrun_chain.py, in the 2-GPU runs; the CPU tests run two ranks in two processes.)"""
 
 import time
 
@@ -42,10 +43,39 @@ def test_through_symmetric_memory_equals_the_one_process_pipeline(world1, policy
         y = pipe(x, check=True)
         assert torch.equal(y, ref(x)) and torch.equal(y, pipe.sequential(x))
     out = torch.full((3000, dims[-1]), float("nan"), device="cuda:0").bfloat16()
-    for _ in range(200):  # back to back, one output buffer (the handshake orders the calls)
+    for _ in range(200):  # back to back, one output buffer
         pipe(x, out=out)
     pipe.check_errors()
     assert torch.equal(out, ref(x))
+    # every kernel was compiled when the plan was built, before any gate ran
+    for seg, p in zip(pipe.segments, pipe.plan(3000).plans):
+        assert all(launch.gemm._compiled for launch in p.launches)
+
+
+def test_a_producer_waits_until_its_consumer_has_read_the_call_before(world1):
+    """The consumer of call 1 is held back (a sleep on its stream) while the producer is asked
+    for calls 1 and 2 back to back on another stream: the producer's gate holds call 2 until the
+    consumer has finished call 1, so call 1 reads its own input (without the handshake, call 2
+    would overwrite it first and call 1 would return call 2's result)."""
+    ws = weights([1024, 2048, 1024])
+    pipe = DistributedPipeline(ws, loopback=True, timeout_s=1.0)
+    x1, x2 = (torch.randn(2048, 1024, device="cuda:0").bfloat16() for _ in range(2))
+    want1, want2 = pipe.sequential(x1), pipe.sequential(x2)
+    pipe(x1, check=True)
+    dp = pipe.plan(2048)
+    out1, out2 = (torch.full((2048, 1024), float("nan"), device="cuda:0").bfloat16() for _ in range(2))
+    s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s
+        pipe._run(dp, None, out1, only=[1])
+    with torch.cuda.stream(s0):
+        pipe._run(dp, x1, None, only=[0])
+        pipe._run(dp, x2, None, only=[0])
+    with torch.cuda.stream(s1):
+        pipe._run(dp, None, out2, only=[1])
+    torch.cuda.synchronize()
+    pipe.check_errors()
+    assert torch.equal(out1, want1) and torch.equal(out2, want2)
 
 
 def test_graph_replay_and_a_whole_chain_on_one_rank(world1):
@@ -88,9 +118,9 @@ def test_a_producer_that_starts_late_does_not_time_its_consumer_out(world1):
     assert torch.equal(quick(x, check=True), want)
 
 
-def test_the_config_and_placement_must_agree(world1):
+def test_a_weight_off_the_rank_gpu_is_refused(world1):
     ws = weights([1024, 2048])
-    with pytest.raises(ValueError, match="rank 0's weight 1 is on cpu"):
+    with pytest.raises(ValueError, match="rank 0: ValueError: rank 0's weight 1 is on cpu"):
         DistributedPipeline([ws[0], ws[0].cpu()])
     pipe = DistributedPipeline(ws, config=PIPELINE_CONFIG)
     assert pipe.is_first and pipe.is_last and len(pipe.segments) == 1

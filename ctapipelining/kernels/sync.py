@@ -107,6 +107,7 @@ KIND_HEAD = tl.constexpr(3)  # claimed a ring position before this run's: the ri
 KIND_TICKET = tl.constexpr(4)  # a chain kernel claimed outside its run's positions: its ticket is out of step
 KIND_START = tl.constexpr(5)  # a segment's gate waited for the previous segment to start the call (handshake)
 KIND_DONE = tl.constexpr(6)  # a segment's gate waited for the next segment to finish the call before (handshake)
+KIND_ROWS = tl.constexpr(7)  # a segment's gate found the previous segment's call on other rows (handshake)
 INTERPRET_POLLS = tl.constexpr(64)
 
 # Every thread polls ld.acquire.sys until the value reaches the target or its deadline passes
