@@ -5,7 +5,7 @@
 # the whole call ends within 10 minutes:
 #   env    date, commit, versions, nvidia-smi, topology                          -> env.txt
 #   demo   ctapipelining demo                                                    -> demo.log
-#   tests  the GPU tests (markers gpu, gpu2; on one GPU the pipelines run in loopback) -> gpu-tests.log
+#   tests  the GPU tests (markers gpu, gpu2; TESTS: files, default all) -> gpu-tests.log
 #   bench  ctapipelining bench at 2048, 8192, 16384 rows, BENCH_REPS repetitions (default 30);
 #          BENCH_ENDS=R,D: the ends line with these prefill and drain rows     -> bench.log, bench/
 #   decision (2 GPUs: issue 19's first part) the bench at 2048, 4096, 8192, 16384 rows: every method
@@ -47,7 +47,7 @@ for step in $STEPS; do
       } > "$OUT/env.txt" 2>&1
       cat "$OUT/env.txt" ;;
     demo) timeout 180 $CLI demo > "$OUT/demo.log" 2>&1; tail -12 "$OUT/demo.log" ;;
-    tests) timeout 400 python3 -m pytest -q -m "gpu or gpu2" tests -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+    tests) timeout 400 python3 -m pytest -q -m "gpu or gpu2" ${TESTS:-tests} -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
     bench) timeout 300 $CLI bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
         --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1

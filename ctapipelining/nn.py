@@ -68,6 +68,13 @@ def _(x, w_in, w_out, block):
     return torch.empty_like(x)
 
 
+def _no_backward(ctx, grad):
+    raise RuntimeError("the fused MLP blocks are inference only: no gradient flows through ctapipelining.mlp_block")
+
+
+mlp_block.register_autograd(_no_backward)
+
+
 class FusedMLP(torch.nn.Module):
     """What the blocks share: the weights ``w_in`` ``[H, N_in]`` and ``w_out`` ``[I, H]`` as
     laid out for the kernels (buffers), the two epilogues, the configurations, the operator

@@ -95,7 +95,7 @@ def test_a_producer_that_starts_late_does_not_time_its_consumer_out(world1):
     the producer (a rank that starts late): the gate holds the consumer until the producer
     starts, so the call is right and nothing times out."""
     ws = weights([1024, 2048, 1024])
-    pipe = DistributedPipeline(ws, loopback=True, timeout_s=0.05, start_timeout_s=5.0)
+    pipe = DistributedPipeline(ws, loopback=True, timeout_s=0.05, start_timeout_s=2.0)
     x = torch.randn(2048, 1024, device="cuda:0").bfloat16()
     want = pipe.sequential(x)
     pipe(x, check=True)

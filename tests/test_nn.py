@@ -192,20 +192,23 @@ def gpt_reference(mlp, norm, x):
 def test_gpt_block_is_as_accurate_as_transformers(M, offset):
     """Against float32: the fused GPT block (LayerNorm folded into the first GEMM, bias and GELU
     in its epilogue; bias and residual in the second's) errs at most 2x as much as
-    ``transformers``' GPT2MLP + LayerNorm in fp16, also on rows whose mean (``offset``) is 30x
-    their spread, where the fold's subtraction cancels."""
+    ``transformers``' GPT2MLP + LayerNorm in fp16, and so does its first GEMM alone (where the
+    fold's subtraction cancels), also on rows whose mean (``offset``) is 30x their spread."""
     mlp, norm = gpt_block()
     block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
     x = (torch.randn(M, H) + offset).half()
     ref = gpt_reference(mlp, norm, x)
     with torch.no_grad():
         theirs = x + mlp(norm(x))
+        xn = torch.nn.functional.layer_norm(x.float(), (H,), norm.weight.float(), norm.bias.float(), norm.eps)
+        h_ref = torch.nn.functional.gelu(xn @ mlp.c_fc.weight.float() + mlp.c_fc.bias.float(), approximate="tanh")
+        # transformers' first half in fp16, its norm computed in fp32 (as on GPUs) and rounded once
+        h_theirs = mlp.act(mlp.c_fc(xn.half()))
     ours = block(x)
+    h_ours = matmul(x, block.w_in, config=block.in_config, epilogue=block._first)
     assert ours.shape == x.shape and ours.dtype == x.dtype and not ours.isnan().any()
-    # the block's own part (y - x): the residual's size would hide an error in it
-    own = ref - x.float()
-    err_ours, err_theirs = rel(ours.float() - x.float(), own), rel(theirs.float() - x.float(), own)
-    assert err_ours <= 2 * max(err_theirs, 1e-4), (err_ours, err_theirs)
+    assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+    assert rel(h_ours, h_ref) <= 2 * rel(h_theirs, h_ref), (rel(h_ours, h_ref), rel(h_theirs, h_ref))
 
 
 def test_layer_norm_epilogue_and_its_statistics_on_a_plain_gemm():
@@ -225,3 +228,11 @@ def test_layer_norm_epilogue_and_its_statistics_on_a_plain_gemm():
         Epilogue(rms_eps=1e-5, layer_norm_eps=1e-5, col_sum=col_sum)
     with pytest.raises(ValueError, match="col_sum must be B's \\[32\\]"):
         matmul(a, folded[:, :32].contiguous(), config=SMALL, epilogue=Epilogue(layer_norm_eps=1e-5, col_sum=col_sum))
+
+
+def test_a_backward_through_a_block_says_it_is_inference_only():
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(3, H).half().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference only"):
+        block(x).sum().backward()
