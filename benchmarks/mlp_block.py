@@ -11,14 +11,12 @@ turns, paired):
 * ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
   (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode);
 * ``cublas_gemms``: the block's two GEMMs alone in cuBLAS (``x @ [gate|up]``, then the real
-  intermediate ``@ down``), nothing else;
-* ``down_stages``: ``ours`` with the down GEMM's alternative tiles (128 x 128, 4 stages).
+  intermediate ``@ down``), nothing else.
 
 Also ``ours_eager``: the block called eagerly, paired with its replay. Prints and writes
 OUT_DIR/mlp_block.json: medians and, per shape, ratios with 95% CIs.
 """
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -26,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.kernels.gemm import PLAIN_CONFIG
 from ctapipelining.nn import LlamaMLP
 from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
 
@@ -34,7 +31,6 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
 SHAPES = [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)]
-DOWN_ALT = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
 
 def ci(ratios):
@@ -66,9 +62,7 @@ def one_shape(H: int, inter: int, M: int) -> dict:
     for p in list(mlp.parameters()) + list(norm.parameters()):
         p.requires_grad_(False)
     block = LlamaMLP.from_hf(mlp, norm)
-    alt = LlamaMLP.from_hf(mlp, norm, down_config=DOWN_ALT)
     x = torch.randn(M, H, device="cuda").bfloat16()
-    assert torch.equal(block(x), alt(x)), "the down GEMM's tiles changed the result"
 
     def hf(x):
         return x + mlp(norm(x))
@@ -86,7 +80,6 @@ def one_shape(H: int, inter: int, M: int) -> dict:
         methods = [
             Method("ours", capture(lambda: block(x), [0]).replay),
             Method("ours_eager", lambda: block(x)),
-            Method("down_stages", capture(lambda: alt(x), [0]).replay),
             Method("compiled", capture(lambda: compiled(x), [0]).replay),
             Method(
                 "cublas_gemms",
@@ -96,7 +89,7 @@ def one_shape(H: int, inter: int, M: int) -> dict:
         times = time_interleaved(methods, [0], REPS, 3)
     row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
     for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
-                     ("down_stages", "ours"), ("compiled", "cublas_gemms")):  # fmt: skip
+                     ("compiled", "cublas_gemms")):  # fmt: skip
         row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
 
@@ -105,7 +98,7 @@ def _intermediate(block, x):
     """The block's real intermediate (what its down GEMM reads)."""
     from ctapipelining.gemm import matmul
 
-    return matmul(x, block.gate_up, config=block.gate_up_config, epilogue=block._first)
+    return matmul(x, block.w_in, config=block.in_config, epilogue=block._first)
 
 
 if __name__ == "__main__":
