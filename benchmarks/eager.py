@@ -12,7 +12,7 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, the GEMMs and the
    chains each in a run of their own: median wall time of >= 30 synchronised calls
    each, taking turns in a shuffled order; the ratio eager / graph per repetition, median and
-   95% CI (percentile bootstrap).
+   distribution-free 95% CI (:func:`ctapipelining.timing.median_ci`).
 3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
    earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
@@ -35,7 +35,7 @@ from ctapipelining import deps
 from ctapipelining.gemm import GemmLaunch, grid_size, matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Link, Pipeline
-from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
+from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
@@ -94,7 +94,7 @@ def paired(methods, pairs, devices=(0,)):
     out = {m.name: {"median_ms": statistics.median(times[m.name]), "p10": sorted(times[m.name])[REPS // 10],
                     "p90": sorted(times[m.name])[(9 * REPS) // 10]} for m in methods}  # fmt: skip
     for num, den in pairs:
-        med, lo, hi = bootstrap_ci([a / b for a, b in zip(times[num], times[den])])
+        med, lo, hi = median_ci([a / b for a, b in zip(times[num], times[den])])
         out[f"{num}/{den}"] = {"median": med, "ci95": [lo, hi]}
     return out
 

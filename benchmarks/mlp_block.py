@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ctapipelining.nn import LlamaMLP
-from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
+from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
@@ -34,7 +34,7 @@ SHAPES = [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 
 
 
 def ci(ratios):
-    med, lo, hi = bootstrap_ci(ratios)
+    med, lo, hi = median_ci(ratios)
     return {"median": med, "ci95": [lo, hi]}
 
 

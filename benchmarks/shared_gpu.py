@@ -38,7 +38,7 @@ import torch
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
-from ctapipelining.timing import Method, bootstrap_ci, capture, environment, time_interleaved
+from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
@@ -47,7 +47,7 @@ ROWS = (128, 640, 768, 1024, 2048, 16384)
 
 
 def ci(ratios):
-    med, lo, hi = bootstrap_ci(ratios)
+    med, lo, hi = median_ci(ratios)
     return {"median": med, "ci95": [lo, hi]}
 
 

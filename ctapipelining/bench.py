@@ -19,7 +19,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from . import sim
 from .argtypes import UsageError, at_least, existing_file, non_negative_float, positive_int, positive_ints
-from .timing import Method, Rotation, capture, environment, time_interleaved, time_method
+from .timing import Method, Rotation, capture, environment, median_ci, time_interleaved, time_method
 from .trace import clock_offset
 
 METHODS = ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static")
@@ -351,26 +350,6 @@ def headline(summaries: list[dict], raw: list[dict] | None = None) -> list[dict]
                 h["cta_over_microbatch_paired"] = round(statistics.median(x / y for x, y in zip(a, b)), 4)
         out.append(h)
     return out
-
-
-def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The median of ``values`` and a distribution-free confidence interval for it: the order
-    statistics ``k`` and ``n + 1 - k`` with the largest ``k`` whose binomial tail
-    ``P(Binom(n, 1/2) < k)`` stays within ``(1 - level) / 2`` (for n = 30 at 95%: the 10th and
-    21st smallest). Fewer than 6 values give no interval at 95% (``nan`` ends)."""
-    v = sorted(values)
-    n = len(v)
-    if n == 0:
-        raise ValueError("median_ci of no values")
-    tail, k, cdf = (1 - level) / 2, 0, 0.0
-    while True:
-        cdf += math.comb(n, k) / 2**n  # P(Binom(n, 1/2) <= k), so P(< k + 1)
-        if cdf > tail:
-            break
-        k += 1
-    if k == 0:
-        return statistics.median(v), math.nan, math.nan
-    return statistics.median(v), v[k - 1], v[n - k]
 
 
 def _fastest(lines: dict[tuple, list[float]], pred) -> tuple | None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ctapipelining.distributed import DistributedPipeline
 from ctapipelining.pipeline import Pipeline
-from ctapipelining.timing import bootstrap_ci, environment
+from ctapipelining.timing import environment, median_ci
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     if rank == 0:
         single.check_errors()
         ratios = [a / b for a, b in zip(times["distributed"], times["one_process"])]
-        med, lo, hi = bootstrap_ci(ratios)
+        med, lo, hi = median_ci(ratios)
         result = {
             "world": world, "rows": args.rows, "dim": args.dim, "stages": n, "loopback": args.loopback,
             "bitwise_equal_sequential": same_sequential if world == 1 else "on the last rank",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ctapipelining import bench, cli
+from ctapipelining import bench, cli, timing
 
 RECORDED = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2/run1/results.json"
 
@@ -126,12 +126,12 @@ def test_headline_takes_the_strongest_baselines_and_keeps_replicas_apart():
 
 def test_median_ci_takes_the_binomial_order_statistics():
     v = list(range(1, 31))  # n = 30: the 10th and 21st smallest at 95%
-    assert bench.median_ci([float(x) for x in reversed(v)]) == (15.5, 10.0, 21.0)
-    med, lo, hi = bench.median_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # too few for a 95% interval
+    assert timing.median_ci([float(x) for x in reversed(v)]) == (15.5, 10.0, 21.0)
+    med, lo, hi = timing.median_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # too few for a 95% interval
     assert med == 3.0 and lo != lo and hi != hi
-    assert bench.median_ci([1.0] * 6) == (1.0, 1.0, 1.0)  # n = 6: the 1st and 6th (1/64 < 2.5%)
+    assert timing.median_ci([1.0] * 6) == (1.0, 1.0, 1.0)  # n = 6: the 1st and 6th (1/64 < 2.5%)
     with pytest.raises(ValueError):
-        bench.median_ci([])
+        timing.median_ci([])
 
 
 def test_decision_pairs_each_setting_with_its_strongest_baselines():
