@@ -207,16 +207,18 @@ class DistributedPipeline:
     policy, config, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
         :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
     start_timeout_s : how long a segment's gate waits for a peer rank to start a call (or to
-        finish the one before) before it reports; default ``host_timeout_s / 4``. It bounds how
-        far apart the ranks may start a call. ``host_timeout_s`` must exceed twice this plus
-        ``timeout_s`` per local stage and one more (a late peer is then a clean timeout, not a
-        hung GPU).
+        finish the one before) before it reports; default ``max(2.5, 2.5 * timeout_s)`` seconds
+        (``host_timeout_s / 4`` when that is given). It bounds how far apart the ranks may start
+        a call. ``host_timeout_s`` (default: at least 10 s, and above this bound) must exceed
+        twice this plus ``timeout_s`` per local stage and one more, so that a late peer is a
+        clean timeout, not a hung GPU. The timeouts are each rank's own; the other settings must
+        be the same on every rank.
     max_plans : plan heights kept (least recently used freed first, never one a captured graph
         points at; freeing is collective, at the same call on every rank).
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
         link goes through the heap: how one GPU tests the cross-rank path.
 
-    Every rank must pass the same settings, and every rank checks its own arguments and GPU at
+    Every rank checks its own arguments and GPU at
     construction: an error anywhere is raised on every rank. Calls and graph replays hold a lock
     (one at a time on the host). A call is ordered after whatever the caller queued on this
     GPU's current stream, and that stream waits for it. A call that one rank refuses (bad input)
@@ -334,22 +336,29 @@ class DistributedPipeline:
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e6):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        host = max(10.0, 10 * timeout_s) if host_timeout_s is None else host_timeout_s
-        start = host / 4 if start_timeout_s is None else start_timeout_s
+        # defaults: a late peer gets 2.5 s (or 2.5 timeouts); the host waits past every bound a
+        # call's kernels can reach (two gate waits and a timeout per stage), at least 10 s
+        n = len(weights)
+        if start_timeout_s is None:
+            start = max(2.5, 2.5 * timeout_s) if host_timeout_s is None else host_timeout_s / 4
+        else:
+            start = start_timeout_s
+        if host_timeout_s is None:
+            host = max(10.0, 10 * timeout_s, 2 * start + (n + 2) * timeout_s)
+        else:
+            host = host_timeout_s
         for name, v in (("host_timeout_s", host), ("start_timeout_s", start)):
             if not (isinstance(v, (int, float)) and 0 < v < 1e6):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         # a gate may wait twice start_timeout_s, then each stage up to timeout_s: the host waits longer
-        if host <= 2 * start + (len(weights) + 1) * timeout_s:
+        if host <= 2 * start + (n + 1) * timeout_s:
             raise ValueError(
                 f"host_timeout_s={host:g} must exceed 2 x start_timeout_s + (stages + 1) x timeout_s = "
-                f"{2 * start + (len(weights) + 1) * timeout_s:g}: a late peer would otherwise look like a hung GPU"
+                f"{2 * start + (n + 1) * timeout_s:g}: a late peer would otherwise look like a hung GPU"
             )
         self.host_timeout_s, self.start_timeout_ns = float(host), int(start * 1e9)
-        self._settings = (
-            repr(self.config), self.policy.name, loopback, row_buckets, max_plans, sm_budget, float(timeout_s),
-            float(start), float(host),
-        )  # fmt: skip
+        # what every rank must share (the timeouts are each rank's own bounds)
+        self._settings = (repr(self.config), self.policy.name, loopback, row_buckets, max_plans, sm_budget)
 
     def __repr__(self) -> str:
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
@@ -378,8 +387,10 @@ class DistributedPipeline:
         return dp
 
     def _build_plan(self, B: int) -> DistributedPlan:
-        heights = [None] * self.world
-        dist.all_gather_object(heights, B, group=self.group)
+        """Collective: the heap (zeroed on every rank before any rank's first call can write into
+        it), the links, each segment's plan, every kernel compiled. An error on any rank is raised
+        on every rank, and no rank keeps the plan."""
+        heights = self._meet("build a plan", B)
         if len(set(heights)) > 1:
             raise ValueError(
                 f"the ranks called with different row counts (plan heights {heights} by rank): every rank must "
@@ -391,10 +402,19 @@ class DistributedPipeline:
             heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group)
         else:
             heap = fabric.shared_heap(layout.nbytes, self.group)
-        # zeroed, and every rank's zeroing done, before any rank's first call can write into it
-        heap.local.zero_()
-        self._wait()
-        dist.barrier(group=self.group)
+        error = None
+        try:
+            heap.local.zero_()
+            dp = self._bind_plan(B, heap, layout)
+            self._wait()
+        except Exception as e:  # noqa: BLE001 (raised on every rank below)
+            error = f"{type(e).__name__}: {e}"
+        self._meet("plan ready", B, error)
+        return dp
+
+    def _bind_plan(self, B: int, heap: fabric.Heap, layout: HeapLayout) -> DistributedPlan:
+        """This rank's part of a plan: links, segment plans, handshake state; kernels compiled
+        (so that a consumer's deadline never runs while its producer's rank compiles)."""
 
         def view(name, s):
             r = layout.regions[(name, s)]
@@ -421,27 +441,48 @@ class DistributedPipeline:
             for i, seg in zip(self._segment_ids, self.segments):
                 stages = self.placement.segments[i]
                 first, last = stages[0], stages[-1]
+                has_in, has_out = first > 0, last + 1 < self.num_stages
                 dp.plans.append(seg._build_plan(B, 0, 0))
-                seg._plans[B] = dp.plans[-1]
-                dp.inputs.append(view("input", first) if first > 0 else None)
-                dp.outputs.append(view("input", last + 1) if last + 1 < self.num_stages else None)
+                dp.inputs.append(view("input", first) if has_in else None)
+                dp.outputs.append(view("input", last + 1) if has_out else None)
                 dp.calls.append(torch.zeros(1, dtype=torch.int64, device=self.device))
-                dp.started_in.append(view("started", first) if first > 0 else None)
-                dp.consumed_in.append(view("consumed", first) if first > 0 else None)
-                dp.started_out.append(view("started", last + 1) if last + 1 < self.num_stages else None)
-                dp.consumed_out.append(view("consumed", last + 1) if last + 1 < self.num_stages else None)
-                dp.rows_in.append(view("rows", first) if first > 0 else None)
-                dp.rows_out.append(view("rows", last + 1) if last + 1 < self.num_stages else None)
+                dp.started_in.append(view("started", first) if has_in else None)
+                dp.consumed_in.append(view("consumed", first) if has_in else None)
+                dp.rows_in.append(view("rows", first) if has_in else None)
+                dp.started_out.append(view("started", last + 1) if has_out else None)
+                dp.consumed_out.append(view("consumed", last + 1) if has_out else None)
+                dp.rows_out.append(view("rows", last + 1) if has_out else None)
         finally:
             self._building = None
-        # every kernel compiled now, not at its first launch: a consumer's deadline must not run
-        # while its producer's rank compiles (the operands: this plan's, or stand-ins of the caller's)
-        x = torch.empty(B, self.in_features, dtype=w.dtype, device=self.device)
+        w = self.weights[0]
+        x = torch.empty(B, self.in_features, dtype=w.dtype, device=self.device)  # stand-ins of the caller's
         out = torch.empty(B, self.out_features, dtype=w.dtype, device=self.device)
         for k, seg in enumerate(self.segments):
             a = x if dp.inputs[k] is None else dp.inputs[k]
             seg.compile(dp.plans[k], a, out if dp.outputs[k] is None else dp.outputs[k])
+        for seg, p in zip(self.segments, dp.plans):
+            seg._plans[B] = p
         return dp
+
+    def _meet(self, what: str, payload=None, error: str | None = None) -> list:
+        """Collective: every rank's ``payload`` for step ``what``. Every collective of this class
+        goes through here, labelled, so ranks that meet in different steps (one rank refused a
+        call the others made) find out instead of exchanging each other's data; an ``error`` of
+        any rank is raised on every rank."""
+        every = [None] * self.world
+        dist.all_gather_object(every, (what, payload, error), group=self.group)
+        steps = {w for w, _, _ in every}
+        if len(steps) > 1:
+            doing = ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(every))
+            self._out_of_step = self._out_of_step or f"rank {self.rank} met the others in a different step ({doing})"
+            raise RuntimeError(
+                f"the ranks are out of step ({doing}); a call one of them refused or failed: call check_errors() "
+                "on every rank (it reports this and resets them all)"
+            )
+        errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(every) if e]
+        if errors:
+            raise RuntimeError(f"{what} failed: " + "; ".join(errors))
+        return [p for _, p, _ in every]
 
     def _segment_links(self, stages: tuple[int, ...], M: int) -> tuple[Link | None, Link | None]:
         """The links into and out of the segment running ``stages``, for the plan being built."""
@@ -458,8 +499,7 @@ class DistributedPipeline:
         evict = evict[: max(0, len(self._plans) - self.max_plans)]
         if not evict:
             return
-        self._wait()
-        dist.barrier(group=self.group)
+        self._meet("free plans", evict, self._hung())
         for m in evict:
             dp = self._plans.pop(m)
             self._unread += self._messages(dp)  # its last calls' errors are not lost with it
@@ -512,7 +552,7 @@ class DistributedPipeline:
                 dp = self.plan(M)
                 if self.is_last and out is None:
                     out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
-                self._run(dp, x, out)
+                self._run(dp, x, out, M)
             except BaseException as e:
                 # the other ranks made (or are making) this call: ours no longer pair with theirs
                 self._out_of_step = f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})"
@@ -521,10 +561,9 @@ class DistributedPipeline:
                 self.check_errors()
             return out if self.is_last else None
 
-    def _run(self, dp: DistributedPlan, x, out, only: list[int] | None = None) -> None:
-        rows = x.shape[0] if x is not None else out.shape[0] if out is not None else dp.M
-        """Launch this rank's segments of one call, each on its own stream: gate, the segment's
-        kernels, finish. ``only`` (tests): the local segments to launch."""
+    def _run(self, dp: DistributedPlan, x, out, rows: int, only: list[int] | None = None) -> None:
+        """Launch this rank's segments of one call on ``rows`` rows, each on its own stream: gate,
+        the segment's kernels, finish. ``only`` (tests): the local segments to launch."""
         caller = torch.cuda.current_stream(self.device) if self.on_gpu else None
         fork = caller.record_event() if caller is not None else None
         ran = []
@@ -614,8 +653,7 @@ class DistributedPipeline:
                 hung, msgs = str(e), [f"rank {self.rank}: {e}"]
             if self._out_of_step:
                 msgs.append(self._out_of_step + ": its calls no longer paired with the other ranks'")
-            every = [None] * self.world
-            dist.all_gather_object(every, msgs, group=self.group)
+            every = self._meet("check errors", msgs)
             failed = [m for r in every for m in r]
             if not failed:
                 return
@@ -638,13 +676,15 @@ class DistributedPipeline:
         error words and call counts, and meet again, so that the next call starts in step
         everywhere (errors not yet read are dropped)."""
         with self._lock:
-            self._wait()
-            self._reset(zero=True)
+            hung = self._hung()
+            self._reset(zero=hung is None)
+            if hung:
+                raise PipelineHung(hung)
 
     def _reset(self, zero: bool) -> None:
         """Meet (no rank still writes into another's heap), zero this rank's state (not with a
         GPU that did not finish: ``zero=False``; it stays unusable), meet again."""
-        dist.barrier(group=self.group)
+        self._meet("reset")
         if zero:
             for dp in self._plans.values():
                 dp.heap.local.zero_()
@@ -654,11 +694,20 @@ class DistributedPipeline:
                     seg.reset(p)
             self._wait()
         self._unread, self._out_of_step = [], None
-        dist.barrier(group=self.group)
+        self._meet("reset done")
 
     def _wait(self) -> None:
         for seg in self.segments:
             seg._wait()
+
+    def _hung(self) -> str | None:
+        """:meth:`_wait`, its :class:`~ctapipelining.pipeline.PipelineHung` as a message (so the
+        rank still joins the next collective)."""
+        try:
+            self._wait()
+        except PipelineHung as e:
+            return f"rank {self.rank}: {e}"
+        return None
 
     def _usable(self) -> None:
         for seg in self.segments:
@@ -715,9 +764,8 @@ def _check_ranks(every: list[dict]) -> None:
             raise ValueError(f"rank {r} runs on {e['device']}, rank 0 on {first['device']}")
         if e["settings"] != first["settings"]:
             raise ValueError(
-                f"rank {r} was built with (config, policy, loopback, row_buckets, max_plans, sm_budget, timeout_s, "
-                f"start_timeout_s, host_timeout_s) = {e['settings']}, rank 0 with {first['settings']}: every rank "
-                "must pass the same"
+                f"rank {r} was built with (config, policy, loopback, row_buckets, max_plans, sm_budget) = "
+                f"{e['settings']}, rank 0 with {first['settings']}: every rank must pass the same"
             )
         if e["host"] != first["host"]:
             raise ValueError(

@@ -446,6 +446,9 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
     return max(1, min(num_sms(device), _cdiv(M, config.block_m) * _cdiv(N, config.block_n)))
 
 
+_CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
+
+
 @functools.lru_cache(maxsize=64)
 def _plain_launch(
     M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None
@@ -504,7 +507,9 @@ def matmul(
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
     ``a``, ``b`` or ``residual``) may be on a peer GPU (peer access is enabled here, or a
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
-    configuration has no split tail (an epilogue needs whole tiles)."""
+    configuration has no split tail (an epilogue needs whole tiles). Its launches, bound once
+    per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
+    so the buffers the graph points at (split tail, norm statistics) are never freed."""
     check_operands(a, b)
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
@@ -539,6 +544,8 @@ def matmul(
         return out
     index = a.device.index
     launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index), epilogue)
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
     # the kernel launches in the current device's context
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
         launch(a, b, out, residual=residual)

@@ -69,7 +69,10 @@ def _(x, w_in, w_out, block):
 
 
 def _no_backward(ctx, grad):
-    raise RuntimeError("the fused MLP blocks are inference only: no gradient flows through ctapipelining.mlp_block")
+    raise RuntimeError(
+        "the fused MLP blocks are inference only: no gradient flows through ctapipelining.mlp_block (run and "
+        "compile models that hold them under torch.no_grad() or torch.inference_mode())"
+    )
 
 
 mlp_block.register_autograd(_no_backward)
@@ -77,8 +80,9 @@ mlp_block.register_autograd(_no_backward)
 
 class FusedMLP(torch.nn.Module):
     """What the blocks share: the weights ``w_in`` ``[H, N_in]`` and ``w_out`` ``[I, H]`` as
-    laid out for the kernels (buffers), the two epilogues, the configurations, the operator
-    key. Subclasses lay the weights out and say what the first GEMM's epilogue does."""
+    laid out for the kernels and the epilogues' vectors (buffers: ``.to()`` moves them), the
+    configurations, the operator key. Subclasses lay the weights out (:meth:`_lay_out`) and
+    say what each GEMM's epilogue does (:meth:`_make_epilogues`)."""
 
     hidden: int
     w_in: torch.Tensor
@@ -88,6 +92,7 @@ class FusedMLP(torch.nn.Module):
         super().__init__()
         self.in_config, self.out_config = in_config, out_config
         self._source = None
+        self._epi = None  # (the buffers' addresses, first epilogue, second): rebuilt when they move
         self._register()
 
     def _register(self) -> None:
@@ -95,16 +100,35 @@ class FusedMLP(torch.nn.Module):
         self._key = f"mlp_block_{next(_KEYS)}"
         _BLOCKS[self._key] = self
 
+    def __getstate__(self) -> dict:  # the epilogues are rebuilt from the buffers (they hold jit functions)
+        return {**self.__dict__, "_epi": None}
+
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
         self._register()
 
-    def _set_weights(self, w_in: torch.Tensor, w_out: torch.Tensor, first: Epilogue, second: Epilogue) -> None:
-        check_tensor(w_in, f"{type(self).__name__}: first weight")
-        check_tensor(w_out, f"{type(self).__name__}: second weight")
-        self.register_buffer("w_in", w_in, persistent=False)
-        self.register_buffer("w_out", w_out, persistent=False)
-        self._first, self._second = first, second
+    def _set_weights(self, **tensors: torch.Tensor | None) -> None:
+        """Set the laid-out weights and vectors (buffers). One that exists with the same shape,
+        dtype and device is overwritten in place, so a CUDA graph that captured the block reads
+        the new values."""
+        check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
+        check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
+        for name, t in tensors.items():
+            old = self._buffers.get(name)
+            if t is not None and old is not None and (old.shape, old.dtype, old.device) == (t.shape, t.dtype, t.device):
+                with torch.no_grad():
+                    old.copy_(t)
+            else:
+                self.register_buffer(name, t, persistent=False)
+        self._epi = None
+
+    def _epilogues(self) -> tuple[Epilogue, Epilogue]:
+        """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
+        a launch is compiled and cached per epilogue)."""
+        key = tuple((t.data_ptr(), t.device) for t in self._buffers.values() if t is not None)
+        if self._epi is None or self._epi[0] != key:
+            self._epi = (key, *self._make_epilogues())
+        return self._epi[1], self._epi[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
@@ -114,14 +138,21 @@ class FusedMLP(torch.nn.Module):
         rows = x.reshape(-1, self.hidden).contiguous()
         return mlp_block(rows, self.w_in, self.w_out, self._key).reshape(x.shape)
 
+    def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The first GEMM alone, its epilogue included: what the second GEMM reads (``x``
+        ``[M, H]``)."""
+        return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
+
     def _run(self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
-        h = matmul(rows, w_in, config=self.in_config, epilogue=self._first)
-        return matmul(h, w_out, config=self.out_config, epilogue=self._second, residual=rows)
+        first, second = self._epilogues()
+        h = matmul(rows, w_in, config=self.in_config, epilogue=first)
+        return matmul(h, w_out, config=self.out_config, epilogue=second, residual=rows)
 
     def refresh(self) -> None:
         """Lay the weights out again from the module this block was built from (after the
-        source's weights changed: the block keeps its own copies)."""
+        source's weights changed: the block keeps its own copies). In place, so a CUDA graph
+        that captured the block runs the new weights."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
         self._lay_out(*self._source_weights())
@@ -176,8 +207,11 @@ class LlamaMLP(FusedMLP):
         """``[H, 2I]`` gate/up (norm folded, columns in pairs) and ``[I, H]`` down."""
         with torch.no_grad():
             gate_up = interleave(fold_rms_weight(norm_weight, w_gate.t()), fold_rms_weight(norm_weight, w_up.t()))
-            down = w_down.t().contiguous()
-        self._set_weights(gate_up, down, Epilogue(silu, gated=True, rms_eps=self.eps), Epilogue(residual=True))
+            down = w_down.t().clone(memory_format=torch.contiguous_format)  # never a view of the source
+        self._set_weights(w_in=gate_up, w_out=down)
+
+    def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
+        return Epilogue(silu, gated=True, rms_eps=self.eps), Epilogue(residual=True)
 
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> LlamaMLP:
@@ -247,10 +281,13 @@ class GPTMLP(FusedMLP):
         """``[H, I]`` first weight (norm folded) with its column sums and bias, ``[I, H]`` second."""
         with torch.no_grad():
             w_in, col_sum, b_in = fold_layer_norm(norm_weight, norm_bias, w_1.t(), b_1)
-            w_out = w_2.t().contiguous()
+            w_out = w_2.t().clone(memory_format=torch.contiguous_format)  # never a view of the source
             b_out = None if b_2 is None else b_2.detach().clone().contiguous()
-        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=col_sum, bias=b_in)
-        self._set_weights(w_in, w_out, first, Epilogue(bias=b_out, residual=True))
+        self._set_weights(w_in=w_in, w_out=w_out, col_sum=col_sum, b_in=b_in, b_out=b_out)
+
+    def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
+        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=self.col_sum, bias=self.b_in)
+        return first, Epilogue(bias=self.b_out, residual=True)
 
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> GPTMLP:

@@ -104,7 +104,7 @@ def test_a_consumer_whose_producer_never_starts_times_out_on_every_rank_then_rec
     x = torch.randn(40, 32).half()
     pipe(x)
     dp = pipe.plan(40)
-    pipe._run(dp, x, torch.empty(40, 32).half(), only=[1])  # the second segment alone
+    pipe._run(dp, x, torch.empty(40, 32).half(), 40, only=[1])  # the second segment alone
     with pytest.raises(PipelineTimeout, match=r"stage 1 on rank 0, cpu: the previous segment had started 1 calls"):
         pipe.check_errors()
     assert [int(c) for c in dp.calls] == [0, 0] and int(dp.heap.local.abs().sum()) == 0
@@ -143,7 +143,7 @@ def test_a_freed_plans_errors_are_not_lost(world1):
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, max_plans=1, row_buckets=0)
     x = torch.randn(40, 32).half()
     pipe(x)
-    pipe._run(pipe.plan(40), x, torch.empty(40, 32).half(), only=[1])  # times out
+    pipe._run(pipe.plan(40), x, torch.empty(40, 32).half(), 40, only=[1])  # times out
     pipe(x[:17])  # frees the 40-row plan
     assert list(pipe._plans) == [17]
     with pytest.raises(PipelineTimeout, match="plan of 40 rows.*stage 1 on rank 0"):
@@ -228,6 +228,23 @@ def _scenarios(rank, store, result):
         # rows that differ but share a plan height (40 and 41 rows: 48): the gate compares them
         pair(pipe, x, rows=41)
         lines.append(check(pipe))
+        # rank 1 refuses a call that needs a new plan: rank 0 waits in the plan's collective, rank
+        # 1's check meets it there; both learn they are out of step, check again, and go on
+        try:
+            if rank == 0:
+                pipe(x[:17])
+            else:
+                try:
+                    pipe(rows=17, out=torch.empty(17, 16))
+                except ValueError:
+                    pass
+                pipe.check_errors()
+            lines.append("no error")
+        except RuntimeError as e:
+            lines.append("met out of step" if "out of step" in str(e) else "other " + str(e))
+        lines.append(check(pipe))
+        y = pair(pipe, x)
+        lines.append(f"after a refused new plan {rank == 0 or torch.equal(y, ref)}")
         # settings that differ: every rank raises
         try:
             DistributedPipeline(mine, config=CFG, timeout_s=0.1, max_plans=3 if rank else 4)
@@ -251,9 +268,43 @@ def test_two_ranks_in_two_processes(tmp_path):
     assert r1[1] == "static equal True True" and r1[3] == "workqueue equal True True"
     assert r0[0] == r0[1] == r1[0] == r1[2] == "clean"
     for lines in (r0[2:], r1[4:]):
-        timeout, after, refusal, after_refusal, rows, settings = lines
+        timeout, after, refusal, after_refusal, rows, met, check_met, after_met, settings = lines
         assert timeout.startswith("timeout") and "stage 2 on rank 1, cpu: the previous segment had started" in timeout
         assert after == "after timeout True" and after_refusal == "after refusal True"
         assert "rank 1 refused or failed a call (ValueError: out must be" in refusal
         assert "the previous segment's call had 40 rows, this one 41" in rows
+        assert met == "met out of step" and "out of step" in check_met and after_met == "after a refused new plan True"
         assert settings.startswith("refused rank 1 was built with") and "must pass the same" in settings
+
+
+def _three_ranks(rank, store, result):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
+    try:
+        ws = _weights([32, 48, 32, 16])
+        pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=4)
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3)).half()
+        pipe.plan(40)  # 48 rows: calls on 40 are bucketed
+        for r in range(3):  # one rank after the other (the interpreter's waits poll briefly)
+            if rank == r:
+                y = pipe(x) if r == 0 else pipe(rows=40)
+            dist.barrier()
+        pipe.check_errors()
+        ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 40)
+        result[rank] = rank != 2 or (torch.equal(y, ref) and y.shape == (40, 16))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_three_ranks_on_a_bucketed_height(tmp_path):
+    """The middle rank runs the call on the call's rows, not its plan's height."""
+    result = mp.Manager().dict()
+    mp.spawn(_three_ranks, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    assert dict(result) == {0: True, 1: True, 2: True}
+
+
+def test_default_timeouts_admit_many_stages_on_a_rank(world1):
+    ws = _weights([32, 48, 32, 48, 32, 48])
+    pipe = DistributedPipeline(ws, config=CFG, timeout_s=1.0)
+    assert pipe.segments[0].host_timeout_s > 2 * pipe.start_timeout_ns / 1e9 + 6 * 1.0

@@ -67,12 +67,12 @@ def test_a_producer_waits_until_its_consumer_has_read_the_call_before(world1):
     s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):
         torch.cuda._sleep(200_000_000)  # about 0.1 s
-        pipe._run(dp, None, out1, only=[1])
+        pipe._run(dp, None, out1, 2048, only=[1])
     with torch.cuda.stream(s0):
-        pipe._run(dp, x1, None, only=[0])
-        pipe._run(dp, x2, None, only=[0])
+        pipe._run(dp, x1, None, 2048, only=[0])
+        pipe._run(dp, x2, None, 2048, only=[0])
     with torch.cuda.stream(s1):
-        pipe._run(dp, None, out2, only=[1])
+        pipe._run(dp, None, out2, 2048, only=[1])
     torch.cuda.synchronize()
     pipe.check_errors()
     assert torch.equal(out1, want1) and torch.equal(out2, want2)
@@ -103,16 +103,16 @@ def test_a_producer_that_starts_late_does_not_time_its_consumer_out(world1):
     out = torch.full((2048, 1024), float("nan"), device="cuda:0").bfloat16()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        pipe._run(dp, x, out, only=[1])  # the consumer first, on a stream of its own
+        pipe._run(dp, x, out, 2048, only=[1])  # the consumer first, on a stream of its own
     time.sleep(0.2)
-    pipe._run(dp, x, out, only=[0])
+    pipe._run(dp, x, out, 2048, only=[0])
     torch.cuda.synchronize()
     pipe.check_errors()
     assert torch.equal(out, want)
     # and a producer that never comes is reported on the consumer's stage, after the start timeout
     quick = DistributedPipeline(ws, loopback=True, timeout_s=0.05, start_timeout_s=0.2)
     quick(x, check=True)
-    quick._run(quick.plan(2048), x, out, only=[1])
+    quick._run(quick.plan(2048), x, out, 2048, only=[1])
     with pytest.raises(PipelineTimeout, match="stage 1 on rank 0, cuda:0: the previous segment had started 1 calls"):
         quick.check_errors()
     assert torch.equal(quick(x, check=True), want)

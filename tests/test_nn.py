@@ -205,7 +205,7 @@ def test_gpt_block_is_as_accurate_as_transformers(M, offset):
         # transformers' first half in fp16, its norm computed in fp32 (as on GPUs) and rounded once
         h_theirs = mlp.act(mlp.c_fc(xn.half()))
     ours = block(x)
-    h_ours = matmul(x, block.w_in, config=block.in_config, epilogue=block._first)
+    h_ours = block.first_gemm(x)
     assert ours.shape == x.shape and ours.dtype == x.dtype and not ours.isnan().any()
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
     assert rel(h_ours, h_ref) <= 2 * rel(h_theirs, h_ref), (rel(h_ours, h_ref), rel(h_theirs, h_ref))
@@ -236,3 +236,24 @@ def test_a_backward_through_a_block_says_it_is_inference_only():
     x = torch.randn(3, H).half().requires_grad_()
     with pytest.raises(RuntimeError, match="inference only"):
         block(x).sum().backward()
+
+
+def test_a_block_moves_copies_pickles_and_refreshes_in_place():
+    """The epilogues' vectors are buffers (``.to()`` moves them); a pickled block runs; ``refresh``
+    writes the new weights into the same buffers (a captured graph reads them)."""
+    import pickle
+
+    mlp, norm = gpt_block()
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = torch.randn(5, H).half()
+    y = block(x)
+    assert torch.equal(pickle.loads(pickle.dumps(block))(x), y)
+    assert {block.to("meta")._buffers[n].device.type for n in ("w_in", "col_sum", "b_in", "b_out")} == {"meta"}
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    where = {n: t.data_ptr() for n, t in block._buffers.items()}
+    with torch.no_grad():
+        mlp.c_fc.bias.add_(1)
+    block.refresh()
+    assert {n: t.data_ptr() for n, t in block._buffers.items()} == where
+    assert not torch.equal(block(x), y)
+    assert torch.equal(block(x), GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)(x))
