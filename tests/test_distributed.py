@@ -308,3 +308,14 @@ def test_default_timeouts_admit_many_stages_on_a_rank(world1):
     ws = _weights([32, 48, 32, 48, 32, 48])
     pipe = DistributedPipeline(ws, config=CFG, timeout_s=1.0)
     assert pipe.segments[0].host_timeout_s > 2 * pipe.start_timeout_ns / 1e9 + 6 * 1.0
+
+
+def test_a_torch_without_symmetric_memory_is_named(monkeypatch):
+    import sys
+
+    from ctapipelining import fabric
+
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import fails
+    monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)
+    with pytest.raises(fabric.SymmetricMemoryError, match=r"needs PyTorch symmetric memory \(torch >= 2.6"):
+        fabric.symmetric_heap(1024, torch.device("cpu"), None)
