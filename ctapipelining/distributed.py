@@ -251,7 +251,7 @@ class DistributedPipeline:
         try:
             self._check_local(weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans,
                               row_buckets, sm_budget, loopback)  # fmt: skip
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, fabric.SymmetricMemoryError) as e:
             local_error = f"{type(e).__name__}: {e}"
         device = weights[0].device if not local_error and weights else None
         mine = {
@@ -325,6 +325,8 @@ class DistributedPipeline:
         devices = {w.device for w in weights}
         if len(devices) > 1:
             raise ValueError(f"rank {self.rank}'s weights are on {sorted(map(str, devices))}: a rank runs on one GPU")
+        if weights[0].is_cuda:
+            fabric.symmetric_memory()
         self.config = config or PIPELINE_CONFIG
         self.policy = deps.get_policy(policy)
         if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
@@ -399,9 +401,9 @@ class DistributedPipeline:
         w = self.weights[0]
         layout = heap_layout(self.placement, B, self.config, w.dtype, self.policy.uses_queue)
         if self.on_gpu:
-            heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group)
+            heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group, self._meet)
         else:
-            heap = fabric.shared_heap(layout.nbytes, self.group)
+            heap = fabric.shared_heap(layout.nbytes, self.group, self._meet)
         error = None
         try:
             heap.local.zero_()
@@ -410,6 +412,8 @@ class DistributedPipeline:
         except Exception as e:  # noqa: BLE001 (raised on every rank below)
             error = f"{type(e).__name__}: {e}"
         self._meet("plan ready", B, error)
+        for seg, p in zip(self.segments, dp.plans):  # kept only once every rank has it
+            seg._plans[B] = p
         return dp
 
     def _bind_plan(self, B: int, heap: fabric.Heap, layout: HeapLayout) -> DistributedPlan:
@@ -460,8 +464,6 @@ class DistributedPipeline:
         for k, seg in enumerate(self.segments):
             a = x if dp.inputs[k] is None else dp.inputs[k]
             seg.compile(dp.plans[k], a, out if dp.outputs[k] is None else dp.outputs[k])
-        for seg, p in zip(self.segments, dp.plans):
-            seg._plans[B] = p
         return dp
 
     def _meet(self, what: str, payload=None, error: str | None = None) -> list:
@@ -471,6 +473,8 @@ class DistributedPipeline:
         any rank is raised on every rank."""
         every = [None] * self.world
         dist.all_gather_object(every, (what, payload, error), group=self.group)
+        if not all(isinstance(e, tuple) and len(e) == 3 for e in every):  # a rank inside another library's collective
+            every = [e if isinstance(e, tuple) and len(e) == 3 else ("another collective", None, None) for e in every]
         steps = {w for w, _, _ in every}
         if len(steps) > 1:
             doing = ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(every))
@@ -676,15 +680,12 @@ class DistributedPipeline:
         error words and call counts, and meet again, so that the next call starts in step
         everywhere (errors not yet read are dropped)."""
         with self._lock:
-            hung = self._hung()
-            self._reset(zero=hung is None)
-            if hung:
-                raise PipelineHung(hung)
+            self._reset(zero=True, error=self._hung())
 
-    def _reset(self, zero: bool) -> None:
+    def _reset(self, zero: bool, error: str | None = None) -> None:
         """Meet (no rank still writes into another's heap), zero this rank's state (not with a
         GPU that did not finish: ``zero=False``; it stays unusable), meet again."""
-        self._meet("reset")
+        self._meet("reset", None, error)  # a rank whose GPU hung: every rank raises
         if zero:
             for dp in self._plans.values():
                 dp.heap.local.zero_()
@@ -692,9 +693,9 @@ class DistributedPipeline:
                     c.zero_()
                 for seg, p in zip(self.segments, dp.plans):
                     seg.reset(p)
-            self._wait()
+            error = self._hung()
         self._unread, self._out_of_step = [], None
-        self._meet("reset done")
+        self._meet("reset done", None, error)
 
     def _wait(self) -> None:
         for seg in self.segments:

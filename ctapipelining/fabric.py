@@ -23,6 +23,7 @@ import functools
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,37 +134,57 @@ class Heap:
         return self.peers[rank][offset : offset + numel * size].view(dtype).view(shape)
 
 
-def symmetric_heap(nbytes: int, device: torch.device, group) -> Heap:
-    """A :class:`Heap` of PyTorch symmetric memory on ``device`` (collective over ``group``:
-    every rank calls it, in the same order, with the same ``nbytes``)."""
+def symmetric_memory():
+    """PyTorch's symmetric-memory module, or a :class:`SymmetricMemoryError` naming the version
+    it needs."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
 
-        empty, rendezvous = symm_mem.empty, symm_mem.rendezvous
+        symm_mem.empty, symm_mem.rendezvous  # noqa: B018 (raises if absent)
     except (ImportError, AttributeError) as e:
         raise SymmetricMemoryError(
             f"one process per GPU needs PyTorch symmetric memory (torch >= {SYMMETRIC_MEMORY_TORCH} built with CUDA); "
             f"this is torch {torch.__version__}"
         ) from e
+    return symm_mem
+
+
+def _failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def symmetric_heap(nbytes: int, device: torch.device, group, meet: Callable) -> Heap:
+    """A :class:`Heap` of PyTorch symmetric memory on ``device`` (collective over ``group``:
+    every rank calls it, in the same order, with the same ``nbytes``). ``meet(step, payload,
+    error)`` is the caller's labelled collective that raises any rank's error on every rank:
+    a rank that cannot allocate (out of memory) or map the heap makes every rank raise, instead
+    of leaving the others in the rendezvous."""
     import torch.distributed as dist
 
-    t = empty(nbytes, dtype=torch.uint8, device=device)
+    t, error = None, None
     try:
-        handle = rendezvous(t, group)
-    except RuntimeError as e:
-        raise SymmetricMemoryError(
-            f"symmetric-memory rendezvous failed on {device} ({e}): the ranks' GPUs must reach each other's memory "
-            "(peer access over NVLink, one host)"
-        ) from e
-    world = dist.get_world_size(group)
-    peers = [t if r == handle.rank else handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
+        t = symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
+    except Exception as e:  # noqa: BLE001 (raised on every rank by meet)
+        error = _failure(e)
+    meet("allocate the heap", None, error)
+    handle, peers, error = None, None, None
+    try:
+        handle = symmetric_memory().rendezvous(t, group)
+        world = dist.get_world_size(group)
+        peers = [t if r == handle.rank else handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
+    except Exception as e:  # noqa: BLE001
+        error = (
+            f"symmetric-memory rendezvous failed on {device} ({_failure(e)}): the ranks' GPUs must reach each "
+            "other's memory (peer access over NVLink, one host)"
+        )
+    meet("map the heap", None, error)
     return Heap(handle.rank, nbytes, peers, keep=[handle, t])
 
 
-def shared_heap(nbytes: int, group) -> Heap:
-    """A :class:`Heap` of CPU memory (collective): a shared-memory file per rank that every rank
-    maps, for CPU ranks under the Triton interpreter. The files are unlinked once every rank has
-    mapped them (the mappings stay)."""
+def shared_heap(nbytes: int, group, meet: Callable) -> Heap:
+    """A :class:`Heap` of CPU memory (collective; ``meet`` as for :func:`symmetric_heap`): a
+    shared-memory file per rank that every rank maps, for CPU ranks under the Triton
+    interpreter. The files are unlinked once every rank has mapped them (the mappings stay)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -171,12 +192,20 @@ def shared_heap(nbytes: int, group) -> Heap:
         return Heap(0, nbytes, [torch.zeros(nbytes, dtype=torch.uint8)])
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(root, f"ctapipelining-{uuid.uuid4().hex}-{rank}")
-    own = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    own.zero_()
-    paths = [None] * world
-    dist.all_gather_object(paths, path, group=group)
-    peers = [own if r == rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
-             for r, p in enumerate(paths)]  # fmt: skip
-    dist.barrier(group=group)
-    os.unlink(path)
+    own, error = None, None
+    try:
+        own = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except Exception as e:  # noqa: BLE001
+        error = _failure(e)
+    paths = meet("create the heap", path, error)
+    peers, error = None, None
+    try:
+        peers = [own if r == rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+                 for r, p in enumerate(paths)]  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        error = _failure(e)
+    try:
+        meet("map the heap", None, error)
+    finally:
+        os.unlink(path)
     return Heap(rank, nbytes, peers)

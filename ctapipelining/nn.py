@@ -108,18 +108,25 @@ class FusedMLP(torch.nn.Module):
         self._register()
 
     def _set_weights(self, **tensors: torch.Tensor | None) -> None:
-        """Set the laid-out weights and vectors (buffers). One that exists with the same shape,
-        dtype and device is overwritten in place, so a CUDA graph that captured the block reads
-        the new values."""
+        """Set the laid-out weights and vectors (buffers). Once set, they are overwritten in
+        place (:meth:`refresh`), so a CUDA graph that captured the block reads the new values;
+        a source whose shape, dtype or device changed needs a new block."""
         check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
         check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
         for name, t in tensors.items():
             old = self._buffers.get(name)
-            if t is not None and old is not None and (old.shape, old.dtype, old.device) == (t.shape, t.dtype, t.device):
-                with torch.no_grad():
-                    old.copy_(t)
-            else:
+            if name not in self._buffers:
                 self.register_buffer(name, t, persistent=False)
+            elif (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
+                t.shape, t.dtype, t.device
+            ):  # fmt: skip
+                raise ValueError(
+                    f"{type(self).__name__}.refresh: the source's {name} changed shape, dtype or device; "
+                    "build a new block"
+                )
+            elif old is not None:
+                with torch.inference_mode() if old.is_inference() else torch.no_grad():
+                    old.copy_(t)
         self._epi = None
 
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
@@ -280,13 +287,16 @@ class GPTMLP(FusedMLP):
     def _lay_out(self, w_1, b_1, w_2, b_2, norm_weight, norm_bias) -> None:
         """``[H, I]`` first weight (norm folded) with its column sums and bias, ``[I, H]`` second."""
         with torch.no_grad():
-            w_in, col_sum, b_in = fold_layer_norm(norm_weight, norm_bias, w_1.t(), b_1)
+            w_in, _, b_in = fold_layer_norm(norm_weight, norm_bias, w_1.t(), b_1)
             w_out = w_2.t().clone(memory_format=torch.contiguous_format)  # never a view of the source
             b_out = None if b_2 is None else b_2.detach().clone().contiguous()
-        self._set_weights(w_in=w_in, w_out=w_out, col_sum=col_sum, b_in=b_in, b_out=b_out)
+        self._set_weights(w_in=w_in, w_out=w_out, b_in=b_in, b_out=b_out)
 
     def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
-        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=self.col_sum, bias=self.b_in)
+        # the column sums of the weight as it is now (fp32, whatever the block's dtype: the
+        # LayerNorm's subtraction needs them exact): computed where the weight is
+        col_sum = self.w_in.double().sum(0).float()
+        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=col_sum, bias=self.b_in)
         return first, Epilogue(bias=self.b_out, residual=True)
 
     @classmethod

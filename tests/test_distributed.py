@@ -318,4 +318,4 @@ def test_a_torch_without_symmetric_memory_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import fails
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)
     with pytest.raises(fabric.SymmetricMemoryError, match=r"needs PyTorch symmetric memory \(torch >= 2.6"):
-        fabric.symmetric_heap(1024, torch.device("cpu"), None)
+        fabric.symmetric_memory()

@@ -239,8 +239,10 @@ def test_a_backward_through_a_block_says_it_is_inference_only():
 
 
 def test_a_block_moves_copies_pickles_and_refreshes_in_place():
-    """The epilogues' vectors are buffers (``.to()`` moves them); a pickled block runs; ``refresh``
-    writes the new weights into the same buffers (a captured graph reads them)."""
+    """The epilogues' vectors are buffers (``.to()`` moves them, and the epilogues follow); a
+    pickled or copied block runs; ``refresh`` writes the new weights into the same buffers (a
+    captured graph reads them), and refuses a source that changed shape."""
+    import copy
     import pickle
 
     mlp, norm = gpt_block()
@@ -248,7 +250,9 @@ def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     x = torch.randn(5, H).half()
     y = block(x)
     assert torch.equal(pickle.loads(pickle.dumps(block))(x), y)
-    assert {block.to("meta")._buffers[n].device.type for n in ("w_in", "col_sum", "b_in", "b_out")} == {"meta"}
+    assert torch.equal(copy.deepcopy(block).float().half()(x), y)  # new buffers: the epilogues follow them
+    assert torch.equal(block.half()(x), y)
+    assert {block.to("meta")._buffers[n].device.type for n in ("w_in", "w_out", "b_in", "b_out")} == {"meta"}
     block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
     where = {n: t.data_ptr() for n, t in block._buffers.items()}
     with torch.no_grad():
@@ -257,3 +261,6 @@ def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     assert {n: t.data_ptr() for n, t in block._buffers.items()} == where
     assert not torch.equal(block(x), y)
     assert torch.equal(block(x), GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)(x))
+    mlp.c_proj.bias = None  # the second bias gone: b_out would change
+    with pytest.raises(ValueError, match="changed shape, dtype or device; build a new block"):
+        block.refresh()
