@@ -22,8 +22,8 @@
 #          kernel, then the loopback for memcheck)                                -> sanitize-*.log
 #   soak   (1 or 2 GPUs) benchmarks/soak.py: SOAK_CALLS (default 10000) checked calls on one pipeline -> soak.log, soak.json
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
-#   mlp    (1 GPU) benchmarks/mlp_block.py: the fused Llama MLP block against torch.compile and cuBLAS, MLP_REPS
-#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs)          -> mlp_block.log, mlp_block.json
+#   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
+#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt)          -> mlp_block.log, mlp_block.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
 #          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
@@ -77,6 +77,7 @@ for step in $STEPS; do
         > "$OUT/sanitize-memcheck-loopback.log" 2>&1
       echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
     mlp) timeout 500 python3 benchmarks/mlp_block.py "$OUT" "${MLP_REPS:-20}" "${MLP_MODE:-max-autotune-no-cudagraphs}" \
+        "${MLP_BLOCKS:-llama}" \
         > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^H|Error" "$OUT/mlp_block.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
       echo "soak rc=$?"; tail -c 1500 "$OUT/soak.log" ;;

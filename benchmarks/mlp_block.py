@@ -1,13 +1,15 @@
-"""One fused Llama MLP block on one GPU against ``torch.compile`` of ``transformers``' block and
+"""One fused MLP block on one GPU against ``torch.compile`` of ``transformers``' block and
 against its two GEMMs alone in cuBLAS (issue 16's speed targets).
 
-usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE]
+usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE] [BLOCKS]
 
-Llama-70B (hidden 8192, intermediate 28672) at M = 4096 and 8192, and Llama-8B (4096, 14336)
-at M = 1024 and 4096, bf16. Lines, graph-replayed, timed by the bench's harness (shuffled
-turns, paired):
+BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, intermediate
+28672) at M = 4096 and 8192 and Llama-8B (4096, 14336) at M = 1024 and 4096; a GPT-style block
+(4096, 16384) at M = 4096. bf16. Lines, graph-replayed, timed by the bench's harness
+(shuffled turns, paired):
 
-* ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused);
+* ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused),
+  or :class:`ctapipelining.nn.GPTMLP` (LayerNorm, biases, GELU and residual fused);
 * ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
   (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode);
 * ``cublas_gemms``: the block's two GEMMs alone in cuBLAS (``x @ [gate|up]``, then the real
@@ -24,13 +26,17 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.nn import LlamaMLP
+from ctapipelining.nn import GPTMLP, LlamaMLP
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
-SHAPES = [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)]
+BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
+SHAPES = {
+    "llama": [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)],
+    "gpt": [(4096, 16384, 4096)],
+}
 
 
 def ci(ratios):
@@ -41,27 +47,38 @@ def ci(ratios):
 def main():
     report = {"environment": environment(), "reps": REPS, "compile_mode": MODE, "command": " ".join(sys.argv)}
     report["shapes"] = {}
-    for H, inter, M in SHAPES:
-        key = f"H{H}_I{inter}_M{M}"
-        report["shapes"][key] = row = one_shape(H, inter, M)
+    for kind, H, inter, M in [(k, *shape) for k in BLOCKS for shape in SHAPES[k]]:
+        key = f"{'GPT_' if kind == 'gpt' else ''}H{H}_I{inter}_M{M}"
+        report["shapes"][key] = row = one_shape(H, inter, M, kind)
         print(key, json.dumps(row), flush=True)
         torch._dynamo.reset()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "mlp_block.json").write_text(json.dumps(report, indent=1))
 
 
-def one_shape(H: int, inter: int, M: int) -> dict:
+def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
     """Every line on one block shape and input height; medians and paired ratios."""
     import transformers
-    from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=64)
-    mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+    if kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=64)
+        mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+        block = LlamaMLP.from_hf(mlp, norm)
+        w_in = torch.cat([mlp.gate_proj.weight.t(), mlp.up_proj.weight.t()], 1).contiguous()
+        w_out = mlp.down_proj.weight.t().contiguous()
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        cfg = transformers.GPT2Config(n_embd=H, n_head=32, activation_function="gelu_new")
+        mlp, norm = GPT2MLP(inter, cfg).cuda().bfloat16().eval(), torch.nn.LayerNorm(H).cuda().bfloat16()
+        block = GPTMLP.from_hf(mlp, norm)
+        w_in, w_out = mlp.c_fc.weight.contiguous(), mlp.c_proj.weight.contiguous()  # Conv1D: [in, out]
     for p in list(mlp.parameters()) + list(norm.parameters()):
         p.requires_grad_(False)
-    block = LlamaMLP.from_hf(mlp, norm)
     x = torch.randn(M, H, device="cuda").bfloat16()
 
     def hf(x):
@@ -71,10 +88,8 @@ def one_shape(H: int, inter: int, M: int) -> dict:
     with torch.no_grad():
         compiled(x)
         compiled(x)
-    gu = torch.cat([mlp.gate_proj.weight.t(), mlp.up_proj.weight.t()], 1).contiguous()
-    down = mlp.down_proj.weight.t().contiguous()
     h_real = block.first_gemm(x)
-    gu_out = torch.empty(M, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    gu_out = torch.empty(M, w_in.shape[1], device="cuda", dtype=torch.bfloat16)
     y = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         methods = [
@@ -83,7 +98,7 @@ def one_shape(H: int, inter: int, M: int) -> dict:
             Method("compiled", capture(lambda: compiled(x), [0]).replay),
             Method(
                 "cublas_gemms",
-                capture(lambda: (torch.mm(x, gu, out=gu_out), torch.mm(h_real, down, out=y)), [0]).replay,
+                capture(lambda: (torch.mm(x, w_in, out=gu_out), torch.mm(h_real, w_out, out=y)), [0]).replay,
             ),
         ]
         times = time_interleaved(methods, [0], REPS, 3)
