@@ -78,7 +78,7 @@ for step in $STEPS; do
       echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
     mlp) timeout 500 python3 benchmarks/mlp_block.py "$OUT" "${MLP_REPS:-20}" "${MLP_MODE:-max-autotune-no-cudagraphs}" \
         "${MLP_BLOCKS:-llama}" \
-        > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^H|Error" "$OUT/mlp_block.log" | tail -8 ;;
+        > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^(GPT_)?H|Error" "$OUT/mlp_block.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
       echo "soak rc=$?"; tail -c 1500 "$OUT/soak.log" ;;
     sancross) for tool in memcheck racecheck synccheck; do
