@@ -31,7 +31,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
 from .kernels.gemm import GemmConfig, Tail
-from .launcher import MAX_ARGUMENTS, RawLaunch, addresses, operand_key
+from .launcher import RawLaunch, addresses
 
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
@@ -147,7 +147,6 @@ class ChainLaunch:
         self._trailing = tuple(self._constexprs.values())
         self._blocks = tma_blocks(config)
         self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
-        self._arguments = {}  # operand_key -> the raw launch's arguments
 
     def _order_codes(self, lag: int | None):
         """The combined order's codes (:func:`ctapipelining.deps.chain_order`) with ``lag``."""
@@ -183,13 +182,7 @@ class ChainLaunch:
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
-            key = operand_key(t for op in ops for t in op)
-            args = self._arguments.get(key)
-            if args is None:  # the operands are the last calls' (a serving loop's buffers recur): no rebuild
-                if len(self._arguments) >= MAX_ARGUMENTS:
-                    self._arguments.clear()
-                args = self._arguments[key] = self.raw_args(raw.tensor_map, ops)
-            raw(self.num_ctas, stream, *args)
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops))
             return kernel
         a_block, b_block, c_block = self._blocks
         descs = []

@@ -23,7 +23,7 @@ from .epilogue import OFF, Epilogue
 from .kernels.epilogue import norm_rows
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
-from .launcher import MAX_ARGUMENTS, RawLaunch, addresses, operand_key
+from .launcher import RawLaunch, addresses
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -332,7 +332,6 @@ class GemmLaunch:
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
-        self._arguments = {}  # operand_key -> the raw launch's arguments
 
     def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool) -> tuple:
         """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue."""
@@ -367,14 +366,7 @@ class GemmLaunch:
             kernel, raw = got
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            operands = (a, b, c) if residual is None else (a, b, c, residual)
-            key = operand_key(operands)
-            args = self._arguments.get(key)
-            if args is None:  # the operands are the last calls' (a serving loop's buffers recur): no rebuild
-                if len(self._arguments) >= MAX_ARGUMENTS:
-                    self._arguments.clear()
-                args = self._arguments[key] = self.raw_args(raw.tensor_map, a, b, c, residual)
-            raw(self.num_ctas, stream, *args)
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c, residual))
             return kernel
         # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
         # (Triton's path calls them): kernel[grid]

@@ -26,13 +26,6 @@ except ImportError:  # no CUDA backend: RawLaunch.of returns None
     make_tensordesc_arg = None
 
 MAX_TENSOR_MAPS = 64  # encoded tensor maps kept per launch (cleared when full)
-MAX_ARGUMENTS = 16  # argument tuples kept per launch (cleared when full)
-
-
-def operand_key(tensors) -> tuple:
-    """What a launch's arguments depend on, of its operand tensors: address, shape, row stride,
-    element type (the plan's buffers never move; callers' tensors are looked at each call)."""
-    return tuple((t.data_ptr(), t.shape, t.stride(0), t.dtype) for t in tensors)
 
 
 def addresses(bundle):
