@@ -4,9 +4,12 @@
 
 Each rank holds ``--stages-per-rank`` layers of ``x @ W_0 @ W_1 @ ...`` (``dim`` x ``dim``, bf16).
 It checks the result (bitwise) against the same stages run one after another and against the
-one-process :class:`~ctapipelining.pipeline.Pipeline` over the same GPUs, then times both
-graph-replayed, taking turns, and prints the median of each and their paired ratio. With one GPU,
-``--loopback`` puts a segment per stage on it, so the links go through symmetric memory.
+one-process :class:`~ctapipelining.pipeline.Pipeline` over the same GPUs. With two or more
+ranks, rank 0 then starts three calls ``--late`` seconds after the others (longer than the
+kernels' timeout): the calls must be right and nothing may time out. Last it times both
+pipelines graph-replayed, taking turns, and prints the median of each and their paired ratio.
+With one GPU, ``--loopback`` puts a segment per stage on it, so the links go through symmetric
+memory.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def main() -> None:
     p.add_argument("--stages-per-rank", type=int, default=1, help="layers per rank (default 1)")
     p.add_argument("--loopback", action="store_true", help="a segment per stage (links through the heap on one GPU)")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays of each (default 30)")
+    p.add_argument(
+        "--late", type=float, default=2.0,
+        help="seconds rank 0 sleeps before each of 3 eager calls while the others have launched theirs: more than "
+        "the kernels' 1 s timeout, less than the 2.5 s start timeout; the calls must be right (default 2; 0: skip)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="write the result as JSON here (rank 0)")
     args = p.parse_args()
 
@@ -62,6 +70,19 @@ def main() -> None:
         if world > 1:
             dist.recv(y_last, src=world - 1)
         same_single = torch.equal(single(x, check=True).to(device), y_last)
+    dist.barrier()
+
+    # a late first rank: the others' consumers wait in their gates, not in their kernels' deadlines
+    late_right = None
+    if args.late > 0 and world > 1:
+        late_right = True
+        for _ in range(3):
+            dist.barrier()
+            if rank == 0:
+                time.sleep(args.late)
+            got = pipe(x, rows=rows)
+            late_right = late_right and (got is None or torch.equal(got, ref))
+        pipe.check_errors()  # raises on every rank if anything timed out
     dist.barrier()
 
     graphed = pipe.capture(args.rows)
@@ -96,6 +117,7 @@ def main() -> None:
             "world": world, "rows": args.rows, "dim": args.dim, "stages": n, "loopback": args.loopback,
             "bitwise_equal_sequential": same_sequential if world == 1 else "on the last rank",
             "bitwise_equal_one_process": same_single,
+            "late_first_rank": None if late_right is None else {"seconds": args.late, "calls": 3, "no_timeout": True},
             "median_ms": {k: statistics.median(v) for k, v in times.items()},
             "distributed_over_one_process": {"median": med, "ci95": [lo, hi]},
             "times_ms": times, "env": environment(),
@@ -105,7 +127,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     if rank == world - 1 and world > 1:
-        print(json.dumps({"rank": rank, "bitwise_equal_sequential": same_sequential}))
+        print(json.dumps({"rank": rank, "bitwise_equal_sequential": same_sequential, "late_calls_right": late_right}))
     dist.destroy_process_group()
 
 

@@ -124,3 +124,26 @@ def test_a_weight_off_the_rank_gpu_is_refused(world1):
         DistributedPipeline([ws[0], ws[0].cpu()])
     pipe = DistributedPipeline(ws, config=PIPELINE_CONFIG)
     assert pipe.is_first and pipe.is_last and len(pipe.segments) == 1
+
+
+@pytest.mark.gpu2
+def test_two_ranks_under_torchrun(tmp_path):
+    """Two processes, a rank per GPU (examples/torchrun_chain.py): bitwise equal to the stages one
+    after another and to the one-process pipeline; a first rank 2 s late (the kernels' timeout is
+    1 s) makes three calls that are right, and nothing times out."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "torchrun_chain.py"
+    out = tmp_path / "torchrun.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(example), "--rows", "2048",
+         "--dim", "4096", "--reps", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["bitwise_equal_one_process"] is True and res["late_first_rank"]["no_timeout"] is True
+    assert '"bitwise_equal_sequential": true' in r.stdout and '"late_calls_right": true' in r.stdout
