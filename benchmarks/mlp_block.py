@@ -1,11 +1,12 @@
 """One fused MLP block on one GPU against ``torch.compile`` of ``transformers``' block and
 against its two GEMMs alone in cuBLAS (issue 16's speed targets).
 
-usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE] [BLOCKS]
+usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE] [BLOCKS] [ONLY]
 
 BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, intermediate
 28672) at M = 4096 and 8192 and Llama-8B (4096, 14336) at M = 1024 and 4096; a GPT-style block
-(4096, 16384) at M = 4096. bf16. Lines, graph-replayed, timed by the bench's harness
+(4096, 16384) at M = 4096. ONLY: the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``)
+contains it. bf16. Lines, graph-replayed, timed by the bench's harness
 (shuffled turns, paired):
 
 * ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused),
@@ -33,6 +34,7 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
 BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
+ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 SHAPES = {
     "llama": [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)],
     "gpt": [(4096, 16384, 4096)],
@@ -49,6 +51,8 @@ def main():
     report["shapes"] = {}
     for kind, H, inter, M in [(k, *shape) for k in BLOCKS for shape in SHAPES[k]]:
         key = f"{'GPT_' if kind == 'gpt' else ''}H{H}_I{inter}_M{M}"
+        if ONLY not in key:
+            continue
         report["shapes"][key] = row = one_shape(H, inter, M, kind)
         print(key, json.dumps(row), flush=True)
         torch._dynamo.reset()
