@@ -34,12 +34,20 @@ What is modelled
   **all-reduce** ``alpha + 2 (g - 1) / g * bytes / busbw`` (ring).
 * **Launch**: each kernel of a replayed CUDA graph starts ``launch_ns`` after the previous one
   on its stream.
-* **Stages sharing one GPU**: the chain kernel (:func:`simulate_chain_kernel`: CTAs claim the
-  combined order's positions as they come free, its tiles ``chain_tile_factor`` times the
-  GEMM's, ``chain_fixed_ns`` a kernel), the loopback (:func:`simulate_loopback`: a share of the
-  SMs per stage) and our GEMMs one after another with split tails
-  (:func:`simulate_ours_sequential`; ``tail_slice_ns`` per slice). :func:`validate_shared`
-  compares their ratios with a ``benchmarks/shared_gpu.py`` run.
+* **Stages sharing one GPU**:
+  - the chain kernel (:func:`simulate_chain_kernel`): CTAs claim the positions of the kernel's
+    own combined order (:func:`ctapipelining.deps.chain_order`, stages interleaved) as they come
+    free; its tiles take ``chain_tile_factor`` times the GEMM's, and ``chain_fixed_ns`` a kernel;
+  - the loopback (:func:`simulate_loopback`): a share of the SMs per stage;
+  - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
+    ``tail_slice_ns`` per slice).
+
+  :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
+  recorded run at 128-16384 rows
+  (``benchmarks/results/2026-12-01-h200x2-decision/depth/shared_gpu.json``):
+  - the chain against the GEMMs one after another is within 3% at every height;
+  - the chain against the loopback errs by up to 6.3% (128 rows) and 4.2% (640 rows), where the
+    loopback's half-idle GPU clocks up.
 
 Methods: sequential, micro-batching (one chunk size, or the best of a sweep), tensor
 parallelism, CTA-pipelining (both policies) and CTA-pipelining combined with TP (stages x
@@ -428,18 +436,23 @@ def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration) -> float
 
 
 def simulate_chain_kernel(
-    M: int, dims: list[int], cal: Calibration, wait_parts: int = 8, split_tail: bool = False
+    M: int,
+    dims: list[int],
+    cal: Calibration,
+    wait_parts: int = 8,
+    split_tail: bool = False,
+    interleave: bool = True,
 ) -> float:
     """The stages of ``dims`` sharing one GPU in one chain kernel (:mod:`ctapipelining.kernels.chain`):
-    CTAs claim the positions of the combined order (every tile of stage 0 in its tile order, then
-    of stage 1, ...) as they come free; a tile of a later stage waits for each part of its
-    input as :func:`_gemm_stage` does; a tile is signalled a fraction into its CTA's next tile of
-    the same stage, or when its CTA takes a tile of a later stage (before it waits), or ends.
-    Tiles take :attr:`Calibration.chain_tile_factor` times the GEMM's, the kernel
-    :attr:`Calibration.chain_fixed_ns` more. ``split_tail``: the combined order's partial last
-    round, when it lies in the last stage, runs as K-slices (each waits for its tile's whole
-    input; a tile is done with its last slice, plus :attr:`Calibration.tail_slice_ns` per
-    slice). Returns the GPU time."""
+    CTAs claim the positions of the kernel's combined order (:func:`ctapipelining.deps.chain_order`,
+    the same table: stages interleaved one round apart, or with ``interleave=False`` stage after
+    stage) as they come free; a tile of a later stage waits for each part of its input as
+    :func:`_gemm_stage` does; a tile is signalled a fraction into its CTA's next tile of the same
+    stage, or when its CTA takes a tile of another stage (before it waits), or ends. Tiles take
+    :attr:`Calibration.chain_tile_factor` times the GEMM's, the kernel
+    :attr:`Calibration.chain_fixed_ns` more. ``split_tail``: the last stage's partial last
+    round runs as K-slices (each waits for its tile's whole input; a tile is done with its last
+    slice, plus :attr:`Calibration.tail_slice_ns` per slice). Returns the GPU time."""
     bm, bn = cal.block_m, cal.block_n
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
@@ -465,50 +478,50 @@ def simulate_chain_kernel(
         return float(sig.max()) + cal.t2_ns
 
     k_last = -(-dims[-2] // cal.block_k)
-    tiles = [g.num_tiles for g in grids]
-    split = deps.last_stage_tail(tiles, P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
-    end_all = 0.0
-    for s, grid in enumerate(grids):
+    split = deps.last_stage_tail([g.num_tiles for g in grids], P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
+    orders = [deps.tile_order(g, cal.group_m) for g in grids]
+    codes = deps.chain_order(grids[0].num_m, [g.num_n for g in grids], cal.group_m, P if interleave else None, split)
+    tail_done: dict[int, float] = {}  # a tail tile's last slice so far
+    for code in codes:
+        s, q = int(code) >> deps.STAGE_SHIFT, int(code) & ((1 << deps.STAGE_SHIFT) - 1)
         t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
-        order = deps.tile_order(grid, cal.group_m)
-        first_tail = grid.num_tiles if split is None or s < S - 1 else split.first_pos
-        for tile in order[:first_tail]:
-            t, c = heapq.heappop(heap)
-            same = c in pending and pending[c][0] == s
-            if c in pending and not same:  # flushed before this tile waits
+        t, c = heapq.heappop(heap)
+        if split is not None and s == S - 1 and q >= split.first_pos:  # a K-slice of a tail tile
+            j = q - split.first_pos
+            tile, p = int(orders[s][split.first_pos + j // split.splits]), j % split.splits
+            if c in pending:
                 ps, pt = pending.pop(c)
                 signal[ps][pt] = t
-            begin = end = t
-            if s > 0:
-                d = links[s - 1]
-                begin = end = max(t, visible(s, tile, 0)) + cal.t3_ns
-                for q in range(1, d.parts):
-                    frac = (d.part_k_start(q) - d.part_k_start(q - 1)) / dims[s]
-                    end = max(end + frac * t_tile, visible(s, tile, q))
-                end -= d.part_k_start(d.parts - 1) / dims[s] * t_tile
-            if same:
-                ps, pt = pending.pop(c)
-                signal[ps][pt] = begin + cal.signal_lag * t_tile
-            cta_free[c] = end + t_tile + post
-            owner[s][tile] = c
-            if s < S - 1:
-                pending[c] = (s, tile)
+            ready = t
+            if s > 0:  # every part of its input
+                ready = max(t, max(visible(s, tile, r) for r in range(links[s - 1].parts))) + cal.t3_ns
+            k0, k1 = p * k_last // split.splits, (p + 1) * k_last // split.splits
+            cta_free[c] = ready + (k1 - k0) / k_last * t_tile
+            tail_done[tile] = max(tail_done.get(tile, 0.0), cta_free[c])
             heapq.heappush(heap, (cta_free[c], c))
-        for tile in order[first_tail:]:  # the last stage's tail tiles, in K-slices
-            done = 0.0
-            for p in range(split.splits):
-                t, c = heapq.heappop(heap)
-                if c in pending:
-                    ps, pt = pending.pop(c)
-                    signal[ps][pt] = t
-                ready = t
-                if s > 0:  # every part of its input
-                    ready = max(t, max(visible(s, tile, q) for q in range(links[s - 1].parts))) + cal.t3_ns
-                k0, k1 = p * k_last // split.splits, (p + 1) * k_last // split.splits
-                cta_free[c] = ready + (k1 - k0) / k_last * t_tile
-                done = max(done, cta_free[c])
-                heapq.heappush(heap, (cta_free[c], c))
-            end_all = max(end_all, done + split.splits * cal.tail_slice_ns)
+            continue
+        tile = int(orders[s][q])
+        same = c in pending and pending[c][0] == s
+        if c in pending and not same:  # flushed before this tile waits
+            ps, pt = pending.pop(c)
+            signal[ps][pt] = t
+        begin = end = t
+        if s > 0:
+            d = links[s - 1]
+            begin = end = max(t, visible(s, tile, 0)) + cal.t3_ns
+            for r in range(1, d.parts):
+                frac = (d.part_k_start(r) - d.part_k_start(r - 1)) / dims[s]
+                end = max(end + frac * t_tile, visible(s, tile, r))
+            end -= d.part_k_start(d.parts - 1) / dims[s] * t_tile
+        if same:
+            ps, pt = pending.pop(c)
+            signal[ps][pt] = begin + cal.signal_lag * t_tile
+        cta_free[c] = end + t_tile + post
+        owner[s][tile] = c
+        if s < S - 1:
+            pending[c] = (s, tile)
+        heapq.heappush(heap, (cta_free[c], c))
+    end_all = max((done + split.splits * cal.tail_slice_ns for done in tail_done.values()), default=0.0)
     return max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
 
 
@@ -540,10 +553,12 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
         M, med = int(M), row["median_ms"]
         p = {
             "chain": simulate_chain_kernel(M, [K, K, K], cal),
+            "chain_stage_major": simulate_chain_kernel(M, [K, K, K], cal, interleave=False),
             "ours_seq": simulate_ours_sequential(M, [K, K, K], cal),
             "loopback": simulate_loopback(M, [K, K, K], cal),
         }
-        for num, den in (("chain", "ours_seq"), ("chain", "loopback")):
+        ratios = [("chain", "ours_seq"), ("chain", "loopback"), ("chain_stage_major", "chain")]
+        for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
             predicted = p[num] / p[den]
             rows.append(dict(seq=M, ratio=f"{num}/{den}", predicted=round(predicted, 4), measured=round(measured, 4),
