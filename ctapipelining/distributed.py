@@ -464,6 +464,10 @@ class DistributedPipeline:
         for k, seg in enumerate(self.segments):
             a = x if dp.inputs[k] is None else dp.inputs[k]
             seg.compile(dp.plans[k], a, out if dp.outputs[k] is None else dp.outputs[k])
+            if self.on_gpu:  # and the handshake's kernels
+                self._gate(dp, k, B, compile_only=True)
+                if dp.consumed_in[k] is not None:
+                    finish.warmup(dp.calls[k], dp.consumed_in[k], grid=(1,), num_warps=HANDSHAKE_WARPS)
         return dp
 
     def _meet(self, what: str, payload=None, error: str | None = None) -> list:
@@ -589,12 +593,14 @@ class DistributedPipeline:
             if stream is not None:
                 caller.wait_stream(stream)
 
-    def _gate(self, dp: DistributedPlan, k: int, rows: int) -> None:
+    def _gate(self, dp: DistributedPlan, k: int, rows: int, compile_only: bool = False) -> None:
+        """Launch segment ``k``'s gate for a call on ``rows`` rows (``compile_only``: compile it)."""
         calls, first = dp.calls[k], self.placement.segments[self._segment_ids[k]][0]
         s_in, c_out, s_out = dp.started_in[k], dp.consumed_out[k], dp.started_out[k]
         r_in, r_out = dp.rows_in[k], dp.rows_out[k]
         flags = [calls if f is None else f for f in (s_in, r_in, c_out, s_out, r_out)]  # unused: any valid pointer
-        gate[(1,)](
+        launch = functools.partial(gate.warmup, grid=(1,)) if compile_only else gate[(1,)]
+        launch(
             calls, *flags, dp.plans[k].errors[0], first, rows, self.start_timeout_ns,
             HAS_IN=s_in is not None, HAS_OUT=s_out is not None, INTERPRET=not self.on_gpu, num_warps=HANDSHAKE_WARPS,
         )  # fmt: skip
