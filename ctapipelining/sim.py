@@ -803,11 +803,20 @@ def _measured(path: Path) -> None:
         raise UsageError(f"--validate {path}: not a bench results file ({type(e).__name__}: {e})") from None
 
 
+def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
+    try:
+        return validate_shared(cal, path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        what = f"{type(e).__name__}: {e}"
+        raise UsageError(f"--validate-shared {path}: not a shared_gpu.py results file ({what})") from None
+
+
 def run(args) -> int:
     """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
     cal = _calibration(args)
     for path in args.validate:
         _measured(path)
+    shared = [_shared_rows(cal, path) for path in args.validate_shared]  # checked before any output
     print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal))
@@ -827,6 +836,12 @@ def run(args) -> int:
                     f"  {r['seq']:6d} {r['method']:22s} predicted {r['predicted_ms']:8.4f}  "
                     f"measured {r['measured_ms']:8.4f}  {r['error_pct']:+6.1f}%"
                 )
+    for path, rows in zip(args.validate_shared, shared):
+        report["validation"][_rel(path)] = rows
+        print(f"\nstages sharing one GPU, against {_rel(path)} (ratios; the error of the predicted one):")
+        for r in rows:
+            print(f"  {r['seq']:6d} {r['ratio']:24s} predicted {r['predicted']:.4f}  measured {r['measured']:.4f}  "
+                  f"{r['error_pct']:+6.1f}%")  # fmt: skip
     print("\nFigure 4 (N-layer chain on N GPUs, M=16384): reduction vs best micro-batching")
     for f in report["figure4"]:
         print(f"  {f['gpus']} GPUs: model {f['reduction_vs_best_pct']:+.1f}%   paper {f['paper_reduction_pct']}%")
@@ -875,6 +890,10 @@ def add_arguments(p, plan_args: bool = False) -> None:
         p.add_argument(
             "--validate", type=existing_file, nargs="*", default=[], metavar="RESULTS",
             help="bench results JSONs to compare the predictions with",
+        )  # fmt: skip
+        p.add_argument(
+            "--validate-shared", type=existing_file, nargs="*", default=[], metavar="RESULTS",
+            help="benchmarks/shared_gpu.py JSONs (stages sharing one GPU) to compare the chain kernel's model with",
         )  # fmt: skip
         p.add_argument("--seq", type=positive_int, default=16384, help="rows of X of the predicted timeline")
         p.add_argument("--k", type=positive_int, default=8192, help="hidden size of the predicted timeline")

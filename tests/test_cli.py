@@ -77,6 +77,7 @@ def test_files_of_the_wrong_kind_end_in_one_line_and_status_2(tmp_path, capsys):
         (["sim", "--results", str(trace)], f"ctapipelining sim: error: cannot calibrate on {trace}: KeyError"),
         (["plan", "--m", "64", "--dims", "64,64", "--gpus", "1", "--results", str(tmp_path)], "cannot calibrate on"),
         (["sim", "--validate", str(trace)], f"--validate {trace}: not a bench results file"),
+        (["sim", "--validate-shared", str(trace)], f"--validate-shared {trace}: not a shared_gpu.py results file"),
         (["sim", "--trace", str(trace)], "--trace and --tune calibrate together with --results"),
     ]
     for argv, message in cases:
@@ -107,6 +108,19 @@ def test_sim_writes_its_report_and_figures(tmp_path, capsys):
     report = json.loads((tmp_path / "sim.json").read_text())
     assert report["calibration"]["device"].startswith("2x NVIDIA H200") and report["validation"] == {}
     assert {p.name for p in tmp_path.glob("*.png")} == {"sim_fig4.png", "sim_fig7.png", "sim_timeline_static.png"}
+
+
+SHARED = Path(__file__).parent.parent / "benchmarks/results/2026-12-01-h200x2-decision/depth/shared_gpu.json"
+
+
+@pytest.mark.skipif(not SHARED.is_file(), reason="benchmarks/results not here")
+def test_sim_compares_the_shared_gpu_model_with_a_recorded_run(tmp_path, capsys):
+    argv = ["sim", "--validate-shared", str(SHARED), "--seq", "1024", "--k", "1024", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stages sharing one GPU, against" in out
+    assert sum("chain/ours_seq" in line and "measured" in line for line in out.splitlines()) == 6
+    assert len(json.loads((tmp_path / "sim.json").read_text())["validation"]) == 1
 
 
 def test_python_m_ctapipelining_help():
