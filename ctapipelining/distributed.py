@@ -248,6 +248,14 @@ class DistributedPipeline:
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
+        first_weight = weights[0] if isinstance(weights, list) and weights else None
+        if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and dist.get_backend(self.group) == "nccl":
+            current = torch.cuda.current_device()
+            if current != first_weight.device.index:  # NCCL's object collectives (the gather below) run there
+                raise RuntimeError(
+                    f"rank {self.rank}'s weights are on {first_weight.device} but the current CUDA device is "
+                    f"cuda:{current}: call torch.cuda.set_device({first_weight.device.index}) first"
+                )
         try:
             self._check_local(weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans,
                               row_buckets, sm_budget, loopback)  # fmt: skip
@@ -632,7 +640,14 @@ class DistributedPipeline:
             return self._sequential(x, rows)
 
     def _sequential(self, x, rows) -> torch.Tensor | None:
-        M = self._rows(x, rows)
+        M, error = None, None
+        try:
+            M = self._rows(x, rows)
+        except (ValueError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        heights = self._meet("run the stages one after another", M, error)  # no rank left in a recv
+        if len(set(heights)) > 1:
+            raise ValueError(f"the ranks asked for different row counts ({heights} by rank)")
         B = self.rows_for(M)
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
         if self.is_first:

@@ -1030,6 +1030,8 @@ class Pipeline:
         raises :class:`PipelineTimeout` at a later call or at :meth:`check_errors`; an earlier
         call's is raised here, before anything is launched. ``check=True`` waits for this call
         and checks it (the result is then known good)."""
+        if self.segment is not None:
+            raise RuntimeError("this pipeline is a segment of a longer chain: call its DistributedPipeline")
         with self._lock:
             self._usable()
             self.check_input(x)

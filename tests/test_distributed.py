@@ -319,3 +319,14 @@ def test_a_torch_without_symmetric_memory_is_named(monkeypatch):
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)
     with pytest.raises(fabric.SymmetricMemoryError, match=r"needs PyTorch symmetric memory \(torch >= 2.6"):
         fabric.symmetric_memory()
+
+
+def test_a_segment_is_called_through_its_pipeline_and_sequential_refuses_bad_input(world1):
+    ws = _weights([32, 48, 32])
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True)
+    x = torch.randn(40, 32).half()
+    with pytest.raises(RuntimeError, match="call its DistributedPipeline"):
+        pipe.segments[0](x)
+    with pytest.raises(RuntimeError, match="run the stages one after another failed: rank 0: ValueError"):
+        pipe.sequential(rows=40)  # rank 0 gives x: refused on every rank, nobody left in a recv
+    assert torch.equal(pipe(x), pipe.sequential(x))
