@@ -570,7 +570,7 @@ def bucket_rows(M: int, block_m: int, per_octave: int) -> int:
     ``per_octave`` is 0; else ``M`` rounded up to whole row-blocks, and above 8 row-blocks to
     the next of ``per_octave`` sizes per octave (``2^k * (1 + i / per_octave)``, whole
     row-blocks). A serving loop whose row count varies then builds a few plans per octave
-    (4 per octave: 8 between 2048 and 8192 rows) and computes at most ``1 / per_octave`` more
+    (4 per octave: 8 for 2049-8192 rows, 2048 being a height of its own) and computes at most ``1 / per_octave`` more
     rows than it needs (the extra rows read zeros and are not written)."""
     if not isinstance(per_octave, int) or per_octave < 0 or per_octave & (per_octave - 1):
         # a power of two: every size is then whole row-blocks, and a size is its own bucket

@@ -38,7 +38,8 @@ good only then. Host waits for this rank's GPU are bounded (``host_timeout_s``);
 peer rank inside a collective is bounded by the process group's own timeout.
 
 Plan building, eviction and the error check are collective: every rank must make the same calls
-(the same row counts, in the same order); a plan's first call checks that the ranks agree.
+(the same row counts, in the same order); building a plan checks that the ranks agree on its
+height, and each call's gate checks its rows.
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ class DistributedPipeline:
         link goes through the heap: how one GPU tests the cross-rank path.
 
     Every rank checks its own arguments and GPU at
-    construction: an error anywhere is raised on every rank. Calls and graph replays hold a lock
+    construction: an error anywhere is raised on every rank (except a current CUDA device that is
+    not the weights', raised on its rank before any collective can run). Calls and graph replays hold a lock
     (one at a time on the host). A call is ordered after whatever the caller queued on this
     GPU's current stream, and that stream waits for it. A call that one rank refuses (bad input)
     or that fails part way puts that rank out of step with the others, who made the call: it

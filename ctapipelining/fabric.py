@@ -11,7 +11,7 @@ the consumer GPU's memory.
 - One process per GPU (:mod:`ctapipelining.distributed`): each rank allocates one
   :class:`Heap`, the same size on every rank, and addresses every rank's heap from its own
   GPU. On GPUs it is PyTorch symmetric memory (``empty`` + ``rendezvous``, each peer's buffer
-  through ``get_buffer``: peer pointers, no multicast, which the GPU machines keep off); for
+  through ``get_buffer``: peer pointers, so it works with NVLink multicast off); for
   CPU ranks under the Triton interpreter (the tests) it is a shared-memory file per rank that
   every rank maps.
 """

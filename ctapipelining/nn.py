@@ -1,10 +1,10 @@
 """Transformer MLP blocks as ``torch.nn`` modules, their elementwise work fused into the GEMMs.
 
 Each block is two GEMMs (:func:`ctapipelining.gemm.matmul` with an
-:class:`~ctapipelining.epilogue.Epilogue`), and nothing else touches memory: ``x`` is read by the
-first GEMM (and as the residual by the second), the intermediate ``h`` is written once and read
-once. The norm's weight (and bias) is folded into the first GEMM's weight (and bias); a pass
-over ``x`` before it computes each row's statistics, which its epilogue applies.
+:class:`~ctapipelining.epilogue.Epilogue`) and one pass over ``x`` for the norm's row
+statistics; nothing else touches memory: ``x`` is read by the first GEMM (and as the residual by
+the second), the intermediate ``h`` is written once and read once. The norm's weight (and bias)
+is folded into the first GEMM's weight (and bias), and its epilogue applies the statistics.
 
 - :class:`LlamaMLP`: ``y = x + W_down(silu(rmsnorm(x) @ W_gate) * (rmsnorm(x) @ W_up))``, no
   bias. The gate and up columns are interleaved in pairs, so the gated activation is an

@@ -115,7 +115,7 @@ class PipelineHung(RuntimeError):
 
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
-ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2048-8192
+ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 
 
 def _int32_on(arr, device) -> torch.Tensor:
@@ -425,7 +425,7 @@ class Pipeline:
     row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
         a call on ``M`` rows runs the plan for :meth:`rows_for` ``(M)`` rows, which reads zeros
         past ``M`` and writes only ``M`` rows, so a serving loop whose row count varies builds
-        a few plans (4 per octave: 8 between 2048 and 8192 rows) and computes at most a quarter
+        a few plans (4 per octave: 8 for 2049-8192 rows) and computes at most a quarter
         more rows. 0: one plan per exact height. With prefill or drain rows, plans are per
         exact height.
     trace : record per-tile ``%globaltimer`` stamps of every stage (GPU only; see

@@ -1,14 +1,15 @@
 """One persistent kernel over the stages that share a GPU (a *chain kernel*).
 
 Stages ``s0 .. s0 + S - 1`` of a chain on one GPU (``S <= MAX_STAGES``) run in one launch,
-from one *combined tile order*: every tile of the first stage, then every tile of the second,
-and so on, each stage's tiles in its own grouped order (:func:`~.gemm.tile_of_position`).
+from one *combined tile order* (:func:`ctapipelining.deps.chain_order`, a plan-time table):
+each stage's tiles in its own grouped order, a later stage's tiles placed about one round of the
+grid after the rows they read (or, on request, stage after stage).
 Each CTA claims the next position from an atomic *ticket* and runs that tile with its
 stage's body; a tile of a later stage first waits on its counters (the same dependency
 arrays and counters as a link between GPUs, in this GPU's memory), so a consumer tile starts
 as soon as its input rows are written and fills the SMs its producer leaves idle. For
 ``X[640, 8192] @ A @ B`` (160 tiles a layer on 132 SMs) that is three rounds of tiles where
-two kernels one after the other take four (``../DESIGN.md``, stages that share a GPU).
+two kernels one after the other take four (``docs/design.md``, placement).
 
 No deadlock whatever the number of resident CTAs: a tile only waits for tiles of the stage
 before it, which sit at earlier positions, and a position is claimed only by a CTA that is
