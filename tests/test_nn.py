@@ -187,7 +187,7 @@ def gpt_reference(mlp, norm, x):
     return x + h @ mlp.c_proj.weight.float() + mlp.c_proj.bias.float()
 
 
-@pytest.mark.parametrize("M", [1, 37, 100])
+@pytest.mark.parametrize("M", [1, 100])  # 37 rows: the Llama test covers a ragged height
 @pytest.mark.parametrize("offset", [0.0, 30.0])
 def test_gpt_block_is_as_accurate_as_transformers(M, offset):
     """Against float32: the fused GPT block (LayerNorm folded into the first GEMM, bias and GELU
