@@ -468,12 +468,14 @@ class DistributedPipeline:
                 dp.rows_out.append(view("rows", last + 1) if has_out else None)
         finally:
             self._building = None
-        w = self.weights[0]
-        x = torch.empty(B, self.in_features, dtype=w.dtype, device=self.device)  # stand-ins of the caller's
-        out = torch.empty(B, self.out_features, dtype=w.dtype, device=self.device)
+        dtype = self.weights[0].dtype
         for k, seg in enumerate(self.segments):
-            a = x if dp.inputs[k] is None else dp.inputs[k]
-            seg.compile(dp.plans[k], a, out if dp.outputs[k] is None else dp.outputs[k])
+            # the caller's x (first segment) and out (last) are stood in for, at their shapes
+            a = dp.inputs[k] if dp.inputs[k] is not None else torch.empty(B, self.in_features, dtype=dtype,
+                                                                          device=self.device)  # fmt: skip
+            c = dp.outputs[k] if dp.outputs[k] is not None else torch.empty(B, self.out_features, dtype=dtype,
+                                                                            device=self.device)  # fmt: skip
+            seg.compile(dp.plans[k], a, c)
             if self.on_gpu:  # and the handshake's kernels
                 self._gate(dp, k, B, compile_only=True)
                 if dp.consumed_in[k] is not None:

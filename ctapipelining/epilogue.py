@@ -20,7 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from .kernels import epilogue as device
 from .kernels.epilogue import gelu, silu
 
-__all__ = ["Epilogue", "fold_layer_norm", "fold_rms_weight", "gelu", "interleave", "silu"]
+__all__ = ["Epilogue", "column_sums", "fold_layer_norm", "fold_rms_weight", "gelu", "interleave", "silu"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,6 +140,12 @@ def fold_rms_weight(norm_weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (norm_weight.float()[:, None] * w.float()).to(w.dtype).contiguous()
 
 
+def column_sums(w: torch.Tensor) -> torch.Tensor:
+    """The column sums of ``w`` ([K, N], as the GEMM multiplies it), summed in fp64, as fp32:
+    a LayerNorm epilogue's ``col_sum``."""
+    return w.double().sum(0).float().contiguous()
+
+
 def fold_layer_norm(
     weight: torch.Tensor, bias: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,7 +161,7 @@ def fold_layer_norm(
             f"bias {None if bias is None else tuple(bias.shape)}, GEMM bias {None if b is None else tuple(b.shape)}"
         )
     folded = fold_rms_weight(weight, w)
-    col_sum = folded.double().sum(0).float().contiguous()
+    col_sum = column_sums(folded)
     shift = torch.zeros(N, dtype=torch.float64, device=w.device)
     if bias is not None:
         shift += bias.double() @ w.double()

@@ -161,15 +161,16 @@ def symmetric_heap(nbytes: int, device: torch.device, group, meet: Callable) -> 
     of leaving the others in the rendezvous."""
     import torch.distributed as dist
 
-    t, error = None, None
+    t, symm_mem, error = None, None, None
     try:
-        t = symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
+        symm_mem = symmetric_memory()
+        t = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     except Exception as e:  # noqa: BLE001 (raised on every rank by meet)
         error = _failure(e)
     meet("allocate the heap", None, error)
     handle, peers, error = None, None, None
     try:
-        handle = symmetric_memory().rendezvous(t, group)
+        handle = symm_mem.rendezvous(t, group)
         world = dist.get_world_size(group)
         peers = [t if r == handle.rank else handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
     except Exception as e:  # noqa: BLE001

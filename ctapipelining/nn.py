@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from .epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
+from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import check_tensor, matmul
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig
 
@@ -295,8 +295,7 @@ class GPTMLP(FusedMLP):
     def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
         # the column sums of the weight as it is now (fp32, whatever the block's dtype: the
         # LayerNorm's subtraction needs them exact): computed where the weight is
-        col_sum = self.w_in.double().sum(0).float()
-        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=col_sum, bias=self.b_in)
+        first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=column_sums(self.w_in), bias=self.b_in)
         return first, Epilogue(bias=self.b_out, residual=True)
 
     @classmethod
