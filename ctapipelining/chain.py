@@ -16,11 +16,14 @@ import torch
 from triton import knobs
 
 from . import deps
+from .epilogue import OFF, PLAIN, Epilogue
 from .gemm import (
+    NormStats,
     SignalHook,
     TailBuffers,
     WaitHook,
     _cdiv,
+    check_sums,
     check_wait,
     descriptor,
     interpreting,
@@ -50,8 +53,11 @@ class ChainStage:
     """One stage of a :class:`ChainLaunch`: ``[M, K] @ [K, N]``, its input link ``wait`` (a
     link inside the kernel: static; the first stage's may come from another GPU), its output
     link ``signal`` (the last stage's may go to another GPU; the others' feed the next stage
-    here), its error word ``err`` (needed with ``wait``, and by the last stage), its per-tile stamps ``trace`` and its
-    index ``stage`` in the chain."""
+    here), its error word ``err`` (needed with ``wait``, and by the last stage), its per-tile stamps ``trace``, its
+    index ``stage`` in the chain, its ``epilogue`` (:class:`~ctapipelining.epilogue.Epilogue`;
+    with a residual, each call passes it as the stage's fourth operand), the partial sums of
+    squares its RMSNorm reads (``norm_sums``, left by the stage before; None: a pass over its
+    A before the launch) and those its epilogue leaves for the next stage's (``out_sums``)."""
 
     N: int
     K: int
@@ -60,6 +66,9 @@ class ChainStage:
     err: torch.Tensor | None = None
     trace: torch.Tensor | None = None
     stage: int = 0
+    epilogue: Epilogue | None = None
+    norm_sums: torch.Tensor | None = None
+    out_sums: torch.Tensor | None = None
 
 
 class ChainLaunch:
@@ -85,8 +94,10 @@ class ChainLaunch:
         if not 1 <= len(stages) <= MAX_STAGES:
             raise ValueError(f"a chain kernel runs 1 to {MAX_STAGES} stages, got {len(stages)}")
         for i, st in enumerate(stages):
-            if i and st.K != stages[i - 1].N:
-                raise ValueError(f"stage {st.stage} has K={st.K} but the stage before it has N={stages[i - 1].N}")
+            prev = stages[i - 1] if i else None
+            prev_cols = prev and (prev.N if prev.epilogue is None else prev.epilogue.out_cols(prev.N))
+            if i and st.K != prev_cols:
+                raise ValueError(f"stage {st.stage} has K={st.K} but the stage before it outputs {prev_cols} columns")
             if i and st.wait is None:
                 raise ValueError(f"stage {st.stage} reads the stage before it in this kernel: it needs its wait")
             if i < len(stages) - 1 and st.signal is None:
@@ -118,6 +129,9 @@ class ChainLaunch:
         self.split = chain_tail_split(M, [(st.K, st.N) for st in stages], config, num_ctas)
         if self.split is not None and len(stages) == 1 and stages[0].wait is not None and queue:
             self.split = None  # a ring's tiles come in readiness order: nothing to split at the end
+        last = stages[-1]
+        if self.split is not None and (last.epilogue is not None or last.out_sums is not None):
+            raise ValueError("an epilogue needs whole tiles: the last stage's configuration must not split its tail")
         self.tail = None if self.split is None else TailBuffers.create(self.split, config, device)
         self.order = torch.from_numpy(self._order_codes(num_ctas)).to(device)
         tail = (
@@ -128,8 +142,25 @@ class ChainLaunch:
         claims = self.positions if self.split is None else self.positions - self.split.tiles + self.split.items
         # how far a run moves the ticket: every CTA claims one more than an even share
         self.claims_per_run = num_ctas * (_cdiv(claims, num_ctas) + 1)
-        bundle = tuple(
-            Stage(
+        # each stage's epilogue: what it is, its norm's statistics (a pass over the first stage's
+        # A; a later stage's come from the stage before) and where its rows' sums of squares go
+        self.epilogues = [st.epilogue or (PLAIN if st.out_sums is not None else None) for st in stages]
+        self.stats, self._epi_args = [], []
+        for st, epi in zip(stages, self.epilogues):
+            stats = None if epi is None else NormStats.create(epi, M, st.K, device, st.norm_sums)
+            args = {} if stats is None else stats.args()
+            if st.out_sums is not None:
+                args["sq_out"] = check_sums(st.out_sums, M, _cdiv(st.N, config.block_n), None, "out_sums")
+            if stats is not None and stats.own and st is not stages[0]:
+                raise ValueError(
+                    f"stage {st.stage} normalises rows the stage before it writes in this kernel: it needs the "
+                    "partial sums of squares that stage leaves (norm_sums; a LayerNorm cannot be one of its later stages)"
+                )
+            self.stats.append(stats)
+            self._epi_args.append(args)
+        self.residual = [epi is not None and epi.residual for epi in self.epilogues]
+        self._stage_args = [
+            (
                 st.N,
                 _cdiv(st.K, config.block_k),
                 wait_bundle(st.wait, config),
@@ -139,14 +170,23 @@ class ChainLaunch:
                 st.stage,
             )  # fmt: skip
             for st in stages
-        )
+        ]
+        bundle = self._stages_bundle([None] * len(stages))
         self._state = (ticket, self.order, epoch, timeout_ns)
         self._bundle, self._addresses = (bundle, tail), (addresses(bundle), addresses(tail))
         self._state_addresses = addresses(self._state)
         self._constexprs = launch_constexprs(config, queue)
         self._trailing = tuple(self._constexprs.values())
-        self._blocks = tma_blocks(config)
-        self._compiled = {}  # (TMA store of the last stage, its row stride, dtype) -> (kernel, RawLaunch)
+        self._blocks = [tma_blocks(config, epi is not None and epi.gated) for epi in self.epilogues]
+        self._compiled = {}  # (TMA store of the last stage, its row stride, dtype, residuals' strides) -> (kernel, RawLaunch)
+
+    def _stages_bundle(self, residuals: list) -> tuple:
+        """The stages' bundles (:class:`~ctapipelining.kernels.chain.Stage`), each epilogue with
+        its residual of this call (``residuals[i]``: None where it has none)."""
+        return tuple(
+            Stage(*args, OFF if epi is None else epi.bundle(**epi_args, residual=res))
+            for args, epi, epi_args, res in zip(self._stage_args, self.epilogues, self._epi_args, residuals)
+        )
 
     def _order_codes(self, lag: int | None):
         """The combined order's codes (:func:`ctapipelining.deps.chain_order`) with ``lag``."""
@@ -172,23 +212,28 @@ class ChainLaunch:
         yet) and launch nothing."""
         c = ops[-1][2]  # on a peer GPU when the last stage writes across
         device = ops[0][1].device  # the kernel's GPU: where its first stage's weights are
+        residuals = [op[3] if len(op) > 3 else None for op in ops]
+        if [r is not None for r in residuals] != self.residual:
+            raise ValueError("a residual goes with each stage whose epilogue adds one, and only there")
         stride = c.stride(0)
         tma_store = stride == c.shape[1]
-        key = (tma_store, stride, c.dtype)
+        key = (tma_store, stride, c.dtype, *(None if r is None else r.stride(0) for r in residuals))
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
         if stream is None and not interpreting():
             stream = torch._C._cuda_getCurrentRawStream(device.index)
+        if self.stats[0] is not None and not compile_only:  # the first stage's norm: a pass over its A first
+            self.stats[0](ops[0][0], stream)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
-            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops))
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops, residuals))
             return kernel
-        a_block, b_block, c_block = self._blocks
         descs = []
         for i in range(MAX_STAGES):
             if i < len(ops):
-                a, b, ci = ops[i]
+                a, b, ci = ops[i][:3]
+                a_block, b_block, c_block = self._blocks[i]
                 last_plain = i == len(ops) - 1 and not tma_store
                 descs += [
                     descriptor(a, a_block),
@@ -197,7 +242,8 @@ class ChainLaunch:
                 ]
             else:
                 descs += [None, None, None]
-        args = (*descs, *self._bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
+        bundle = self._bundle if not any(self.residual) else (self._stages_bundle(residuals), self._bundle[1])
+        args = (*descs, *bundle, self.M, None if tma_store else c, c.shape[0], stride, *self._state)
         if compile_only:
             kernel = chain_kernel.warmup(
                 *args, grid=(self.num_ctas,), **self._constexprs, num_stages=self.config.num_stages,
@@ -214,11 +260,11 @@ class ChainLaunch:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
 
-    def raw_args(self, tensor_map, ops: list[tuple]) -> tuple:
+    def raw_args(self, tensor_map, ops: list[tuple], residuals: list | None = None) -> tuple:
         """The kernel's arguments as the compiled launcher takes them (see
         :meth:`ctapipelining.gemm.GemmLaunch.raw_args`): the descriptors of the stages present,
-        numbered in order, expanded by ``tensor_map``; the bound buffers as addresses."""
-        a_block, b_block, c_block = self._blocks
+        numbered in order, expanded by ``tensor_map``; the bound buffers as addresses (each
+        epilogue with its ``residuals[i]`` of this call)."""
         c = ops[-1][2]
         tma_store = c.stride(0) == c.shape[1]
         args, slot = [], 0
@@ -226,7 +272,8 @@ class ChainLaunch:
             if i >= len(ops):
                 args += (None, None, None)
                 continue
-            a, b, ci = ops[i]
+            a, b, ci = ops[i][:3]
+            a_block, b_block, c_block = self._blocks[i]
             args += tensor_map(slot, a, a_block)
             args += tensor_map(slot + 1, b, b_block)
             slot += 2
@@ -235,8 +282,11 @@ class ChainLaunch:
             else:
                 args += tensor_map(slot, ci, c_block)
                 slot += 1
+        bundle = self._addresses
+        if any(self.residual):
+            bundle = (addresses(self._stages_bundle(residuals)), bundle[1])
         return (
-            *args, *self._addresses, self.M, None if tma_store else c.data_ptr(), c.shape[0], c.stride(0),
+            *args, *bundle, self.M, None if tma_store else c.data_ptr(), c.shape[0], c.stride(0),
             *self._state_addresses, *self._trailing,
         )  # fmt: skip
 

@@ -104,23 +104,41 @@ class Epilogue:
             )
 
     def bundle(
-        self, row_scale: torch.Tensor | None, row_shift: torch.Tensor | None, residual: torch.Tensor | None
+        self,
+        *,
+        row_sq: torch.Tensor | None = None,
+        norm_cols: int = 0,
+        row_scale: torch.Tensor | None = None,
+        row_shift: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sq_out: torch.Tensor | None = None,
     ) -> device.Epilogue:
-        """The kernel's argument bundle: the rows' scales (with a norm) and shifts (LayerNorm),
-        this call's ``residual``."""
+        """The kernel's argument bundle: with an RMSNorm the rows' partial sums of squares
+        ``row_sq`` (``[rows, parts]``, over ``norm_cols`` columns), with a LayerNorm their
+        scales and shifts, this call's ``residual``, and ``sq_out`` (``[rows, parts]``) where the
+        stored rows' sums of squares go (a next stage's RMSNorm; None: nowhere)."""
+        rms = self.rms_eps is not None
         return device.Epilogue(
-            row_scale,
-            row_shift,
+            row_sq if rms else None,
+            row_sq.shape[1] if rms else None,
+            norm_cols if rms else None,
+            self.rms_eps,
+            row_scale if self.layer_norm_eps is not None else None,
+            row_shift if self.layer_norm_eps is not None else None,
             self.col_sum,
             self.bias,
             residual,
-            residual.stride(0) if residual is not None else 0,
+            residual.stride(0) if residual is not None else None,
+            residual.shape[0] if residual is not None else None,
+            sq_out,
+            sq_out.shape[1] if sq_out is not None else None,
             None if self.activation is None else tl.constexpr(self.activation),
             tl.constexpr(True) if self.gated else None,
         )
 
 
-OFF = device.Epilogue(None, None, None, None, None, None, None, None)  # the kernel's bundle without one
+OFF = device.Epilogue(*(None,) * len(device.Epilogue._fields))  # the kernel's bundle without one
+PLAIN = Epilogue()  # an epilogue that changes nothing (a stage that only stores its rows' sums of squares)
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

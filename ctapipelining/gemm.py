@@ -19,7 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
-from .epilogue import OFF, Epilogue
+from .epilogue import OFF, PLAIN, Epilogue
 from .kernels.epilogue import norm_rows
 from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
@@ -220,6 +220,74 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
 NORM_ROWS = 8  # rows a program of the norm's statistics pass reads
 
 
+def check_sums(sums: torch.Tensor, rows: int, parts: int, device: torch.device | None, name: str) -> torch.Tensor:
+    """``sums`` must be a contiguous fp32 ``[>= rows, parts]`` tensor on ``device`` (None: any; a
+    producer writes them into its consumer's GPU): rows' partial sums of squares
+    (:class:`~ctapipelining.kernels.epilogue.Epilogue`'s ``row_sq``)."""
+    if not (
+        isinstance(sums, torch.Tensor) and sums.dtype == torch.float32 and sums.dim() == 2 and sums.is_contiguous()
+        and sums.shape[0] >= rows and sums.shape[1] == parts and (device is None or sums.device == device)
+    ):  # fmt: skip
+        raise ValueError(
+            f"{name} must be a contiguous float32 [{rows}, {parts}] tensor on {device}, got "
+            f"{getattr(sums, 'dtype', type(sums).__name__)} {tuple(getattr(sums, 'shape', ()))}"
+        )
+    return sums
+
+
+@dataclass(eq=False)
+class NormStats:
+    """A norm epilogue's row statistics for a GEMM on ``[M, K]`` rows: for an RMSNorm the rows'
+    partial sums of squares ``row_sq`` ``[M, parts]`` (``own``: a pass over A before each launch
+    fills them, one part; else a producer's epilogue leaves them), for a LayerNorm each row's
+    scale and shift (a pass over A)."""
+
+    epilogue: Epilogue
+    K: int
+    row_sq: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
+    row_shift: torch.Tensor | None = None
+    own: bool = True
+
+    @classmethod
+    def create(
+        cls, epilogue: Epilogue, M: int, K: int, device: torch.device, sums: torch.Tensor | None = None
+    ) -> NormStats | None:
+        """The statistics ``epilogue`` needs (None: no norm); ``sums``: an RMSNorm's partial sums
+        as a producer leaves them (not with a LayerNorm: its pass over A is its own)."""
+        if epilogue.rms_eps is None and sums is not None:
+            raise ValueError("norm_sums feed an RMSNorm epilogue (Epilogue(rms_eps=...)), and this one has none")
+        if epilogue.rms_eps is not None:
+            if sums is not None:
+                return cls(epilogue, K, row_sq=check_sums(sums, M, sums.shape[1], device, "norm_sums"), own=False)
+            # zeros: rows past a call's (a bucketed plan) keep a finite scale
+            return cls(epilogue, K, row_sq=torch.zeros(M, 1, dtype=torch.float32, device=device))
+        if epilogue.layer_norm_eps is not None:
+            f32 = dict(dtype=torch.float32, device=device)
+            return cls(epilogue, K, row_scale=torch.zeros(M, **f32), row_shift=torch.zeros(M, **f32))
+        return None
+
+    def args(self) -> dict:
+        """The epilogue bundle's statistics (:meth:`~ctapipelining.epilogue.Epilogue.bundle`)."""
+        return dict(row_sq=self.row_sq, norm_cols=self.K, row_scale=self.row_scale, row_shift=self.row_shift)
+
+    def __call__(self, a: torch.Tensor, stream: int | None) -> None:
+        """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`) on
+        ``stream``, where the statistics are this launch's own."""
+        if not self.own:
+            return
+        rows, cols = a.shape
+        scale = self.row_sq if self.row_sq is not None else self.row_scale
+        if rows > scale.shape[0]:
+            raise ValueError(f"a has {rows} rows; this launch's row statistics hold {scale.shape[0]}")
+        on_stream = stream is not None and not interpreting()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
+            norm_rows[(_cdiv(rows, NORM_ROWS),)](
+                a, scale, self.row_shift if self.row_shift is not None else scale, rows, cols, a.stride(0),
+                self.epilogue.norm_eps, CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=256,
+            )  # fmt: skip
+
+
 def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None) -> dict:
     """A kernel's trailing ``tl.constexpr`` arguments, in signature order (``NUM_CTAS``: the GEMM
     kernel's; a chain kernel counts its grid itself)."""
@@ -278,15 +346,16 @@ class GemmLaunch:
         tail: TailBuffers | None = None,
         split: deps.TailSplit | None = None,
         epilogue: Epilogue | None = None,
+        norm_sums: torch.Tensor | None = None,
+        out_sums: torch.Tensor | None = None,
         stage: int = 0,
         timeout_ns: int = 1_000_000_000,
     ):
         cfg = config
-        if epilogue is not None:
-            if split is not None or tail is not None or cfg.split_tail:
-                raise ValueError("an epilogue needs whole tiles: use a configuration without split_tail")
-            if wait is not None or signal is not None:
-                raise ValueError("an epilogue runs in a plain GEMM here, not in a pipeline stage")
+        if epilogue is None and out_sums is not None:
+            epilogue = PLAIN  # only the stored rows' sums of squares
+        if epilogue is not None and (split is not None or tail is not None or cfg.split_tail):
+            raise ValueError("an epilogue needs whole tiles: use a configuration without split_tail")
         if trace is not None and interpreting():
             raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         if wait is not None and signal is not None and wait.queue != signal.queue:
@@ -307,18 +376,19 @@ class GemmLaunch:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.epilogue = epilogue
-        # a norm epilogue's row statistics, computed before each launch (plan-held: the kernel reads them)
-        norm = epilogue is not None and epilogue.norm_eps is not None
-        layer = norm and epilogue.layer_norm_eps is not None
-        self.row_scale = torch.empty(M, dtype=torch.float32, device=device) if norm else None
-        self.row_shift = torch.empty(M, dtype=torch.float32, device=device) if layer else None
+        # a norm's row statistics: a pass over A before each launch (plan-held: the kernel reads
+        # them), unless a producer's epilogue leaves them (``norm_sums``)
+        self.stats = None if epilogue is None else NormStats.create(epilogue, M, K, device, norm_sums)
+        self._epi_args = {} if self.stats is None else self.stats.args()
+        if out_sums is not None:
+            self._epi_args["sq_out"] = check_sums(out_sums, M, _cdiv(N, cfg.block_n), None, "out_sums")
         self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
         bundles = (
             wait_bundle(wait, cfg),
             signal_bundle(signal),
             None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
             # a call binds its residual
-            OFF if epilogue is None else epilogue.bundle(self.row_scale, self.row_shift, None),
+            OFF if epilogue is None else epilogue.bundle(**self._epi_args),
             epoch if wait is not None or signal is not None else None,
             err if wait is not None else None,
             trace,
@@ -337,7 +407,7 @@ class GemmLaunch:
         """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue."""
         if self.epilogue is None or not self.epilogue.residual:
             return bundles
-        epi = self.epilogue.bundle(self.row_scale, self.row_shift, residual)
+        epi = self.epilogue.bundle(**self._epi_args, residual=residual)
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
 
     def __call__(
@@ -360,8 +430,8 @@ class GemmLaunch:
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
-        if self.row_scale is not None and not compile_only:  # the norm's row statistics first, on the same stream
-            self._norm_rows(a, stream)
+        if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
+            self.stats(a, stream)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             if stream is None:
@@ -400,19 +470,6 @@ class GemmLaunch:
         if not interpreting() and got is None:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
-
-    def _norm_rows(self, a: torch.Tensor, stream: int | None) -> None:
-        """The norm's statistics of ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`), on ``stream``."""
-        rows, cols = a.shape
-        if rows > self.M:
-            raise ValueError(f"a has {rows} rows; this launch's row scales hold {self.M}")
-        on_stream = stream is not None and not interpreting()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-            shift = self.row_shift if self.row_shift is not None else self.row_scale  # unused without CENTER
-            norm_rows[(_cdiv(rows, NORM_ROWS),)](
-                a, self.row_scale, shift, rows, cols, a.stride(0), self.epilogue.norm_eps,
-                CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=256,
-            )  # fmt: skip
 
     def raw_args(
         self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None

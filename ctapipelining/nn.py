@@ -38,13 +38,16 @@ import torch
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import check_tensor, matmul
-from .kernels.gemm import PLAIN_CONFIG, GemmConfig
+from .kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG, GemmConfig
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
 # down GEMM's: its residual tile needs shared memory too, and 128 x 256 tiles then fit two stages
 # only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
 GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
+# a stack's GEMMs, all in one configuration so that the stages on one GPU share a chain kernel: the
+# down GEMM's tiles (its residual), the pipeline's tile order and waits in parts
+STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 # a GPT block's first GEMM stores full tiles (no gating): its bias and column sums fit beside three stages
 UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 
@@ -321,3 +324,128 @@ class GPTMLP(FusedMLP):
 
     def _source_weights(self):
         return self._hf_weights(*self._source)
+
+
+_STACKS: weakref.WeakValueDictionary[str, LlamaStack] = weakref.WeakValueDictionary()  # the stack operator's
+
+
+@torch.library.custom_op("ctapipelining::mlp_stack", mutates_args=())
+def mlp_stack(x: torch.Tensor, weights: list[torch.Tensor], stack: str) -> torch.Tensor:
+    """The pipelined stack ``stack`` (a :class:`LlamaStack`'s key; ``weights``: its blocks' laid-out
+    weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
+    st = _STACKS.get(stack)
+    if st is None:
+        raise RuntimeError(f"no pipelined MLP stack {stack!r} (it was freed)")
+    return st._run(x)
+
+
+@mlp_stack.register_fake
+def _(x, weights, stack):
+    return torch.empty_like(x)
+
+
+mlp_stack.register_autograd(_no_backward)
+
+
+class LlamaStack(torch.nn.Module):
+    """Llama MLP blocks one after another (``x -> block_{L-1}(... block_0(x))``, each with its
+    norm and residual), run as one CTA-pipelined chain (:class:`~ctapipelining.pipeline.Pipeline`)
+    of their GEMMs: block ``b``'s gate/up stage starts on a row-block as soon as block ``b - 1``'s
+    down stage has written it, on the same GPU (the stages sharing it run in one chain kernel)
+    or on the next.
+
+    ``blocks``: :class:`LlamaMLP` blocks of one hidden size and dtype, each on the device it runs on
+    (a block's two GEMMs run on one device: the down GEMM's residual is the block's input, read
+    where it lives); consecutive blocks on one device or on GPUs with peer access. What the
+    fusion does per block is :class:`LlamaMLP`'s, with one difference: block ``b > 0``'s RMSNorm
+    takes its rows' sums of squares from block ``b - 1``'s down GEMM, which stores them with
+    each output tile (partial sums per column-block, added in a fixed order: the result is
+    deterministic, and rounds differently from :class:`LlamaMLP` alone, whose pass over ``x``
+    sums in another order). ``config``: one :class:`GemmConfig` for every GEMM (the default, so
+    that the stages on one GPU share one chain kernel: the down GEMM's, whose residual tile
+    leaves shared memory for 128 x 128 tiles), or ``"blocks"``: each GEMM with its block's
+    configuration (the stages on one GPU then run one kernel after another). Other keyword
+    arguments go to the :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``,
+    ``row_buckets``, ...). The blocks' weights are the pipeline's: :meth:`refresh` (each block's)
+    updates them in place.
+    """
+
+    def __init__(self, blocks: list[LlamaMLP], config: GemmConfig | str | None = None, **pipeline_kw):
+        super().__init__()
+        blocks = list(blocks)
+        if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
+            raise TypeError("LlamaStack takes a non-empty list of LlamaMLP blocks (a GPT block's LayerNorm is not pipelined)")
+        b0 = blocks[0]
+        for i, b in enumerate(blocks):
+            if b.hidden != b0.hidden or b.w_out.dtype != b0.w_out.dtype:
+                raise ValueError(
+                    f"block {i} is hidden={b.hidden} {b.w_out.dtype}; block 0 is hidden={b0.hidden} {b0.w_out.dtype}"
+                )
+        if not (config is None or config == "blocks" or isinstance(config, GemmConfig)):
+            raise ValueError(f"config must be None, a GemmConfig or 'blocks', got {config!r}")
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.hidden = b0.hidden
+        self.config = config
+        self._pipeline_kw = pipeline_kw
+        self._built = None  # (the weights' addresses, the Pipeline): rebuilt when they move
+        self._pipeline()  # builds and checks it now
+        self._key = f"mlp_stack_{next(_KEYS)}"
+        _STACKS[self._key] = self
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_built": None}
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._key = f"mlp_stack_{next(_KEYS)}"
+        _STACKS[self._key] = self
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [w for b in self.blocks for w in (b.w_in, b.w_out)]
+
+    @property
+    def pipeline(self):
+        """The :class:`~ctapipelining.pipeline.Pipeline` of the blocks' GEMMs, where the weights are now."""
+        return self._pipeline()
+
+    def _pipeline(self):
+        from .pipeline import Pipeline  # nn is imported by the package's users; the pipeline only here
+
+        weights = self._weights()
+        key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
+            (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
+        )
+        if self._built is None or self._built[0] != key:
+            epilogues = [e for b in self.blocks for e in b._epilogues()]
+            if self.config == "blocks":
+                configs = [c for b in self.blocks for c in (b.in_config, b.out_config)]
+            else:
+                configs = self.config or STACK_CONFIG
+            self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
+        return self._built[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
+            raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+        rows = x.reshape(-1, self.hidden).contiguous()
+        return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
+
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._pipeline()(rows)
+
+    def sequential(self, x: torch.Tensor) -> torch.Tensor:
+        """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise."""
+        return self._pipeline().sequential(x.reshape(-1, self.hidden).contiguous()).reshape(x.shape)
+
+    def refresh(self) -> None:
+        """Every block's :meth:`LlamaMLP.refresh` (in place: the pipeline reads the new weights)."""
+        for b in self.blocks:
+            b.refresh()
+
+    @classmethod
+    def from_hf(cls, mlps: list, norms: list, config: GemmConfig | str | None = None, **pipeline_kw) -> LlamaStack:
+        """From ``transformers`` ``LlamaMLP`` modules and the ``LlamaRMSNorm`` before each (e.g. the
+        decoder layers' ``mlp`` and ``post_attention_layernorm``), each block on its module's device."""
+        if len(mlps) != len(norms):
+            raise ValueError(f"{len(mlps)} MLPs but {len(norms)} norms")
+        return cls([LlamaMLP.from_hf(m, n) for m, n in zip(mlps, norms)], config, **pipeline_kw)

@@ -86,6 +86,7 @@ from .gemm import (
     tail_split,
     tma_ready,
 )
+from .epilogue import Epilogue
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
@@ -217,30 +218,27 @@ class Launch:
     gemm: GemmLaunch | ChainLaunch
     ops: list[tuple]
     stages: tuple[int, ...] = ()  # the chain's stages it runs (none: a prefill or drain GEMM)
+    # (ops: (a, b, c) per stage, and the residual as a fourth where the stage's epilogue adds one)
     copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None, compile_only: bool = False):
         """Launch on ``stream`` (raw handle; None: the current one), which is also current
         (``compile_only``: compile the kernel for these operands and launch nothing)."""
-        if compile_only:
-            if isinstance(self.gemm, ChainLaunch):
-                ops = [(_rows(a, x, out), b, _rows(c, x, out)) for a, b, c in self.ops]
-                return self.gemm(ops, stream, compile_only=True)
-            a, b, c = self.ops[0]
-            return self.gemm(_rows(a, x, out), b, _rows(c, x, out), stream, compile_only=True)
-        if self.copy_x is not None:
+        if self.copy_x is not None and not compile_only:
             buf, rows = self.copy_x
             buf.copy_(x[:rows])
+        ops = [tuple(_rows(t, x, out) for t in op) for op in self.ops]
         if isinstance(self.gemm, ChainLaunch):
-            return self.gemm([(_rows(a, x, out), b, _rows(c, x, out)) for a, b, c in self.ops], stream)
-        a, b, c = self.ops[0]
-        return self.gemm(_rows(a, x, out), b, _rows(c, x, out), stream)
+            return self.gemm(ops, stream, compile_only=compile_only)
+        a, b, c, *residual = ops[0]
+        return self.gemm(a, b, c, stream, residual=residual[0] if residual else None, compile_only=compile_only)
 
 
 def _rows(src, x, out) -> torch.Tensor:
-    """A plan buffer, or rows ``[lo, hi)`` of ``x`` / ``out`` (fewer when the call has fewer
-    rows than its plan: a bucketed plan; the launch reads zeros past them and writes nothing)."""
-    if isinstance(src, torch.Tensor):
+    """A plan buffer (or a weight), or rows ``[lo, hi)`` of ``x`` / ``out`` (fewer when the call
+    has fewer rows than its plan: a bucketed plan; the launch reads zeros past them and writes
+    nothing)."""
+    if not isinstance(src, tuple):
         return src
     name, lo, hi = src
     t = x if name == "x" else out
@@ -287,6 +285,7 @@ class Plan:
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
     tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
+    sums: list[torch.Tensor | None] = field(default_factory=list)  # per stage: its input rows' sums of squares (RMSNorm)
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
@@ -403,9 +402,19 @@ class Pipeline:
         counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
         benchmarks/results/2026-11-30-h200x2-s6/) or
         ``"workqueue"`` (consumers run tiles in the order they became ready, the paper's policy).
-    config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`.
-        Its ``wait_parts`` is capped at the producer's column-blocks; a ``workqueue`` consumer
-        runs whole tiles once they are ready, so it waits for whole row-blocks (one part).
+    config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`,
+        or a list of one per stage (sharing ``block_m``: the links count row-blocks; only
+        consecutive stages of one configuration share a chain kernel). Its ``wait_parts`` is
+        capped at the producer's column-blocks; a ``workqueue`` consumer runs whole tiles once
+        they are ready, so it waits for whole row-blocks (one part).
+    epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage, applied to
+        each of its output tiles (a transformer block's norm, bias, activation, residual; a
+        gated one halves the stage's columns: the next weight has that many rows). In a chain:
+        a residual adds the input of the stage before (the block's input: the two stages on one
+        device); an RMSNorm of a later stage's input takes the rows' sums of squares that the
+        stage before stores with its tiles (no pass over memory), of the first stage's a pass
+        over ``x``; a LayerNorm only on the first stage. A stage with an epilogue, or whose next
+        stage normalises, has no split tail. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
         before it raises :class:`PipelineHung` and refuses further calls; default
@@ -468,6 +477,7 @@ class Pipeline:
         sm_budget: int | None = None,
         loopback: bool | None = None,
         segment: Segment | None = None,
+        epilogues: list[Epilogue | None] | None = None,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -484,7 +494,23 @@ class Pipeline:
             raise ValueError("a segment of a longer chain has no prefill or drain rows")
         self.segment = segment
         self.ends = ends
-        self.config = config or (ENDS_CONFIG if ends else PIPELINE_CONFIG)
+        configs = config if isinstance(config, (list, tuple)) else [config] * len(weights)
+        if len(configs) != len(weights) or not all(c is None or isinstance(c, GemmConfig) for c in configs):
+            raise ValueError(f"config must be a GemmConfig or a list of one per stage ({len(weights)}), got {config!r}")
+        self.configs = [c or (ENDS_CONFIG if ends else PIPELINE_CONFIG) for c in configs]
+        self.config = self.configs[0]
+        if len({c.block_m for c in self.configs}) > 1:
+            raise ValueError(f"the stages' configurations must share block_m, got {[c.block_m for c in self.configs]}")
+        if ends and len(set(self.configs)) > 1:
+            raise ValueError("ends='balanced' runs both stages' rows with one configuration: pass one config")
+        epilogues = [None] * len(weights) if epilogues is None else list(epilogues)
+        if len(epilogues) != len(weights) or not all(e is None or isinstance(e, Epilogue) for e in epilogues):
+            raise ValueError(f"epilogues must be a list of one Epilogue or None per stage ({len(weights)})")
+        if any(epilogues) and (ends or prefill_rows or drain_rows):
+            raise ValueError("epilogues and prefill or drain rows do not go together: pass one or the other")
+        if any(epilogues) and segment is not None:
+            raise ValueError("a segment of a distributed chain runs no epilogues")
+        self.epilogues = epilogues
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
@@ -510,11 +536,13 @@ class Pipeline:
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
+        # each stage's output columns (half of its weight's with a gated epilogue)
+        self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
-            if self.weights[s].shape[0] != self.weights[s - 1].shape[1]:
+            if self.weights[s].shape[0] != self.out_cols[s - 1]:
                 raise ValueError(
                     f"stage {s} weight is {tuple(self.weights[s].shape)} but stage {s - 1} outputs "
-                    f"{self.weights[s - 1].shape[1]} columns"
+                    f"{self.out_cols[s - 1]} columns"
                 )
             if self.weights[s].dtype != self.weights[0].dtype:
                 raise TypeError(f"stage {s} weight is {self.weights[s].dtype}, stage 0 is {self.weights[0].dtype}")
@@ -529,6 +557,7 @@ class Pipeline:
             raise ValueError(f"drain_rows needs a chain of exactly two stages, got {len(self.weights)}")
         self.prefill_rows, self.drain_rows = prefill_rows, drain_rows
         self.devices = [w.device for w in self.weights]
+        self._check_epilogues()
         self.distinct_devices = list(dict.fromkeys(self.devices))
         self.on_gpu = self.devices[0].type == "cuda"
         if loopback is not None and not isinstance(loopback, bool):
@@ -539,7 +568,8 @@ class Pipeline:
         self.groups: list[list[int]] = []
         for s, d in enumerate(self.devices):
             last = self.groups[-1] if self.groups else None
-            if last and not self.loopback and self.devices[last[-1]] == d and len(last) < MAX_STAGES:
+            joins = self.devices[last[-1]] == d and self.configs[last[-1]] == self.configs[s] if last else False
+            if joins and not self.loopback and len(last) < MAX_STAGES:
                 last.append(s)
             else:
                 self.groups.append([s])
@@ -585,6 +615,33 @@ class Pipeline:
         self._after_done: list[int] = []  # per device, the current stream (raw handle) that waited for them
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
+
+    def _check_epilogues(self) -> None:
+        """Each stage's epilogue fits its GEMM and its place in the chain (docstring)."""
+        for s, (epi, w) in enumerate(zip(self.epilogues, self.weights)):
+            if epi is None:
+                continue
+            epi.check(w.shape[1], w.dtype, w.device, self.configs[s].block_n)
+            if epi.residual and (s == 0 or self.devices[s - 1] != self.devices[s]):
+                raise ValueError(
+                    f"stage {s}'s residual is the input of the stage before it, on the same device: "
+                    + ("stage 0 has none" if s == 0 else f"stage {s - 1} is on {self.devices[s - 1]}")
+                )
+            if epi.residual and self.out_cols[s] != self.weights[s - 1].shape[0]:
+                raise ValueError(
+                    f"stage {s}'s residual (stage {s - 1}'s input, {self.weights[s - 1].shape[0]} columns) does "
+                    f"not match its {self.out_cols[s]} output columns"
+                )
+            if epi.layer_norm_eps is not None and s > 0:
+                raise ValueError(f"stage {s}: a LayerNorm epilogue runs on the chain's first stage only")
+
+    def _norm_sums(self, s: int) -> bool:
+        """Whether stage ``s`` normalises its input with the sums of squares stage ``s - 1`` leaves."""
+        return s > 0 and self.epilogues[s] is not None and self.epilogues[s].rms_eps is not None
+
+    def _sums_parts(self, s: int) -> int:
+        """The partial sums of squares per row that stage ``s - 1`` leaves for stage ``s``."""
+        return -(-self.weights[s - 1].shape[1] // self.configs[s - 1].block_n)
 
     @property
     def _inbound(self) -> bool:
@@ -647,9 +704,11 @@ class Pipeline:
         consumer = s > 0 or self._inbound
         queue_consumer = consumer and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
-        if self.config.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
-            return dataclasses.replace(self.config, split_tail=False)
-        return self.config
+        cfg = self.configs[s]
+        whole = self.epilogues[s] is not None or s + 1 < len(self.weights) and self._norm_sums(s + 1)
+        if cfg.split_tail and (queue_consumer or whole or len(group) > 1 and s != group[-1]):
+            return dataclasses.replace(cfg, split_tail=False)
+        return cfg
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, each with its stage's configuration, no
@@ -659,8 +718,14 @@ class Pipeline:
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
             x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
         R, D = self.ends_for(M)
-        y = x
+        y, prev, sums = x, None, None
         for s, w in enumerate(self.weights):
+            if any(self.epilogues):  # no ends (checked at construction)
+                y, sums = y.to(w.device), None if sums is None else sums.to(w.device)
+                out_sums = self._out_sums(s, M, w.device)
+                y, prev = self._gemm(y, w, s, False, residual=prev, sums=sums, out_sums=out_sums), y
+                sums = out_sums
+                continue
             # cut as the pipeline cuts the rows: the prefill [0, R), the drain [M - D, M) (whose
             # GEMMs run stage 0's configuration), the pipelined rest
             cuts = sorted({0, M} | ({R, M - D} if s == 0 else {M - D} if s == 1 else set()))
@@ -668,12 +733,26 @@ class Pipeline:
             y = torch.cat([self._gemm(y[a:b], w, s, a == M - D) for a, b in zip(cuts, cuts[1:])])
         return y[:rows]
 
-    def _gemm(self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool) -> torch.Tensor:
+    def _out_sums(self, s: int, M: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """The rows' partial sums of squares stage ``s`` leaves for stage ``s + 1``'s RMSNorm (on
+        ``device``, default stage ``s + 1``'s), or None."""
+        if s + 1 >= len(self.weights) or not self._norm_sums(s + 1):
+            return None
+        device = device or self.devices[s + 1]
+        return torch.zeros(M, self._sums_parts(s + 1), dtype=torch.float32, device=device)
+
+    def _gemm(
+        self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool, residual: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None, out_sums: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``a @ w`` alone, as stage ``s`` (or, ``drain``, a drain GEMM on stage 0's GPU) runs
-        it in a call: its configuration and its grid (a split tail depends on the grid)."""
+        it in a call: its configuration and its grid (a split tail depends on the grid); with
+        stage ``s``'s epilogue, its ``residual`` and the partial sums of squares of its input
+        (``sums``) and where its output's go (``out_sums``)."""
         stream = 0 if drain else s
         (rows, K), N = a.shape, w.shape[1]
-        c = torch.empty(rows, N, dtype=w.dtype, device=w.device)
+        epi = None if drain else self.epilogues[s]
+        c = torch.empty(rows, N if epi is None else epi.out_cols(N), dtype=w.dtype, device=w.device)
         cfg, grid, split = self.stage_config(stream), self._grid(stream, rows, N), None
         group = self._group_of[s]
         if not drain and len(group) > 1 and cfg.split_tail:  # a chain kernel's last stage: its tail split
@@ -683,9 +762,12 @@ class Pipeline:
                 cfg = dataclasses.replace(cfg, split_tail=False)
             else:
                 grid = max(grid, split.items)
-        launch = GemmLaunch(rows, N, K, cfg, grid, w.device, split=split)
+        launch = GemmLaunch(
+            rows, N, K, cfg, grid, w.device, split=split, epilogue=epi, norm_sums=sums if self._norm_sums(s) else None,
+            out_sums=out_sums,
+        )  # fmt: skip
         with torch.cuda.device(w.device) if self.on_gpu else contextlib.nullcontext():
-            launch(a, w, c)
+            launch(a, w, c, residual=residual if epi is not None and epi.residual else None)
         return c
 
     def ends_for(self, M: int) -> tuple[int, int]:
@@ -745,7 +827,7 @@ class Pipeline:
             raise RuntimeError(f"tune_ends({M}) must come before the first call on {M} rows (it builds their plan)")
         w0 = self.weights[0]
         x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
-        out = torch.empty(M, self.weights[-1].shape[1], dtype=w0.dtype, device=self.devices[-1])
+        out = torch.empty(M, self.out_cols[-1], dtype=w0.dtype, device=self.devices[-1])
         plans, graphs, methods = {}, [], []
         for cand in cands:
             plan = plans[cand] = self._build_plan(M, *cand)
@@ -803,15 +885,19 @@ class Pipeline:
     def _build_plan(self, M: int, R: int, D: int) -> Plan:
         """A plan for ``M`` rows whose second GPU prefills ``R`` and first GPU drains ``D``:
         buffers, scoreboards, and every launch of a call bound once."""
-        cfg, ws, devs, n = self.config, self.weights, self.devices, len(self.weights)
+        cfg, ws, devs, n, epis = self.config, self.weights, self.devices, len(self.weights), self.epilogues
         P = M - D  # the rows the pipelined stages carry
-        grids = [deps.TileGrid(P, w.shape[1], cfg.block_m, cfg.block_n) for w in ws]
+        # each stage's output tiles (half as wide as its GEMM's with a gated epilogue)
+        grids = [
+            deps.TileGrid(P, self.out_cols[s], cfg.block_m, self.configs[s].block_n * self.out_cols[s] // w.shape[1])
+            for s, w in enumerate(ws)
+        ]
         links, inputs = [], [None]
         # link_queue[s]: the link into stage s waits on a ring (workqueue between kernels; a
         # link inside a chain kernel waits on counters, in parts)
         link_queue = [self.policy.uses_queue and not self._same_kernel(s - 1, s) for s in range(n)]
         for s in range(1, n):
-            dep = link_dependency(grids[s - 1], grids[s], ws[s].shape[0], link_queue[s], cfg)
+            dep = link_dependency(grids[s - 1], grids[s], ws[s].shape[0], link_queue[s], self.configs[s])
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         if R:  # the prefill GEMM reads the CSR lists from its own device
@@ -840,7 +926,14 @@ class Pipeline:
             drain_h=torch.empty(D, ws[0].shape[1], dtype=ws[0].dtype, device=devs[0]) if D else None,
             err_host=[torch.zeros(len(ERR_FIELDS), dtype=torch.int64, pin_memory=self.on_gpu) for _ in devs],
             inbound=inbound,
+            sums=[None] + [self._out_sums(s - 1, P) for s in range(1, n)],
         )
+
+        def epilogue_of(s: int, lo: int = 0) -> tuple[dict, tuple]:
+            """Stage ``s``'s epilogue as launch arguments, and its residual operand (or nothing)."""
+            res = () if epis[s] is None or not epis[s].residual else (("x", lo, P) if s == 1 else inputs[s - 1][lo:P],)
+            out_sums = plan.sums[s + 1] if s + 1 < n else None
+            return dict(epilogue=epis[s], norm_sums=plan.sums[s], out_sums=out_sums), res
 
         def bind(stream, rows, w, s_cfg, a, c, stage=None, **hooks):
             """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
@@ -850,11 +943,12 @@ class Pipeline:
             split = tail_split(rows, w.shape[1], w.shape[0], s_cfg, ctas)
             tail = None if split is None else TailBuffers.create(split, s_cfg, dev)
             plan.tails.append(tail)
+            epi, res = epilogue_of(stage) if stage is not None else ({}, ())
             gemm = GemmLaunch(
                 rows, w.shape[1], w.shape[0], s_cfg, ctas, dev, tail=tail, timeout_ns=self.timeout_ns,
-                err=plan.errors[stream], stage=stream, **hooks,
+                err=plan.errors[stream], stage=stream, **hooks, **epi,
             )  # fmt: skip
-            plan.launches.append(Launch(stream, gemm, [(a, w, c)], () if stage is None else (stage,)))
+            plan.launches.append(Launch(stream, gemm, [(a, w, c, *res)], () if stage is None else (stage,)))
             return ctas
 
         def bind_chain(group):
@@ -871,6 +965,7 @@ class Pipeline:
                     err=plan.errors[s],
                     trace=plan.traces[s],
                     stage=s,
+                    **epilogue_of(s)[0],
                 )  # fmt: skip
                 for s in group
             ]
@@ -881,6 +976,7 @@ class Pipeline:
             plan.tails.append(gemm.tail)  # its split tail's arrival counters (reset after a timeout)
             ops = [
                 (("x", 0, P) if s == 0 else inputs[s], ws[s], ("out", 0, P) if s == n - 1 else inputs[s + 1])
+                + epilogue_of(s)[1]
                 for s in group
             ]
             plan.launches.append(Launch(group[0], gemm, ops, tuple(group)))
@@ -924,13 +1020,13 @@ class Pipeline:
     def _grid(self, s: int, rows: int, N: int) -> int:
         """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream: a
         CTA per SM of the stage's share, fewer when there are fewer tiles."""
-        cfg = self.config
+        cfg = self.configs[s]
         return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
 
     def _chain_grid(self, group: list[int], rows: int) -> int:
         """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows: a
         CTA per SM of its share, fewer when all its stages have fewer tiles."""
-        cfg = self.config
+        cfg = self.configs[group[0]]  # a chain kernel's stages share one
         tiles = sum(-(-rows // cfg.block_m) * -(-self.weights[s].shape[1] // cfg.block_n) for s in group)
         return max(1, min(self._sm_share(group[0]), tiles))
 
@@ -1018,7 +1114,7 @@ class Pipeline:
         may be padded: the last stage then writes them with ordinary stores instead of TMA)
         that shares no memory with ``x`` or a weight."""
         last = self.weights[-1]
-        check_out(out, x.shape[0], last.shape[1], last.dtype)
+        check_out(out, x.shape[0], self.out_cols[-1], last.dtype)
         if out.device != self.devices[-1]:
             raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
         if overlaps(out, x, *self.weights):
@@ -1043,7 +1139,7 @@ class Pipeline:
             plan = self.plan(M)
             self._refresh_replicas()
             if out is None:
-                out = torch.empty(M, last.shape[1], dtype=last.dtype, device=self.devices[-1])
+                out = torch.empty(M, self.out_cols[-1], dtype=last.dtype, device=self.devices[-1])
             self._launch(plan, x, out)
             if check and not self._capturing():
                 self.check_errors(plan)

@@ -11,6 +11,7 @@ from protocol_state import preset_epoch
 
 from ctapipelining import deps
 from ctapipelining.chain import ChainLaunch, ChainStage
+from ctapipelining.epilogue import Epilogue
 from ctapipelining.gemm import GemmLaunch
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Link, Pipeline, PipelineTimeout, _i64
@@ -228,7 +229,12 @@ def test_chain_launch_refuses_what_it_cannot_run():
     ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=e)
     bad = {
         "1 to 4 stages": [ok[0]] * 5,
-        "has K=16 but the stage before it has N=24": [ok[0], ChainStage(16, 16, wait=link.wait_hook(False), err=err)],
+        "has K=16 but the stage before it outputs 24 columns": [
+            ok[0], ChainStage(16, 16, wait=link.wait_hook(False), err=err)
+        ],
+        "needs the partial sums of squares": [
+            ok[0], ChainStage(16, 24, wait=link.wait_hook(False), err=err, epilogue=Epilogue(rms_eps=1e-5))
+        ],
         "needs its wait": [ok[0], ChainStage(16, 24)],
         "needs its signal": [ChainStage(24, 16), ok[1]],
         "wait on counters": [ok[0], ChainStage(16, 24, wait=link.wait_hook(True), err=err)],

@@ -7,7 +7,8 @@ import torch
 from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import GemmConfig
-from ctapipelining.nn import GPTMLP, LlamaMLP
+from ctapipelining.nn import GPTMLP, LlamaMLP, LlamaStack
+from ctapipelining.pipeline import Pipeline
 
 pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
@@ -264,3 +265,87 @@ def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     mlp.c_proj.bias = None  # the second bias gone: b_out would change
     with pytest.raises(ValueError, match="changed shape, dtype or device; build a new block"):
         block.refresh()
+
+
+def hf_stack(layers=2, dtype=torch.float16):
+    """``layers`` transformers Llama MLPs with their norms (different weights)."""
+    return [hf_block(seed, dtype) for seed in range(layers)]
+
+
+def stack_reference(blocks, x):
+    for mlp, norm in blocks:
+        x = reference(mlp, norm, x)
+    return x
+
+
+@pytest.mark.parametrize("loopback", [False, True])
+@pytest.mark.parametrize("M", [37, 100])
+def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(loopback, M):
+    """Two Llama blocks as one pipeline (four stages: the chain kernel on one device, or a kernel
+    per stage through the cross-device path): bitwise its GEMMs one after another; against
+    float32 at most 2x the error of transformers' blocks in fp16; and close to the blocks run
+    alone (which round the second norm's sums in another order)."""
+    blocks = hf_stack()
+    stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL, loopback=loopback)
+    assert stack.pipeline.groups == ([[0], [1], [2], [3]] if loopback else [[0, 1, 2, 3]])
+    x = torch.randn(M, H).half() * 3
+    ours = stack(x)
+    assert torch.equal(ours, stack.sequential(x))
+    ref = stack_reference(blocks, x)
+    with torch.no_grad():
+        theirs = x
+        for mlp, norm in blocks:
+            theirs = theirs + mlp(norm(theirs))
+    assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+    alone = x
+    for b in stack.blocks:
+        alone = b(alone)
+    assert rel(ours, alone) < 2e-3
+
+
+def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
+    """NaN in every plan buffer (intermediates, sums of squares) before a call changes nothing; a
+    block refreshed from its changed source changes the stack's next call (the weights are
+    shared, in place)."""
+    blocks = hf_stack()
+    stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
+    x = torch.randn(64, H).half()
+    first = stack(x)
+    plan = stack.pipeline.plan(64)
+    for t in plan.inputs[1:] + [s for s in plan.sums if s is not None]:
+        t.fill_(float("nan"))
+    assert torch.equal(stack(x), first)
+    with torch.no_grad():
+        blocks[1][0].down_proj.weight.mul_(2)
+    stack.refresh()
+    again = stack(x)
+    assert not torch.equal(again, first) and torch.equal(again, stack.sequential(x))
+
+
+def test_pipeline_epilogues_are_checked_before_anything_runs():
+    w = [torch.randn(H, H).half() for _ in range(3)]
+    bad = {
+        "stage 0 has none": [Epilogue(residual=True), None, None],
+        "LayerNorm epilogue runs on the chain's first stage only": [
+            None, Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(H)), None
+        ],
+        "one Epilogue or None per stage": [None, None],
+    }
+    for match, epis in bad.items():
+        with pytest.raises(ValueError, match=match):
+            Pipeline(w, config=SMALL, epilogues=epis)
+    with pytest.raises(ValueError, match="outputs 24 columns"):  # a gated stage halves its columns
+        Pipeline(
+            [torch.randn(H, H).half(), torch.randn(H, H).half()], config=SMALL,
+            epilogues=[Epilogue(silu, gated=True), None],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="prefill or drain"):
+        Pipeline(w[:2], config=SMALL, epilogues=[None, Epilogue(residual=True)], ends="balanced")
+    with pytest.raises(ValueError, match="share block_m"):
+        Pipeline(w[:2], config=[SMALL, GemmConfig(32, 32, 16)])
+    mlp, norm = hf_block()
+    with pytest.raises(TypeError, match="LlamaMLP blocks"):
+        LlamaStack([LlamaMLP.from_hf(mlp, norm), "block"])
+    gpt_w = [torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None]
+    with pytest.raises(TypeError, match="LlamaMLP blocks"):
+        LlamaStack([GPTMLP(*gpt_w)])

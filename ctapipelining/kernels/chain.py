@@ -51,7 +51,6 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from . import epilogue
 from .gemm import (
     Operands,
     Protocol,
@@ -81,6 +80,7 @@ class Stage(NamedTuple):
     err_ptr: object  # *i64: its error word (the last stage's: also where an inconsistent ticket is reported)
     trace_ptr: object  # *i64 [tiles, TRACE_FIELDS]: per-tile stamps (None: no trace)
     stage: object  # its index in the chain (error words name it)
+    epi: object  # its epilogue (.epilogue.Epilogue; all None for none)
 
 
 @triton.jit
@@ -123,7 +123,6 @@ def _stage_tile(
     if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
     prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
-    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None, None)  # stores the accumulator as it is
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
     if QUEUE_IN:
@@ -134,7 +133,7 @@ def _stage_tile(
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
             pending, _ = _run_tile(
-                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, no_epi, BLOCK_M,
+                op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, stage.epi, BLOCK_M,
                 BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
             )  # fmt: skip
         alive = ok
@@ -147,7 +146,7 @@ def _stage_tile(
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
         pending, ok = _run_tile(
-            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, no_epi,
+            op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, stage.epi,
             BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:

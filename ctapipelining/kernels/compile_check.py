@@ -112,21 +112,7 @@ def compile_variant(
         sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
     else:
         off("tail")
-    if epilogue is None:
-        at = names.index("epi")
-        sig["epi"] = Epilogue(*["constexpr"] * len(Epilogue._fields))
-        for i in range(len(Epilogue._fields)):
-            const[(at, i)] = None
-    else:
-        at = names.index("epi")
-        fields = EPILOGUE_VARIANTS[epilogue]
-        types = [fields.get(f, "constexpr") if f.islower() else "constexpr" for f in Epilogue._fields]
-        sig["epi"] = Epilogue(*types)
-        for i, f in enumerate(Epilogue._fields):
-            if f in ("ACTIVATION", "GATED"):
-                const[(at, i)] = fields.get(f)
-            elif sig["epi"][i] == "constexpr":
-                const[(at, i)] = None
+    sig["epi"] = _epilogue_sig(epilogue, names.index("epi"), const)
     if wait or signal:
         sig["epoch_ptr"] = "*i64"
     else:
@@ -146,9 +132,11 @@ def compile_variant(
 def compile_chain(
     stages: int, wait_first: bool, signal_last: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3,
     *, tma_store: bool = True, wait_parts: int = 4, trace: bool = False, split_tail: bool = False,
+    epilogues: tuple | None = None,
 ):  # fmt: skip
     """Compile :func:`~.chain.chain_kernel` over ``stages`` stages for sm_90 (``split_tail``: the
-    last stage's tail split into K-slices): the first stage
+    last stage's tail split into K-slices; ``epilogues``: each stage's, a key of
+    :data:`EPILOGUE_VARIANTS` or None): the first stage
     waiting on another GPU (``wait_first``), the last signalling one (``signal_last``), the
     links inside waiting in ``wait_parts`` parts; ``tma_store=False``: the last stage stores
     with ordinary stores."""
@@ -157,7 +145,8 @@ def compile_chain(
     sig, const = {}, {}
     at = names.index("stages")
     for i in range(MAX_STAGES):
-        for name, block_shape in (("a", (bm, bk)), ("b", (bk, bn)), ("c", (bm, bn))):
+        gated = bool(epilogues) and i < stages and epilogues[i] == "gated_rms"
+        for name, block_shape in (("a", (bm, bk)), ("b", (bk, bn)), ("c", (bm, bn // 2 if gated else bn))):
             arg = f"{name}{i}"
             if i < stages and not (name == "c" and i == stages - 1 and not tma_store):
                 sig[arg] = f"tensordesc<bf16[{block_shape[0]}, {block_shape[1]}]>"
@@ -180,7 +169,8 @@ def compile_chain(
         for field, on in ((2, waits), (3, signals), (5, trace)):
             if not on:
                 const[(at, i, field)] = None
-        bundles.append(Stage("i32", "i32", wait, signal, "*i64", "*i64" if trace else "constexpr", "i32"))
+        epi = _epilogue_sig(epilogues[i] if epilogues else None, (at, i, 7), const)
+        bundles.append(Stage("i32", "i32", wait, signal, "*i64", "*i64" if trace else "constexpr", "i32", epi))
     sig["stages"] = tuple(bundles)
     if split_tail:
         sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
@@ -243,11 +233,27 @@ def report() -> dict:
 
 
 # The epilogues of the MLP blocks' GEMMs: the fields each one sets (the others are None)
+_RMS = dict(row_sq="*fp32", sq_parts="i32", norm_cols="i32", norm_eps="fp32")
 EPILOGUE_VARIANTS = {
-    "gated_rms": dict(row_scale="*fp32", ACTIVATION=silu, GATED=True),  # Llama gate/up
-    "bias_residual": dict(bias="*bf16", residual="*bf16", stride_res="i32", ACTIVATION=gelu),  # a down GEMM
+    "gated_rms": _RMS | dict(ACTIVATION=silu, GATED=True),  # Llama gate/up
+    "bias_residual": dict(bias="*bf16", residual="*bf16", stride_res="i32", res_rows="i32", ACTIVATION=gelu),  # a down GEMM
     "layer_norm_bias": dict(row_scale="*fp32", row_shift="*fp32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
+    "residual_sums": dict(residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32"),  # a stack's down
 }
+
+
+def _epilogue_sig(variant: str | None, at, const: dict) -> Epilogue:
+    """The epilogue bundle's signature for ``variant`` (a key of :data:`EPILOGUE_VARIANTS`; None:
+    every field None) at argument index ``at``, its constants into ``const``."""
+    fields = {} if variant is None else EPILOGUE_VARIANTS[variant]
+    types = [fields.get(f, "constexpr") if f.islower() else "constexpr" for f in Epilogue._fields]
+    at = at if isinstance(at, tuple) else (at,)
+    for i, f in enumerate(Epilogue._fields):
+        if f in ("ACTIVATION", "GATED"):
+            const[(*at, i)] = fields.get(f)
+        elif types[i] == "constexpr":
+            const[(*at, i)] = None
+    return Epilogue(*types)
 
 
 def compile_epilogues() -> dict:

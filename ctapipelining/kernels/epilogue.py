@@ -6,18 +6,22 @@ Its fields are None when unused (the kernel never compares the bundle itself wit
 3.6 cannot when it holds None fields; ``Epilogue(None, ..., None)`` is the epilogue that does
 nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B``:
 
-1. The norm of A's rows, folded in. ``row_scale`` (not None): each row scaled by its entry;
-   ``row_shift`` (not None, with ``col_sum``): first each row's entry times B's column sums
-   subtracted. The norm's weight is folded into B on the host (``B' = diag(g) @ B``), and
-   :func:`norm_rows` computes each row's statistics before the GEMM (one read of A; at the
-   Llama-70B MLP's first GEMM, M = 4096, a sum of squares inside the K loop, from the A tiles it
-   loads, made the GEMM 1.30x as long; ``benchmarks/results/2026-12-01-h200-mlp/``):
-   - RMSNorm: ``row_scale = rsqrt(mean(a ** 2) + eps)``, ``acc * row_scale``;
-   - LayerNorm: ``row_shift = mean(a)``, ``row_scale = rsqrt(var(a) + eps)``,
-     ``(acc - row_shift * col_sum) * row_scale`` with ``col_sum`` B's column sums: ``(a - mean) @ B``
-     without forming ``a - mean``. The subtraction cancels: where a row's mean is large next to its
-     spread, ``acc`` and ``row_shift * col_sum`` are close, and the fp32 accumulator's rounding of
-     ``acc`` (a relative 2^-24 of ``|mean| * |col_sum|``) is what is left of the result's error.
+1. The norm of A's rows, folded in. The norm's weight is folded into B on the host
+   (``B' = diag(g) @ B``), so what is left is a per-row scale (and shift):
+   - RMSNorm, ``row_sq`` (not None): each row's sum of squares, in ``sq_parts`` partial sums
+     (``[rows, sq_parts]``, fp32), and ``acc * rsqrt(sum / norm_cols + norm_eps)``. The partial
+     sums come from a pass over A before the GEMM (:func:`norm_rows`, one part), or, in a
+     pipeline, from the stage that wrote A: its epilogue stores each output tile's rows' sums
+     of squares (``sq_out``, below), one part per column-block, so the next block's norm costs
+     no pass over memory (at the Llama-70B MLP's first GEMM, M = 4096, a sum of squares inside
+     the K loop, from the A tiles it loads, made the GEMM 1.30x as long;
+     ``benchmarks/results/2026-12-01-h200-mlp/``);
+   - LayerNorm: ``row_shift = mean(a)``, ``row_scale = rsqrt(var(a) + eps)`` (from
+     :func:`norm_rows`), ``(acc - row_shift * col_sum) * row_scale`` with ``col_sum`` B's
+     column sums: ``(a - mean) @ B`` without forming ``a - mean``. The subtraction cancels:
+     where a row's mean is large next to its spread, ``acc`` and ``row_shift * col_sum`` are
+     close, and the fp32 accumulator's rounding of ``acc`` (a relative 2^-24 of
+     ``|mean| * |col_sum|``) is what is left of the result's error.
    Both round differently from normalising first: ``x`` is not rounded to bf16 after the norm, and
    ``g * B`` is rounded once, at fold time, instead of ``g * x_normed`` in every call.
 2. ``bias`` (not None): a row vector of the GEMM's columns, added (before the activation, as in
@@ -26,7 +30,11 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
    columns come in pairs (gate, up), so each output tile holds both halves of its columns:
    output column ``j = ACTIVATION(acc[:, 2j]) * acc[:, 2j + 1]``, a tile half as wide as the
    GEMM's (:func:`ctapipelining.epilogue.interleave`).
-4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``), added.
+4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``, ``res_rows``
+   rows: those past it add zeros), added.
+5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
+   squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32): the ``row_sq`` of
+   a next stage that normalises this output (masked rows and columns add zeros).
 
 Users pass their own activation: any ``@triton.jit`` function of one tensor, e.g.
 :func:`silu` and :func:`gelu` below.
@@ -41,12 +49,19 @@ import triton.language as tl
 class Epilogue(NamedTuple):
     """A GEMM's epilogue (module docstring). UPPER_CASE fields are ``tl.constexpr``."""
 
-    row_scale: object  # *fp32 [rows]: each row's scale (None: none)
+    row_sq: object  # *fp32 [rows, sq_parts]: each row's partial sums of squares, RMSNorm (None: none)
+    sq_parts: object  # row_sq's row stride (its partial sums per row)
+    norm_cols: object  # the columns the sums of squares run over (A's: the GEMM's K)
+    norm_eps: object  # the RMSNorm's epsilon
+    row_scale: object  # *fp32 [rows]: each row's scale, LayerNorm (None: none)
     row_shift: object  # *fp32 [rows]: each row's mean, times col_sum subtracted before the scale (None: none)
     col_sum: object  # *fp32 [N]: B's column sums (with row_shift)
     bias: object  # *T [N]: added to each row of the GEMM's columns (None: none)
     residual: object  # *T [rows, N out]: added (None: none)
     stride_res: object  # the residual's row stride
+    res_rows: object  # the residual's rows (a call may have fewer rows than the GEMM's tile grid)
+    sq_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums of squares, column pn (None: none)
+    out_parts: object  # sq_out's row stride
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
     GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
 
@@ -71,8 +86,8 @@ def norm_rows(
 ):  # fmt: skip
     """Each row's norm statistics (fp32), ``BLOCK_R`` rows a program: ``CENTER`` (LayerNorm)
     ``shift[r] = mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two
-    passes over the row: no cancellation in the variance); else (RMSNorm)
-    ``scale[r] = rsqrt(mean(a[r] ** 2) + eps)``."""
+    passes over the row: no cancellation in the variance); else (RMSNorm) ``scale[r]`` is the
+    row's sum of squares (an epilogue's ``row_sq`` of one part)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     base = a_ptr + r[:, None].to(tl.int64) * stride
     mean = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -90,7 +105,18 @@ def norm_rows(
         a = tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, a - mean[:, None], 0.0)
         acc += tl.sum(d * d, axis=1)
-    tl.store(scale_ptr + r, tl.rsqrt(acc / cols + eps), mask=r < rows)
+    if CENTER:
+        acc = tl.rsqrt(acc / cols + eps)
+    tl.store(scale_ptr + r, acc, mask=r < rows)
+
+
+@triton.jit
+def rms_scale(epi, offs_m, rows):
+    """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares."""
+    sq = tl.zeros(offs_m.shape, dtype=tl.float32)
+    for j in range(epi.sq_parts):
+        sq += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+    return tl.rsqrt(sq / epi.norm_cols + epi.norm_eps)
 
 
 @triton.jit
@@ -107,6 +133,8 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
         acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
     if epi.row_scale is not None:
         acc = acc * tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)[:, None]
+    if epi.row_sq is not None:
+        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
     if epi.bias is not None:
         acc += tl.load(epi.bias + cols_in, mask=cols_in < n_in, other=0.0).to(tl.float32)[None, :]
     if epi.GATED is not None:
@@ -117,7 +145,17 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     OUT_N: tl.constexpr = acc.shape[1]
     cols = pn * OUT_N + tl.arange(0, OUT_N)
     if epi.residual is not None:
-        mask = (offs_m[:, None] < rows) & (cols[None, :] < n_out)
+        mask = (offs_m[:, None] < tl.minimum(rows, epi.res_rows)) & (cols[None, :] < n_out)
         res = tl.load(epi.residual + offs_m[:, None] * epi.stride_res + cols[None, :], mask=mask, other=0.0)
         acc += res.to(tl.float32)
     return acc
+
+
+@triton.jit
+def store_sums(epi, stored, pm, pn, rows, BLOCK_M: tl.constexpr):
+    """With ``sq_out``: the rows' sums of squares of the tile as ``stored`` (C's dtype) into
+    column ``pn`` of ``sq_out``."""
+    if epi.sq_out is not None:
+        offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        v = stored.to(tl.float32)
+        tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(v * v, axis=1), mask=offs_m < rows)

@@ -284,17 +284,21 @@ def _out_cols(op, epi):
 def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue: an asynchronous TMA
     store (clipped to C's rows by the descriptor), or ordinary stores masked to ``c_rows`` x
-    the output's columns (half of ``N`` with a gated epilogue)."""
+    the output's columns (half of ``N`` with a gated epilogue); then, if the epilogue asks, the
+    stored rows' sums of squares (:func:`.epilogue.store_sums`)."""
     acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M)
     OUT_N: tl.constexpr = acc.shape[1]
     if op.c_desc is not None:
-        op.c_desc.store([pm * BLOCK_M, pn * OUT_N], acc.to(op.c_desc.dtype))
+        stored = acc.to(op.c_desc.dtype)
+        op.c_desc.store([pm * BLOCK_M, pn * OUT_N], stored)
     else:
+        stored = acc.to(op.c_ptr.dtype.element_ty)
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pn * OUT_N + tl.arange(0, OUT_N)
         mask = (offs_m[:, None] < op.c_rows) & (offs_n[None, :] < _out_cols(op, epi))
         ptrs = op.c_ptr + offs_m[:, None] * op.stride_cm + offs_n[None, :]
-        tl.store(ptrs, acc.to(op.c_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, stored, mask=mask)
+    epilogue.store_sums(epi, stored, pm, pn, op.c_rows, BLOCK_M)
 
 
 @triton.jit
@@ -367,7 +371,9 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
-    no_epi = epilogue.Epilogue(None, None, None, None, None, None, None, None)  # partials: stored as they are
+    no_epi = epilogue.Epilogue(
+        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+    )  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -424,9 +430,10 @@ def gemm_kernel(
     the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
     plain_epi: tl.constexpr = (
-        (epi.row_scale is None) & (epi.row_shift is None) & (epi.ACTIVATION is None) & (epi.bias is None)
-    )
-    tl.static_assert(tail is None or plain_epi & (epi.residual is None), "an epilogue needs whole tiles: no split tail")
+        (epi.row_scale is None) & (epi.row_shift is None) & (epi.row_sq is None) & (epi.ACTIVATION is None)
+        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None)
+    )  # fmt: skip
+    tl.static_assert(tail is None or plain_epi, "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
