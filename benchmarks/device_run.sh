@@ -24,6 +24,8 @@
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
 #          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt)          -> mlp_block.log, mlp_block.json
+#   stack  (1 GPU) benchmarks/mlp_stack.py: two Llama blocks as one pipeline against the blocks one after
+#          another, MLP_REPS (default 20), STACK_ONLY (shapes)                    -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
 #          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
@@ -79,6 +81,8 @@ for step in $STEPS; do
     mlp) timeout 500 python3 benchmarks/mlp_block.py "$OUT" "${MLP_REPS:-20}" "${MLP_MODE:-max-autotune-no-cudagraphs}" \
         "${MLP_BLOCKS:-llama}" \
         > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^(GPT_)?H|Error" "$OUT/mlp_block.log" | tail -8 ;;
+    stack) timeout 400 python3 benchmarks/mlp_stack.py "$OUT" "${MLP_REPS:-20}" "${STACK_ONLY:-}" \
+        > "$OUT/mlp_stack.log" 2>&1; echo "stack rc=$?"; grep -E "^H|Error" "$OUT/mlp_stack.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
       echo "soak rc=$?"; tail -c 1500 "$OUT/soak.log" ;;
     sancross) for tool in memcheck racecheck synccheck; do

@@ -193,7 +193,8 @@ def test_clock_probe_compiles_and_each_side_votes_on_its_waits():
 
 def test_fused_epilogues_compile_and_fit_the_block_configurations():
     """The MLP blocks' epilogues compile to pipelined TMA/wgmma GEMMs within Hopper's shared
-    memory in the configurations :mod:`ctapipelining.nn` gives them; a residual tile with three
+    memory in the configurations :mod:`ctapipelining.nn` gives them (a stack's four stages in one
+    chain kernel too); a residual tile with three
     stages of 128 x 256 tiles would not fit (why the down GEMM's tiles are narrower)."""
     code = "import json; from ctapipelining.kernels.compile_check import compile_epilogues as e; print(json.dumps(e()))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -205,7 +206,11 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
     assert (GATE_UP_CONFIG.block_n, GATE_UP_CONFIG.num_stages) == (256, 3)
     assert (DOWN_CONFIG.block_n, DOWN_CONFIG.num_stages) == (128, 4)
     got = json.loads(r.stdout)
-    for name in ("gated_rms", "bias_residual", "layer_norm_bias"):
+    from ctapipelining.nn import STACK_CONFIG
+
+    assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)
+    assert got["stack_chain"]["unfenced_loads"] == 0 and got["stack_chain"]["vote"] >= 1
+    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain"):
         assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name
         assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
     assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT

@@ -93,3 +93,47 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
     with torch.no_grad():  # inference: a compiled model traces through the operator
         compiled = torch.compile(lambda t: block(t) * 2, fullgraph=True)
         assert torch.equal(compiled(x), block(x) * 2)
+
+
+def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_another():
+    """Two Llama-8B blocks as one pipeline on one GPU (one chain kernel; and each GEMM in its
+    block's configuration), M = 1, 777, 4096: bitwise the same GEMMs one after another; against
+    float32 at most 2x the error of ``transformers``' blocks in bf16; graph replay bitwise the
+    eager call."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ctapipelining.nn import LlamaStack
+
+    H, inter = 4096, 14336
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=32, rms_norm_eps=1e-5)
+    mods = []
+    for _ in range(2):
+        mlp, norm = HFMLP(cfg).cuda().bfloat16(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.2 * torch.randn(H))
+            for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                lin.weight.normal_(0, lin.weight.shape[1] ** -0.5)
+        mods.append((mlp, norm))
+    stacks = [LlamaStack.from_hf(*zip(*mods)), LlamaStack.from_hf(*zip(*mods), config="blocks")]
+    assert stacks[0].pipeline.groups == [[0, 1, 2, 3]] and len(stacks[1].pipeline.groups) == 4
+    for M in (1, 777, 4096):
+        x = torch.randn(M, H, device="cuda").bfloat16()
+        with torch.no_grad():
+            ref, theirs = x.float(), x
+            for mlp, norm in mods:
+                xn = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+                g, u = xn @ mlp.gate_proj.weight.float().t(), xn @ mlp.up_proj.weight.float().t()
+                ref = ref + (torch.nn.functional.silu(g) * u) @ mlp.down_proj.weight.float().t()
+                theirs = theirs + mlp(norm(theirs))
+        for stack in stacks:
+            ours = stack(x)
+            assert torch.equal(ours, stack.sequential(x)), M
+            assert not ours.isnan().any()
+            assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
+    graphed = stacks[0].pipeline.capture(4096)
+    x = torch.randn(4096, H, device="cuda").bfloat16()
+    assert torch.equal(graphed(x), stacks[0](x))
+    stacks[0].pipeline.check_errors()

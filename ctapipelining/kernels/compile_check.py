@@ -260,8 +260,8 @@ def compile_epilogues() -> dict:
     """The fused epilogues of :class:`ctapipelining.nn.LlamaMLP`'s two GEMMs, in its
     configurations (gate/up: 128 x 256 tiles, 3 stages, stored half as wide; down with its
     residual: 128 x 128, 4 stages), the residual one with 128 x 256 tiles and 3 stages, and
-    :class:`ctapipelining.nn.GPTMLP`'s first (LayerNorm, bias, GELU; 128 x 256, 3 stages):
-    their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
+    :class:`ctapipelining.nn.GPTMLP`'s first (LayerNorm, bias, GELU; 128 x 256, 3 stages), and a
+    chain kernel over a :class:`ctapipelining.nn.LlamaStack`'s two blocks: their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
     return {
         "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
         "bias_residual": _summary(
@@ -271,6 +271,13 @@ def compile_epilogues() -> dict:
             compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
         ),
         "layer_norm_bias": _summary(compile_variant(False, False, False, epilogue="layer_norm_bias", num_stages=3)),
+        # a LlamaStack's two blocks on one GPU: one chain kernel, nn.STACK_CONFIG
+        "stack_chain": _summary(
+            compile_chain(
+                4, False, False, False, (128, 128, 64), num_stages=4,
+                epilogues=("gated_rms", "residual_sums", "gated_rms", "residual_sums"),
+            )
+        ),  # fmt: skip
     }
 
 

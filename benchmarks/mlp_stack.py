@@ -1,0 +1,98 @@
+"""Llama MLP blocks stacked: one pipeline (:class:`ctapipelining.nn.LlamaStack`) against the
+same fused blocks one after another, on one GPU (issue 16's stacks; the 2-GPU runs place one
+block per GPU).
+
+usage: python3 benchmarks/mlp_stack.py OUT_DIR [REPS] [ONLY]
+
+Two blocks of Llama-8B (hidden 4096, intermediate 14336) at M = 1024, 4096 and of Llama-70B
+(8192, 28672) at M = 4096, bf16, different weights per block. ONLY: the shapes whose key
+contains it. Lines, graph-replayed, timed by the bench's harness (shuffled turns, paired):
+
+* ``stack``: the stack as one pipeline, its four GEMMs in one chain kernel (``nn.STACK_CONFIG``);
+* ``stack_blocks``: the stack with each GEMM in its block's configuration (four kernels one
+  after another on the GPU's stream);
+* ``blocks``: the two :class:`ctapipelining.nn.LlamaMLP` blocks called one after another;
+* ``cublas_gemms``: the four GEMMs alone in cuBLAS (each reading the block's real input).
+
+Also ``stack_eager``: the stack called eagerly. Checks the stack bitwise against its GEMMs one
+after another first. Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ctapipelining.nn import LlamaMLP, LlamaStack
+from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+ONLY = sys.argv[3] if len(sys.argv) > 3 else ""
+SHAPES = [(4096, 14336, 1024), (4096, 14336, 4096), (8192, 28672, 4096)]
+
+
+def ci(ratios):
+    med, lo, hi = median_ci(ratios)
+    return {"median": med, "ci95": [lo, hi]}
+
+
+def block(H: int, inter: int) -> LlamaMLP:
+    def w(rows, cols):
+        return (torch.randn(rows, cols, device="cuda") * cols**-0.5).bfloat16()
+
+    norm = (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16()
+    return LlamaMLP(w(inter, H), w(inter, H), w(H, inter), norm, 1e-5)
+
+
+def one_shape(H: int, inter: int, M: int) -> dict:
+    torch.manual_seed(0)
+    blocks = [block(H, inter), block(H, inter)]
+    stack, per_block = LlamaStack(blocks), LlamaStack(blocks, config="blocks")
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    y = stack(x)
+    row = {"bitwise": torch.equal(y, stack.sequential(x)) and torch.equal(per_block(x), per_block.sequential(x))}
+    h0 = blocks[0].first_gemm(x)
+    x1 = blocks[0](x)
+    h1 = blocks[1].first_gemm(x1)
+    bufs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in (2 * inter, H, 2 * inter, H)]
+
+    def gemms():
+        torch.mm(x, blocks[0].w_in, out=bufs[0])
+        torch.mm(h0, blocks[0].w_out, out=bufs[1])
+        torch.mm(x1, blocks[1].w_in, out=bufs[2])
+        torch.mm(h1, blocks[1].w_out, out=bufs[3])
+
+    with torch.no_grad():
+        methods = [
+            Method("stack", capture(lambda: stack(x), [0]).replay),
+            Method("stack_eager", lambda: stack(x)),
+            Method("stack_blocks", capture(lambda: per_block(x), [0]).replay),
+            Method("blocks", capture(lambda: blocks[1](blocks[0](x)), [0]).replay),
+            Method("cublas_gemms", capture(gemms, [0]).replay),
+        ]
+        times = time_interleaved(methods, [0], REPS, 3)
+    stack.pipeline.check_errors()
+    row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
+    for num, den in (("stack", "blocks"), ("stack_blocks", "blocks"), ("stack", "cublas_gemms"),
+                     ("blocks", "cublas_gemms"), ("stack_eager", "stack")):  # fmt: skip
+        row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
+    return row
+
+
+def main():
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "shapes": {}}
+    for H, inter, M in SHAPES:
+        key = f"H{H}_I{inter}_M{M}"
+        if ONLY not in key:
+            continue
+        report["shapes"][key] = row = one_shape(H, inter, M)
+        print(key, json.dumps(row), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mlp_stack.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
