@@ -8,11 +8,9 @@ Two blocks of Llama-8B (hidden 4096, intermediate 14336) at M = 1024, 4096 and o
 (8192, 28672) at M = 4096, bf16, different weights per block. ONLY: the shapes whose key
 contains it. Lines, graph-replayed, timed by the bench's harness (shuffled turns, paired):
 
-* ``stack``: the stack as one pipeline, its four GEMMs in one chain kernel (``nn.STACK_CONFIG``);
-* ``stack_wide``: the same with 128 x 256 tiles, two pipeline stages (what fits beside the
-  residual's tile);
-* ``stack_blocks``: the stack with each GEMM in its block's configuration (four kernels one
-  after another on the GPU's stream);
+* ``stack``: the stack as one pipeline, each GEMM in its block's configuration (four kernels
+  one after another on the GPU's stream);
+* ``stack_chain``: the stack with its four GEMMs in one chain kernel (``nn.STACK_CONFIG``);
 * ``blocks``: the two :class:`ctapipelining.nn.LlamaMLP` blocks called one after another;
 * ``cublas_gemms``: the four GEMMs alone in cuBLAS (each reading the block's real input).
 
@@ -20,7 +18,6 @@ Also ``stack_eager``: the stack called eagerly. Checks the stack bitwise against
 after another first. Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
 """
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG
-from ctapipelining.nn import LlamaMLP, LlamaStack
+from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -54,10 +50,9 @@ def block(H: int, inter: int) -> LlamaMLP:
 def one_shape(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
     blocks = [block(H, inter), block(H, inter)]
-    stack, per_block = LlamaStack(blocks), LlamaStack(blocks, config="blocks")
-    wide = LlamaStack(blocks, config=dataclasses.replace(PIPELINE_CONFIG, num_stages=2))
+    stack, chain = LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)
     x = torch.randn(M, H, device="cuda").bfloat16()
-    row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, wide, per_block))}
+    row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, chain))}
     h0 = blocks[0].first_gemm(x)
     x1 = blocks[0](x)
     h1 = blocks[1].first_gemm(x1)
@@ -73,15 +68,14 @@ def one_shape(H: int, inter: int, M: int) -> dict:
         methods = [
             Method("stack", capture(lambda: stack(x), [0]).replay),
             Method("stack_eager", lambda: stack(x)),
-            Method("stack_wide", capture(lambda: wide(x), [0]).replay),
-            Method("stack_blocks", capture(lambda: per_block(x), [0]).replay),
+            Method("stack_chain", capture(lambda: chain(x), [0]).replay),
             Method("blocks", capture(lambda: blocks[1](blocks[0](x)), [0]).replay),
             Method("cublas_gemms", capture(gemms, [0]).replay),
         ]
         times = time_interleaved(methods, [0], REPS, 3)
     stack.pipeline.check_errors()
     row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
-    for num, den in (("stack", "blocks"), ("stack_wide", "blocks"), ("stack_blocks", "blocks"), ("stack", "cublas_gemms"),
+    for num, den in (("stack", "blocks"), ("stack_chain", "blocks"), ("stack", "cublas_gemms"),
                      ("blocks", "cublas_gemms"), ("stack_eager", "stack")):  # fmt: skip
         row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row

@@ -45,8 +45,9 @@ from .kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG, GemmConfig
 # only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
 GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
-# a stack's GEMMs, all in one configuration so that the stages on one GPU share a chain kernel: the
-# down GEMM's tiles (its residual), the pipeline's tile order and waits in parts
+# a stack's GEMMs in one configuration, so that the stages on one GPU share a chain kernel: the down
+# GEMM's tiles (its residual), the pipeline's tile order and waits in parts (LlamaStack: measured slower
+# than each GEMM in its block's configuration)
 STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 # a GPT block's first GEMM stores full tiles (no gating): its bias and column sums fit beside three stages
 UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
@@ -361,28 +362,35 @@ class LlamaStack(torch.nn.Module):
     takes its rows' sums of squares from block ``b - 1``'s down GEMM, which stores them with
     each output tile (partial sums per column-block, added in a fixed order: the result is
     deterministic, and rounds differently from :class:`LlamaMLP` alone, whose pass over ``x``
-    sums in another order). ``config``: one :class:`GemmConfig` for every GEMM (the default, so
-    that the stages on one GPU share one chain kernel: the down GEMM's, whose residual tile
-    leaves shared memory for 128 x 128 tiles), or ``"blocks"``: each GEMM with its block's
-    configuration (the stages on one GPU then run one kernel after another). Other keyword
+    sums in another order). ``config``: None (the default), each GEMM in its block's
+    configuration, so the stages on one GPU run one kernel after another; or one
+    :class:`GemmConfig` for every GEMM, so that they share one chain kernel (:data:`STACK_CONFIG`
+    fits: the down GEMM's residual tile leaves shared memory for 128 x 128 tiles). On one H200
+    two blocks run 1.02-1.05x as long as the same blocks called one after another with the
+    default, and 1.29-1.35x with one chain kernel in :data:`STACK_CONFIG`
+    (``benchmarks/results/2026-12-01-h200-stack/``): on one GPU a stack has nothing to gain; its
+    place is blocks on several GPUs, each block's down GEMM feeding the next GPU's gate/up GEMM
+    row-block by row-block. Other keyword
     arguments go to the :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``,
     ``row_buckets``, ...). The blocks' weights are the pipeline's: :meth:`refresh` (each block's)
     updates them in place.
     """
 
-    def __init__(self, blocks: list[LlamaMLP], config: GemmConfig | str | None = None, **pipeline_kw):
+    def __init__(self, blocks: list[LlamaMLP], config: GemmConfig | None = None, **pipeline_kw):
         super().__init__()
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
-            raise TypeError("LlamaStack takes a non-empty list of LlamaMLP blocks (a GPT block's LayerNorm is not pipelined)")
+            raise TypeError(
+                "LlamaStack takes a non-empty list of LlamaMLP blocks (a GPT block's LayerNorm is not pipelined)"
+            )
         b0 = blocks[0]
         for i, b in enumerate(blocks):
             if b.hidden != b0.hidden or b.w_out.dtype != b0.w_out.dtype:
                 raise ValueError(
                     f"block {i} is hidden={b.hidden} {b.w_out.dtype}; block 0 is hidden={b0.hidden} {b0.w_out.dtype}"
                 )
-        if not (config is None or config == "blocks" or isinstance(config, GemmConfig)):
-            raise ValueError(f"config must be None, a GemmConfig or 'blocks', got {config!r}")
+        if not (config is None or isinstance(config, GemmConfig)):
+            raise ValueError(f"config must be None (each block's) or a GemmConfig, got {config!r}")
         self.blocks = torch.nn.ModuleList(blocks)
         self.hidden = b0.hidden
         self.config = config
@@ -417,10 +425,7 @@ class LlamaStack(torch.nn.Module):
         )
         if self._built is None or self._built[0] != key:
             epilogues = [e for b in self.blocks for e in b._epilogues()]
-            if self.config == "blocks":
-                configs = [c for b in self.blocks for c in (b.in_config, b.out_config)]
-            else:
-                configs = self.config or STACK_CONFIG
+            configs = self.config or [c for b in self.blocks for c in (b.in_config, b.out_config)]
             self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
         return self._built[1]
 
@@ -443,7 +448,7 @@ class LlamaStack(torch.nn.Module):
             b.refresh()
 
     @classmethod
-    def from_hf(cls, mlps: list, norms: list, config: GemmConfig | str | None = None, **pipeline_kw) -> LlamaStack:
+    def from_hf(cls, mlps: list, norms: list, config: GemmConfig | None = None, **pipeline_kw) -> LlamaStack:
         """From ``transformers`` ``LlamaMLP`` modules and the ``LlamaRMSNorm`` before each (e.g. the
         decoder layers' ``mlp`` and ``post_attention_layernorm``), each block on its module's device."""
         if len(mlps) != len(norms):

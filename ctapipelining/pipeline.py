@@ -285,7 +285,9 @@ class Plan:
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
     tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
-    sums: list[torch.Tensor | None] = field(default_factory=list)  # per stage: its input rows' sums of squares (RMSNorm)
+    sums: list[torch.Tensor | None] = field(
+        default_factory=list
+    )  # per stage: its input rows' sums of squares (RMSNorm)
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)

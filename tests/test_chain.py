@@ -230,10 +230,12 @@ def test_chain_launch_refuses_what_it_cannot_run():
     bad = {
         "1 to 4 stages": [ok[0]] * 5,
         "has K=16 but the stage before it outputs 24 columns": [
-            ok[0], ChainStage(16, 16, wait=link.wait_hook(False), err=err)
+            ok[0],
+            ChainStage(16, 16, wait=link.wait_hook(False), err=err),
         ],
         "needs the partial sums of squares": [
-            ok[0], ChainStage(16, 24, wait=link.wait_hook(False), err=err, epilogue=Epilogue(rms_eps=1e-5))
+            ok[0],
+            ChainStage(16, 24, wait=link.wait_hook(False), err=err, epilogue=Epilogue(rms_eps=1e-5)),
         ],
         "needs its wait": [ok[0], ChainStage(16, 24)],
         "needs its signal": [ChainStage(24, 16), ok[1]],

@@ -96,15 +96,15 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
 
 
 def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_another():
-    """Two Llama-8B blocks as one pipeline on one GPU (one chain kernel; and each GEMM in its
-    block's configuration), M = 1, 777, 4096: bitwise the same GEMMs one after another; against
+    """Two Llama-8B blocks as one pipeline on one GPU (each GEMM in its block's configuration;
+    and one chain kernel), M = 1, 777, 4096: bitwise the same GEMMs one after another; against
     float32 at most 2x the error of ``transformers``' blocks in bf16; graph replay bitwise the
     eager call."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from ctapipelining.nn import LlamaStack
+    from ctapipelining.nn import STACK_CONFIG, LlamaStack
 
     H, inter = 4096, 14336
     torch.manual_seed(0)
@@ -117,8 +117,8 @@ def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_ano
             for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 lin.weight.normal_(0, lin.weight.shape[1] ** -0.5)
         mods.append((mlp, norm))
-    stacks = [LlamaStack.from_hf(*zip(*mods)), LlamaStack.from_hf(*zip(*mods), config="blocks")]
-    assert stacks[0].pipeline.groups == [[0, 1, 2, 3]] and len(stacks[1].pipeline.groups) == 4
+    stacks = [LlamaStack.from_hf(*zip(*mods)), LlamaStack.from_hf(*zip(*mods), config=STACK_CONFIG)]
+    assert len(stacks[0].pipeline.groups) == 4 and stacks[1].pipeline.groups == [[0, 1, 2, 3]]
     for M in (1, 777, 4096):
         x = torch.randn(M, H, device="cuda").bfloat16()
         with torch.no_grad():

@@ -278,15 +278,21 @@ def stack_reference(blocks, x):
     return x
 
 
-@pytest.mark.parametrize("loopback,M", [(False, 100), (True, 37)])
-def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(loopback, M):
-    """Two Llama blocks as one pipeline (four stages: the chain kernel on one device, or a kernel
-    per stage through the cross-device path): bitwise its GEMMs one after another; against
-    float32 at most 2x the error of transformers' blocks in fp16; and close to the blocks run
-    alone (which round the second norm's sums in another order)."""
+@pytest.mark.parametrize("mode,M", [("chain", 100), ("loopback", 37), ("blocks", 64)])
+def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(mode, M):
+    """Two Llama blocks as one pipeline (four stages: one chain kernel in one configuration; a
+    kernel per stage through the cross-device path; or each GEMM in its block's configuration,
+    a kernel each): bitwise its GEMMs one after another; against float32 at most 2x the error
+    of transformers' blocks in fp16; and close to the blocks run alone (which round the second
+    norm's sums in another order)."""
     blocks = hf_stack()
-    stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL, loopback=loopback)
-    assert stack.pipeline.groups == ([[0], [1], [2], [3]] if loopback else [[0, 1, 2, 3]])
+    if mode == "blocks":
+        down = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)
+        fused = [LlamaMLP.from_hf(m, n, gate_up_config=SMALL, down_config=down) for m, n in blocks]
+        stack = LlamaStack(fused, loopback=False)
+    else:
+        stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL, loopback=mode == "loopback")
+    assert stack.pipeline.groups == ([[0, 1, 2, 3]] if mode == "chain" else [[0], [1], [2], [3]])
     x = torch.randn(M, H).half() * 3
     ours = stack(x)
     assert torch.equal(ours, stack.sequential(x))
@@ -326,7 +332,9 @@ def test_pipeline_epilogues_are_checked_before_anything_runs():
     bad = {
         "stage 0 has none": [Epilogue(residual=True), None, None],
         "LayerNorm epilogue runs on the chain's first stage only": [
-            None, Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(H)), None
+            None,
+            Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(H)),
+            None,
         ],
         "one Epilogue or None per stage": [None, None],
     }

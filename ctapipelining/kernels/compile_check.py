@@ -236,9 +236,13 @@ def report() -> dict:
 _RMS = dict(row_sq="*fp32", sq_parts="i32", norm_cols="i32", norm_eps="fp32")
 EPILOGUE_VARIANTS = {
     "gated_rms": _RMS | dict(ACTIVATION=silu, GATED=True),  # Llama gate/up
-    "bias_residual": dict(bias="*bf16", residual="*bf16", stride_res="i32", res_rows="i32", ACTIVATION=gelu),  # a down GEMM
+    "bias_residual": dict(
+        bias="*bf16", residual="*bf16", stride_res="i32", res_rows="i32", ACTIVATION=gelu
+    ),  # a down GEMM
     "layer_norm_bias": dict(row_scale="*fp32", row_shift="*fp32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
-    "residual_sums": dict(residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32"),  # a stack's down
+    "residual_sums": dict(
+        residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32"
+    ),  # a stack's down
 }
 
 
@@ -274,7 +278,12 @@ def compile_epilogues() -> dict:
         # a LlamaStack's two blocks on one GPU: one chain kernel, nn.STACK_CONFIG
         "stack_chain": _summary(
             compile_chain(
-                4, False, False, False, (128, 128, 64), num_stages=4,
+                4,
+                False,
+                False,
+                False,
+                (128, 128, 64),
+                num_stages=4,
                 epilogues=("gated_rms", "residual_sums", "gated_rms", "residual_sums"),
             )
         ),  # fmt: skip
