@@ -154,7 +154,8 @@ class ChainLaunch:
             if stats is not None and stats.own and st is not stages[0]:
                 raise ValueError(
                     f"stage {st.stage} normalises rows the stage before it writes in this kernel: it needs the "
-                    "partial sums of squares that stage leaves (norm_sums; a LayerNorm cannot be one of its later stages)"
+                    "partial sums of squares that stage leaves (norm_sums; a LayerNorm is never one of its later "
+                    "stages)"
                 )
             self.stats.append(stats)
             self._epi_args.append(args)
@@ -178,7 +179,8 @@ class ChainLaunch:
         self._constexprs = launch_constexprs(config, queue)
         self._trailing = tuple(self._constexprs.values())
         self._blocks = [tma_blocks(config, epi is not None and epi.gated) for epi in self.epilogues]
-        self._compiled = {}  # (TMA store of the last stage, its row stride, dtype, residuals' strides) -> (kernel, RawLaunch)
+        # (TMA store of the last stage, its row stride, dtype, residuals' strides) -> (kernel, RawLaunch)
+        self._compiled = {}
 
     def _stages_bundle(self, residuals: list) -> tuple:
         """The stages' bundles (:class:`~ctapipelining.kernels.chain.Stage`), each epilogue with

@@ -73,6 +73,7 @@ import triton
 
 from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
+from .epilogue import Epilogue
 from .gemm import (
     GemmLaunch,
     SignalHook,
@@ -86,7 +87,6 @@ from .gemm import (
     tail_split,
     tma_ready,
 )
-from .epilogue import Epilogue
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET

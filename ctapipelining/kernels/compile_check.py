@@ -265,7 +265,8 @@ def compile_epilogues() -> dict:
     configurations (gate/up: 128 x 256 tiles, 3 stages, stored half as wide; down with its
     residual: 128 x 128, 4 stages), the residual one with 128 x 256 tiles and 3 stages, and
     :class:`ctapipelining.nn.GPTMLP`'s first (LayerNorm, bias, GELU; 128 x 256, 3 stages), and a
-    chain kernel over a :class:`ctapipelining.nn.LlamaStack`'s two blocks: their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
+    chain kernel over a :class:`ctapipelining.nn.LlamaStack`'s two blocks in ``nn.STACK_CONFIG``:
+    their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
     return {
         "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
         "bias_residual": _summary(
