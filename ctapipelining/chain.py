@@ -28,6 +28,7 @@ from .gemm import (
     descriptor,
     interpreting,
     launch_constexprs,
+    residual_key,
     signal_bundle,
     tma_blocks,
     wait_bundle,
@@ -219,7 +220,7 @@ class ChainLaunch:
             raise ValueError("a residual goes with each stage whose epilogue adds one, and only there")
         stride = c.stride(0)
         tma_store = stride == c.shape[1]
-        key = (tma_store, stride, c.dtype, *(None if r is None else r.stride(0) for r in residuals))
+        key = (tma_store, stride, c.dtype, *(residual_key(r) for r in residuals))
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]

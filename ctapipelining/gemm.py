@@ -220,6 +220,16 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
 NORM_ROWS = 8  # rows a program of the norm's statistics pass reads
 
 
+def residual_key(residual: torch.Tensor | None):
+    """What a compiled kernel is specialised on in a residual: Triton compiles its row stride and
+    rows (integers inside the epilogue's bundle) as constants when they equal 1, and assumes 16-byte
+    multiples when they divide by 16; a kernel compiled for one is not reused for the other."""
+    if residual is None:
+        return None
+    return tuple((n, n == 1, n % 16 == 0) if i == 0 else (n == 1, n % 16 == 0)
+                 for i, n in enumerate((residual.stride(0), residual.shape[0])))  # fmt: skip
+
+
 def check_sums(sums: torch.Tensor, rows: int, parts: int, device: torch.device | None, name: str) -> torch.Tensor:
     """``sums`` must be a contiguous fp32 ``[>= rows, parts]`` tensor on ``device`` (None: any; a
     producer writes them into its consumer's GPU): rows' partial sums of squares
@@ -426,7 +436,7 @@ class GemmLaunch:
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
         stride = c.stride(0)
         tma_store = stride == c.shape[1]  # rows padded: ordinary stores
-        key = (tma_store, stride, a.dtype, None if residual is None else residual.stride(0))
+        key = (tma_store, stride, a.dtype, residual_key(residual))
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]

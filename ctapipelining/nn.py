@@ -342,7 +342,7 @@ def mlp_stack(x: torch.Tensor, weights: list[torch.Tensor], stack: str) -> torch
 
 @mlp_stack.register_fake
 def _(x, weights, stack):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape, device=weights[-1].device)  # on the last block's device
 
 
 mlp_stack.register_autograd(_no_backward)
@@ -432,6 +432,11 @@ class LlamaStack(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
             raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+        first = self.blocks[0].w_out
+        if x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"x is {x.dtype} on {x.device}; the stack's first block is {first.dtype} on {first.device}"
+            )
         rows = x.reshape(-1, self.hidden).contiguous()
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 

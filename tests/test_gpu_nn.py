@@ -137,3 +137,31 @@ def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_ano
     x = torch.randn(4096, H, device="cuda").bfloat16()
     assert torch.equal(graphed(x), stacks[0](x))
     stacks[0].pipeline.check_errors()
+
+
+def test_one_plan_called_with_one_row_then_more_stays_right():
+    """A bucketed plan serves 1 to 128 rows: called first with 1 row (Triton would compile the
+    residual's row count 1 as a constant) and then with 100 and 37, every call equals its GEMMs
+    one after another, in each block's configuration and in one chain kernel; and ``matmul``
+    with a residual likewise."""
+    from ctapipelining.epilogue import Epilogue
+    from ctapipelining.gemm import matmul
+    from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
+
+    torch.manual_seed(1)
+    H, inter = 1024, 2048
+
+    def w(rows, cols):
+        return (torch.randn(rows, cols, device="cuda") * cols**-0.5).bfloat16()
+
+    blocks = [LlamaMLP(w(inter, H), w(inter, H), w(H, inter), torch.ones(H, device="cuda").bfloat16()) for _ in "ab"]
+    for stack in (LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)):
+        for M in (1, 100, 37):
+            x = torch.randn(M, H, device="cuda").bfloat16()
+            assert torch.equal(stack(x), stack.sequential(x)), M
+    b = w(H, H)
+    for M in (1, 100):
+        a, res = torch.randn(M, H, device="cuda").bfloat16(), torch.randn(M, H, device="cuda").bfloat16()
+        want = (a.float() @ b.float() + res.float()).bfloat16()
+        got = matmul(a, b, epilogue=Epilogue(residual=True), residual=res)
+        assert (got.float() - want.float()).abs().max() < 0.1, M

@@ -3,12 +3,14 @@ interpreter computes bf16 dots wrongly); the GPU tests run the same at full size
 
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401  (the interpreter looks it up in a jit function's module)
 
 from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from ctapipelining.gemm import matmul
+from ctapipelining.gemm import GemmLaunch, matmul
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.nn import GPTMLP, LlamaMLP, LlamaStack
-from ctapipelining.pipeline import Pipeline
+from ctapipelining.pipeline import Pipeline, Segment
 
 pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
@@ -350,9 +352,36 @@ def test_pipeline_epilogues_are_checked_before_anything_runs():
         Pipeline(w[:2], config=SMALL, epilogues=[None, Epilogue(residual=True)], ends="balanced")
     with pytest.raises(ValueError, match="share block_m"):
         Pipeline(w[:2], config=[SMALL, GemmConfig(32, 32, 16)])
+    with pytest.raises(ValueError, match="a list of one per stage"):
+        Pipeline(w[:2], config=[SMALL])
+    with pytest.raises(ValueError, match="does not match its"):  # a residual of another width
+        Pipeline([w[0], torch.randn(H, 2 * H).half()], config=SMALL, epilogues=[None, Epilogue(residual=True)])
+    with pytest.raises(ValueError, match="segment"):
+        Pipeline(w[:2], config=SMALL, epilogues=[Epilogue(gelu), None], segment=Segment(1, lambda M: (None, None)))
+    with pytest.raises(ValueError, match="norm_sums feed an RMSNorm"):
+        GemmLaunch(32, H, H, SMALL, 2, torch.device("cpu"), epilogue=Epilogue(), norm_sums=torch.zeros(32, 2))
     mlp, norm = hf_block()
     with pytest.raises(TypeError, match="LlamaMLP blocks"):
         LlamaStack([LlamaMLP.from_hf(mlp, norm), "block"])
     gpt_w = [torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None]
     with pytest.raises(TypeError, match="LlamaMLP blocks"):
         LlamaStack([GPTMLP(*gpt_w)])
+
+
+@triton.jit
+def _plus_one(x):
+    return x + 1.0
+
+
+def test_a_norm_in_a_chain_reads_the_sums_of_the_rows_as_stored():
+    """Stage 1's RMSNorm from the sums of squares stage 0 stores: stage 0's activation is 1 at 0
+    and its 40 columns end inside a 32-wide tile, so the padding columns must add nothing; against
+    the same computed with torch (both stage orders: chain kernel and a kernel per stage)."""
+    torch.manual_seed(3)
+    x, w0, w1 = torch.randn(37, 24).half(), (torch.randn(24, 40) / 5).half(), (torch.randn(40, 16) / 6).half()
+    epis = [Epilogue(_plus_one), Epilogue(rms_eps=1e-5)]
+    y0 = (x.float() @ w0.float() + 1).half().float()
+    ref = y0 * torch.rsqrt(y0.pow(2).mean(-1, keepdim=True) + 1e-5) @ w1.float()
+    for loopback in (False, True):
+        p = Pipeline([w0, w1], config=SMALL, epilogues=epis, loopback=loopback)
+        assert rel(p(x), ref) < 2e-3, loopback

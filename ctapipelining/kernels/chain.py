@@ -172,6 +172,13 @@ def chain_kernel(
     S: tl.constexpr = 1 + (a1 is not None) + (a2 is not None) + (a3 is not None)
     num_m = tl.cdiv(M, BLOCK_M)
     tl.static_assert(tail is None or not (S == 1 and QUEUE and stages[0].wait is not None), "a ring has no split tail")
+    last_epi = stages[S - 1].epi
+    plain_last: tl.constexpr = (
+        (last_epi.row_scale is None) & (last_epi.row_shift is None) & (last_epi.row_sq is None)
+        & (last_epi.ACTIVATION is None) & (last_epi.bias is None) & (last_epi.residual is None)
+        & (last_epi.sq_out is None)
+    )  # fmt: skip
+    tl.static_assert(tail is None or plain_last, "an epilogue needs whole tiles: no split tail")
     total = 0  # positions: each stage's tiles (the last stage's tail tiles as their K-slices)
     for s in tl.static_range(S):
         total += _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)

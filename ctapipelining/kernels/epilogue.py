@@ -33,8 +33,8 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
 4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``, ``res_rows``
    rows: those past it add zeros), added.
 5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
-   squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32): the ``row_sq`` of
-   a next stage that normalises this output (masked rows and columns add zeros).
+   squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32; columns past the
+   output's add nothing): the ``row_sq`` of a next stage that normalises this output.
 
 Users pass their own activation: any ``@triton.jit`` function of one tensor, e.g.
 :func:`silu` and :func:`gelu` below.
@@ -112,7 +112,8 @@ def norm_rows(
 
 @triton.jit
 def rms_scale(epi, offs_m, rows):
-    """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares."""
+    """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares (rows
+    past ``rows``, a bucketed plan's, read 0: a finite ``rsqrt(eps)``, eps > 0, times a zero row)."""
     sq = tl.zeros(offs_m.shape, dtype=tl.float32)
     for j in range(epi.sq_parts):
         sq += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
@@ -152,10 +153,11 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def store_sums(epi, stored, pm, pn, rows, BLOCK_M: tl.constexpr):
-    """With ``sq_out``: the rows' sums of squares of the tile as ``stored`` (C's dtype) into
-    column ``pn`` of ``sq_out``."""
+def store_sums(epi, stored, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
+    """With ``sq_out``: the rows' sums of squares of the tile as ``stored`` (C's dtype; columns
+    past ``n_out``, which the store clips, add nothing) into column ``pn`` of ``sq_out``."""
     if epi.sq_out is not None:
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        v = stored.to(tl.float32)
+        cols = pn * stored.shape[1] + tl.arange(0, stored.shape[1])
+        v = tl.where(cols[None, :] < n_out, stored.to(tl.float32), 0.0)
         tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(v * v, axis=1), mask=offs_m < rows)

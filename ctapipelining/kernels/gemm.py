@@ -298,7 +298,7 @@ def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
         mask = (offs_m[:, None] < op.c_rows) & (offs_n[None, :] < _out_cols(op, epi))
         ptrs = op.c_ptr + offs_m[:, None] * op.stride_cm + offs_n[None, :]
         tl.store(ptrs, stored, mask=mask)
-    epilogue.store_sums(epi, stored, pm, pn, op.c_rows, BLOCK_M)
+    epilogue.store_sums(epi, stored, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M)
 
 
 @triton.jit
