@@ -11,9 +11,6 @@ contains it. Lines, graph-replayed, timed by the bench's harness (shuffled turns
 * ``stack``: the stack as one pipeline, each GEMM in its block's configuration (four kernels
   one after another on the GPU's stream);
 * ``stack_chain``: the stack with its four GEMMs in one chain kernel (``nn.STACK_CONFIG``);
-* ``stack_chain_seq``: the same kernel with its stages' tiles in stage order (no interleaving);
-* ``blocks_narrow``: the blocks with their gate/up GEMMs in the chain's tiles (128 x 128, 4
-  pipeline stages);
 * ``blocks``: the two :class:`ctapipelining.nn.LlamaMLP` blocks called one after another;
 * ``cublas_gemms``: the four GEMMs alone in cuBLAS (each reading the block's real input).
 
@@ -21,7 +18,6 @@ Also ``stack_eager``: the stack called eagerly. Checks the stack bitwise against
 after another first. Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
 """
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -29,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.nn import GATE_UP_CONFIG, STACK_CONFIG, LlamaMLP, LlamaStack
+from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -56,15 +52,9 @@ def one_shape(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
     raw = [block_weights(H, inter) for _ in range(2)]
     blocks = [LlamaMLP(*r, 1e-5) for r in raw]
-    narrow_cfg = dataclasses.replace(GATE_UP_CONFIG, block_n=128, num_stages=4)
-    narrow = [LlamaMLP(*r, 1e-5, gate_up_config=narrow_cfg) for r in raw]
-    del raw
     x = torch.randn(M, H, device="cuda").bfloat16()
     stack, chain = LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)
-    chain_seq = LlamaStack(blocks, config=STACK_CONFIG)
-    chain_seq(x)
-    chain_seq.pipeline.plan(M).launches[0].gemm.set_order(None)  # stage after stage, same kernel
-    row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, chain, chain_seq))}
+    row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, chain))}
     h0 = blocks[0].first_gemm(x)
     x1 = blocks[0](x)
     h1 = blocks[1].first_gemm(x1)
@@ -81,16 +71,13 @@ def one_shape(H: int, inter: int, M: int) -> dict:
             Method("stack", capture(lambda: stack(x), [0]).replay),
             Method("stack_eager", lambda: stack(x)),
             Method("stack_chain", capture(lambda: chain(x), [0]).replay),
-            Method("stack_chain_seq", capture(lambda: chain_seq(x), [0]).replay),
-            Method("blocks_narrow", capture(lambda: narrow[1](narrow[0](x)), [0]).replay),
             Method("blocks", capture(lambda: blocks[1](blocks[0](x)), [0]).replay),
             Method("cublas_gemms", capture(gemms, [0]).replay),
         ]
         times = time_interleaved(methods, [0], REPS, 3)
     stack.pipeline.check_errors()
     row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
-    for num, den in (("stack", "blocks"), ("stack_chain", "blocks"), ("stack_chain_seq", "blocks"),
-                     ("blocks_narrow", "blocks"), ("stack", "cublas_gemms"),
+    for num, den in (("stack", "blocks"), ("stack_chain", "blocks"),  ("stack", "cublas_gemms"),
                      ("blocks", "cublas_gemms"), ("stack_eager", "stack")):  # fmt: skip
         row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row

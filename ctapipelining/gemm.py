@@ -7,7 +7,6 @@ next stage's). Inputs are checked here, before anything is launched.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
 from .kernels.epilogue import norm_rows
-from .kernels.gemm import PLAIN_CONFIG, GemmConfig, Tail, gemm_kernel
+from .kernels.gemm import EPILOGUE_CONFIG, PLAIN_CONFIG, RESIDUAL_CONFIG, GemmConfig, Tail, gemm_kernel
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses
 
@@ -574,13 +573,14 @@ def matmul(
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
     ``a``, ``b`` or ``residual``) may be on a peer GPU (peer access is enabled here, or a
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
-    configuration has no split tail (an epilogue needs whole tiles). Its launches, bound once
+    configuration has no split tail (an epilogue needs whole tiles), and with a residual
+    128 x 128 tiles (``RESIDUAL_CONFIG``: the residual's tile leaves no room for wider ones). Its launches, bound once
     per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
     so the buffers the graph points at (split tail, norm statistics) are never freed."""
     check_operands(a, b)
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
-    cfg = config or (PLAIN_CONFIG if epilogue is None else dataclasses.replace(PLAIN_CONFIG, split_tail=False))
+    cfg = config or (PLAIN_CONFIG if epilogue is None else RESIDUAL_CONFIG if epilogue.residual else EPILOGUE_CONFIG)
     (M, K), N = a.shape, b.shape[1]
     n_out = N if epilogue is None else epilogue.out_cols(N)
     if epilogue is not None:

@@ -38,19 +38,18 @@ import torch
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import check_tensor, matmul
-from .kernels.gemm import PIPELINE_CONFIG, PLAIN_CONFIG, GemmConfig
+from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
-# down GEMM's: its residual tile needs shared memory too, and 128 x 256 tiles then fit two stages
-# only; 128 x 128 tiles with four ran the down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/).
-GATE_UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
-DOWN_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
+# down GEMM's (its residual: kernels.gemm.RESIDUAL_CONFIG)
+GATE_UP_CONFIG = EPILOGUE_CONFIG
+DOWN_CONFIG = RESIDUAL_CONFIG
 # a stack's GEMMs in one configuration, so that the stages on one GPU share a chain kernel: the down
 # GEMM's tiles (its residual), the pipeline's tile order and waits in parts (LlamaStack: measured slower
 # than each GEMM in its block's configuration)
 STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 # a GPT block's first GEMM stores full tiles (no gating): its bias and column sums fit beside three stages
-UP_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
+UP_CONFIG = EPILOGUE_CONFIG
 
 
 _BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks

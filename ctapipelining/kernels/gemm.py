@@ -119,6 +119,11 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, split_tail=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, wait_parts=8)
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
+# a GEMM with a fused epilogue: whole tiles; with a residual, whose tile needs shared memory too,
+# 128 x 256 tiles fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x
+# as long (benchmarks/results/2026-12-01-h200-mlp/)
+EPILOGUE_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
+RESIDUAL_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
 CONFIGS = [
     PLAIN_CONFIG,
