@@ -50,8 +50,7 @@ def block_weights(H: int, inter: int) -> tuple:
 
 def one_shape(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
-    raw = [block_weights(H, inter) for _ in range(2)]
-    blocks = [LlamaMLP(*r, 1e-5) for r in raw]
+    blocks = [LlamaMLP(*block_weights(H, inter), 1e-5) for _ in range(2)]
     x = torch.randn(M, H, device="cuda").bfloat16()
     stack, chain = LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)
     row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, chain))}
