@@ -165,3 +165,40 @@ def test_one_plan_called_with_one_row_then_more_stays_right():
         want = (a.float() @ b.float() + res.float()).bfloat16()
         got = matmul(a, b, epilogue=Epilogue(residual=True), residual=res)
         assert (got.float() - want.float()).abs().max() < 0.1, M
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_a_stack_with_a_block_per_gpu(policy):
+    """Two Llama-8B blocks, one per GPU: block 1's gate/up GEMM waits on GPU 1 for block 0's down
+    GEMM's rows and the sums of squares it writes there across NVLink; with the first GPU's
+    kernel delayed and every plan buffer NaN-poisoned, bitwise its GEMMs one after another, and
+    graph replays too."""
+    from ctapipelining.nn import LlamaMLP, LlamaStack
+
+    torch.manual_seed(2)
+    H, inter = 4096, 14336
+
+    def block(dev):
+        def w(rows, cols):
+            return (torch.randn(rows, cols, device=dev) * cols**-0.5).bfloat16()
+
+        return LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device=dev)).bfloat16())
+
+    stack = LlamaStack([block("cuda:0"), block("cuda:1")], policy=policy)
+    pipe = stack.pipeline
+    assert [d.index for d in pipe.devices] == [0, 0, 1, 1]
+    for M in (4096, 777):
+        plan = pipe.plan(M)
+        x = torch.randn(M, H, device="cuda:0").bfloat16()
+        for t in plan.inputs[1:] + [s for s in plan.sums if s is not None]:
+            t.fill_(float("nan"))
+        out = torch.empty(M, H, device="cuda:1", dtype=torch.bfloat16)
+        pipe._launch(plan, x, out, delay_cycles={0: 20_000_000})
+        pipe.check_errors()
+        assert torch.equal(out, stack.sequential(x).to("cuda:1")), M
+        assert torch.equal(stack(x), out)
+    g = pipe.capture(4096)
+    x = torch.randn(4096, H, device="cuda:0").bfloat16()
+    assert torch.equal(g(x), stack.sequential(x).to("cuda:1"))
+    g.check_errors()

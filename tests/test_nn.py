@@ -385,3 +385,20 @@ def test_a_norm_in_a_chain_reads_the_sums_of_the_rows_as_stored():
     for loopback in (False, True):
         p = Pipeline([w0, w1], config=SMALL, epilogues=epis, loopback=loopback)
         assert rel(p(x), ref) < 2e-3, loopback
+
+
+def test_the_stack_is_an_operator_torch_compile_traces_without_a_graph_break():
+    """``LlamaStack.forward`` is ``torch.ops.ctapipelining.mlp_stack``: its fake implementation
+    gives the output's shape, dtype and device, and a compiled model around it traces as one graph."""
+    stack = LlamaStack.from_hf(*zip(*hf_stack()), config=SMALL)
+    x = torch.randn(3, 7, H).half()
+    rows = x.reshape(-1, H).contiguous()
+    with torch._subclasses.FakeTensorMode() as mode:  # the fake: shape, dtype, the last block's device
+        fake = torch.ops.ctapipelining.mlp_stack(
+            mode.from_tensor(rows), [mode.from_tensor(w) for w in stack._weights()], stack._key
+        )
+    assert (fake.shape, fake.dtype, fake.device) == (rows.shape, rows.dtype, stack.blocks[-1].w_out.device)
+    compiled = torch.compile(lambda t: stack(t - 1) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), stack(x - 1) * 2)
+    with pytest.raises(ValueError, match="the stack's first block is"):
+        stack(x.float())
