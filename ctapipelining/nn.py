@@ -15,8 +15,11 @@ is folded into the first GEMM's weight (and bias), and its epilogue applies the 
   spread the subtraction cancels: the error is then about the fp32 accumulator's rounding of
   ``mean * colsum``, tested on such rows).
 
-The weights are laid out once, at construction (:meth:`~LlamaMLP.refresh` lays them out again
-from the source module after it changed). ``forward`` calls the custom operator
+The weights are laid out once, at construction. A block built from ``transformers`` modules
+(``from_hf``) lays them out again, in place, at the first call after a source weight changed in
+place as PyTorch counts it (``w.mul_(2)``, ``w.copy_(...)``: the tensor's version moves; inside a
+CUDA-graph capture it refuses instead); a change PyTorch does not count (through ``w.data``)
+needs :meth:`~LlamaMLP.refresh`. ``forward`` calls the custom operator
 ``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
 shapes), so a model compiled with ``torch.compile`` traces through the block without a graph
 break.
@@ -94,7 +97,8 @@ class FusedMLP(torch.nn.Module):
     def __init__(self, in_config: GemmConfig, out_config: GemmConfig):
         super().__init__()
         self.in_config, self.out_config = in_config, out_config
-        self._source = None
+        self._source = None  # the modules it was built from (from_hf), and their weights' versions
+        self._source_versions = None
         self._epi = None  # (the buffers' addresses, first epilogue, second): rebuilt when they move
         self._register()
 
@@ -104,10 +108,13 @@ class FusedMLP(torch.nn.Module):
         _BLOCKS[self._key] = self
 
     def __getstate__(self) -> dict:  # the epilogues are rebuilt from the buffers (they hold jit functions)
+        self._follow_source()  # the copy starts in step with its source
         return {**self.__dict__, "_epi": None}
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
+        if self._source is not None:  # its own copy of the source, whose versions start anew
+            self._source_versions = self._versions()
         self._register()
 
     def _set_weights(self, **tensors: torch.Tensor | None) -> None:
@@ -151,21 +158,41 @@ class FusedMLP(torch.nn.Module):
     def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The first GEMM alone, its epilogue included: what the second GEMM reads (``x``
         ``[M, H]``)."""
+        self._follow_source()
         return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
 
     def _run(self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
+        self._follow_source()
         first, second = self._epilogues()
         h = matmul(rows, w_in, config=self.in_config, epilogue=first)
         return matmul(h, w_out, config=self.out_config, epilogue=second, residual=rows)
 
     def refresh(self) -> None:
-        """Lay the weights out again from the module this block was built from (after the
-        source's weights changed: the block keeps its own copies). In place, so a CUDA graph
-        that captured the block runs the new weights."""
+        """Lay the weights out again from the module this block was built from (a call does it by
+        itself after an in-place change PyTorch counts; this is for one it does not, such as
+        through ``w.data``). In place, so a CUDA graph that captured the block runs the new
+        weights."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
         self._lay_out(*self._source_weights())
+        self._source_versions = self._versions()
+
+    def _versions(self) -> tuple:
+        """The version counters of the source's weights (PyTorch moves one at each in-place change)."""
+        return tuple(t._version for t in self._source_weights() if t is not None)
+
+    def _follow_source(self) -> None:
+        """Lay the weights out again if a source weight changed in place since (its version moved);
+        inside a CUDA-graph capture, refuse instead (the copy would be captured, not run)."""
+        if self._source is None or self._versions() == self._source_versions:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a weight of the block's source module changed in place since it was laid out: call the block "
+                "once outside the CUDA-graph capture (or refresh()) to lay it out again"
+            )
+        self.refresh()
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, intermediate={self.intermediate}, eps={self.eps}"
@@ -236,6 +263,7 @@ class LlamaMLP(FusedMLP):
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
         block._source = (mlp, norm)
+        block._source_versions = block._versions()
         return block
 
     def _source_weights(self):
@@ -311,6 +339,7 @@ class GPTMLP(FusedMLP):
             raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
         block = cls(*cls._hf_weights(mlp, norm), float(norm.eps), **configs)
         block._source = (mlp, norm)
+        block._source_versions = block._versions()
         return block
 
     @staticmethod
@@ -440,6 +469,8 @@ class LlamaStack(torch.nn.Module):
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:  # each lays its weights out again, in place, if its source changed
+            b._follow_source()
         return self._pipeline()(rows)
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:

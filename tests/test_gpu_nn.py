@@ -49,6 +49,16 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
         static_y = block(static_x)
     g.replay()
     assert torch.equal(static_y, y)
+    # a source weight changed in place: the next eager call lays it out again, in place, so the
+    # graph replays the new weights; a capture meanwhile would refuse
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="outside the CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            block(static_x)
+    y2 = block(x)
+    g.replay()
+    assert torch.equal(static_y, y2) and not torch.equal(y2, y)
 
 
 @pytest.mark.parametrize("H,inter", [(4096, 16384)])

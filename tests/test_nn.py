@@ -70,10 +70,13 @@ def test_block_takes_any_leading_shape_and_refreshes_from_its_source():
     assert y.shape == (2, 5, H)
     assert torch.equal(y.reshape(10, H), block(x.reshape(10, H)))
     with torch.no_grad():
-        mlp.down_proj.weight.mul_(2)
-    assert torch.equal(block(x), y)  # the block keeps its own layout until refreshed
+        mlp.down_proj.weight.mul_(2)  # an in-place change PyTorch counts: the next call lays it out again
+    doubled = block(x)
+    assert rel(doubled - x, 2 * (y - x)) < 1e-2
+    mlp.down_proj.weight.data.mul_(0.5)  # one it does not count: the block keeps its layout until refresh()
+    assert torch.equal(block(x), doubled)
     block.refresh()
-    assert rel(block(x) - x, 2 * (y - x)) < 1e-2
+    assert torch.equal(block(x), y)
 
 
 def test_epilogues_on_a_plain_gemm():
@@ -312,8 +315,8 @@ def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(
 
 def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
     """NaN in every plan buffer (intermediates, sums of squares) before a call changes nothing; a
-    block refreshed from its changed source changes the stack's next call (the weights are
-    shared, in place)."""
+    source weight changed in place changes the stack's next call (each block lays it out again,
+    in place, into the weights the pipeline reads)."""
     blocks = hf_stack()
     stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
     x = torch.randn(64, H).half()
@@ -323,8 +326,7 @@ def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
         t.fill_(float("nan"))
     assert torch.equal(stack(x), first)
     with torch.no_grad():
-        blocks[1][0].down_proj.weight.mul_(2)
-    stack.refresh()
+        blocks[1][0].down_proj.weight.mul_(2)  # followed at the next call, in place
     again = stack(x)
     assert not torch.equal(again, first) and torch.equal(again, stack.sequential(x))
 
