@@ -210,7 +210,7 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
 
     assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)
     assert got["stack_chain"]["unfenced_loads"] == 0 and got["stack_chain"]["vote"] >= 1
-    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain"):
+    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "chain_activation_last"):
         assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name
         assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
     assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT

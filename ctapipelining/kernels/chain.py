@@ -172,11 +172,12 @@ def chain_kernel(
     S: tl.constexpr = 1 + (a1 is not None) + (a2 is not None) + (a3 is not None)
     num_m = tl.cdiv(M, BLOCK_M)
     tl.static_assert(tail is None or not (S == 1 and QUEUE and stages[0].wait is not None), "a ring has no split tail")
-    last_epi = stages[S - 1].epi
+    # (the fields read one by one: a bundle holding a jit function cannot be bound to a name)
     plain_last: tl.constexpr = (
-        (last_epi.row_scale is None) & (last_epi.row_shift is None) & (last_epi.row_sq is None)
-        & (last_epi.ACTIVATION is None) & (last_epi.bias is None) & (last_epi.residual is None)
-        & (last_epi.sq_out is None)
+        (stages[S - 1].epi.row_scale is None) & (stages[S - 1].epi.row_shift is None)
+        & (stages[S - 1].epi.row_sq is None) & (stages[S - 1].epi.ACTIVATION is None)
+        & (stages[S - 1].epi.bias is None) & (stages[S - 1].epi.residual is None)
+        & (stages[S - 1].epi.sq_out is None)
     )  # fmt: skip
     tl.static_assert(tail is None or plain_last, "an epilogue needs whole tiles: no split tail")
     total = 0  # positions: each stage's tiles (the last stage's tail tiles as their K-slices)

@@ -288,6 +288,10 @@ def compile_epilogues() -> dict:
                 epilogues=("gated_rms", "residual_sums", "gated_rms", "residual_sums"),
             )
         ),  # fmt: skip
+        # a chain whose last stage's epilogue holds a jit function (bias, GELU, residual)
+        "chain_activation_last": _summary(
+            compile_chain(2, False, False, False, (128, 128, 64), num_stages=4, epilogues=(None, "bias_residual"))
+        ),
     }
 
 
