@@ -9,7 +9,8 @@ What is modelled
   tile at once (the kernels signal a quarter in: :data:`SIGNAL_LAG`). Split tails
   (``GemmConfig.split_tail``) only in :func:`simulate_gemm` (``split_tail=True``), not in the
   stages of :func:`simulate_cta`. Not modelled: per-CTA variation of the tile time
-  (static consumers fall a round behind mid-run without moving the chain's end, same folder),
+  (static consumers fall a round behind mid-run without moving the chain's end,
+  ``benchmarks/results/2026-11-30-h200x2-s3/``),
   the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
   GPUs' power limits (a producer writing into the peer clocks down ~5%,
   ``benchmarks/results/2026-11-30-h200x2-s4/``; ``remote_factor`` stands for it).

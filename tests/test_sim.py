@@ -152,8 +152,8 @@ def test_signal_lag_moves_each_signal_into_the_next_tile():
 def test_waiting_in_parts_helps_only_a_consumer_with_slack():
     """A consumer that waits for its input rows part by part starts its tiles before their
     right-hand columns are written. That shortens the chain when the consumer's tiles are
-    faster than the producer's (here the producer writes into the peer 7% slower, as the
-    replayed traces of 2026-11-30-h200x2-s3 measured), and it can never lengthen it: one
+    faster than the producer's (here the producer writes into the peer 7% slower, a little more
+    than the 4-6% the replayed traces of 2026-11-30-h200x2-s3 measured), and it can never lengthen it: one
     part is the whole row-block, and the K-fractions only let a tile start earlier."""
     dims = [8192, 8192, 8192]
     slow = replace(CAL, remote_factor=1.07)
