@@ -112,11 +112,13 @@ class Epilogue:
         row_shift: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sq_out: torch.Tensor | None = None,
+        accumulate: bool = False,
     ) -> device.Epilogue:
         """The kernel's argument bundle: with an RMSNorm the rows' partial sums of squares
         ``row_sq`` (``[rows, parts]``, over ``norm_cols`` columns), with a LayerNorm their
-        scales and shifts, this call's ``residual``, and ``sq_out`` (``[rows, parts]``) where the
-        stored rows' sums of squares go (a next stage's RMSNorm; None: nowhere)."""
+        scales and shifts, this call's ``residual`` (or ``accumulate``: C holds it, and each
+        tile is added onto C), and ``sq_out`` (``[rows, parts]``) where the stored rows' sums
+        of squares go (a next stage's RMSNorm; None: nowhere)."""
         rms = self.rms_eps is not None
         return device.Epilogue(
             row_sq if rms else None,
@@ -134,6 +136,7 @@ class Epilogue:
             sq_out.shape[1] if sq_out is not None else None,
             None if self.activation is None else tl.constexpr(self.activation),
             tl.constexpr(True) if self.gated else None,
+            tl.constexpr(True) if accumulate else None,
         )
 
 

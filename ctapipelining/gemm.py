@@ -385,6 +385,13 @@ class GemmLaunch:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.epilogue = epilogue
+        # a residual in a plain GEMM on the GPU: C starts as a copy of it and each tile is added
+        # onto C (TMA reduce-add), so no residual tile takes registers or shared memory (a call
+        # whose C has padded rows, stored without TMA, loads it instead)
+        self.accumulate = (
+            epilogue is not None and epilogue.residual and wait is None and signal is None and out_sums is None
+            and not interpreting()
+        )  # fmt: skip
         # a norm's row statistics: a pass over A before each launch (plan-held: the kernel reads
         # them), unless a producer's epilogue leaves them (``norm_sums``)
         self.stats = None if epilogue is None else NormStats.create(epilogue, M, K, device, norm_sums)
@@ -412,11 +419,15 @@ class GemmLaunch:
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
 
-    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool) -> tuple:
-        """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue."""
+    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool, tma_store: bool) -> tuple:
+        """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue:
+        loaded by the epilogue, or (:attr:`accumulate`, a TMA store) already in C."""
         if self.epilogue is None or not self.epilogue.residual:
             return bundles
-        epi = self.epilogue.bundle(**self._epi_args, residual=residual)
+        if self.accumulate and tma_store:
+            epi = self.epilogue.bundle(**self._epi_args, accumulate=True)
+        else:
+            epi = self.epilogue.bundle(**self._epi_args, residual=residual)
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
 
     def __call__(
@@ -441,6 +452,9 @@ class GemmLaunch:
             return got and got[0]
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream)
+        if self.accumulate and tma_store and not compile_only:  # C starts as the residual, on the same stream
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=c.device)) if stream else nullcontext():
+                c.copy_(residual)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
             if stream is None:
@@ -453,7 +467,7 @@ class GemmLaunch:
         args = (
             descriptor(a, a_block), descriptor(b, b_block), descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0),
-            *self._with_residual(self._bundles, residual, False),
+            *self._with_residual(self._bundles, residual, False, tma_store),
         )  # fmt: skip
         if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
@@ -491,7 +505,7 @@ class GemmLaunch:
         return (
             *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
             *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
-            *self._sizes, c.shape[0], c.stride(0), *self._with_residual(self._addresses, residual, True),
+            *self._sizes, c.shape[0], c.stride(0), *self._with_residual(self._addresses, residual, True, tma_store),
             *self._trailing,
         )  # fmt: skip
 
@@ -573,14 +587,23 @@ def matmul(
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
     ``a``, ``b`` or ``residual``) may be on a peer GPU (peer access is enabled here, or a
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
-    configuration has no split tail (an epilogue needs whole tiles), and with a residual
-    128 x 128 tiles (``RESIDUAL_CONFIG``: the residual's tile leaves no room for wider ones). Its launches, bound once
+    configuration has no split tail (an epilogue needs whole tiles). A residual is copied into
+    the output first and each tile added onto it (TMA reduce-add); into an output with padded
+    rows, or under the interpreter, the epilogue loads it instead, on 128 x 128 tiles
+    (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones). Its launches, bound once
     per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
     so the buffers the graph points at (split tail, norm statistics) are never freed."""
     check_operands(a, b)
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
-    cfg = config or (PLAIN_CONFIG if epilogue is None else RESIDUAL_CONFIG if epilogue.residual else EPILOGUE_CONFIG)
+    # a residual added onto C by TMA (an output without padded rows, on the GPU) leaves the plain
+    # tiles room; one loaded by the epilogue needs narrower ones
+    loads_residual = (
+        epilogue is not None
+        and epilogue.residual
+        and (interpreting() or out is not None and out.stride(0) != out.shape[1])
+    )
+    cfg = config or (PLAIN_CONFIG if epilogue is None else RESIDUAL_CONFIG if loads_residual else EPILOGUE_CONFIG)
     (M, K), N = a.shape, b.shape[1]
     n_out = N if epilogue is None else epilogue.out_cols(N)
     if epilogue is not None:

@@ -44,9 +44,10 @@ from .gemm import check_tensor, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
-# down GEMM's (its residual: kernels.gemm.RESIDUAL_CONFIG)
+# down GEMM's: the plain GEMM's too, since its residual is added onto the output by TMA (matmul);
+# in a pipeline stage the epilogue loads it, and needs narrower tiles (kernels.gemm.RESIDUAL_CONFIG)
 GATE_UP_CONFIG = EPILOGUE_CONFIG
-DOWN_CONFIG = RESIDUAL_CONFIG
+DOWN_CONFIG = EPILOGUE_CONFIG
 # a stack's GEMMs in one configuration, so that the stages on one GPU share a chain kernel: the down
 # GEMM's tiles (its residual), the pipeline's tile order and waits in parts (LlamaStack: measured slower
 # than each GEMM in its block's configuration)
@@ -391,7 +392,9 @@ class LlamaStack(torch.nn.Module):
     each output tile (partial sums per column-block, added in a fixed order: the result is
     deterministic, and rounds differently from :class:`LlamaMLP` alone, whose pass over ``x``
     sums in another order). ``config``: None (the default), each GEMM in its block's
-    configuration, so the stages on one GPU run one kernel after another; or one
+    configuration, a down GEMM in the default :data:`DOWN_CONFIG` in
+    :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG` instead (a stage loads its residual tile:
+    narrower tiles), so the stages on one GPU run one kernel after another; or one
     :class:`GemmConfig` for every GEMM, so that they share one chain kernel (:data:`STACK_CONFIG`
     fits: the down GEMM's residual tile leaves shared memory for 128 x 128 tiles). On one H200
     two blocks run 1.02-1.04x as long as the same blocks called one after another with the
@@ -453,7 +456,13 @@ class LlamaStack(torch.nn.Module):
         )
         if self._built is None or self._built[0] != key:
             epilogues = [e for b in self.blocks for e in b._epilogues()]
-            configs = self.config or [c for b in self.blocks for c in (b.in_config, b.out_config)]
+            # each block's, but a down GEMM in the default DOWN_CONFIG: a stage loads its residual
+            # tile, and RESIDUAL_CONFIG's narrower tiles leave it room
+            configs = self.config or [
+                c
+                for b in self.blocks
+                for c in (b.in_config, RESIDUAL_CONFIG if b.out_config == DOWN_CONFIG else b.out_config)
+            ]
             self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
         return self._built[1]
 

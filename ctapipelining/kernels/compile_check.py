@@ -26,6 +26,7 @@ PATTERNS = {
     "fence_proxy_async": r"fence\.proxy\.async",
     "bar_sync": r"\bbar\.sync|\bbarrier\.sync",
     "tma_store": r"cp\.async\.bulk\.tensor\.[0-9]d\.global\.shared",
+    "tma_reduce": r"cp\.reduce\.async\.bulk\.tensor",
     "bulk_wait_complete": r"cp\.async\.bulk\.wait_group [0-9]",
     "atom_gpu": r"atom\.[a-z_.]*gpu",
     "ld_cg": r"ld\.global\.cg",
@@ -243,6 +244,7 @@ EPILOGUE_VARIANTS = {
     "residual_sums": dict(
         residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32"
     ),  # a stack's down
+    "accumulate": dict(ACCUMULATE=True),  # a block's down GEMM: each tile added onto C by TMA
 }
 
 
@@ -253,7 +255,7 @@ def _epilogue_sig(variant: str | None, at, const: dict) -> Epilogue:
     types = [fields.get(f, "constexpr") if f.islower() else "constexpr" for f in Epilogue._fields]
     at = at if isinstance(at, tuple) else (at,)
     for i, f in enumerate(Epilogue._fields):
-        if f in ("ACTIVATION", "GATED"):
+        if f in ("ACTIVATION", "GATED", "ACCUMULATE"):
             const[(*at, i)] = fields.get(f)
         elif types[i] == "constexpr":
             const[(*at, i)] = None
@@ -272,6 +274,7 @@ def compile_epilogues() -> dict:
         "bias_residual": _summary(
             compile_variant(False, False, False, (128, 128, 64), epilogue="bias_residual", num_stages=4)
         ),
+        "accumulate": _summary(compile_variant(False, False, False, epilogue="accumulate", num_stages=3)),
         "bias_residual_3_stages": _summary(
             compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
         ),

@@ -31,7 +31,11 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
    output column ``j = ACTIVATION(acc[:, 2j]) * acc[:, 2j + 1]``, a tile half as wide as the
    GEMM's (:func:`ctapipelining.epilogue.interleave`).
 4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``, ``res_rows``
-   rows: those past it add zeros), added.
+   rows: those past it add zeros), added. Or, with ``ACCUMULATE``, C already holds the residual
+   and the tile is added onto it by a TMA reduce-add (``cp.reduce.async.bulk.tensor .add``) in
+   place of its store: no residual tile in registers or shared memory, so the GEMM keeps the
+   plain GEMM's tiles (C's dtype rounds twice: the tile, then the sum, as ``x + f(x)`` in bf16
+   does).
 5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
    squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32; columns past the
    output's add nothing): the ``row_sq`` of a next stage that normalises this output.
@@ -64,6 +68,7 @@ class Epilogue(NamedTuple):
     out_parts: object  # sq_out's row stride
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
     GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
+    ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
 
 
 @triton.jit

@@ -119,9 +119,10 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, split_tail=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, wait_parts=8)
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-# a GEMM with a fused epilogue: whole tiles; with a residual, whose tile needs shared memory too,
-# 128 x 256 tiles fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x
-# as long (benchmarks/results/2026-12-01-h200-mlp/)
+# a GEMM with a fused epilogue: whole tiles; with a residual that its epilogue loads (a pipeline
+# stage's, or into an output with padded rows), whose tile needs shared memory too, 128 x 256 tiles
+# fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x as long
+# (benchmarks/results/2026-12-01-h200-mlp/)
 EPILOGUE_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 RESIDUAL_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
@@ -295,8 +296,12 @@ def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     OUT_N: tl.constexpr = acc.shape[1]
     if op.c_desc is not None:
         stored = acc.to(op.c_desc.dtype)
-        op.c_desc.store([pm * BLOCK_M, pn * OUT_N], stored)
+        if epi.ACCUMULATE is not None:
+            op.c_desc.atomic_add([pm * BLOCK_M, pn * OUT_N], stored)  # onto the residual C holds
+        else:
+            op.c_desc.store([pm * BLOCK_M, pn * OUT_N], stored)
     else:
+        tl.static_assert(epi.ACCUMULATE is None, "a tile is added onto C by TMA only")
         stored = acc.to(op.c_ptr.dtype.element_ty)
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pn * OUT_N + tl.arange(0, OUT_N)
@@ -377,7 +382,7 @@ def _split_tail(
     j = item // tail.splits
     ready = alive
     no_epi = epilogue.Epilogue(
-        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
     )  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
@@ -436,7 +441,7 @@ def gemm_kernel(
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
     plain_epi: tl.constexpr = (
         (epi.row_scale is None) & (epi.row_shift is None) & (epi.row_sq is None) & (epi.ACTIVATION is None)
-        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None)
+        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None) & (epi.ACCUMULATE is None)
     )  # fmt: skip
     tl.static_assert(tail is None or plain_epi, "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
