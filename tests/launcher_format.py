@@ -117,9 +117,12 @@ def main():
     for name, epi, n_out in (
         ("gated_rms", Epilogue(silu, gated=True, rms_eps=1e-5), N // 2),
         ("bias_residual", Epilogue(gelu, bias=torch.zeros(N, dtype=torch.bfloat16), residual=True), N),
+        ("accumulate", Epilogue(residual=True), N),
     ):
         fmt, roles = launcher_format(compile_variant(False, False, False, epilogue=name))
         launch = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi)
+        assert launch.accumulate == epi.residual
+        launch.accumulate = name == "accumulate"  # bias_residual: the residual the epilogue loads
         c = torch.zeros(M, n_out, dtype=torch.bfloat16)
         residual = torch.zeros(M, n_out, dtype=torch.bfloat16) if epi.residual else None
         check(launch.raw_args(fake_map, a, b, c, residual), tokens(fmt), roles, name)
