@@ -23,7 +23,9 @@
 #   soak   (1 or 2 GPUs) benchmarks/soak.py: SOAK_CALLS (default 10000) checked calls on one pipeline -> soak.log, soak.json
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
-#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt)          -> mlp_block.log, mlp_block.json
+#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt),
+#          MLP_ONLY (shapes whose key contains it)                              -> mlp_block.log, mlp_block.json
+#   parts  (1 GPU) benchmarks/mlp_parts.py: the Llama-70B block's GEMMs part by part against cuBLAS -> mlp_parts.log, mlp_parts.json
 #   stack  (1 GPU) benchmarks/mlp_stack.py: two Llama blocks as one pipeline against the blocks one after
 #          another, MLP_REPS (default 20), STACK_ONLY (shapes)                    -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
@@ -79,8 +81,10 @@ for step in $STEPS; do
         > "$OUT/sanitize-memcheck-loopback.log" 2>&1
       echo "memcheck loopback rc=$?"; grep -E "ERROR SUMMARY|bitwise|Error" "$OUT/sanitize-memcheck-loopback.log" | tail -4 ;;
     mlp) timeout 500 python3 benchmarks/mlp_block.py "$OUT" "${MLP_REPS:-20}" "${MLP_MODE:-max-autotune-no-cudagraphs}" \
-        "${MLP_BLOCKS:-llama}" \
+        "${MLP_BLOCKS:-llama}" "${MLP_ONLY:-}" \
         > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^(GPT_)?H|Error" "$OUT/mlp_block.log" | tail -8 ;;
+    parts) timeout 200 python3 benchmarks/mlp_parts.py "$OUT" "${MLP_REPS:-20}" > "$OUT/mlp_parts.log" 2>&1
+      echo "parts rc=$?"; grep -A12 '"ratios"' "$OUT/mlp_parts.log" | tail -12 ;;
     stack) timeout 400 python3 benchmarks/mlp_stack.py "$OUT" "${MLP_REPS:-20}" "${STACK_ONLY:-}" \
         > "$OUT/mlp_stack.log" 2>&1; echo "stack rc=$?"; grep -E "^H|Error" "$OUT/mlp_stack.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
