@@ -357,6 +357,7 @@ class GemmLaunch:
         epilogue: Epilogue | None = None,
         norm_sums: torch.Tensor | None = None,
         out_sums: torch.Tensor | None = None,
+        add_residual: bool = False,
         stage: int = 0,
         timeout_ns: int = 1_000_000_000,
     ):
@@ -385,13 +386,13 @@ class GemmLaunch:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.epilogue = epilogue
-        # a residual in a plain GEMM on the GPU: C starts as a copy of it and each tile is added
-        # onto C (TMA reduce-add), so no residual tile takes registers or shared memory (a call
-        # whose C has padded rows, stored without TMA, loads it instead)
-        self.accumulate = (
-            epilogue is not None and epilogue.residual and wait is None and signal is None and out_sums is None
-            and not interpreting()
-        )  # fmt: skip
+        # add_residual: C starts as a copy of the residual and each tile is added onto C (TMA
+        # reduce-add), so no residual tile takes registers or shared memory (a call whose C has
+        # padded rows, stored without TMA, loads it instead); rounds differently from loading it
+        if add_residual and not (epilogue is not None and epilogue.residual and wait is None and signal is None
+                                 and out_sums is None and not interpreting()):  # fmt: skip
+            raise ValueError("add_residual needs a plain GEMM on the GPU whose epilogue adds a residual")
+        self.accumulate = add_residual
         # a norm's row statistics: a pass over A before each launch (plan-held: the kernel reads
         # them), unless a producer's epilogue leaves them (``norm_sums``)
         self.stats = None if epilogue is None else NormStats.create(epilogue, M, K, device, norm_sums)
@@ -533,10 +534,11 @@ _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past 
 def _plain_launch(
     M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None
 ) -> GemmLaunch:
-    """The plain GEMM's launch for one shape (and epilogue), bound once. Per stream too:
-    launches on one stream are ordered, so they may share the split tail's buffers; two
-    streams may not."""
-    return GemmLaunch(M, N, K, cfg, grid_size(M, N, cfg, device), device, epilogue=epilogue)
+    """The plain GEMM's launch for one shape (and epilogue), bound once; a residual on the GPU is
+    added onto the output by TMA. Per stream too: launches on one stream are ordered, so they may
+    share the split tail's buffers; two streams may not."""
+    add = epilogue is not None and epilogue.residual and not interpreting()
+    return GemmLaunch(M, N, K, cfg, grid_size(M, N, cfg, device), device, epilogue=epilogue, add_residual=add)
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:

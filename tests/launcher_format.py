@@ -120,9 +120,8 @@ def main():
         ("accumulate", Epilogue(residual=True), N),
     ):
         fmt, roles = launcher_format(compile_variant(False, False, False, epilogue=name))
-        launch = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi)
-        assert launch.accumulate == epi.residual
-        launch.accumulate = name == "accumulate"  # bias_residual: the residual the epilogue loads
+        # bias_residual: the residual the epilogue loads; accumulate: the one added onto C by TMA
+        launch = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi, add_residual=name == "accumulate")
         c = torch.zeros(M, n_out, dtype=torch.bfloat16)
         residual = torch.zeros(M, n_out, dtype=torch.bfloat16) if epi.residual else None
         check(launch.raw_args(fake_map, a, b, c, residual), tokens(fmt), roles, name)

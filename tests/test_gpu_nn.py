@@ -153,7 +153,7 @@ def test_one_plan_called_with_one_row_then_more_stays_right():
     """A bucketed plan serves 1 to 128 rows: called first with 1 row (Triton would compile the
     residual's row count 1 as a constant) and then with 100 and 37, every call equals its GEMMs
     one after another, in each block's configuration and in one chain kernel; and ``matmul``
-    with a residual likewise."""
+    with a residual likewise, added onto its output by TMA or (padded rows) loaded."""
     from ctapipelining.epilogue import Epilogue
     from ctapipelining.gemm import matmul
     from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
@@ -173,8 +173,11 @@ def test_one_plan_called_with_one_row_then_more_stays_right():
     for M in (1, 100):
         a, res = torch.randn(M, H, device="cuda").bfloat16(), torch.randn(M, H, device="cuda").bfloat16()
         want = (a.float() @ b.float() + res.float()).bfloat16()
-        got = matmul(a, b, epilogue=Epilogue(residual=True), residual=res)
+        got = matmul(a, b, epilogue=Epilogue(residual=True), residual=res)  # added onto the output by TMA
         assert (got.float() - want.float()).abs().max() < 0.1, M
+        padded = torch.full((M, H + 64), float("nan"), device="cuda").bfloat16()[:, :H]  # loaded by the epilogue
+        matmul(a, b, out=padded, epilogue=Epilogue(residual=True), residual=res)
+        assert (padded.float() - want.float()).abs().max() < 0.1, M
 
 
 @pytest.mark.gpu2
