@@ -397,9 +397,10 @@ class LlamaStack(torch.nn.Module):
     narrower tiles), so the stages on one GPU run one kernel after another; or one
     :class:`GemmConfig` for every GEMM, so that they share one chain kernel (:data:`STACK_CONFIG`
     fits: the down GEMM's residual tile leaves shared memory for 128 x 128 tiles). On one H200
-    two blocks run 1.02-1.04x as long as the same blocks called one after another with the
-    default, and 1.28-1.35x with one chain kernel in :data:`STACK_CONFIG`
-    (``benchmarks/results/2026-12-01-h200-stack/``): on one GPU a stack has nothing to gain; its
+    two blocks run 1.07-1.09x as long as the same blocks called one after another with the
+    default (a block alone adds its residual by TMA on wider tiles), and 1.35-1.41x with one
+    chain kernel in :data:`STACK_CONFIG` (``benchmarks/results/2026-12-01-h200-stack/run7/``):
+    on one GPU a stack has nothing to gain; its
     place is blocks on several GPUs, each block's down GEMM feeding the next GPU's gate/up GEMM
     row-block by row-block. Other keyword
     arguments go to the :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``,
