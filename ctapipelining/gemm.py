@@ -20,7 +20,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
 from .kernels.epilogue import norm_rows
-from .kernels.gemm import EPILOGUE_CONFIG, PLAIN_CONFIG, RESIDUAL_CONFIG, GemmConfig, Tail, gemm_kernel
+from .kernels.gemm import (
+    EPILOGUE_CONFIG,
+    PLAIN_CONFIG,
+    RESIDUAL_CONFIG,
+    GemmConfig,
+    Tail,
+    fits_loaded_residual,
+    gemm_kernel,
+)
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses
 
@@ -420,12 +428,17 @@ class GemmLaunch:
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
 
-    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool, tma_store: bool) -> tuple:
+    def _adds(self, c: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether this call adds its tiles onto ``c`` holding the residual (:attr:`accumulate`, a
+        TMA store into ``c`` on the residual's GPU), rather than loading the residual in the epilogue."""
+        return self.accumulate and c.stride(0) == c.shape[1] and c.device == residual.device
+
+    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool, adds: bool) -> tuple:
         """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue:
-        loaded by the epilogue, or (:attr:`accumulate`, a TMA store) already in C."""
+        loaded by the epilogue, or (``adds``) already in C."""
         if self.epilogue is None or not self.epilogue.residual:
             return bundles
-        if self.accumulate and tma_store:
+        if adds:
             epi = self.epilogue.bundle(**self._epi_args, accumulate=True)
         else:
             epi = self.epilogue.bundle(**self._epi_args, residual=residual)
@@ -453,8 +466,13 @@ class GemmLaunch:
             return got and got[0]
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream)
-        if self.accumulate and tma_store and not compile_only:  # C starts as the residual, on the same stream
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=c.device)) if stream else nullcontext():
+        adds = self.accumulate and self._adds(c, residual)
+        if adds and not compile_only:  # C starts as the residual, on the same stream
+            if residual.shape != c.shape or residual.dtype != c.dtype:
+                raise ValueError(
+                    f"the residual must be C's shape and dtype, got {tuple(residual.shape)} {residual.dtype}"
+                )
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if stream else nullcontext():
                 c.copy_(residual)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
@@ -468,7 +486,7 @@ class GemmLaunch:
         args = (
             descriptor(a, a_block), descriptor(b, b_block), descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0),
-            *self._with_residual(self._bundles, residual, False, tma_store),
+            *self._with_residual(self._bundles, residual, False, adds),
         )  # fmt: skip
         if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
@@ -506,7 +524,8 @@ class GemmLaunch:
         return (
             *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
             *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
-            *self._sizes, c.shape[0], c.stride(0), *self._with_residual(self._addresses, residual, True, tma_store),
+            *self._sizes, c.shape[0], c.stride(0),
+            *self._with_residual(self._addresses, residual, True, self.accumulate and self._adds(c, residual)),
             *self._trailing,
         )  # fmt: skip
 
@@ -603,9 +622,14 @@ def matmul(
     loads_residual = (
         epilogue is not None
         and epilogue.residual
-        and (interpreting() or out is not None and out.stride(0) != out.shape[1])
+        and (interpreting() or out is not None and (out.stride(0) != out.shape[1] or out.device != a.device))
     )
     cfg = config or (PLAIN_CONFIG if epilogue is None else RESIDUAL_CONFIG if loads_residual else EPILOGUE_CONFIG)
+    if loads_residual and not interpreting() and not fits_loaded_residual(cfg):
+        raise ValueError(
+            f"this call's epilogue loads its residual tile (an out with padded rows or on another GPU), and {cfg} "
+            "leaves no shared memory for it: use kernels.gemm.RESIDUAL_CONFIG (or no config)"
+        )
     (M, K), N = a.shape, b.shape[1]
     n_out = N if epilogue is None else epilogue.out_cols(N)
     if epilogue is not None:

@@ -18,11 +18,13 @@ is folded into the first GEMM's weight (and bias), and its epilogue applies the 
 The weights are laid out once, at construction. A block built from ``transformers`` modules
 (``from_hf``) lays them out again, in place, at the first call after a source weight changed in
 place as PyTorch counts it (``w.mul_(2)``, ``w.copy_(...)``: the tensor's version moves; inside a
-CUDA-graph capture it refuses instead); a change PyTorch does not count (through ``w.data``)
-needs :meth:`~LlamaMLP.refresh`. ``forward`` calls the custom operator
-``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
-shapes), so a model compiled with ``torch.compile`` traces through the block without a graph
-break.
+CUDA-graph capture it refuses instead), or was replaced by another tensor; a change PyTorch does
+not count (through ``w.data``, or in an inference-mode tensor) needs :meth:`~LlamaMLP.refresh`,
+and a graph replay runs no Python, so it follows nothing (call the block once, or ``refresh()``,
+before replaying: the weights are laid out in place, and the graph reads the new ones).
+``forward`` calls the custom operator ``torch.ops.ctapipelining.mlp_block`` (``torch.library``,
+with a fake implementation for shapes), so a model compiled with ``torch.compile`` traces through
+the block without a graph break.
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
@@ -41,7 +43,7 @@ import torch
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import check_tensor, matmul
-from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig
+from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
 # down GEMM's: the plain GEMM's too, since its residual is added onto the output by TMA (matmul);
@@ -138,7 +140,11 @@ class FusedMLP(torch.nn.Module):
             elif old is not None:
                 with torch.inference_mode() if old.is_inference() else torch.no_grad():
                     old.copy_(t)
-        self._epi = None
+        if self._epi is not None:  # in place too: a captured graph holds these epilogues
+            self._update_epilogues(*self._epi[1:])
+
+    def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
+        """Bring what the epilogues derive from the weights up to date, in place (nothing here)."""
 
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
         """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
@@ -180,17 +186,21 @@ class FusedMLP(torch.nn.Module):
         self._source_versions = self._versions()
 
     def _versions(self) -> tuple:
-        """The version counters of the source's weights (PyTorch moves one at each in-place change)."""
-        return tuple(t._version for t in self._source_weights() if t is not None)
+        """Each source weight's memory and version counter (PyTorch moves it at each in-place
+        change; an inference-mode tensor has none: only its replacement is seen)."""
+        return tuple(
+            (t.data_ptr(), None if t.is_inference() else t._version) for t in self._source_weights() if t is not None
+        )
 
     def _follow_source(self) -> None:
-        """Lay the weights out again if a source weight changed in place since (its version moved);
-        inside a CUDA-graph capture, refuse instead (the copy would be captured, not run)."""
+        """Lay the weights out again if a source weight was replaced or changed in place since
+        (its version moved); inside a CUDA-graph capture, refuse instead (the copy would be
+        captured, not run)."""
         if self._source is None or self._versions() == self._source_versions:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "a weight of the block's source module changed in place since it was laid out: call the block "
+                "a weight of the block's source module changed since it was laid out: call the block "
                 "once outside the CUDA-graph capture (or refresh()) to lay it out again"
             )
         self.refresh()
@@ -330,6 +340,11 @@ class GPTMLP(FusedMLP):
         first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=column_sums(self.w_in), bias=self.b_in)
         return first, Epilogue(bias=self.b_out, residual=True)
 
+    def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
+        """The column sums of the weight laid out again, into the same tensor."""
+        with torch.no_grad():
+            first.col_sum.copy_(column_sums(self.w_in))
+
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> GPTMLP:
         """From a ``transformers`` ``GPT2MLP`` (``c_fc``, ``c_proj``: ``Conv1D``, whose weights are
@@ -392,9 +407,9 @@ class LlamaStack(torch.nn.Module):
     each output tile (partial sums per column-block, added in a fixed order: the result is
     deterministic, and rounds differently from :class:`LlamaMLP` alone, whose pass over ``x``
     sums in another order). ``config``: None (the default), each GEMM in its block's
-    configuration, a down GEMM in the default :data:`DOWN_CONFIG` in
-    :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG` instead (a stage loads its residual tile:
-    narrower tiles), so the stages on one GPU run one kernel after another; or one
+    configuration, a down GEMM whose tiles leave no room for the residual tile a stage loads (the
+    default :data:`DOWN_CONFIG`'s) in :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`, so the
+    stages on one GPU run one kernel after another; or one
     :class:`GemmConfig` for every GEMM, so that they share one chain kernel (:data:`STACK_CONFIG`
     fits: the down GEMM's residual tile leaves shared memory for 128 x 128 tiles). On one H200
     two blocks run 1.07-1.09x as long as the same blocks called one after another with the
@@ -451,18 +466,20 @@ class LlamaStack(torch.nn.Module):
     def _pipeline(self):
         from .pipeline import Pipeline  # nn is imported by the package's users; the pipeline only here
 
+        for b in self.blocks:  # each lays its weights out again, in place, if its source changed
+            b._follow_source()
         weights = self._weights()
         key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
             (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
         )
         if self._built is None or self._built[0] != key:
             epilogues = [e for b in self.blocks for e in b._epilogues()]
-            # each block's, but a down GEMM in the default DOWN_CONFIG: a stage loads its residual
-            # tile, and RESIDUAL_CONFIG's narrower tiles leave it room
+            # each block's, but a down GEMM whose tiles leave no room for the residual tile a stage
+            # loads (the default DOWN_CONFIG's) runs in RESIDUAL_CONFIG
             configs = self.config or [
                 c
                 for b in self.blocks
-                for c in (b.in_config, RESIDUAL_CONFIG if b.out_config == DOWN_CONFIG else b.out_config)
+                for c in (b.in_config, b.out_config if fits_loaded_residual(b.out_config) else RESIDUAL_CONFIG)
             ]
             self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
         return self._built[1]
@@ -479,8 +496,6 @@ class LlamaStack(torch.nn.Module):
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:  # each lays its weights out again, in place, if its source changed
-            b._follow_source()
         return self._pipeline()(rows)
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ from .gemm import (
     tma_ready,
 )
 from .kernels.chain import MAX_STAGES
-from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig
+from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig, fits_loaded_residual
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
 from .timing import Method, time_interleaved
 
@@ -633,6 +633,11 @@ class Pipeline:
                 raise ValueError(
                     f"stage {s}'s residual (stage {s - 1}'s input, {self.weights[s - 1].shape[0]} columns) does "
                     f"not match its {self.out_cols[s]} output columns"
+                )
+            if epi.residual and w.device.type == "cuda" and not fits_loaded_residual(self.configs[s]):
+                raise ValueError(
+                    f"stage {s} loads its residual tile in its epilogue, and {self.configs[s]} leaves no shared memory "
+                    "for it: use kernels.gemm.RESIDUAL_CONFIG's tiles"
                 )
             if epi.layer_norm_eps is not None and s > 0:
                 raise ValueError(f"stage {s}: a LayerNorm epilogue runs on the chain's first stage only")

@@ -406,3 +406,35 @@ def test_the_stack_is_an_operator_torch_compile_traces_without_a_graph_break():
     assert torch.equal(compiled(x), stack(x - 1) * 2)
     with pytest.raises(ValueError, match="the stack's first block is"):
         stack(x.float())
+
+
+def test_blocks_follow_a_replaced_or_changed_source_and_take_inference_tensors():
+    """A GPT block follows an in-place change of its source: its epilogue (and the column sums
+    its LayerNorm fold derives, which a captured graph holds) is updated in place, not replaced;
+    a Llama block follows a weight replaced by another tensor, and one built from inference-mode
+    tensors runs (versions untracked: replacements only); a stack's sequential reference follows too."""
+    mlp, norm = gpt_block()
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = torch.randn(5, H).half()
+    block(x)
+    first, col_sum = block._epilogues()[0], block._epilogues()[0].col_sum.clone()
+    with torch.no_grad():
+        mlp.c_fc.weight.mul_(1.5)
+    y = block(x)
+    assert block._epilogues()[0] is first and not torch.equal(first.col_sum, col_sum)
+    assert rel(y, gpt_reference(mlp, norm, x)) < 2e-3
+    llama, lnorm = hf_block(4)
+    lblock = LlamaMLP.from_hf(llama, lnorm, gate_up_config=SMALL, down_config=SMALL)
+    before = lblock(x)
+    llama.down_proj.weight = torch.nn.Parameter(2 * llama.down_proj.weight.detach())
+    assert rel(lblock(x) - x, 2 * (before - x)) < 1e-2
+    with torch.inference_mode():
+        inf_mlp, inf_norm = hf_block(5)
+        inf_block = LlamaMLP.from_hf(inf_mlp, inf_norm, gate_up_config=SMALL, down_config=SMALL)
+        assert rel(inf_block(x), reference(inf_mlp, inf_norm, x)) < 2e-3
+    blocks = hf_stack()
+    stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
+    stack(x)
+    with torch.no_grad():
+        blocks[0][0].up_proj.weight.mul_(-1)
+    assert torch.equal(stack.sequential(x), stack(x))

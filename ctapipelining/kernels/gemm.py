@@ -135,6 +135,13 @@ CONFIGS = [
 ]
 
 
+def fits_loaded_residual(config: GemmConfig, elem_bytes: int = 2) -> bool:
+    """Whether a GEMM whose epilogue loads a residual tile fits shared memory in ``config``: its
+    load ring and store tile, and room for the residual's (``RESIDUAL_CONFIG`` fits; the plain
+    128 x 256 tiles with three stages do not)."""
+    return config.smem_bytes(elem_bytes) + config.block_m * config.block_n * elem_bytes <= SMEM_LIMIT
+
+
 def get_configs(elem_bytes: int = 2) -> list[GemmConfig]:
     """The configurations that fit in shared memory."""
     return [c for c in CONFIGS if c.smem_bytes(elem_bytes) <= SMEM_LIMIT]
