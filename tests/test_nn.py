@@ -315,8 +315,9 @@ def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(
 
 def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
     """NaN in every plan buffer (intermediates, sums of squares) before a call changes nothing; a
-    source weight changed in place changes the stack's next call (each block lays it out again,
-    in place, into the weights the pipeline reads)."""
+    source weight changed in place changes the stack's next call and its sequential reference
+    (each block lays it out again, in place, into the weights the pipeline reads); the stack is
+    an operator torch.compile traces through."""
     blocks = hf_stack()
     stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
     x = torch.randn(64, H).half()
@@ -327,8 +328,21 @@ def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
     assert torch.equal(stack(x), first)
     with torch.no_grad():
         blocks[1][0].down_proj.weight.mul_(2)  # followed at the next call, in place
+    reference = stack.sequential(x)  # which follows it too
     again = stack(x)
-    assert not torch.equal(again, first) and torch.equal(again, stack.sequential(x))
+    assert not torch.equal(again, first) and torch.equal(again, reference)
+    # forward is the operator torch.ops.ctapipelining.mlp_stack: its fake gives the output's shape,
+    # dtype and device, and a compiled model around it traces as one graph
+    rows = x.reshape(-1, H).contiguous()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.ctapipelining.mlp_stack(
+            mode.from_tensor(rows), [mode.from_tensor(w) for w in stack._weights()], stack._key
+        )
+    assert (fake.shape, fake.dtype, fake.device) == (rows.shape, rows.dtype, stack.blocks[-1].w_out.device)
+    compiled = torch.compile(lambda t: stack(t) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), again * 2)
+    with pytest.raises(ValueError, match="the stack's first block is"):
+        stack(x.float())
 
 
 def test_pipeline_epilogues_are_checked_before_anything_runs():
@@ -391,28 +405,11 @@ def test_a_norm_in_a_chain_reads_the_sums_of_the_rows_as_stored():
         assert rel(p(x), ref) < 2e-3, loopback
 
 
-def test_the_stack_is_an_operator_torch_compile_traces_without_a_graph_break():
-    """``LlamaStack.forward`` is ``torch.ops.ctapipelining.mlp_stack``: its fake implementation
-    gives the output's shape, dtype and device, and a compiled model around it traces as one graph."""
-    stack = LlamaStack.from_hf(*zip(*hf_stack()), config=SMALL)
-    x = torch.randn(3, 7, H).half()
-    rows = x.reshape(-1, H).contiguous()
-    with torch._subclasses.FakeTensorMode() as mode:  # the fake: shape, dtype, the last block's device
-        fake = torch.ops.ctapipelining.mlp_stack(
-            mode.from_tensor(rows), [mode.from_tensor(w) for w in stack._weights()], stack._key
-        )
-    assert (fake.shape, fake.dtype, fake.device) == (rows.shape, rows.dtype, stack.blocks[-1].w_out.device)
-    compiled = torch.compile(lambda t: stack(t - 1) * 2, backend="eager", fullgraph=True)
-    assert torch.equal(compiled(x), stack(x - 1) * 2)
-    with pytest.raises(ValueError, match="the stack's first block is"):
-        stack(x.float())
-
-
 def test_blocks_follow_a_replaced_or_changed_source_and_take_inference_tensors():
     """A GPT block follows an in-place change of its source: its epilogue (and the column sums
     its LayerNorm fold derives, which a captured graph holds) is updated in place, not replaced;
     a Llama block follows a weight replaced by another tensor, and one built from inference-mode
-    tensors runs (versions untracked: replacements only); a stack's sequential reference follows too."""
+    tensors runs (versions untracked: replacements only)."""
     mlp, norm = gpt_block()
     block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
     x = torch.randn(5, H).half()
@@ -432,9 +429,3 @@ def test_blocks_follow_a_replaced_or_changed_source_and_take_inference_tensors()
         inf_mlp, inf_norm = hf_block(5)
         inf_block = LlamaMLP.from_hf(inf_mlp, inf_norm, gate_up_config=SMALL, down_config=SMALL)
         assert rel(inf_block(x), reference(inf_mlp, inf_norm, x)) < 2e-3
-    blocks = hf_stack()
-    stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
-    stack(x)
-    with torch.no_grad():
-        blocks[0][0].up_proj.weight.mul_(-1)
-    assert torch.equal(stack.sequential(x), stack(x))
