@@ -497,7 +497,7 @@ def balanced_ends(M: int, N0: int, N1: int, block_m: int, block_n: int, num_sms:
     On 2x H200 at ``K = N = 8192`` (bf16, 128x256 tiles, so ``D`` = 512) this rule's prefill
     is at or near the best at M = 2048 and 8192; at 16384 the best prefill differs from machine
     to machine (640 to 1536 rows) and this rule's is a safe middle
-    (benchmarks/results/2026-11-30-h200x2-s6/). :meth:`Pipeline.tune_ends` measures the
+    (benchmarks/results/2026-11-30-h200x2-ends/). :meth:`Pipeline.tune_ends` measures the
     machine at hand.
     """
     tiles_per_row_block = max(-(-N0 // block_n), -(-N1 // block_n))

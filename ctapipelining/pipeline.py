@@ -95,7 +95,7 @@ from .timing import Method, time_interleaved
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
 # and leaves the rule's ends only for a candidate faster by more than TUNE_MARGIN: it times calls
 # back to back, which ranks candidates within ~1% of each other differently from the interleaved
-# bench (benchmarks/results/2026-11-30-h200x2-s6/)
+# bench (benchmarks/results/2026-11-30-h200x2-ends/)
 TUNE_FACTORS = (0.5, 1.0, 1.5, 2.0)
 TUNE_MARGIN = 0.02
 
@@ -402,7 +402,7 @@ class Pipeline:
         they may all be CPU tensors; the kernels then run one after another.
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
         counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
-        benchmarks/results/2026-11-30-h200x2-s6/) or
+        benchmarks/results/2026-11-30-h200x2-ends/) or
         ``"workqueue"`` (consumers run tiles in the order they became ready, the paper's policy).
     config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`,
         or a list of one per stage (sharing ``block_m``: the links count row-blocks; only
@@ -452,7 +452,7 @@ class Pipeline:
     ends : ``"balanced"`` (two stages): both of the above, sized for each input height by
         :func:`ctapipelining.deps.balanced_ends` (on 2x H200 at K = N = 8192 about 0.8x the
         chain without them at M = 2048 and 0.95x at 8192-16384,
-        benchmarks/results/2026-11-30-h200x2-s6/), with split tails
+        benchmarks/results/2026-11-30-h200x2-ends/), with split tails
         (default config :data:`ENDS_CONFIG`). Costs a replica of each weight on the other GPU.
         A replica follows in-place changes of its weight that PyTorch counts (``w.mul_(2)``,
         ``w.copy_(...)``: the tensor's version moves); a change it does not count (through
@@ -816,7 +816,7 @@ class Pipeline:
         for ``M`` if it beats the rule's ends by more than ``margin`` (else the rule's): later
         calls on ``M`` rows use it. Why: the best prefill depends on the two GPUs' own speeds
         under load, which differ from machine to machine
-        (benchmarks/results/2026-11-30-h200x2-s6/).
+        (benchmarks/results/2026-11-30-h200x2-ends/).
 
         Each candidate is captured in a CUDA graph and replayed ``warmup`` times, then ``reps``
         times timed, on random input, all candidates taking turns in a shuffled order
@@ -997,7 +997,7 @@ class Pipeline:
             s = group[0]
             if s == 1 and R:  # the prefill: rows [0, R) of stage 0 on stage 1's GPU, before the consumer
                 # (a copy of x first: a GEMM reading x across NVLink with TMA is far slower,
-                # benchmarks/results/2026-11-30-h200x2-s6/)
+                # benchmarks/results/2026-11-30-h200x2-ends/)
                 bind(
                     1, R, self.prefill_weight, self.stage_config(0), plan.prefill_x, inputs[1][:R],
                     signal=links[0].signal_hook(queue, local=True), epoch=plan.epochs[1],

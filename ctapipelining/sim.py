@@ -10,10 +10,10 @@ What is modelled
   (``GemmConfig.split_tail``) only in :func:`simulate_gemm` (``split_tail=True``), not in the
   stages of :func:`simulate_cta`. Not modelled: per-CTA variation of the tile time
   (static consumers fall a round behind mid-run without moving the chain's end,
-  ``benchmarks/results/2026-11-30-h200x2-s3/``),
+  ``benchmarks/results/2026-11-30-h200x2-tails/``),
   the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
   GPUs' power limits (a producer writing into the peer clocks down ~5%,
-  ``benchmarks/results/2026-11-30-h200x2-s4/``; ``remote_factor`` stands for it).
+  ``benchmarks/results/2026-11-30-h200x2-parts/``; ``remote_factor`` stands for it).
 * **CTA-pipelining**: a counter fills when its last producer tile signalled; its consumer tiles
   become visible ``t2_ns`` later; a consumer CTA pays ``t3_ns`` to take a tile. ``static``:
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
@@ -26,7 +26,7 @@ What is modelled
   the second of them writing into the peer, and the consumer runs the rows before them
   (``Pipeline(drain_rows=...)``). The model has no split tails: it predicts 512 + 512 rows at
   0.97x the chain without them, where the kernels take 1.00x without split tails and 0.98-0.99x
-  with them (``benchmarks/results/2026-11-30-h200x2-s6/``, runs e1-e3): it is optimistic for the ends.
+  with them (``benchmarks/results/2026-11-30-h200x2-ends/``, runs e1-e3): it is optimistic for the ends.
 * **cuBLAS** (``torch.matmul``): ``b * M`` per ``[M, K] x [K, N]`` at the calibrated ``K, N``,
   scaled by ``K * N`` for other shapes, plus ``a`` (the fit's intercept: the fixed cost of a
   timed eager call) when the bench calls it eagerly. It ignores cuBLAS's wave quantization, so
@@ -65,8 +65,8 @@ Calibration
 :attr:`Calibration.device` the machine and versions. The packaged file is written by
 :meth:`Calibration.save` from the committed runs it names in its ``source``::
 
-    final = Path("benchmarks/results/2026-11-30-h200x2-s2/final")
-    cal = Calibration.from_results(final, tune="benchmarks/results/2026-11-30-h200x2/tune1.json")
+    final = Path("benchmarks/results/2026-11-30-h200x2-protocol/final")
+    cal = Calibration.from_results(final, tune="benchmarks/results/2026-11-30-h200x2-sim-inputs/tune1.json")
     environment = json.loads((final / "results.json").read_text())["environment"]
     cal.save("ctapipelining/data/calibration-2xh200.json", environment)
 """

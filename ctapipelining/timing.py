@@ -55,7 +55,7 @@ def time_interleaved(
 
     ``order="shuffled"`` (default) runs each repetition's methods in a fresh random order
     (``random.Random(seed)``, so a run can be repeated); ``"fixed"`` in the order given. Why
-    shuffle: an H200 running our GEMM sits at its 700 W cap (2026-11-30-h200x2-s5/transport),
+    shuffle: an H200 running our GEMM sits at its 700 W cap (2026-11-30-h200x2-transfer/transport),
     so the clock a call gets depends on the energy of the call just before it. In a fixed order
     each method always follows the same neighbour, a bias no number of repetitions removes.
     ``rest_ms``: idle time before each timed run (after the devices are synchronised), so every

@@ -8,7 +8,7 @@ import pytest
 
 from ctapipelining import bench, cli, timing
 
-RECORDED = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2/run1/results.json"
+RECORDED = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2-sim-inputs/run1/results.json"
 
 
 @pytest.fixture(scope="module")

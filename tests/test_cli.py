@@ -12,7 +12,7 @@ import pytest
 
 from ctapipelining import cli
 
-FINAL = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2-s2/final"
+FINAL = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-h200x2-protocol/final"
 
 
 def test_help_lists_every_subcommand_in_one_line(capsys):
@@ -98,7 +98,7 @@ def test_plan_names_the_machine_its_model_was_calibrated_on(capsys):
 @pytest.mark.skipif(not FINAL.is_dir(), reason="benchmarks/results not here")
 def test_plan_calibrated_on_a_results_folder(capsys):
     assert cli.main(["plan", "--m", "2048", "--dims", "8192,8192,8192", "--gpus", "2", "--results", str(FINAL)]) == 0
-    assert "runs in benchmarks/results/2026-11-30-h200x2-s2/final)" in capsys.readouterr().out
+    assert "runs in benchmarks/results/2026-11-30-h200x2-protocol/final)" in capsys.readouterr().out
 
 
 def test_sim_writes_its_report_and_figures(tmp_path, capsys):

@@ -12,10 +12,10 @@ from ctapipelining import deps, sim
 
 CAL = sim.Calibration.default()
 RESULTS = Path(__file__).parent.parent / "benchmarks/results"
-FINAL = RESULTS / "2026-11-30-h200x2-s2/final"  # the runs the packaged calibration was fitted on
-TUNE = RESULTS / "2026-11-30-h200x2/tune1.json"
+FINAL = RESULTS / "2026-11-30-h200x2-protocol/final"  # the runs the packaged calibration was fitted on
+TUNE = RESULTS / "2026-11-30-h200x2-sim-inputs/tune1.json"
 # runs of kernels that signalled each tile right after its store (no lag, T1 3.8 us)
-OLD = RESULTS / "2026-11-30-h200x2"
+OLD = RESULTS / "2026-11-30-h200x2-sim-inputs"
 needs_results = pytest.mark.skipif(not FINAL.is_dir() or not OLD.is_dir(), reason="benchmarks/results not here")
 
 
@@ -26,10 +26,10 @@ def old_cal():
 
 
 def test_packaged_calibration_names_its_source_and_device():
-    assert "s2/final/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
+    assert "protocol/final/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
     assert "tune1.json" in CAL.source
     assert CAL.device == "2x NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0)"
-    assert CAL.label.startswith(CAL.device) and CAL.label.endswith("2026-11-30-h200x2-s2/final")
+    assert CAL.label.startswith(CAL.device) and CAL.label.endswith("2026-11-30-h200x2-protocol/final")
     assert CAL.t1_ns == pytest.approx(256.0) and CAL.t3_ns == pytest.approx(768.0)
     assert CAL.signal_lag == sim.SIGNAL_LAG == 0.25  # the kernels signal a quarter into the next tile
     assert 1.0 < CAL.remote_factor < 1.2 and 100 < CAL.p2p_gbps < 1000
@@ -41,7 +41,7 @@ def test_packaged_calibration_names_its_source_and_device():
 def test_packaged_calibration_is_the_one_fitted_on_its_results_folder():
     fitted = sim.Calibration.from_results(FINAL, tune=TUNE)
     assert sim.Calibration.default() == fitted  # every parameter, the source and the device
-    assert fitted.source.split(" + ")[0].endswith("s2/final/results.json")  # a folder means its results.json
+    assert fitted.source.split(" + ")[0].endswith("protocol/final/results.json")  # a folder means its results.json
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -61,10 +61,10 @@ def test_old_calibration_reads_its_trace(old_cal):
 
 
 @needs_results
-@pytest.mark.parametrize("run", ["final-s2", "run2", "run3"])
+@pytest.mark.parametrize("run", ["final-protocol", "run2", "run3"])
 def test_predictions_within_10_percent_of_measured(run, old_cal):
     cal, results = {
-        "final-s2": (CAL, FINAL / "results.json"),
+        "final-protocol": (CAL, FINAL / "results.json"),
         "run2": (old_cal, OLD / "run2/results.json"),
         "run3": (old_cal, OLD / "run3/results.json"),
     }[run]
@@ -153,7 +153,7 @@ def test_waiting_in_parts_helps_only_a_consumer_with_slack():
     """A consumer that waits for its input rows part by part starts its tiles before their
     right-hand columns are written. That shortens the chain when the consumer's tiles are
     faster than the producer's (here the producer writes into the peer 7% slower, a little more
-    than the 4-6% the replayed traces of 2026-11-30-h200x2-s3 measured), and it can never lengthen it: one
+    than the 4-6% the replayed traces of 2026-11-30-h200x2-tails measured), and it can never lengthen it: one
     part is the whole row-block, and the K-fractions only let a tile start earlier."""
     dims = [8192, 8192, 8192]
     slow = replace(CAL, remote_factor=1.07)

@@ -98,7 +98,7 @@ SMEM_LIMIT = 227 * 1024  # Hopper, per CTA
 TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, epilogue done, CTA
 
 # Defaults chosen by measurement on 2x H200 at X[16384, 8192] @ [8192, 8192], interleaved runs
-# (benchmarks/results/2026-11-30-h200x2-s2/, -s3/, -s4/, -s6/; each folder's README):
+# (benchmarks/results/2026-11-30-h200x2-protocol/, -tails/, -parts/, -ends/; each folder's README):
 # - plain GEMM: grouped order (B reused in L2), TMA-store epilogue, flattened persistent loop
 #   (1-5% faster than without), split tail (0.981x [0.961-0.998] without it, paired):
 #   0.90-0.95x cuBLAS.
