@@ -219,3 +219,8 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
                  "accumulate"):  # fmt: skip
         assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
     assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT
+    # the host's rule for tiles that leave room for a loaded residual agrees with the compiler
+    from ctapipelining.kernels.gemm import EPILOGUE_CONFIG, fits_loaded_residual
+
+    assert fits_loaded_residual(RESIDUAL_CONFIG) and fits_loaded_residual(STACK_CONFIG)
+    assert not fits_loaded_residual(EPILOGUE_CONFIG)
