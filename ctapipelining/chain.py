@@ -23,13 +23,13 @@ from .gemm import (
     TailBuffers,
     WaitHook,
     _cdiv,
-    check_sums,
     check_wait,
     descriptor,
     interpreting,
     launch_constexprs,
     residual_key,
     signal_bundle,
+    sums_args,
     tma_blocks,
     wait_bundle,
 )
@@ -151,12 +151,11 @@ class ChainLaunch:
             stats = None if epi is None else NormStats.create(epi, M, st.K, device, st.norm_sums)
             args = {} if stats is None else stats.args()
             if st.out_sums is not None:
-                args["sq_out"] = check_sums(st.out_sums, M, _cdiv(st.N, config.block_n), None, "out_sums")
+                args |= sums_args(st.out_sums, M, _cdiv(st.N, config.block_n), None, "out_sums", "out")
             if stats is not None and stats.own and st is not stages[0]:
                 raise ValueError(
                     f"stage {st.stage} normalises rows the stage before it writes in this kernel: it needs the "
-                    "partial sums of squares that stage leaves (norm_sums; a LayerNorm is never one of its later "
-                    "stages)"
+                    "partial sums that stage leaves (norm_sums)"
                 )
             self.stats.append(stats)
             self._epi_args.append(args)

@@ -107,26 +107,29 @@ class Epilogue:
         self,
         *,
         row_sq: torch.Tensor | None = None,
+        row_sum: torch.Tensor | None = None,
         norm_cols: int = 0,
         row_scale: torch.Tensor | None = None,
         row_shift: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sq_out: torch.Tensor | None = None,
+        sum_out: torch.Tensor | None = None,
         accumulate: bool = False,
     ) -> device.Epilogue:
-        """The kernel's argument bundle: with an RMSNorm the rows' partial sums of squares
-        ``row_sq`` (``[rows, parts]``, over ``norm_cols`` columns), with a LayerNorm their
-        scales and shifts, this call's ``residual`` (or ``accumulate``: C holds it, and each
-        tile is added onto C), and ``sq_out`` (``[rows, parts]``) where the stored rows' sums
-        of squares go (a next stage's RMSNorm; None: nowhere)."""
-        rms = self.rms_eps is not None
+        """The kernel's argument bundle: the norm's statistics, as the rows' partial sums of
+        squares ``row_sq`` (``[rows, parts]``, over ``norm_cols`` columns; with a LayerNorm also
+        their partial sums ``row_sum``) or, for a LayerNorm, each row's ``row_scale`` and
+        ``row_shift``; this call's ``residual`` (or ``accumulate``: C holds it, and each tile is
+        added onto C); and where the stored rows' sums of squares (``sq_out``) and sums
+        (``sum_out``) go, for a next stage's norm (None: nowhere)."""
+        partial = self.norm_eps is not None and row_sq is not None
         return device.Epilogue(
-            row_sq if rms else None,
-            row_sq.shape[1] if rms else None,
-            norm_cols if rms else None,
-            self.rms_eps,
-            row_scale if self.layer_norm_eps is not None else None,
-            row_shift if self.layer_norm_eps is not None else None,
+            row_sq if partial else None,
+            row_sq.shape[1] if partial else None,
+            norm_cols if partial else None,
+            self.norm_eps if partial else None,
+            row_scale if self.layer_norm_eps is not None and not partial else None,
+            row_shift if self.layer_norm_eps is not None and not partial else None,
             self.col_sum,
             self.bias,
             residual,
@@ -134,6 +137,8 @@ class Epilogue:
             residual.shape[0] if residual is not None else None,
             sq_out,
             sq_out.shape[1] if sq_out is not None else None,
+            row_sum if partial and self.layer_norm_eps is not None else None,
+            sum_out,
             None if self.activation is None else tl.constexpr(self.activation),
             tl.constexpr(True) if self.gated else None,
             tl.constexpr(True) if accumulate else None,

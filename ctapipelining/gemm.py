@@ -252,41 +252,61 @@ def check_sums(sums: torch.Tensor, rows: int, parts: int, device: torch.device |
     return sums
 
 
+def sums_args(sums, rows: int, parts: int, device: torch.device | None, name: str, prefix: str) -> dict:
+    """Rows' partial sums as epilogue-bundle arguments: ``sums`` is the sums of squares (an
+    RMSNorm's) or a pair ``(sums of squares, sums)`` (a LayerNorm's), each checked
+    (:func:`check_sums`); ``prefix``: ``"row"`` for what a norm reads, ``"out"`` for what an
+    epilogue stores."""
+    sq, total = sums if isinstance(sums, tuple) else (sums, None)
+    keys = ("row_sq", "row_sum") if prefix == "row" else ("sq_out", "sum_out")
+    out = {keys[0]: check_sums(sq, rows, parts, device, name)}
+    if total is not None:
+        out[keys[1]] = check_sums(total, rows, parts, device, name)
+    return out
+
+
 @dataclass(eq=False)
 class NormStats:
-    """A norm epilogue's row statistics for a GEMM on ``[M, K]`` rows: for an RMSNorm the rows'
-    partial sums of squares ``row_sq`` ``[M, parts]`` (``own``: a pass over A before each launch
-    fills them, one part; else a producer's epilogue leaves them), for a LayerNorm each row's
-    scale and shift (a pass over A)."""
+    """A norm epilogue's row statistics for a GEMM on ``[M, K]`` rows. ``own``: a pass over A
+    before each launch fills them (an RMSNorm's sums of squares, one part; a LayerNorm's scale
+    and shift); else the stage that wrote A leaves its rows' partial sums of squares ``row_sq``
+    (and, for a LayerNorm, sums ``row_sum``) ``[M, parts]``."""
 
     epilogue: Epilogue
     K: int
     row_sq: torch.Tensor | None = None
+    row_sum: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
     row_shift: torch.Tensor | None = None
     own: bool = True
 
     @classmethod
-    def create(
-        cls, epilogue: Epilogue, M: int, K: int, device: torch.device, sums: torch.Tensor | None = None
-    ) -> NormStats | None:
-        """The statistics ``epilogue`` needs (None: no norm); ``sums``: an RMSNorm's partial sums
-        as a producer leaves them (not with a LayerNorm: its pass over A is its own)."""
-        if epilogue.rms_eps is None and sums is not None:
-            raise ValueError("norm_sums feed an RMSNorm epilogue (Epilogue(rms_eps=...)), and this one has none")
-        if epilogue.rms_eps is not None:
+    def create(cls, epilogue: Epilogue, M: int, K: int, device: torch.device, sums=None) -> NormStats | None:
+        """The statistics ``epilogue`` needs (None: no norm); ``sums``: the partial sums a
+        producer leaves, the sums of squares for an RMSNorm, ``(sums of squares, sums)`` for a
+        LayerNorm."""
+        if epilogue.norm_eps is None:
             if sums is not None:
-                return cls(epilogue, K, row_sq=check_sums(sums, M, sums.shape[1], device, "norm_sums"), own=False)
-            # zeros: rows past a call's (a bucketed plan) keep a finite scale
-            return cls(epilogue, K, row_sq=torch.zeros(M, 1, dtype=torch.float32, device=device))
-        if epilogue.layer_norm_eps is not None:
-            f32 = dict(dtype=torch.float32, device=device)
-            return cls(epilogue, K, row_scale=torch.zeros(M, **f32), row_shift=torch.zeros(M, **f32))
-        return None
+                raise ValueError("norm_sums feed a norm epilogue (rms_eps or layer_norm_eps), and this one has none")
+            return None
+        if sums is not None:
+            layer = epilogue.layer_norm_eps is not None
+            if layer != isinstance(sums, tuple):
+                what = "(sums of squares, sums)" if layer else "the sums of squares alone"
+                raise ValueError(f"norm_sums of a {'LayerNorm' if layer else 'RMSNorm'} are {what}")
+            parts = (sums[0] if layer else sums).shape[1]
+            return cls(epilogue, K, **sums_args(sums, M, parts, device, "norm_sums", "row"), own=False)
+        f32 = dict(dtype=torch.float32, device=device)
+        if epilogue.rms_eps is not None:  # zeros: rows past a call's (a bucketed plan) keep a finite scale
+            return cls(epilogue, K, row_sq=torch.zeros(M, 1, **f32))
+        return cls(epilogue, K, row_scale=torch.zeros(M, **f32), row_shift=torch.zeros(M, **f32))
 
     def args(self) -> dict:
         """The epilogue bundle's statistics (:meth:`~ctapipelining.epilogue.Epilogue.bundle`)."""
-        return dict(row_sq=self.row_sq, norm_cols=self.K, row_scale=self.row_scale, row_shift=self.row_shift)
+        return dict(
+            row_sq=self.row_sq, row_sum=self.row_sum, norm_cols=self.K, row_scale=self.row_scale,
+            row_shift=self.row_shift,
+        )  # fmt: skip
 
     def __call__(self, a: torch.Tensor, stream: int | None) -> None:
         """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`) on
@@ -406,7 +426,7 @@ class GemmLaunch:
         self.stats = None if epilogue is None else NormStats.create(epilogue, M, K, device, norm_sums)
         self._epi_args = {} if self.stats is None else self.stats.args()
         if out_sums is not None:
-            self._epi_args["sq_out"] = check_sums(out_sums, M, _cdiv(N, cfg.block_n), None, "out_sums")
+            self._epi_args |= sums_args(out_sums, M, _cdiv(N, cfg.block_n), None, "out_sums", "out")
         self.queue = (wait.queue if wait is not None else signal.queue) if wait or signal else False
         bundles = (
             wait_bundle(wait, cfg),

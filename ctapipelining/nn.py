@@ -371,12 +371,12 @@ class GPTMLP(FusedMLP):
         return self._hf_weights(*self._source)
 
 
-_STACKS: weakref.WeakValueDictionary[str, LlamaStack] = weakref.WeakValueDictionary()  # the stack operator's
+_STACKS: weakref.WeakValueDictionary[str, MLPStack] = weakref.WeakValueDictionary()  # the stack operator's
 
 
 @torch.library.custom_op("ctapipelining::mlp_stack", mutates_args=())
 def mlp_stack(x: torch.Tensor, weights: list[torch.Tensor], stack: str) -> torch.Tensor:
-    """The pipelined stack ``stack`` (a :class:`LlamaStack`'s key; ``weights``: its blocks' laid-out
+    """The pipelined stack ``stack`` (an :class:`MLPStack`'s key; ``weights``: its blocks' laid-out
     weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
     st = _STACKS.get(stack)
     if st is None:
@@ -392,44 +392,46 @@ def _(x, weights, stack):
 mlp_stack.register_autograd(_no_backward)
 
 
-class LlamaStack(torch.nn.Module):
-    """Llama MLP blocks one after another (``x -> block_{L-1}(... block_0(x))``, each with its
+class MLPStack(torch.nn.Module):
+    """Fused MLP blocks one after another (``x -> block_{L-1}(... block_0(x))``, each with its
     norm and residual), run as one CTA-pipelined chain (:class:`~ctapipelining.pipeline.Pipeline`)
-    of their GEMMs: block ``b``'s gate/up stage starts on a row-block as soon as block ``b - 1``'s
-    down stage has written it, on the same GPU (the stages sharing it run in one chain kernel)
-    or on the next.
+    of their GEMMs: block ``b``'s first GEMM starts on a row-block as soon as block ``b - 1``'s
+    second GEMM has written it, on the same GPU or on the next. :class:`LlamaStack` and
+    :class:`GPTStack` build one from ``transformers`` modules.
 
-    ``blocks``: :class:`LlamaMLP` blocks of one hidden size and dtype, each on the device it runs on
-    (a block's two GEMMs run on one device: the down GEMM's residual is the block's input, read
-    where it lives); consecutive blocks on one device or on GPUs with peer access. What the
-    fusion does per block is :class:`LlamaMLP`'s, with one difference: block ``b > 0``'s RMSNorm
-    takes its rows' sums of squares from block ``b - 1``'s down GEMM, which stores them with
-    each output tile (partial sums per column-block, added in a fixed order: the result is
-    deterministic, and rounds differently from :class:`LlamaMLP` alone, whose pass over ``x``
-    sums in another order). ``config``: None (the default), each GEMM in its block's
-    configuration, a down GEMM whose tiles leave no room for the residual tile a stage loads (the
-    default :data:`DOWN_CONFIG`'s) in :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`, so the
-    stages on one GPU run one kernel after another; or one
-    :class:`GemmConfig` for every GEMM, so that they share one chain kernel (:data:`STACK_CONFIG`
-    fits: the down GEMM's residual tile leaves shared memory for 128 x 128 tiles). On one H200
-    two blocks run 1.07-1.09x as long as the same blocks called one after another with the
-    default (a block alone adds its residual by TMA on wider tiles), and 1.35-1.41x with one
-    chain kernel in :data:`STACK_CONFIG` (``benchmarks/results/2026-12-01-h200-stack/run7/``):
-    on one GPU a stack has nothing to gain; its
-    place is blocks on several GPUs, each block's down GEMM feeding the next GPU's gate/up GEMM
-    row-block by row-block. Other keyword
-    arguments go to the :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``,
-    ``row_buckets``, ...). The blocks' weights are the pipeline's: :meth:`refresh` (each block's)
-    updates them in place.
+    ``blocks``: :class:`FusedMLP` blocks (:class:`LlamaMLP`, :class:`GPTMLP`) of one hidden size
+    and dtype, each on the device it runs on (a block's two GEMMs run on one device: the second
+    GEMM's residual is the block's input, read where it lives); consecutive blocks on one device
+    or on GPUs with peer access. What the fusion does per block is the block's own, with one
+    difference: block ``b > 0``'s norm takes its rows' sums of squares (and, for a LayerNorm,
+    sums) from block ``b - 1``'s second GEMM, which stores them with each output tile (partial
+    sums per column-block, added in a fixed order: the result is deterministic, and rounds
+    differently from the block alone, whose pass over ``x`` sums in another order; a LayerNorm's
+    variance is then ``E[x ** 2] - mean ** 2`` in fp32, not centred first).
+
+    ``config``: None (the default), each GEMM in its block's configuration, but a second GEMM
+    whose tiles leave no room for the residual tile a stage loads (the default
+    :data:`DOWN_CONFIG`'s) in :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`, so the stages
+    on one GPU run one kernel after another; or one :class:`GemmConfig` for every GEMM, so that
+    they share one chain kernel (:data:`STACK_CONFIG` fits: 128 x 128 tiles leave room for the
+    residual's). On one H200 two Llama blocks run 1.07-1.09x as long as the same blocks called
+    one after another with the default (a block alone adds its residual by TMA on wider tiles),
+    and 1.35-1.41x with one chain kernel in :data:`STACK_CONFIG`
+    (``benchmarks/results/2026-12-01-h200-stack/run7/``): on one GPU a stack has nothing to
+    gain; its place is blocks on several GPUs, each block's second GEMM feeding the next GPU's
+    first GEMM row-block by row-block. Other keyword arguments go to the
+    :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``, ``row_buckets``, ...).
+    The blocks' weights are the pipeline's: :meth:`refresh` (each block's) updates them in
+    place.
     """
 
-    def __init__(self, blocks: list[LlamaMLP], config: GemmConfig | None = None, **pipeline_kw):
+    block_type: type = FusedMLP  # what the blocks must be
+
+    def __init__(self, blocks: list[FusedMLP], config: GemmConfig | None = None, **pipeline_kw):
         super().__init__()
         blocks = list(blocks)
-        if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
-            raise TypeError(
-                "LlamaStack takes a non-empty list of LlamaMLP blocks (a GPT block's LayerNorm is not pipelined)"
-            )
+        if not blocks or not all(isinstance(b, self.block_type) for b in blocks):
+            raise TypeError(f"{type(self).__name__} takes a non-empty list of {self.block_type.__name__} blocks")
         b0 = blocks[0]
         for i, b in enumerate(blocks):
             if b.hidden != b0.hidden or b.w_out.dtype != b0.w_out.dtype:
@@ -508,9 +510,26 @@ class LlamaStack(torch.nn.Module):
             b.refresh()
 
     @classmethod
-    def from_hf(cls, mlps: list, norms: list, config: GemmConfig | None = None, **pipeline_kw) -> LlamaStack:
-        """From ``transformers`` ``LlamaMLP`` modules and the ``LlamaRMSNorm`` before each (e.g. the
-        decoder layers' ``mlp`` and ``post_attention_layernorm``), each block on its module's device."""
+    def from_hf(cls, mlps: list, norms: list, config: GemmConfig | None = None, **pipeline_kw) -> MLPStack:
+        """From ``transformers`` MLP modules and the norm before each (for Llama the decoder
+        layers' ``mlp`` and ``post_attention_layernorm``; for GPT-2 ``mlp`` and ``ln_2``), each
+        block on its module's device: the blocks' own ``from_hf``."""
         if len(mlps) != len(norms):
             raise ValueError(f"{len(mlps)} MLPs but {len(norms)} norms")
-        return cls([LlamaMLP.from_hf(m, n) for m, n in zip(mlps, norms)], config, **pipeline_kw)
+        if cls.block_type is FusedMLP:
+            raise TypeError("MLPStack.from_hf does not know the blocks' kind: use LlamaStack or GPTStack")
+        return cls([cls.block_type.from_hf(m, n) for m, n in zip(mlps, norms)], config, **pipeline_kw)
+
+
+class LlamaStack(MLPStack):
+    """:class:`MLPStack` of :class:`LlamaMLP` blocks (``from_hf``: ``transformers`` ``LlamaMLP``
+    modules and their ``LlamaRMSNorm``)."""
+
+    block_type = LlamaMLP
+
+
+class GPTStack(MLPStack):
+    """:class:`MLPStack` of :class:`GPTMLP` blocks (``from_hf``: ``transformers`` ``GPT2MLP``
+    modules and their ``LayerNorm``)."""
+
+    block_type = GPTMLP

@@ -234,6 +234,13 @@ class Launch:
         return self.gemm(a, b, c, stream, residual=residual[0] if residual else None, compile_only=compile_only)
 
 
+def _to(sums, device: torch.device):
+    """Partial sums (a tensor, a pair of them, or None) on ``device``."""
+    if sums is None:
+        return None
+    return tuple(t.to(device) for t in sums) if isinstance(sums, tuple) else sums.to(device)
+
+
 def _rows(src, x, out) -> torch.Tensor:
     """A plan buffer (or a weight), or rows ``[lo, hi)`` of ``x`` / ``out`` (fewer when the call
     has fewer rows than its plan: a bucketed plan; the launch reads zeros past them and writes
@@ -285,9 +292,8 @@ class Plan:
     tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
     num_ctas: list[int]
     tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
-    sums: list[torch.Tensor | None] = field(
-        default_factory=list
-    )  # per stage: its input rows' sums of squares (RMSNorm)
+    # per stage: its input rows' partial sums of squares (and sums, for a LayerNorm), from the stage before
+    sums: list = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
     epoch: int = 0  # calls launched since the last reset (graph replays not counted)
     prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
@@ -413,9 +419,9 @@ class Pipeline:
         each of its output tiles (a transformer block's norm, bias, activation, residual; a
         gated one halves the stage's columns: the next weight has that many rows). In a chain:
         a residual adds the input of the stage before (the block's input: the two stages on one
-        device); an RMSNorm of a later stage's input takes the rows' sums of squares that the
-        stage before stores with its tiles (no pass over memory), of the first stage's a pass
-        over ``x``; a LayerNorm only on the first stage. A stage with an epilogue, or whose next
+        device); the norm of a later stage's input takes the rows' sums of squares (and sums,
+        for a LayerNorm) that the stage before stores with its tiles (no pass over memory), the
+        first stage's a pass over ``x``. A stage with an epilogue, or whose next
         stage normalises, has no split tail. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
@@ -639,12 +645,10 @@ class Pipeline:
                     f"stage {s} loads its residual tile in its epilogue, and {self.configs[s]} leaves no shared memory "
                     "for it: use kernels.gemm.RESIDUAL_CONFIG's tiles"
                 )
-            if epi.layer_norm_eps is not None and s > 0:
-                raise ValueError(f"stage {s}: a LayerNorm epilogue runs on the chain's first stage only")
 
     def _norm_sums(self, s: int) -> bool:
-        """Whether stage ``s`` normalises its input with the sums of squares stage ``s - 1`` leaves."""
-        return s > 0 and self.epilogues[s] is not None and self.epilogues[s].rms_eps is not None
+        """Whether stage ``s`` normalises its input with the partial sums stage ``s - 1`` leaves."""
+        return s > 0 and self.epilogues[s] is not None and self.epilogues[s].norm_eps is not None
 
     def _sums_parts(self, s: int) -> int:
         """The partial sums of squares per row that stage ``s - 1`` leaves for stage ``s``."""
@@ -728,7 +732,7 @@ class Pipeline:
         y, prev, sums = x, None, None
         for s, w in enumerate(self.weights):
             if any(self.epilogues):  # no ends (checked at construction)
-                y, sums = y.to(w.device), None if sums is None else sums.to(w.device)
+                y, sums = y.to(w.device), _to(sums, w.device)
                 out_sums = self._out_sums(s, M, w.device)
                 y, prev = self._gemm(y, w, s, False, residual=prev, sums=sums, out_sums=out_sums), y
                 sums = out_sums
@@ -740,13 +744,15 @@ class Pipeline:
             y = torch.cat([self._gemm(y[a:b], w, s, a == M - D) for a, b in zip(cuts, cuts[1:])])
         return y[:rows]
 
-    def _out_sums(self, s: int, M: int, device: torch.device | None = None) -> torch.Tensor | None:
-        """The rows' partial sums of squares stage ``s`` leaves for stage ``s + 1``'s RMSNorm (on
-        ``device``, default stage ``s + 1``'s), or None."""
+    def _out_sums(self, s: int, M: int, device: torch.device | None = None):
+        """The rows' partial sums stage ``s`` leaves for stage ``s + 1``'s norm (on ``device``,
+        default stage ``s + 1``'s): the sums of squares for an RMSNorm, ``(sums of squares,
+        sums)`` for a LayerNorm; or None."""
         if s + 1 >= len(self.weights) or not self._norm_sums(s + 1):
             return None
         device = device or self.devices[s + 1]
-        return torch.zeros(M, self._sums_parts(s + 1), dtype=torch.float32, device=device)
+        sums = [torch.zeros(M, self._sums_parts(s + 1), dtype=torch.float32, device=device) for _ in "ab"]
+        return tuple(sums) if self.epilogues[s + 1].layer_norm_eps is not None else sums[0]
 
     def _gemm(
         self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool, residual: torch.Tensor | None = None,

@@ -233,7 +233,7 @@ def test_chain_launch_refuses_what_it_cannot_run():
             ok[0],
             ChainStage(16, 16, wait=link.wait_hook(False), err=err),
         ],
-        "needs the partial sums of squares": [
+        "needs the partial sums that stage leaves": [
             ok[0],
             ChainStage(16, 24, wait=link.wait_hook(False), err=err, epilogue=Epilogue(rms_eps=1e-5)),
         ],

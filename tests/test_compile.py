@@ -213,10 +213,11 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
 
     assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)
     assert got["stack_chain"]["unfenced_loads"] == 0 and got["stack_chain"]["vote"] >= 1
-    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "chain_activation_last"):
+    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "chain_activation_last",
+                 "gpt_stack_chain"):  # fmt: skip
         assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name
     for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "chain_activation_last",
-                 "accumulate"):  # fmt: skip
+                 "accumulate", "gpt_stack_chain"):  # fmt: skip
         assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
     assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT
     # the host's rule for tiles that leave room for a loaded residual agrees with the compiler

@@ -17,8 +17,11 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
      the K loop, from the A tiles it loads, made the GEMM 1.30x as long;
      ``benchmarks/results/2026-12-01-h200-mlp/``);
    - LayerNorm: ``row_shift = mean(a)``, ``row_scale = rsqrt(var(a) + eps)`` (from
-     :func:`norm_rows`), ``(acc - row_shift * col_sum) * row_scale`` with ``col_sum`` B's
-     column sums: ``(a - mean) @ B`` without forming ``a - mean``. The subtraction cancels:
+     :func:`norm_rows`, which centres before squaring), ``(acc - row_shift * col_sum) * row_scale``
+     with ``col_sum`` B's column sums: ``(a - mean) @ B`` without forming ``a - mean``. In a
+     pipeline the stage that wrote A leaves each row's partial sums (``row_sum``) beside its
+     sums of squares (``row_sq``), and ``var = E[a ** 2] - mean ** 2`` (fp32: where a row's mean
+     is large next to its spread this cancels too, by the same relative 2^-24 of the squares). The subtraction cancels:
      where a row's mean is large next to its spread, ``acc`` and ``row_shift * col_sum`` are
      close, and the fp32 accumulator's rounding of ``acc`` (a relative 2^-24 of
      ``|mean| * |col_sum|``) is what is left of the result's error.
@@ -38,7 +41,8 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
    does).
 5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
    squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32; columns past the
-   output's add nothing): the ``row_sq`` of a next stage that normalises this output.
+   output's add nothing), and with ``sum_out`` each row's sum: the ``row_sq`` (and ``row_sum``)
+   of a next stage that normalises this output.
 
 Users pass their own activation: any ``@triton.jit`` function of one tensor, e.g.
 :func:`silu` and :func:`gelu` below.
@@ -66,6 +70,8 @@ class Epilogue(NamedTuple):
     res_rows: object  # the residual's rows (a call may have fewer rows than the GEMM's tile grid)
     sq_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums of squares, column pn (None: none)
     out_parts: object  # sq_out's row stride
+    row_sum: object  # *fp32 [rows, sq_parts]: each row's partial sums; with row_sq a LayerNorm (None: none)
+    sum_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums, column pn (None: none)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
     GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
     ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
@@ -126,6 +132,19 @@ def rms_scale(epi, offs_m, rows):
 
 
 @triton.jit
+def layer_norm_stats(epi, offs_m, rows):
+    """Each row's mean and ``rsqrt(var + eps)`` from its partial sums and sums of squares."""
+    s1 = tl.zeros(offs_m.shape, dtype=tl.float32)
+    s2 = tl.zeros(offs_m.shape, dtype=tl.float32)
+    for j in range(epi.sq_parts):
+        s1 += tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+        s2 += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+    mean = s1 / epi.norm_cols
+    var = tl.maximum(s2 / epi.norm_cols - mean * mean, 0.0)
+    return mean, tl.rsqrt(var + epi.norm_eps)
+
+
+@triton.jit
 def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
     the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
@@ -134,13 +153,17 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     IN_N: tl.constexpr = acc.shape[1]
     n_in = n_out * 2 if epi.GATED is not None else n_out  # the GEMM's columns
     cols_in = pn * IN_N + tl.arange(0, IN_N)
+    if epi.row_sum is not None:  # a LayerNorm from partial sums
+        mean, rstd = layer_norm_stats(epi, offs_m, rows)
+        acc -= mean[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
+        acc = acc * rstd[:, None]
+    elif epi.row_sq is not None:
+        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
     if epi.row_shift is not None:
         shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
         acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
     if epi.row_scale is not None:
         acc = acc * tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)[:, None]
-    if epi.row_sq is not None:
-        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
     if epi.bias is not None:
         acc += tl.load(epi.bias + cols_in, mask=cols_in < n_in, other=0.0).to(tl.float32)[None, :]
     if epi.GATED is not None:
@@ -166,3 +189,5 @@ def store_sums(epi, stored, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
         cols = pn * stored.shape[1] + tl.arange(0, stored.shape[1])
         v = tl.where(cols[None, :] < n_out, stored.to(tl.float32), 0.0)
         tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(v * v, axis=1), mask=offs_m < rows)
+        if epi.sum_out is not None:
+            tl.store(epi.sum_out + offs_m * epi.out_parts + pn, tl.sum(v, axis=1), mask=offs_m < rows)

@@ -389,7 +389,7 @@ def _split_tail(
     j = item // tail.splits
     ready = alive
     no_epi = epilogue.Epilogue(
-        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
     )  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
@@ -448,6 +448,7 @@ def gemm_kernel(
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
     plain_epi: tl.constexpr = (
         (epi.row_scale is None) & (epi.row_shift is None) & (epi.row_sq is None) & (epi.ACTIVATION is None)
+        & (epi.row_sum is None) & (epi.sum_out is None)
         & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None) & (epi.ACCUMULATE is None)
     )  # fmt: skip
     tl.static_assert(tail is None or plain_epi, "an epilogue needs whole tiles: no split tail")
