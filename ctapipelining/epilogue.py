@@ -123,6 +123,12 @@ class Epilogue:
         added onto C); and where the stored rows' sums of squares (``sq_out``) and sums
         (``sum_out``) go, for a next stage's norm (None: nowhere)."""
         partial = self.norm_eps is not None and row_sq is not None
+        if self.rms_eps is not None and row_sq is None:
+            raise ValueError("an RMSNorm epilogue needs its rows' sums of squares (row_sq)")
+        if self.layer_norm_eps is not None and (row_sum is None if partial else row_scale is None):
+            raise ValueError(
+                "a LayerNorm epilogue needs its rows' sums with their sums of squares, or scales and shifts"
+            )
         return device.Epilogue(
             row_sq if partial else None,
             row_sq.shape[1] if partial else None,

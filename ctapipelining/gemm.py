@@ -257,7 +257,11 @@ def sums_args(sums, rows: int, parts: int, device: torch.device | None, name: st
     RMSNorm's) or a pair ``(sums of squares, sums)`` (a LayerNorm's), each checked
     (:func:`check_sums`); ``prefix``: ``"row"`` for what a norm reads, ``"out"`` for what an
     epilogue stores."""
+    if isinstance(sums, tuple) and len(sums) != 2:
+        raise ValueError(f"{name}: a LayerNorm's partial sums are a pair (sums of squares, sums), got {len(sums)}")
     sq, total = sums if isinstance(sums, tuple) else (sums, None)
+    if isinstance(sums, tuple) and total is None:
+        raise ValueError(f"{name}: a LayerNorm's partial sums need the sums beside the sums of squares")
     keys = ("row_sq", "row_sum") if prefix == "row" else ("sq_out", "sum_out")
     out = {keys[0]: check_sums(sq, rows, parts, device, name)}
     if total is not None:

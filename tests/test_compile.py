@@ -212,7 +212,8 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations():
     from ctapipelining.nn import STACK_CONFIG
 
     assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)
-    assert got["stack_chain"]["unfenced_loads"] == 0 and got["stack_chain"]["vote"] >= 1
+    for name in ("stack_chain", "gpt_stack_chain"):
+        assert got[name]["unfenced_loads"] == 0 and got[name]["vote"] >= 1, name
     for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "chain_activation_last",
                  "gpt_stack_chain"):  # fmt: skip
         assert got[name]["wgmma"] > 0 and got[name]["tma_load"] > 0 and got[name]["tma_store"] > 0, name

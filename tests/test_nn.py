@@ -9,7 +9,7 @@ import triton.language as tl  # noqa: F401  (the interpreter looks it up in a ji
 from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from ctapipelining.gemm import GemmLaunch, matmul
 from ctapipelining.kernels.gemm import GemmConfig
-from ctapipelining.nn import GPTMLP, GPTStack, LlamaMLP, LlamaStack
+from ctapipelining.nn import GPTMLP, GPTStack, LlamaMLP, LlamaStack, MLPStack
 from ctapipelining.pipeline import Pipeline, Segment
 
 pytestmark = pytest.mark.interpreter
@@ -429,22 +429,34 @@ def test_blocks_follow_a_replaced_or_changed_source_and_take_inference_tensors()
         assert rel(inf_block(x), reference(inf_mlp, inf_norm, x)) < 2e-3
 
 
-@pytest.mark.parametrize("offset", [0.0, 30.0])
-def test_a_gpt_stack_normalises_from_the_sums_the_stage_before_stores(offset):
-    """Two GPT blocks as one pipeline (one chain kernel): block 1's LayerNorm takes its rows'
-    means and variances from the sums and sums of squares block 0's second GEMM stores; bitwise
-    its GEMMs one after another, and against float32 at most 2x the error of transformers'
-    blocks in fp16, also where the rows' mean is 30x their spread (the variance from
-    ``E[x ** 2] - mean ** 2`` cancels there)."""
+@pytest.mark.parametrize("offset,config", [(0.0, SMALL), (30.0, None)])
+def test_a_gpt_stack_normalises_from_the_sums_the_stage_before_stores(offset, config):
+    """Two GPT blocks as one pipeline (one chain kernel; or, each GEMM in its block's
+    configuration, a kernel each): block 1's LayerNorm takes its rows' means and variances from
+    the sums and sums of squares block 0's second GEMM stores. Bitwise its GEMMs one after
+    another; block 1's part (its output less its input) close to block 1 run alone on the same
+    input, which centres the rows first; against float32 at most 2x the error of transformers'
+    blocks in fp16, also where the rows' mean is 30x their spread."""
     blocks = [gpt_block(seed) for seed in (0, 1)]
-    stack = GPTStack.from_hf(*zip(*blocks), config=SMALL, loopback=False)
-    assert stack.pipeline.groups == [[0, 1, 2, 3]]
+    if config is None:
+        down = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)
+        fused = [GPTMLP.from_hf(m, n, up_config=SMALL, down_config=down) for m, n in blocks]
+        stack = GPTStack(fused, loopback=False)
+        assert stack.pipeline.groups == [[0], [1], [2], [3]]
+    else:
+        stack = GPTStack.from_hf(*zip(*blocks), config=config, loopback=False)
+        assert stack.pipeline.groups == [[0, 1, 2, 3]]
     x = (torch.randn(37, H) + offset).half()
     ours = stack(x)
     assert torch.equal(ours, stack.sequential(x))
+    h = stack.pipeline.plan(37).inputs[2][:37]  # block 1's input, as the stack computed it
+    alone = stack.blocks[1](h)
+    assert rel(ours - h, alone - h) < (2e-3 if offset == 0 else 2e-2), rel(ours - h, alone - h)
     ref, theirs = x, x
     with torch.no_grad():
         for mlp, norm in blocks:
             ref = gpt_reference(mlp, norm, ref)
             theirs = theirs + mlp(norm(theirs))
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+    with pytest.raises(TypeError, match="does not know the blocks' kind"):
+        MLPStack.from_hf([], [])

@@ -248,7 +248,12 @@ EPILOGUE_VARIANTS = {
     # a GPT stack's: a LayerNorm from the stage before's partial sums; a down GEMM leaving them
     "layer_norm_sums": _RMS | dict(row_sum="*fp32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
     "bias_residual_sums": dict(
-        bias="*bf16", residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32",
+        bias="*bf16",
+        residual="*bf16",
+        stride_res="i32",
+        res_rows="i32",
+        sq_out="*fp32",
+        out_parts="i32",
         sum_out="*fp32",
     ),  # fmt: skip
 }
@@ -299,7 +304,12 @@ def compile_epilogues() -> dict:
         ),  # fmt: skip
         "gpt_stack_chain": _summary(
             compile_chain(
-                4, False, False, False, (128, 128, 64), num_stages=4,
+                4,
+                False,
+                False,
+                False,
+                (128, 128, 64),
+                num_stages=4,
                 epilogues=("layer_norm_bias", "bias_residual_sums", "layer_norm_sums", "bias_residual"),
             )
         ),  # fmt: skip

@@ -20,8 +20,9 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
      :func:`norm_rows`, which centres before squaring), ``(acc - row_shift * col_sum) * row_scale``
      with ``col_sum`` B's column sums: ``(a - mean) @ B`` without forming ``a - mean``. In a
      pipeline the stage that wrote A leaves each row's partial sums (``row_sum``) beside its
-     sums of squares (``row_sq``), and ``var = E[a ** 2] - mean ** 2`` (fp32: where a row's mean
-     is large next to its spread this cancels too, by the same relative 2^-24 of the squares). The subtraction cancels:
+     sums of squares (``row_sq``), and ``var = E[a ** 2] - mean ** 2`` in fp32: where a row's mean
+     is large next to its spread this cancels, and the error of ``rstd`` grows with the square
+     of mean / spread (about 6e-5 at 30, 7e-3 at 300, over 4096 columns). The subtraction cancels:
      where a row's mean is large next to its spread, ``acc`` and ``row_shift * col_sum`` are
      close, and the fp32 accumulator's rounding of ``acc`` (a relative 2^-24 of
      ``|mean| * |col_sum|``) is what is left of the result's error.
