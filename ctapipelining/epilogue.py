@@ -108,6 +108,7 @@ class Epilogue:
         *,
         row_sq: torch.Tensor | None = None,
         row_sum: torch.Tensor | None = None,
+        part_cols: int = 0,
         norm_cols: int = 0,
         row_scale: torch.Tensor | None = None,
         row_shift: torch.Tensor | None = None,
@@ -118,7 +119,8 @@ class Epilogue:
     ) -> device.Epilogue:
         """The kernel's argument bundle: the norm's statistics, as the rows' partial sums of
         squares ``row_sq`` (``[rows, parts]``, over ``norm_cols`` columns; with a LayerNorm also
-        their partial sums ``row_sum``) or, for a LayerNorm, each row's ``row_scale`` and
+        their partial sums ``row_sum``, the squares about each part's mean, the parts
+        ``part_cols`` wide) or, for a LayerNorm, each row's ``row_scale`` and
         ``row_shift``; this call's ``residual`` (or ``accumulate``: C holds it, and each tile is
         added onto C); and where the stored rows' sums of squares (``sq_out``) and sums
         (``sum_out``) go, for a next stage's norm (None: nowhere)."""
@@ -145,6 +147,7 @@ class Epilogue:
             sq_out.shape[1] if sq_out is not None else None,
             row_sum if partial and self.layer_norm_eps is not None else None,
             sum_out,
+            part_cols if partial and self.layer_norm_eps is not None else None,
             None if self.activation is None else tl.constexpr(self.activation),
             tl.constexpr(True) if self.gated else None,
             tl.constexpr(True) if accumulate else None,

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
@@ -306,10 +307,13 @@ class NormStats:
         return cls(epilogue, K, row_scale=torch.zeros(M, **f32), row_shift=torch.zeros(M, **f32))
 
     def args(self) -> dict:
-        """The epilogue bundle's statistics (:meth:`~ctapipelining.epilogue.Epilogue.bundle`)."""
+        """The epilogue bundle's statistics (:meth:`~ctapipelining.epilogue.Epilogue.bundle`). A
+        LayerNorm's parts are its producer's output tiles: a power of two wide (all but the last),
+        so ``K`` and their count give the width."""
+        part_cols = 0 if self.row_sum is None else triton.next_power_of_2(_cdiv(self.K, self.row_sum.shape[1]))
         return dict(
-            row_sq=self.row_sq, row_sum=self.row_sum, norm_cols=self.K, row_scale=self.row_scale,
-            row_shift=self.row_shift,
+            row_sq=self.row_sq, row_sum=self.row_sum, part_cols=part_cols, norm_cols=self.K,
+            row_scale=self.row_scale, row_shift=self.row_shift,
         )  # fmt: skip
 
     def __call__(self, a: torch.Tensor, stream: int | None) -> None:

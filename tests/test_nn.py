@@ -460,3 +460,19 @@ def test_a_gpt_stack_normalises_from_the_sums_the_stage_before_stores(offset, co
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
     with pytest.raises(TypeError, match="does not know the blocks' kind"):
         MLPStack.from_hf([], [])
+
+
+@pytest.mark.parametrize("loopback", [False, True])
+def test_a_layer_norm_from_sums_keeps_its_precision_where_the_mean_dwarfs_the_spread(loopback):
+    """Stage 1's LayerNorm from the parts' sums and centred sums of squares stage 0 stores: rows
+    whose mean (1000) is 500x their spread, 40 columns in parts of 32 and 8; against float64 on
+    the rows as stored (``E[x^2] - mean^2`` in fp32 would err by about 2% here)."""
+    torch.manual_seed(5)
+    x, w0, w1 = torch.randn(37, 24).half(), (torch.randn(24, 40) * 0.4).half(), (torch.randn(40, 16) / 6).half()
+    folded, col_sum, b1 = fold_layer_norm(torch.ones(40).half(), None, w1, None)
+    epis = [Epilogue(bias=torch.full((40,), 1000.0).half()), Epilogue(layer_norm_eps=1e-5, col_sum=col_sum, bias=b1)]
+    p = Pipeline([w0, folded], config=SMALL, epilogues=epis, loopback=loopback)
+    out = p(x)
+    y = p.plan(37).inputs[1][:37].double()  # stage 1's input, as stored
+    ref = torch.nn.functional.layer_norm(y, (40,), eps=1e-5) @ w1.double()
+    assert rel(out, ref) < 5e-3, rel(out, ref)

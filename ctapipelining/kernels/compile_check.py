@@ -246,7 +246,7 @@ EPILOGUE_VARIANTS = {
     ),  # a stack's down
     "accumulate": dict(ACCUMULATE=True),  # a block's down GEMM: each tile added onto C by TMA
     # a GPT stack's: a LayerNorm from the stage before's partial sums; a down GEMM leaving them
-    "layer_norm_sums": _RMS | dict(row_sum="*fp32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
+    "layer_norm_sums": _RMS | dict(row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
     "bias_residual_sums": dict(
         bias="*bf16",
         residual="*bf16",

@@ -20,9 +20,9 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
      :func:`norm_rows`, which centres before squaring), ``(acc - row_shift * col_sum) * row_scale``
      with ``col_sum`` B's column sums: ``(a - mean) @ B`` without forming ``a - mean``. In a
      pipeline the stage that wrote A leaves each row's partial sums (``row_sum``) beside its
-     sums of squares (``row_sq``), and ``var = E[a ** 2] - mean ** 2`` in fp32: where a row's mean
-     is large next to its spread this cancels, and the error of ``rstd`` grows with the square
-     of mean / spread (about 6e-5 at 30, 7e-3 at 300, over 4096 columns). The subtraction cancels:
+     sums of squares about each part's own mean (``row_sq``), which Chan's formula combines:
+     ``M2 = sum(M2_j) + sum(n_j * (mean_j - mean) ** 2)``, no cancellation where a row's mean is
+     large next to its spread. The subtraction cancels:
      where a row's mean is large next to its spread, ``acc`` and ``row_shift * col_sum`` are
      close, and the fp32 accumulator's rounding of ``acc`` (a relative 2^-24 of
      ``|mean| * |col_sum|``) is what is left of the result's error.
@@ -42,8 +42,9 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
    does).
 5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
    squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32; columns past the
-   output's add nothing), and with ``sum_out`` each row's sum: the ``row_sq`` (and ``row_sum``)
-   of a next stage that normalises this output.
+   output's add nothing), and with ``sum_out`` each row's sum, the squares then taken about the
+   tile's own row mean: the ``row_sq`` (and ``row_sum``) of a next stage that normalises this
+   output.
 
 Users pass their own activation: any ``@triton.jit`` function of one tensor, e.g.
 :func:`silu` and :func:`gelu` below.
@@ -73,6 +74,7 @@ class Epilogue(NamedTuple):
     out_parts: object  # sq_out's row stride
     row_sum: object  # *fp32 [rows, sq_parts]: each row's partial sums; with row_sq a LayerNorm (None: none)
     sum_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums, column pn (None: none)
+    part_cols: object  # with row_sum: the columns of each part but the last (the producer's tile width)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
     GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
     ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
@@ -124,25 +126,29 @@ def norm_rows(
 
 @triton.jit
 def rms_scale(epi, offs_m, rows):
-    """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares (rows
-    past ``rows``, a bucketed plan's, read 0: a finite ``rsqrt(eps)``, eps > 0, times a zero row)."""
+    """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares;
+    0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite)."""
     sq = tl.zeros(offs_m.shape, dtype=tl.float32)
     for j in range(epi.sq_parts):
         sq += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
-    return tl.rsqrt(sq / epi.norm_cols + epi.norm_eps)
+    return tl.where(offs_m < rows, tl.rsqrt(sq / epi.norm_cols + epi.norm_eps), 0.0)
 
 
 @triton.jit
 def layer_norm_stats(epi, offs_m, rows):
-    """Each row's mean and ``rsqrt(var + eps)`` from its partial sums and sums of squares."""
-    s1 = tl.zeros(offs_m.shape, dtype=tl.float32)
-    s2 = tl.zeros(offs_m.shape, dtype=tl.float32)
+    """Each row's mean and ``rsqrt(var + eps)`` from its parts' sums and sums of squares about
+    their own means (Chan's formula: no cancellation); a scale of 0 for rows past ``rows``."""
+    total = tl.zeros(offs_m.shape, dtype=tl.float32)
     for j in range(epi.sq_parts):
-        s1 += tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
-        s2 += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
-    mean = s1 / epi.norm_cols
-    var = tl.maximum(s2 / epi.norm_cols - mean * mean, 0.0)
-    return mean, tl.rsqrt(var + epi.norm_eps)
+        total += tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+    mean = total / epi.norm_cols
+    m2 = tl.zeros(offs_m.shape, dtype=tl.float32)
+    for j in range(epi.sq_parts):
+        n = tl.minimum(epi.part_cols, epi.norm_cols - j * epi.part_cols).to(tl.float32)
+        s = tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+        d = s / n - mean
+        m2 += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0) + n * d * d
+    return mean, tl.where(offs_m < rows, tl.rsqrt(m2 / epi.norm_cols + epi.norm_eps), 0.0)  # rows past: 0
 
 
 @triton.jit
@@ -187,8 +193,14 @@ def store_sums(epi, stored, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     past ``n_out``, which the store clips, add nothing) into column ``pn`` of ``sq_out``."""
     if epi.sq_out is not None:
         offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = pn * stored.shape[1] + tl.arange(0, stored.shape[1])
-        v = tl.where(cols[None, :] < n_out, stored.to(tl.float32), 0.0)
-        tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(v * v, axis=1), mask=offs_m < rows)
-        if epi.sum_out is not None:
-            tl.store(epi.sum_out + offs_m * epi.out_parts + pn, tl.sum(v, axis=1), mask=offs_m < rows)
+        W: tl.constexpr = stored.shape[1]
+        cols = pn * W + tl.arange(0, W)
+        valid = cols[None, :] < n_out
+        v = tl.where(valid, stored.to(tl.float32), 0.0)
+        if epi.sum_out is not None:  # a LayerNorm's: the sum, and the squares about the tile's row mean
+            s = tl.sum(v, axis=1)
+            d = tl.where(valid, v - (s / tl.minimum(W, n_out - pn * W).to(tl.float32))[:, None], 0.0)
+            tl.store(epi.sum_out + offs_m * epi.out_parts + pn, s, mask=offs_m < rows)
+            tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(d * d, axis=1), mask=offs_m < rows)
+        else:
+            tl.store(epi.sq_out + offs_m * epi.out_parts + pn, tl.sum(v * v, axis=1), mask=offs_m < rows)

@@ -389,7 +389,25 @@ def _split_tail(
     j = item // tail.splits
     ready = alive
     no_epi = epilogue.Epilogue(
-        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
     )  # partials: stored as they are
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
