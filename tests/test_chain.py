@@ -11,7 +11,7 @@ from protocol_state import preset_epoch
 
 from ctapipelining import deps
 from ctapipelining.chain import ChainLaunch, ChainStage
-from ctapipelining.epilogue import Epilogue
+from ctapipelining.epilogue import Epilogue, gelu
 from ctapipelining.gemm import GemmLaunch
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Link, Pipeline, PipelineTimeout, _i64
@@ -399,3 +399,19 @@ def test_the_kernel_follows_the_bound_order():
         pipe(x, check=True)
     ch.set_order(ch.num_ctas)
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
+    """A split tail stores partial tiles as they are: a pipeline gives a stage with an epilogue
+    (or whose next stage normalises) whole tiles, and a chain kernel refuses to split the tail of
+    a last stage that has one."""
+    ws = chain(16, 48, 48)
+    pipe = Pipeline(ws, config=SPLIT, loopback=False, epilogues=[None, Epilogue(residual=False, bias=None)])
+    assert pipe.plan(40).launches[0].gemm.split is None and not pipe.stage_config(1).split_tail
+    M, t, e, err = 40, _i64(1, CPU), _i64(1, CPU), _i64(8, CPU)
+    dep = deps.build_dependency(deps.TileGrid(M, 48, 16, 16), deps.TileGrid(M, 48, 16, 16), "gemm", consumer_k=48)
+    link = Link.create(dep, CPU, CPU)
+    stages = [ChainStage(48, 16, signal=link.signal_hook(False)),
+              ChainStage(48, 48, wait=link.wait_hook(False), err=err, epilogue=Epilogue(gelu))]  # fmt: skip
+    with pytest.raises(ValueError, match="epilogue needs whole tiles"):
+        ChainLaunch(M, stages, SPLIT, 4, CPU, ticket=t, epoch=e)
