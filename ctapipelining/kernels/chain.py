@@ -172,14 +172,6 @@ def chain_kernel(
     S: tl.constexpr = 1 + (a1 is not None) + (a2 is not None) + (a3 is not None)
     num_m = tl.cdiv(M, BLOCK_M)
     tl.static_assert(tail is None or not (S == 1 and QUEUE and stages[0].wait is not None), "a ring has no split tail")
-    # (the fields read one by one: a bundle holding a jit function cannot be bound to a name)
-    plain_last: tl.constexpr = (
-        (stages[S - 1].epi.row_scale is None) & (stages[S - 1].epi.row_shift is None)
-        & (stages[S - 1].epi.row_sq is None) & (stages[S - 1].epi.ACTIVATION is None)
-        & (stages[S - 1].epi.bias is None) & (stages[S - 1].epi.residual is None)
-        & (stages[S - 1].epi.sq_out is None)
-    )  # fmt: skip
-    tl.static_assert(tail is None or plain_last, "an epilogue needs whole tiles: no split tail")
     total = 0  # positions: each stage's tiles (the last stage's tail tiles as their K-slices)
     for s in tl.static_range(S):
         total += _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)
@@ -222,7 +214,7 @@ def chain_kernel(
                             prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
                             alive = _split_tail(
                                 op, prot, tail, q - tail.first, num_m,
-                                tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal,
+                                tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal, stages[s].epi,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
                             )  # fmt: skip
                         else:

@@ -273,6 +273,12 @@ def _epilogue_sig(variant: str | None, at, const: dict) -> Epilogue:
     return Epilogue(*types)
 
 
+def stack_chain(*epilogues: str | None):
+    """A chain kernel over stages with these :data:`EPILOGUE_VARIANTS` (None: none), in ``nn.STACK_CONFIG``'s
+    tiles (128 x 128 x 64, four pipeline stages)."""
+    return compile_chain(len(epilogues), False, False, False, (128, 128, 64), num_stages=4, epilogues=epilogues)
+
+
 def compile_epilogues() -> dict:
     """The fused epilogues of :class:`ctapipelining.nn.LlamaMLP`'s two GEMMs, in its
     configurations (gate/up: 128 x 256 tiles, 3 stages, stored half as wide; down with its
@@ -290,33 +296,13 @@ def compile_epilogues() -> dict:
             compile_variant(False, False, False, epilogue="bias_residual", num_stages=3)
         ),
         "layer_norm_bias": _summary(compile_variant(False, False, False, epilogue="layer_norm_bias", num_stages=3)),
-        # a LlamaStack's two blocks on one GPU: one chain kernel, nn.STACK_CONFIG
-        "stack_chain": _summary(
-            compile_chain(
-                4,
-                False,
-                False,
-                False,
-                (128, 128, 64),
-                num_stages=4,
-                epilogues=("gated_rms", "residual_sums", "gated_rms", "residual_sums"),
-            )
-        ),  # fmt: skip
+        # a LlamaStack's and a GPTStack's two blocks on one GPU: one chain kernel, nn.STACK_CONFIG
+        "stack_chain": _summary(stack_chain("gated_rms", "residual_sums", "gated_rms", "residual_sums")),
         "gpt_stack_chain": _summary(
-            compile_chain(
-                4,
-                False,
-                False,
-                False,
-                (128, 128, 64),
-                num_stages=4,
-                epilogues=("layer_norm_bias", "bias_residual_sums", "layer_norm_sums", "bias_residual"),
-            )
-        ),  # fmt: skip
-        # a chain whose last stage's epilogue holds a jit function (bias, GELU, residual)
-        "chain_activation_last": _summary(
-            compile_chain(2, False, False, False, (128, 128, 64), num_stages=4, epilogues=(None, "bias_residual"))
+            stack_chain("layer_norm_bias", "bias_residual_sums", "layer_norm_sums", "bias_residual")
         ),
+        # a chain whose last stage's epilogue holds a jit function (bias, GELU, residual)
+        "chain_activation_last": _summary(stack_chain(None, "bias_residual")),
     }
 
 

@@ -369,12 +369,13 @@ def _run_tile(
 
 @triton.jit
 def _split_tail(
-    op, prot, tail, item, num_m, num_n, alive, wait, signal,
+    op, prot, tail, item, num_m, num_n, alive, wait, signal, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """After the full rounds: work item ``item`` of the split tail (:class:`Tail`) of ``op``
-    (the plain kernel's CTA ``i`` runs item ``i``; a chain kernel's CTAs claim them).
+    (the plain kernel's CTA ``i`` runs item ``i``; a chain kernel's CTAs claim them). ``epi``:
+    the GEMM's epilogue, which must do nothing (a partial tile is not the tile it would apply to).
 
     Item ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
     for its input, in a consumer: every part of it, one vote) and stores the fp32 partial in
@@ -388,27 +389,13 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
-    no_epi = epilogue.Epilogue(
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )  # partials: stored as they are
+    # the partials and their sum are stored as they are: the kernel's epilogue does nothing
+    tl.static_assert(
+        (epi.row_sq is None) & (epi.row_sum is None) & (epi.row_scale is None) & (epi.row_shift is None)
+        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None) & (epi.sum_out is None)
+        & (epi.ACTIVATION is None) & (epi.ACCUMULATE is None),
+        "an epilogue needs whole tiles: no split tail",
+    )  # fmt: skip
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -439,7 +426,7 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(op, acc, pm, pn, no_epi, BLOCK_M, BLOCK_N)
+                _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
                     _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
@@ -464,12 +451,6 @@ def gemm_kernel(
     """``C = A @ B`` over a persistent grid of ``NUM_CTAS`` CTAs; ``QUEUE``: the hooks follow
     the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
-    plain_epi: tl.constexpr = (
-        (epi.row_scale is None) & (epi.row_shift is None) & (epi.row_sq is None) & (epi.ACTIVATION is None)
-        & (epi.row_sum is None) & (epi.sum_out is None)
-        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None) & (epi.ACCUMULATE is None)
-    )  # fmt: skip
-    tl.static_assert(tail is None or plain_epi, "an epilogue needs whole tiles: no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -524,6 +505,6 @@ def gemm_kernel(
         _signal_pending(pending, epoch, signal, c_desc is not None, QUEUE, INTERPRET)
     if tail is not None:
         _split_tail(
-            op, prot, tail, tl.program_id(0), num_m, num_n, alive, wait, signal,
+            op, prot, tail, tl.program_id(0), num_m, num_n, alive, wait, signal, epi,
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
         )  # fmt: skip
