@@ -494,7 +494,7 @@ class GemmLaunch:
             return got and got[0]
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream)
-        adds = self.accumulate and self._adds(c, residual)
+        adds = self._adds(c, residual)
         if adds and not compile_only:  # C starts as the residual, on the same stream
             if residual.shape != c.shape or residual.dtype != c.dtype:
                 raise ValueError(
@@ -553,7 +553,7 @@ class GemmLaunch:
             *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
             *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
             *self._sizes, c.shape[0], c.stride(0),
-            *self._with_residual(self._addresses, residual, True, self.accumulate and self._adds(c, residual)),
+            *self._with_residual(self._addresses, residual, True, self._adds(c, residual)),
             *self._trailing,
         )  # fmt: skip
 
