@@ -103,6 +103,21 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
     with torch.no_grad():  # inference: a compiled model traces through the operator
         compiled = torch.compile(lambda t: block(t) * 2, fullgraph=True)
         assert torch.equal(compiled(x), block(x) * 2)
+    # a captured graph after a source weight changed in place: the next eager call lays the weights
+    # (and the first GEMM's column sums) out again in place, and the graph replays the new ones
+    static_x = x.clone()
+    y = block(static_x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = block(static_x)
+    g.replay()
+    assert torch.equal(static_y, y)
+    with torch.no_grad():
+        mlp.c_fc.weight.mul_(1.5)
+        norm.bias.add_(0.25)
+    y2 = block(static_x)
+    g.replay()
+    assert torch.equal(static_y, y2) and not torch.equal(y2, y)
 
 
 def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_another():
@@ -215,3 +230,29 @@ def test_a_stack_with_a_block_per_gpu(policy):
     x = torch.randn(4096, H, device="cuda:0").bfloat16()
     assert torch.equal(g(x), stack.sequential(x).to("cuda:1"))
     g.check_errors()
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 512, 1000), (300, 776, 264), (4097, 1024, 4104)])
+def test_a_residual_added_by_tma_on_any_width_over_a_nan_out(M, K, N):
+    """``matmul`` adding its residual by TMA reduce-add, on widths and heights that are not a
+    multiple of the tile, into an ``out`` filled with NaN: no element left NaN, the row after
+    ``out`` untouched, and within a bf16 rounding of float32 and of the same GEMM with its
+    residual loaded by the epilogue (an ``out`` with padded rows)."""
+    from ctapipelining.epilogue import Epilogue
+    from ctapipelining.gemm import matmul
+
+    torch.manual_seed(3)
+    a = torch.randn(M, K, device="cuda").bfloat16()
+    b = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
+    res = torch.randn(M, N, device="cuda").bfloat16()
+    guard = torch.full((M + 1, N), float("nan"), device="cuda").bfloat16()  # one row past out stays NaN
+    out = guard[:M]
+    got = matmul(a, b, out=out, epilogue=Epilogue(residual=True), residual=res)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
+    assert guard[M].isnan().all()
+    want = a.float() @ b.float() + res.float()
+    loaded = torch.full((M, N + 64), float("nan"), device="cuda").bfloat16()[:, :N]  # padded rows: loaded
+    matmul(a, b, out=loaded, epilogue=Epilogue(residual=True), residual=res)
+    tol = 2 * torch.finfo(torch.bfloat16).eps * want.abs().amax() + 1e-2
+    assert (got.float() - want).abs().max() <= tol
+    assert (got.float() - loaded.float()).abs().max() <= tol
