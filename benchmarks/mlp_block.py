@@ -16,15 +16,13 @@ contains it. bf16. Lines, graph-replayed, timed by the bench's harness
 * ``cublas_gemms``: the block's two GEMMs alone in cuBLAS (``x @ [gate|up]``, then the real
   intermediate ``@ down``), nothing else.
 
-Also ``ours_eager``: the block called eagerly, paired with its replay, and where an eager call's
-time goes (``eager_anatomy``: host time, and each GPU operation's start and end). Prints and writes
+Also ``ours_eager``: the block called eagerly, paired with its replay. Prints and writes
 OUT_DIR/mlp_block.json: medians and, per shape, ratios with 95% CIs.
 """
 
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -108,42 +106,11 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
             ),
         ]
         times = time_interleaved(methods, [0], REPS, 3)
-        anatomy = eager_anatomy(lambda: block(x))
-    row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "eager_anatomy": anatomy}
+    row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
     for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
                      ("compiled", "cublas_gemms")):  # fmt: skip
         row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
-
-
-def eager_anatomy(call, reps: int = 5) -> dict:
-    """Where an eager call's time goes, from a synchronised GPU (medians of ``reps``, us): the host
-    time until the call returns; from the call's start, when each GPU operation starts and ends
-    (``torch.profiler``'s timeline, CPU and GPU on one clock)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    host, ops = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            call()
-            host.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
-        events = prof.events()
-        start = min(e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU)
-        ops.append([
-            (e.name[:60], e.time_range.start - start, e.time_range.end - start)
-            for e in sorted(events, key=lambda e: e.time_range.start)
-            if e.device_type == torch.autograd.DeviceType.CUDA
-        ])  # fmt: skip
-    n = min(len(o) for o in ops)
-    timeline = [
-        {"op": ops[0][i][0], "start_us": statistics.median(o[i][1] for o in ops),
-         "end_us": statistics.median(o[i][2] for o in ops)}
-        for i in range(n)
-    ]  # fmt: skip
-    return {"host_us": statistics.median(host), "gpu_ops": timeline}
 
 
 if __name__ == "__main__":

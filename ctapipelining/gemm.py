@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
-from .kernels.epilogue import norm_rows
+from .kernels.epilogue import NORM_COLS, NORM_ROWS, norm_rows
 from .kernels.gemm import (
     EPILOGUE_CONFIG,
     PLAIN_CONFIG,
@@ -225,9 +225,6 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
         raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
-NORM_ROWS = 8  # rows a program of the norm's statistics pass reads
-
-
 def residual_key(residual: torch.Tensor | None):
     """What a compiled kernel is specialised on in a residual: Triton compiles its row stride and
     rows (integers inside the epilogue's bundle) as constants when they equal 1, and assumes 16-byte
@@ -284,6 +281,7 @@ class NormStats:
     row_scale: torch.Tensor | None = None
     row_shift: torch.Tensor | None = None
     own: bool = True
+    _compiled: dict = field(default_factory=dict, repr=False)  # specialisation -> the pass's RawLaunch
 
     @classmethod
     def create(cls, epilogue: Epilogue, M: int, K: int, device: torch.device, sums=None) -> NormStats | None:
@@ -322,15 +320,44 @@ class NormStats:
         if not self.own:
             return
         rows, cols = a.shape
-        scale = self.row_sq if self.row_sq is not None else self.row_scale
-        if rows > scale.shape[0]:
-            raise ValueError(f"a has {rows} rows; this launch's row statistics hold {scale.shape[0]}")
+        held = self._statistics()[0].shape[0]
+        if rows > held:
+            raise ValueError(f"a has {rows} rows; this launch's row statistics hold {held}")
+        grid = _cdiv(rows, NORM_ROWS)
+        # what Triton specialises the compiled pass on (rows is not: norm_rows' do_not_specialize)
+        key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0))
+        raw = self._compiled.get(key)
+        if raw is not None and not knobs.runtime.launch_enter_hook.calls:
+            if stream is None:
+                stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+            raw(grid, stream, *self.raw_args(a))
+            return
         on_stream = stream is not None and not interpreting()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-            norm_rows[(_cdiv(rows, NORM_ROWS),)](
-                a, scale, self.row_shift if self.row_shift is not None else scale, rows, cols, a.stride(0),
-                self.epilogue.norm_eps, CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=256,
-            )  # fmt: skip
+            kernel = norm_rows[(grid,)](
+                a, *self._statistics(), rows, cols, a.stride(0), self.epilogue.norm_eps, **self._constexprs
+            )
+        if not interpreting():  # later launches of this specialisation: raw (None: Triton's path)
+            self._compiled[key] = RawLaunch.of(kernel)
+
+    def _statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the pass stores: an RMSNorm's sums of squares (and again, unused, as the shift),
+        or a LayerNorm's scale and shift."""
+        scale = self.row_sq if self.row_sq is not None else self.row_scale
+        return scale, self.row_shift if self.row_shift is not None else scale
+
+    @property
+    def _constexprs(self) -> dict:
+        return dict(CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=NORM_COLS)
+
+    def raw_args(self, a: torch.Tensor) -> tuple:
+        """The pass's arguments on ``a`` as its compiled launcher takes them: pointers as
+        addresses, then the constexprs."""
+        scale, shift = self._statistics()
+        return (
+            a.data_ptr(), scale.data_ptr(), shift.data_ptr(), *a.shape, a.stride(0), self.epilogue.norm_eps,
+            *self._constexprs.values(),
+        )  # fmt: skip
 
 
 def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None) -> dict:

@@ -22,9 +22,11 @@ CUDA-graph capture it refuses instead), or was replaced by another tensor; a cha
 not count (through ``w.data``, or in an inference-mode tensor) needs :meth:`~LlamaMLP.refresh`,
 and a graph replay runs no Python, so it follows nothing (call the block once, or ``refresh()``,
 before replaying: the weights are laid out in place, and the graph reads the new ones).
-``forward`` calls the custom operator ``torch.ops.ctapipelining.mlp_block`` (``torch.library``,
-with a fake implementation for shapes), so a model compiled with ``torch.compile`` traces through
-the block without a graph break.
+Under ``torch.compile`` (or for a tensor subclass, or one that asks for a gradient) ``forward``
+calls the custom operator ``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake
+implementation for shapes), so a compiled model traces through the block without a graph break;
+an eager call runs the kernels directly (the operator's dispatch is host time before the first
+kernel starts).
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
@@ -85,6 +87,19 @@ def _no_backward(ctx, grad):
 
 
 mlp_block.register_autograd(_no_backward)
+
+
+def _direct(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` runs the kernels directly rather than through its custom operator:
+    a plain tensor, outside ``torch.compile`` (and export), with no gradient asked of it. The
+    operator's dispatch costs more host time than a kernel launch, and an eager call waits for
+    it before its first kernel starts; a compiler must see the operator, a fake tensor needs its
+    fake implementation, and a gradient its refusal."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
 
 
 class FusedMLP(torch.nn.Module):
@@ -160,6 +175,8 @@ class FusedMLP(torch.nn.Module):
         if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
         rows = x.reshape(-1, self.hidden).contiguous()
+        if _direct(x):
+            return self._run(rows, self.w_in, self.w_out).reshape(x.shape)
         return mlp_block(rows, self.w_in, self.w_out, self._key).reshape(x.shape)
 
     def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -495,6 +512,8 @@ class MLPStack(torch.nn.Module):
                 f"x is {x.dtype} on {x.device}; the stack's first block is {first.dtype} on {first.device}"
             )
         rows = x.reshape(-1, self.hidden).contiguous()
+        if _direct(x):
+            return self._run(rows).reshape(x.shape)
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from triton.backends.nvidia.driver import make_launcher
 from ctapipelining.chain import ChainLaunch, ChainStage
 from ctapipelining.epilogue import Epilogue, gelu, silu
 from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
-from ctapipelining.kernels.compile_check import compile_chain, compile_variant
+from ctapipelining.kernels.compile_check import compile_chain, compile_norm, compile_variant
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 
 
@@ -126,6 +126,12 @@ def main():
         residual = torch.zeros(M, n_out, dtype=torch.bfloat16) if epi.residual else None
         check(launch.raw_args(fake_map, a, b, c, residual), tokens(fmt), roles, name)
         print("ok", name)
+    # the norm's statistics pass before a GEMM whose epilogue normalises (an RMSNorm's, a LayerNorm's)
+    for epi in (Epilogue(rms_eps=1e-5), Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(N))):
+        stats = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi).stats
+        fmt, roles = launcher_format(compile_norm(center=epi.layer_norm_eps is not None))
+        check(stats.raw_args(a), tokens(fmt), roles, f"norm pass {epi}")
+        print("ok norm pass", "layer" if epi.layer_norm_eps is not None else "rms")
     # chain kernels: (compile_chain flags and options, stages, outer links by ring)
     inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)
     outer_wait = dict(wait=dataclasses.replace(wait, **queue), err=i64(8))

@@ -41,6 +41,13 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
         ours = block(x)
         assert not ours.isnan().any()
         assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
+        assert torch.equal(block(x), ours)  # launched raw now: the same
+    # the norm's statistics pass, compiled at the first call (M = 1), launched raw at the later ones
+    from ctapipelining.gemm import _plain_launch
+
+    stream = torch.cuda.current_stream().cuda_stream
+    first = _plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0])
+    assert first.stats._compiled and all(raw is not None for raw in first.stats._compiled.values())
     x = torch.randn(4096, H, device="cuda").bfloat16()
     y = block(x)
     g = torch.cuda.CUDAGraph()

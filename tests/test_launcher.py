@@ -22,7 +22,7 @@ def test_raw_arguments_fit_the_launchers_format_for_every_variant():
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ok") == 13, r.stdout  # 5 GEMM variants, 3 epilogues, 5 chains
+    assert r.stdout.count("ok") == 15, r.stdout  # 5 GEMM variants, 3 epilogues, 2 norm passes, 5 chains
 
 
 class Bundle(NamedTuple):

@@ -156,6 +156,35 @@ def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
     assert torch.equal(compiled(x), block(x * 2) + 1)
 
 
+def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_through_it(monkeypatch):
+    """An eager call on a plain tensor skips the operator's dispatch (host time before the first
+    kernel) and equals the operator's result; a fake tensor (what a compiler traces with) and an
+    input that asks for a gradient go through the operator (its fake, its refusal); so does a
+    stack's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import ctapipelining.nn as cnn
+
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    stack = LlamaStack([block, block])
+    dispatched = []
+    for name in ("mlp_block", "mlp_stack"):
+        op = getattr(cnn, name)
+        monkeypatch.setattr(cnn, name, lambda *a, op=op, name=name: dispatched.append(name) or op(*a))
+    x = torch.randn(4, H).half()
+    y, ys = block(x), stack(x)
+    assert dispatched == []
+    assert torch.equal(y, torch.ops.ctapipelining.mlp_block(x, block.w_in, block.w_out, block._key))
+    assert torch.equal(ys, torch.ops.ctapipelining.mlp_stack(x, stack._weights(), stack._key))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # the weights stay real
+        fake = mode.from_tensor(x)
+        assert block(fake).shape == x.shape and stack(fake).shape == x.shape
+    assert dispatched == ["mlp_block", "mlp_stack"]
+    block(x.clone().requires_grad_())
+    assert dispatched[-1] == "mlp_block"
+
+
 def test_a_copied_block_runs_its_own_weights():
     import copy
 

@@ -93,7 +93,10 @@ def gelu(x):
     return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
 
 
-@triton.jit
+NORM_ROWS, NORM_COLS = 8, 256  # the rows a program of :func:`norm_rows` reads, and the columns a step
+
+
+@triton.jit(do_not_specialize=["rows"])  # one compiled pass serves every row count (rows == 1 included)
 def norm_rows(
     a_ptr, scale_ptr, shift_ptr, rows, cols, stride, eps, CENTER: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
