@@ -1,0 +1,86 @@
+"""Tile configurations per row count for the plain GEMM: every candidate against cuBLAS, the
+table ``ctapipelining.gemm.plain_config`` reads.
+
+usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS]
+
+``X[M, 8192] @ W[8192, 8192]`` on cuda:0, bf16, at each M of ROWS (default 128, 640, 768, 1024,
+2048, 4096, 16384): cuBLAS (``torch.mm``) and :func:`~ctapipelining.gemm.matmul` under each
+candidate of :data:`CANDIDATES` (those that fit shared memory), every line graph-replayed and
+timed by the bench's harness (shuffled turns, paired), each candidate first checked against
+cuBLAS. Writes OUT_DIR/configs.json (medians, each candidate over cuBLAS with its 95% CI) and
+OUT_DIR/gemm_configs.json: per M the fastest candidate (by median), the table's format
+(``ctapipelining/data/gemm_configs.json`` is a copy).
+"""
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ctapipelining.gemm import matmul
+from ctapipelining.kernels.gemm import SMEM_LIMIT, GemmConfig
+from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [128, 640, 768, 1024, 2048, 4096, 16384]
+K = N = 8192
+
+CANDIDATES = {  # name: config (group_m 8: the plain GEMM's grouped order)
+    f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(bm, bn, bk, 8, st, wp, split)
+    for bm, bn, bk, st, wp in [
+        (128, 256, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 4, 4),
+        (128, 128, 128, 3, 8),
+        (64, 256, 64, 4, 4),
+        (64, 128, 64, 5, 4),
+        (64, 128, 128, 4, 4),
+    ]  # fmt: skip
+    for split in (True, False)
+}
+
+
+def main():
+    torch.manual_seed(0)
+    w = (torch.randn(K, N, device="cuda:0") * K**-0.5).bfloat16()
+    fits = {k: c for k, c in CANDIDATES.items() if c.smem_bytes() <= SMEM_LIMIT}
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "N": N, "K": K}
+    report["candidates"] = {k: dataclasses.asdict(c) for k, c in fits.items()}
+    report["rows"], table = {}, []
+    for M in ROWS:
+        x = torch.randn(M, K, device="cuda:0").bfloat16()
+        y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda:0")
+        want = torch.mm(x, w)
+        methods = [Method("cublas", capture(lambda x=x, y=y: torch.mm(x, w, out=y), [0]).replay)]
+        for name, cfg in list(fits.items()):
+            try:
+                got = matmul(x, w, config=cfg)
+            except Exception as e:  # Triton found it does not fit after all (out of resource)
+                print(M, name, "refused:", str(e).splitlines()[0][:200], flush=True)
+                del fits[name]
+                continue
+            err = float((got.float() - want.float()).abs().max())
+            assert err < 0.05, (M, name, err)
+            methods.append(Method(name, capture(lambda x=x, y=y, c=cfg: matmul(x, w, out=y, config=c), [0]).replay))
+        times = time_interleaved(methods, [0], REPS, 3)
+        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
+        for name in fits:
+            med, lo, hi = median_ci([p / q for p, q in zip(times[name], times["cublas"])])
+            row[f"{name}/cublas"] = {"median": med, "ci95": [lo, hi]}
+        best = min(fits, key=lambda k: row["median_ms"][k])
+        row["best"] = best
+        report["rows"][M] = row
+        table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_cublas": row[f"{best}/cublas"]})
+        print(M, best, json.dumps(row[f"{best}/cublas"]), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "configs.json").write_text(json.dumps(report, indent=1))
+    source = {"device": torch.cuda.get_device_name(0), "N": N, "K": K, "command": report["command"]}
+    (OUT / "gemm_configs.json").write_text(json.dumps({"measured": source, "rows": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
