@@ -7,7 +7,7 @@ usage: python3 benchmarks/shared_gpu.py OUT_DIR [REPS]
 paired), so only ratios inside one run count:
 
 * ``cublas_seq``: ``torch.mm`` twice; ``ours_seq``: :func:`~ctapipelining.gemm.matmul` twice
-  (full-GPU grids);
+  (full-GPU grids, each row count in its measured configuration);
 * ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
   chain kernel (one grid, tiles claimed in one combined order);
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
@@ -15,6 +15,8 @@ paired), so only ratios inside one run count:
 * ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
 * ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4;
 * ``chain_split``: the chain kernel with its last partial round split along K (``split_tail``);
+* ``chain_narrow``: the chain kernel on the plain GEMM's tiles for few rows (64 x 128, K-steps of
+  128, 4 warps; :func:`~ctapipelining.gemm.plain_config`);
 * ``chain_stage_major``: the chain kernel with its stages one after the other in its combined
   order (:meth:`~ctapipelining.chain.ChainLaunch.set_order` ``None``), not interleaved;
 * ``chain_graphedcall``: ``chain`` replayed through :meth:`~ctapipelining.pipeline.Pipeline.capture`'s
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
@@ -44,6 +46,7 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 K = 8192
 ROWS = (128, 640, 768, 1024, 2048, 16384)
+NARROW = GemmConfig(64, 128, 128, group_m=4, num_stages=4, num_warps=4, wait_parts=8)
 
 
 def ci(ratios):
@@ -66,6 +69,8 @@ def main():
         "chain_g8": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, group_m=8)),
         "chain_split": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
         "chain_stage_major": Pipeline([a, b]),
+        # the plain GEMM's tiles for few rows (kernels.gemm: 64 x 128, K-steps of 128, 4 warps)
+        "chain_narrow": Pipeline([a, b], config=NARROW),
     }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
@@ -90,7 +95,7 @@ def main():
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
         for num, den in (
             ("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain"),
-            ("chain_split", "chain"), ("chain_stage_major", "chain"),
+            ("chain_split", "chain"), ("chain_stage_major", "chain"), ("chain_narrow", "chain"),
             ("chain_graphedcall", "chain"),
         ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])

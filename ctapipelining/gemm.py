@@ -8,6 +8,8 @@ next stage's). Inputs are checked here, before anything is launched.
 from __future__ import annotations
 
 import functools
+import importlib.resources
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -143,6 +145,35 @@ class TailBuffers:
     def create(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device) -> TailBuffers:
         ws = torch.empty(split.items, config.block_m * config.block_n, dtype=torch.float32, device=device)
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
+
+
+CONFIG_TABLE = "gemm_configs.json"  # under ctapipelining/data: benchmarks/configs.py's measured rows
+
+
+@functools.cache
+def config_table() -> tuple[tuple[int, GemmConfig], ...]:
+    """The plain GEMM's measured configurations, ``(rows, config)`` by increasing rows
+    (``ctapipelining/data/gemm_configs.json``: the fastest of ``benchmarks/configs.py``'s
+    candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on one H200; each row names
+    its results folder)."""
+    rows = json.loads((importlib.resources.files(__package__) / "data" / CONFIG_TABLE).read_text())["rows"]
+    return tuple(sorted((row["M"], GemmConfig(**row["config"])) for row in rows))
+
+
+def plain_config(M: int) -> GemmConfig:
+    """The plain GEMM's configuration for ``M`` rows (what :func:`matmul` runs without one): the
+    table's row for the smallest row count ``>= M``, the last row's beyond it. Few rows take
+    narrow tiles (64 x 128 up to 128 rows: 128 CTAs busy where 128 x 256 tiles keep 32, twice as
+    fast); from 512 rows on, :data:`~ctapipelining.kernels.gemm.PLAIN_CONFIG`'s. Measured at
+    N = K = 8192 and used for every width: the choice follows the tiles a row count leaves, most
+    of all. Under the interpreter, always ``PLAIN_CONFIG`` (its sizes are small)."""
+    return PLAIN_CONFIG if interpreting() else pick_config(config_table(), M)
+
+
+def pick_config(table: tuple[tuple[int, GemmConfig], ...], M: int) -> GemmConfig:
+    """``table``'s (:func:`config_table`) configuration for ``M`` rows: its row for the smallest
+    row count ``>= M``, the last row's beyond it."""
+    return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
 
 
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
@@ -666,7 +697,9 @@ def matmul(
     configuration has no split tail (an epilogue needs whole tiles). A residual is copied into
     the output first and each tile added onto it (TMA reduce-add); into an output with padded
     rows, or under the interpreter, the epilogue loads it instead, on 128 x 128 tiles
-    (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones). Its launches, bound once
+    (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones). Without an epilogue or a
+    ``config``, the configuration measured fastest for its row count (:func:`plain_config`).
+    Its launches, bound once
     per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
     so the buffers the graph points at (split tail, norm statistics) are never freed."""
     check_operands(a, b)
@@ -679,7 +712,12 @@ def matmul(
         and epilogue.residual
         and (interpreting() or out is not None and (out.stride(0) != out.shape[1] or out.device != a.device))
     )
-    cfg = config or (PLAIN_CONFIG if epilogue is None else RESIDUAL_CONFIG if loads_residual else EPILOGUE_CONFIG)
+    if config is not None:
+        cfg = config
+    elif epilogue is None:
+        cfg = plain_config(a.shape[0])  # per row count (measured)
+    else:
+        cfg = RESIDUAL_CONFIG if loads_residual else EPILOGUE_CONFIG
     if loads_residual and not interpreting() and not fits_loaded_residual(cfg):
         raise ValueError(
             f"this call's epilogue loads its residual tile (an out with padded rows or on another GPU), and {cfg} "

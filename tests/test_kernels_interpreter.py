@@ -213,6 +213,53 @@ def test_configs_fit_shared_memory():
     assert np.all([c.block_m % 16 == 0 for c in get_configs()])
 
 
+def test_the_config_table_is_what_its_results_measured():
+    """Every row of the packaged table is a valid configuration that fits shared memory and is
+    the fastest candidate its results folder recorded at that row count (not edited by hand)."""
+    import json
+    from pathlib import Path
+
+    from ctapipelining.gemm import CONFIG_TABLE, config_table
+
+    root = Path(__file__).parent.parent
+    rows = json.loads((root / "ctapipelining" / "data" / CONFIG_TABLE).read_text())["rows"]
+    assert [r for r, _ in config_table()] == sorted(r["M"] for r in rows)
+    for row in rows:
+        cfg = GemmConfig(**row["config"])
+        assert cfg.smem_bytes() <= 227 * 1024
+        measured = json.loads((root / row["results"] / "configs.json").read_text())
+        best = measured["rows"][str(row["M"])]["best"]
+        assert measured["candidates"][best] == row["config"], (row["M"], best)
+
+
+def test_plain_config_takes_the_smallest_tabled_row_count_at_or_above():
+    from ctapipelining.gemm import PLAIN_CONFIG, config_table, pick_config, plain_config
+
+    table = config_table()
+    (first_m, first), (last_m, last) = table[0], table[-1]
+    assert pick_config(table, 1) == pick_config(table, first_m) == first
+    for (lo, _), (hi, cfg) in zip(table, table[1:]):
+        assert pick_config(table, lo + 1) == pick_config(table, hi) == cfg
+    assert pick_config(table, last_m + 1) == pick_config(table, 10**9) == last
+    assert pick_config(table, 100).block_m == 64 and last.block_n == 256  # narrow tiles for few rows
+    assert plain_config(100) == PLAIN_CONFIG  # the interpreter's sizes are small: one configuration
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_matmul_on_the_tables_narrow_tiles(split):
+    """The few-rows configuration (64 x 128 tiles, K-steps of 128, 4 warps), split tail or not,
+    on shapes that divide none of its tiles."""
+    from ctapipelining.gemm import config_table
+
+    cfg = dataclasses.replace(config_table()[0][1], split_tail=split)
+    assert cfg.block_m == 64
+    a, b = torch.randn(70, 328).half(), (torch.randn(328, 136) * 328**-0.5).half()
+    out = torch.full((70, 136), float("nan"), dtype=torch.float16)
+    matmul(a, b, out=out, config=cfg)
+    assert not out.isnan().any()
+    assert (out.float() - a.float() @ b.float()).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("M,K,N", [(48, 64, 32), (37, 80, 40)])
 def test_split_tail_matmul(M, K, N):
     assert tail_split(M, N, K, SPLIT, 4) is not None
