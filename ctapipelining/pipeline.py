@@ -88,7 +88,14 @@ from .gemm import (
     tma_ready,
 )
 from .kernels.chain import MAX_STAGES
-from .kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, TRACE_FIELDS, GemmConfig, fits_loaded_residual
+from .kernels.gemm import (
+    ENDS_CONFIG,
+    NARROW_PIPELINE_CONFIG,
+    PIPELINE_CONFIG,
+    TRACE_FIELDS,
+    GemmConfig,
+    fits_loaded_residual,
+)
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
 from .timing import Method, time_interleaved
 
@@ -117,6 +124,7 @@ class PipelineHung(RuntimeError):
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
+NARROW_ROWS = 128  # plan heights up to this run NARROW_PIPELINE_CONFIG (Pipeline.plan_configs)
 
 
 def _int32_on(arr, device) -> torch.Tensor:
@@ -304,6 +312,7 @@ class Plan:
     pinned: bool = False  # a CUDA graph points at these buffers: never evicted
     stale: bool = False  # a launch failed part way: reset before the next call
     err_host: list[torch.Tensor] = field(default_factory=list)  # pinned copies of the error words
+    configs: list[GemmConfig] = field(default_factory=list)  # each stage's (Pipeline.plan_configs)
 
     @property
     def err_flags(self):
@@ -410,9 +419,11 @@ class Pipeline:
         counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
         benchmarks/results/2026-11-30-h200x2-ends/) or
         ``"workqueue"`` (consumers run tiles in the order they became ready, the paper's policy).
-    config : tile configuration of every stage (:class:`GemmConfig`), default :data:`PIPELINE_CONFIG`,
-        or a list of one per stage (sharing ``block_m``: the links count row-blocks; only
-        consecutive stages of one configuration share a chain kernel). Its ``wait_parts`` is
+    config : tile configuration of every stage (:class:`GemmConfig`), or a list of one per stage
+        (sharing ``block_m``: the links count row-blocks; only consecutive stages of one
+        configuration share a chain kernel). Default: chosen per plan height
+        (:meth:`plan_configs`: narrow tiles up to :data:`NARROW_ROWS` rows, else
+        :data:`PIPELINE_CONFIG`; with ends :data:`ENDS_CONFIG`). Its ``wait_parts`` is
         capped at the producer's column-blocks; a ``workqueue`` consumer runs whole tiles once
         they are ready, so it waits for whole row-blocks (one part).
     epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage, applied to
@@ -518,6 +529,8 @@ class Pipeline:
             raise ValueError("epilogues and prefill or drain rows do not go together: pass one or the other")
         if any(epilogues) and segment is not None:
             raise ValueError("a segment of a distributed chain runs no epilogues")
+        # chosen per plan height (plan_configs), where nothing else fixes the tiles
+        self._per_height = config is None and not (ends or prefill_rows or drain_rows or any(epilogues) or segment)
         self.epilogues = epilogues
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -704,8 +717,20 @@ class Pipeline:
             )
         return cls([w.to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
 
-    def stage_config(self, s: int) -> GemmConfig:
-        """The configuration stage ``s`` runs: :attr:`config`, without a split tail for a
+    def plan_configs(self, M: int) -> list[GemmConfig]:
+        """Each stage's configuration in the plan of ``M`` rows (a plan height): the
+        constructor's, or, built without one (and without ends, epilogues or a segment),
+        :data:`NARROW_PIPELINE_CONFIG` up to :data:`NARROW_ROWS` rows (64 x 128 tiles: 128
+        CTAs busy where 128 x 256 tiles keep 32; two 8192-wide stages in one chain kernel at 128
+        rows ran 0.57x as long, benchmarks/results/2026-12-01-h200-configs/run3-shared/).
+        :data:`PIPELINE_CONFIG` above."""
+        if self._per_height and M <= NARROW_ROWS:
+            return [NARROW_PIPELINE_CONFIG] * len(self.weights)
+        return self.configs
+
+    def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
+        """The configuration stage ``s`` runs (of ``configs``, default the constructor's: a
+        plan's are :meth:`plan_configs`): :attr:`config`, without a split tail for a
         ``workqueue`` consumer (it runs whole tiles in readiness order) and for a chain
         kernel's stages but its last (the tail of the combined order lies in the last stage:
         :func:`ctapipelining.chain.chain_tail_split`). The sequential GEMMs with these
@@ -715,7 +740,7 @@ class Pipeline:
         consumer = s > 0 or self._inbound
         queue_consumer = consumer and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
-        cfg = self.configs[s]
+        cfg = (configs or self.configs)[s]
         whole = self.epilogues[s] is not None or s + 1 < len(self.weights) and self._norm_sums(s + 1)
         if cfg.split_tail and (queue_consumer or whole or len(group) > 1 and s != group[-1]):
             return dataclasses.replace(cfg, split_tail=False)
@@ -729,19 +754,20 @@ class Pipeline:
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
             x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
         R, D = self.ends_for(M)
+        configs = self.plan_configs(M)
         y, prev, sums = x, None, None
         for s, w in enumerate(self.weights):
             if any(self.epilogues):  # no ends (checked at construction)
                 y, sums = y.to(w.device), _to(sums, w.device)
                 out_sums = self._out_sums(s, M, w.device)
-                y, prev = self._gemm(y, w, s, False, residual=prev, sums=sums, out_sums=out_sums), y
+                y, prev = self._gemm(y, w, s, False, configs, residual=prev, sums=sums, out_sums=out_sums), y
                 sums = out_sums
                 continue
             # cut as the pipeline cuts the rows: the prefill [0, R), the drain [M - D, M) (whose
             # GEMMs run stage 0's configuration), the pipelined rest
             cuts = sorted({0, M} | ({R, M - D} if s == 0 else {M - D} if s == 1 else set()))
             y = y.to(w.device)
-            y = torch.cat([self._gemm(y[a:b], w, s, a == M - D) for a, b in zip(cuts, cuts[1:])])
+            y = torch.cat([self._gemm(y[a:b], w, s, a == M - D, configs) for a, b in zip(cuts, cuts[1:])])
         return y[:rows]
 
     def _out_sums(self, s: int, M: int, device: torch.device | None = None):
@@ -755,22 +781,24 @@ class Pipeline:
         return tuple(sums) if self.epilogues[s + 1].layer_norm_eps is not None else sums[0]
 
     def _gemm(
-        self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool, residual: torch.Tensor | None = None,
+        self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool, configs: list[GemmConfig],
+        residual: torch.Tensor | None = None,
         sums: torch.Tensor | None = None, out_sums: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """``a @ w`` alone, as stage ``s`` (or, ``drain``, a drain GEMM on stage 0's GPU) runs
-        it in a call: its configuration and its grid (a split tail depends on the grid); with
+        it in a call: its configuration (of the plan's ``configs``) and its grid (a split tail
+        depends on the grid); with
         stage ``s``'s epilogue, its ``residual`` and the partial sums of squares of its input
         (``sums``) and where its output's go (``out_sums``)."""
         stream = 0 if drain else s
         (rows, K), N = a.shape, w.shape[1]
         epi = None if drain else self.epilogues[s]
         c = torch.empty(rows, N if epi is None else epi.out_cols(N), dtype=w.dtype, device=w.device)
-        cfg, grid, split = self.stage_config(stream), self._grid(stream, rows, N), None
+        cfg, grid, split = self.stage_config(stream, configs), self._grid(stream, rows, N, configs[stream]), None
         group = self._group_of[s]
         if not drain and len(group) > 1 and cfg.split_tail:  # a chain kernel's last stage: its tail split
             shapes = [tuple(self.weights[t].shape) for t in group]
-            split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows))
+            split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows, configs[group[0]]))
             if split is None:
                 cfg = dataclasses.replace(cfg, split_tail=False)
             else:
@@ -898,11 +926,13 @@ class Pipeline:
     def _build_plan(self, M: int, R: int, D: int) -> Plan:
         """A plan for ``M`` rows whose second GPU prefills ``R`` and first GPU drains ``D``:
         buffers, scoreboards, and every launch of a call bound once."""
-        cfg, ws, devs, n, epis = self.config, self.weights, self.devices, len(self.weights), self.epilogues
+        ws, devs, n, epis = self.weights, self.devices, len(self.weights), self.epilogues
+        configs = self.plan_configs(M)
+        cfg = configs[0]
         P = M - D  # the rows the pipelined stages carry
         # each stage's output tiles (half as wide as its GEMM's with a gated epilogue)
         grids = [
-            deps.TileGrid(P, self.out_cols[s], cfg.block_m, self.configs[s].block_n * self.out_cols[s] // w.shape[1])
+            deps.TileGrid(P, self.out_cols[s], cfg.block_m, configs[s].block_n * self.out_cols[s] // w.shape[1])
             for s, w in enumerate(ws)
         ]
         links, inputs = [], [None]
@@ -910,7 +940,7 @@ class Pipeline:
         # link inside a chain kernel waits on counters, in parts)
         link_queue = [self.policy.uses_queue and not self._same_kernel(s - 1, s) for s in range(n)]
         for s in range(1, n):
-            dep = link_dependency(grids[s - 1], grids[s], ws[s].shape[0], link_queue[s], self.configs[s])
+            dep = link_dependency(grids[s - 1], grids[s], ws[s].shape[0], link_queue[s], configs[s])
             links.append(Link.create(dep, devs[s - 1], devs[s]))
             inputs.append(torch.empty(P, ws[s].shape[0], dtype=ws[0].dtype, device=devs[s]))
         if R:  # the prefill GEMM reads the CSR lists from its own device
@@ -940,6 +970,7 @@ class Pipeline:
             err_host=[torch.zeros(len(ERR_FIELDS), dtype=torch.int64, pin_memory=self.on_gpu) for _ in devs],
             inbound=inbound,
             sums=[None] + [self._out_sums(s - 1, P) for s in range(1, n)],
+            configs=configs,
         )
 
         def epilogue_of(s: int, lo: int = 0) -> tuple[dict, tuple]:
@@ -952,7 +983,7 @@ class Pipeline:
             """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
             stage's share of its GPU; ``stage``: the stage it is (None: a prefill or drain GEMM)."""
             dev = devs[stream]
-            ctas = self._grid(stream, rows, w.shape[1])
+            ctas = self._grid(stream, rows, w.shape[1], configs[stream])
             split = tail_split(rows, w.shape[1], w.shape[0], s_cfg, ctas)
             tail = None if split is None else TailBuffers.create(split, s_cfg, dev)
             plan.tails.append(tail)
@@ -967,7 +998,7 @@ class Pipeline:
         def bind_chain(group):
             """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
             dev = devs[group[0]]
-            ctas = self._chain_grid(group, P)
+            ctas = self._chain_grid(group, P, configs[group[0]])
             plan.tickets.append(_i64(1, dev))
             stages = [
                 ChainStage(
@@ -983,7 +1014,7 @@ class Pipeline:
                 for s in group
             ]
             gemm = ChainLaunch(
-                P, stages, self.stage_config(group[-1]), ctas, dev, ticket=plan.tickets[-1],
+                P, stages, self.stage_config(group[-1], configs), ctas, dev, ticket=plan.tickets[-1],
                 epoch=plan.epochs[group[0]], queue=queue, timeout_ns=self.timeout_ns,
             )  # fmt: skip
             plan.tails.append(gemm.tail)  # its split tail's arrival counters (reset after a timeout)
@@ -1005,7 +1036,7 @@ class Pipeline:
                 # (a copy of x first: a GEMM reading x across NVLink with TMA is far slower,
                 # benchmarks/results/2026-11-30-h200x2-ends/)
                 bind(
-                    1, R, self.prefill_weight, self.stage_config(0), plan.prefill_x, inputs[1][:R],
+                    1, R, self.prefill_weight, self.stage_config(0, configs), plan.prefill_x, inputs[1][:R],
                     signal=links[0].signal_hook(queue, local=True), epoch=plan.epochs[1],
                 )  # fmt: skip
                 plan.launches[-1].copy_x = (plan.prefill_x, R)
@@ -1015,7 +1046,7 @@ class Pipeline:
                     s,
                     P - lo,
                     ws[s],
-                    self.stage_config(s),
+                    self.stage_config(s, configs),
                     ("x", lo, P) if s == 0 else inputs[s][lo:P],
                     ("out", lo, P) if s == n - 1 else inputs[s + 1][lo:P],
                     stage=s,
@@ -1026,20 +1057,22 @@ class Pipeline:
                 )  # fmt: skip
             )
             if s == 0 and D:  # the drain, after the producer on its GPU: both layers of rows [P, M)
-                bind(0, D, ws[0], self.stage_config(0), ("x", P, M), plan.drain_h, epoch=plan.epochs[0])
-                bind(0, D, self.drain_weight, self.stage_config(0), plan.drain_h, ("out", P, M), epoch=plan.epochs[0])
+                bind(0, D, ws[0], self.stage_config(0, configs), ("x", P, M), plan.drain_h, epoch=plan.epochs[0])
+                bind(
+                    0, D, self.drain_weight, self.stage_config(0, configs), plan.drain_h, ("out", P, M),
+                    epoch=plan.epochs[0],
+                )  # fmt: skip
         return plan
 
-    def _grid(self, s: int, rows: int, N: int) -> int:
-        """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream: a
-        CTA per SM of the stage's share, fewer when there are fewer tiles."""
-        cfg = self.configs[s]
+    def _grid(self, s: int, rows: int, N: int, cfg: GemmConfig) -> int:
+        """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream, in
+        ``cfg``'s tiles: a CTA per SM of the stage's share, fewer when there are fewer tiles."""
         return max(1, min(self._sm_share(s), -(-rows // cfg.block_m) * -(-N // cfg.block_n)))
 
-    def _chain_grid(self, group: list[int], rows: int) -> int:
-        """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows: a
-        CTA per SM of its share, fewer when all its stages have fewer tiles."""
-        cfg = self.configs[group[0]]  # a chain kernel's stages share one
+    def _chain_grid(self, group: list[int], rows: int, cfg: GemmConfig) -> int:
+        """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows, in
+        ``cfg``'s tiles (its stages share one): a CTA per SM of its share, fewer when all its
+        stages have fewer tiles."""
         tiles = sum(-(-rows // cfg.block_m) * -(-self.weights[s].shape[1] // cfg.block_n) for s in group)
         return max(1, min(self._sm_share(group[0]), tiles))
 

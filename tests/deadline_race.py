@@ -37,8 +37,8 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
     plan = pipe.plan(M)
     link = plan.links[0]
     idle = torch.cuda.Stream(ws[1].device) if ws[1].device != dev else None
-    plan.inputs[1].copy_(matmul(x, ws[0], config=pipe.stage_config(0)))
-    ref = matmul(plan.inputs[1], ws[1], config=pipe.stage_config(1))
+    plan.inputs[1].copy_(matmul(x, ws[0], config=pipe.stage_config(0, plan.configs)))
+    ref = matmul(plan.inputs[1], ws[1], config=pipe.stage_config(1, plan.configs))
     need = torch.as_tensor(link.dep.need, dtype=torch.int64, device=dev)
     T = link.dep.consumer.num_tiles
     tiles = torch.arange(T, dtype=torch.int64, device=dev)

@@ -123,6 +123,9 @@ ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
 # stage's, or into an output with padded rows), whose tile needs shared memory too, 128 x 256 tiles
 # fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x as long
 # (benchmarks/results/2026-12-01-h200-mlp/)
+# a pipeline's stages on few rows (Pipeline.plan_configs): 64 x 128 tiles, K-steps of 128 (the plain
+# GEMM's fastest at 128 rows, benchmarks/results/2026-12-01-h200-configs/)
+NARROW_PIPELINE_CONFIG = GemmConfig(64, 128, 128, group_m=4, num_stages=4, num_warps=4, wait_parts=8)
 EPILOGUE_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
 RESIDUAL_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
