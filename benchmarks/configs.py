@@ -7,9 +7,10 @@ usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS]
 2048, 4096, 16384): cuBLAS (``torch.mm``) and :func:`~ctapipelining.gemm.matmul` under each
 candidate of :data:`CANDIDATES` (those that fit shared memory), every line graph-replayed and
 timed by the bench's harness (shuffled turns, paired), each candidate first checked against
-cuBLAS. Writes OUT_DIR/configs.json (medians, each candidate over cuBLAS with its 95% CI) and
-OUT_DIR/gemm_configs.json: per M the fastest candidate (by median), the table's format
-(``ctapipelining/data/gemm_configs.json`` is a copy).
+cuBLAS. Writes OUT_DIR/configs.json (medians, each candidate over cuBLAS with its 95% CI, and
+per M the fastest candidate by median, ``best``) and OUT_DIR/gemm_configs.json (per M that
+candidate's configuration). ``ctapipelining/data/gemm_configs.json`` gathers these rows, each
+naming its results folder (a CPU test checks that each row is that folder's ``best``).
 """
 
 import dataclasses

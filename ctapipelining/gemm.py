@@ -164,7 +164,8 @@ def plain_config(M: int) -> GemmConfig:
     """The plain GEMM's configuration for ``M`` rows (what :func:`matmul` runs without one): the
     table's row for the smallest row count ``>= M``, the last row's beyond it. Few rows take
     narrow tiles (64 x 128 up to 128 rows: 128 CTAs busy where 128 x 256 tiles keep 32, twice as
-    fast); from 512 rows on, :data:`~ctapipelining.kernels.gemm.PLAIN_CONFIG`'s. Measured at
+    fast; 64 x 256 up to 384); from 385 rows on, 128 x 256 tiles, with a split tail or without
+    (whichever measured faster at that row count: they differ by noise there). Measured at
     N = K = 8192 and used for every width: the choice follows the tiles a row count leaves, most
     of all. Under the interpreter, always ``PLAIN_CONFIG`` (its sizes are small)."""
     return PLAIN_CONFIG if interpreting() else pick_config(config_table(), M)

@@ -22,11 +22,11 @@ CUDA-graph capture it refuses instead), or was replaced by another tensor; a cha
 not count (through ``w.data``, or in an inference-mode tensor) needs :meth:`~LlamaMLP.refresh`,
 and a graph replay runs no Python, so it follows nothing (call the block once, or ``refresh()``,
 before replaying: the weights are laid out in place, and the graph reads the new ones).
-Under ``torch.compile`` (or for a tensor subclass, or one that asks for a gradient) ``forward``
-calls the custom operator ``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake
-implementation for shapes), so a compiled model traces through the block without a graph break;
-an eager call runs the kernels directly (the operator's dispatch is host time before the first
-kernel starts).
+Under ``torch.compile``, ``torch.jit.trace``, ``torch.func`` transforms or a dispatch mode (or
+for a tensor subclass, or one that asks for a gradient) ``forward`` calls the custom operator
+``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
+shapes), so a compiled model traces through the block without a graph break; an eager call runs
+the kernels directly (the operator's dispatch is host time before the first kernel starts).
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
@@ -91,14 +91,20 @@ mlp_block.register_autograd(_no_backward)
 
 def _direct(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` runs the kernels directly rather than through its custom operator:
-    a plain tensor, outside ``torch.compile`` (and export), with no gradient asked of it. The
-    operator's dispatch costs more host time than a kernel launch, and an eager call waits for
-    it before its first kernel starts; a compiler must see the operator, a fake tensor needs its
-    fake implementation, and a gradient its refusal."""
+    a plain tensor, with no gradient asked of it, and nothing that records or transforms the
+    call (``torch.compile`` and export, ``torch.jit.trace``, ``torch.func`` transforms such as
+    ``vmap``, a dispatch mode such as ``make_fx``'s). The operator's dispatch costs more host
+    time than a kernel launch, and an eager call waits for it before its first kernel starts;
+    whatever records or transforms the call must see the operator (a trace of the launches
+    would hold only the torch ops around them), a fake tensor needs its fake implementation,
+    and a gradient its refusal."""
     return (
         type(x) is torch.Tensor
-        and not torch.compiler.is_compiling()
         and not (x.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and torch.utils._python_dispatch._get_current_dispatch_mode() is None
     )
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 from protocol_state import preset_epoch
 
-from ctapipelining.gemm import _plain_launch, matmul
-from ctapipelining.kernels.gemm import PLAIN_CONFIG
+from ctapipelining.gemm import _plain_launch, matmul, plain_config
 from ctapipelining.pipeline import Pipeline, PipelineHung
 
 pytestmark = pytest.mark.gpu
@@ -123,7 +122,8 @@ def test_cached_launch_equals_tritons_launch_path(M):
     without the integer specialisations, for new tensors and for a padded output."""
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
-    launch = _plain_launch(M, 3072, 4096, PLAIN_CONFIG, a.device, torch.cuda.current_stream().cuda_stream, None)
+    cfg = plain_config(M)  # what matmul runs (narrow tiles for few rows)
+    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None)
     assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))

@@ -42,7 +42,7 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
         assert not ours.isnan().any()
         assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
         assert torch.equal(block(x), ours)  # launched raw now: the same
-    # the norm's statistics pass, compiled at the first call (M = 1), launched raw at the later ones
+    # the 4096-row launch's norm pass: compiled at its first call, a RawLaunch for the later ones
     from ctapipelining.gemm import _plain_launch
 
     stream = torch.cuda.current_stream().cuda_stream

@@ -183,6 +183,24 @@ def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_th
     assert dispatched == ["mlp_block", "mlp_stack"]
     block(x.clone().requires_grad_())
     assert dispatched[-1] == "mlp_block"
+    # what records or transforms the call sees the operator, and still gets the block's result
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert torch.equal(block(x), y)
+    assert "ctapipelining.mlp_block.default" in Seen.ops
+    traced = torch.jit.trace(block, x, check_trace=False)
+    x2 = torch.randn(4, H).half()
+    assert "ctapipelining::mlp_block" in str(traced.graph) and torch.equal(traced(x2), block(x2))
+    assert torch.equal(torch.vmap(block)(torch.stack([x, x2])), torch.stack([y, block(x2)]))
+    assert dispatched[-3:] == ["mlp_block"] * 3  # the dispatch mode, the trace, vmap
 
 
 def test_a_copied_block_runs_its_own_weights():
