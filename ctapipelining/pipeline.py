@@ -719,7 +719,8 @@ class Pipeline:
 
     def plan_configs(self, M: int) -> list[GemmConfig]:
         """Each stage's configuration in the plan of ``M`` rows (a plan height): the
-        constructor's, or, built without one (and without ends, epilogues or a segment),
+        constructor's, or, built without one (``config=None``; and without ends, prefill or
+        drain rows, epilogues or a segment),
         :data:`NARROW_PIPELINE_CONFIG` up to :data:`NARROW_ROWS` rows (64 x 128 tiles: 128
         CTAs busy where 128 x 256 tiles keep 32; two 8192-wide stages in one chain kernel at 128
         rows ran 0.57x as long, benchmarks/results/2026-12-01-h200-configs/run3-shared/).
@@ -729,8 +730,8 @@ class Pipeline:
         return self.configs
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
-        """The configuration stage ``s`` runs (of ``configs``, default the constructor's: a
-        plan's are :meth:`plan_configs`): :attr:`config`, without a split tail for a
+        """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
+        default the constructor's), without a split tail for a
         ``workqueue`` consumer (it runs whole tiles in readiness order) and for a chain
         kernel's stages but its last (the tail of the combined order lies in the last stage:
         :func:`ctapipelining.chain.chain_tail_split`). The sequential GEMMs with these
@@ -747,8 +748,9 @@ class Pipeline:
         return cfg
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
-        """The same GEMMs one after another, each with its stage's configuration, no
-        pipelining: what a call must equal bitwise (a reference for tests and benchmarks)."""
+        """The same GEMMs one after another, each with its stage's configuration in the plan for
+        ``x``'s rows, no pipelining: what a call must equal bitwise (a reference for tests and
+        benchmarks)."""
         self.check_input(x)
         rows, M = x.shape[0], self.rows_for(x.shape[0])
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ctapipelining.distributed import DistributedPipeline
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import environment, median_ci
 
@@ -65,7 +66,7 @@ def main() -> None:
     single = None
     if rank == 0:
         placed = [w.to(f"cuda:{s // args.stages_per_rank}") for s, w in enumerate(layers)]
-        single = Pipeline(placed, loopback=args.loopback)
+        single = Pipeline(placed, loopback=args.loopback, config=PIPELINE_CONFIG)  # the distributed default
         y_last = y if world == 1 else torch.empty(args.rows, args.dim, dtype=torch.bfloat16, device=device)
         if world > 1:
             dist.recv(y_last, src=world - 1)
