@@ -9,14 +9,17 @@ paired), so only ratios inside one run count:
 * ``cublas_seq``: ``torch.mm`` twice; ``ours_seq``: :func:`~ctapipelining.gemm.matmul` twice
   (full-GPU grids, each row count in its measured configuration);
 * ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
-  chain kernel (one grid, tiles claimed in one combined order);
+  chain kernel (one grid, tiles claimed in one combined order), in its configuration per plan
+  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: narrow tiles up to 128 rows);
+* ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
+  variants below (but ``chain_narrow``);
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
   (``loopback=True``);
 * ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
 * ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4;
 * ``chain_split``: the chain kernel with its last partial round split along K (``split_tail``);
-* ``chain_narrow``: the chain kernel on the plain GEMM's tiles for few rows (64 x 128, K-steps of
-  128, 4 warps; :func:`~ctapipelining.gemm.plain_config`);
+* ``chain_narrow``: the chain kernel on ``NARROW_PIPELINE_CONFIG`` at every height (64 x 128
+  tiles, K-steps of 128, 4 warps);
 * ``chain_stage_major``: the chain kernel with its stages one after the other in its combined
   order (:meth:`~ctapipelining.chain.ChainLaunch.set_order` ``None``), not interleaved;
 * ``chain_graphedcall``: ``chain`` replayed through :meth:`~ctapipelining.pipeline.Pipeline.capture`'s
@@ -25,8 +28,9 @@ paired), so only ratios inside one run count:
 
 Each pipeline is checked bitwise against its :meth:`~ctapipelining.pipeline.Pipeline.sequential`
 first. Prints and writes OUT_DIR/shared_gpu.json: medians (ms) and, per M, each line over the
-faster of the two sequential lines, ``chain`` over ``loopback`` and ``chain_sm120`` over
-``chain`` (median and 95% CI).
+faster of the two sequential lines, and the pairs of its ``for num, den`` list (``chain_wide``
+over ``loopback``, each variant over ``chain_wide``, ``chain`` over ``chain_wide``; median and 95%
+CI).
 """
 
 import dataclasses
@@ -38,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG, GemmConfig
+from ctapipelining.kernels.gemm import NARROW_PIPELINE_CONFIG, PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
@@ -46,7 +50,6 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 K = 8192
 ROWS = (128, 640, 768, 1024, 2048, 16384)
-NARROW = GemmConfig(64, 128, 128, group_m=4, num_stages=4, num_warps=4, wait_parts=8)
 
 
 def ci(ratios):
@@ -62,15 +65,16 @@ def graphed(fn):
 def main():
     torch.manual_seed(0)
     a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
+    wide = PIPELINE_CONFIG
     pipes = {
-        "chain": Pipeline([a, b]),
-        "loopback": Pipeline([a, b], loopback=True),
-        "chain_sm120": Pipeline([a, b], sm_budget=120),
-        "chain_g8": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, group_m=8)),
-        "chain_split": Pipeline([a, b], config=dataclasses.replace(PIPELINE_CONFIG, split_tail=True)),
-        "chain_stage_major": Pipeline([a, b]),
-        # the plain GEMM's tiles for few rows (kernels.gemm: 64 x 128, K-steps of 128, 4 warps)
-        "chain_narrow": Pipeline([a, b], config=NARROW),
+        "chain": Pipeline([a, b]),  # its configuration per plan height (narrow tiles up to 128 rows)
+        "chain_wide": Pipeline([a, b], config=wide),  # 128 x 256 tiles at every height: the variants'
+        "loopback": Pipeline([a, b], loopback=True, config=wide),
+        "chain_sm120": Pipeline([a, b], sm_budget=120, config=wide),
+        "chain_g8": Pipeline([a, b], config=dataclasses.replace(wide, group_m=8)),
+        "chain_split": Pipeline([a, b], config=dataclasses.replace(wide, split_tail=True)),
+        "chain_stage_major": Pipeline([a, b], config=wide),
+        "chain_narrow": Pipeline([a, b], config=NARROW_PIPELINE_CONFIG),
     }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
@@ -94,9 +98,9 @@ def main():
         for name in ("ours_seq", *pipes):
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
         for num, den in (
-            ("chain", "loopback"), ("chain_sm120", "chain"), ("chain", "ours_seq"), ("chain_g8", "chain"),
-            ("chain_split", "chain"), ("chain_stage_major", "chain"), ("chain_narrow", "chain"),
-            ("chain_graphedcall", "chain"),
+            ("chain_wide", "loopback"), ("chain_sm120", "chain_wide"), ("chain", "ours_seq"),
+            ("chain_g8", "chain_wide"), ("chain_split", "chain_wide"), ("chain_stage_major", "chain_wide"),
+            ("chain_narrow", "chain_wide"), ("chain", "chain_wide"), ("chain_graphedcall", "chain"),
         ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
         for pipe in pipes.values():
