@@ -13,6 +13,16 @@ if NGPU == 0:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist's ``-n`` (the README's test command), tests marked ``xdist_group``
+    run on one worker, one after another: the sm_90 compile tests share Triton's cache there
+    instead of compiling the same kernels on both workers at once."""
+    if getattr(config.option, "dist", "no") == "load":  # the controller: group-aware scheduling
+        config.option.dist = "loadgroup"
+    if hasattr(config, "workerinput"):  # a worker: name each test's group in its node id, as loadgroup does
+        config.option.loadgroup = True
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu2" in item.keywords and NGPU < 2:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker: its compiles shared (conftest)
+
 
 @pytest.fixture(scope="module")
 def report():

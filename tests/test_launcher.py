@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
 import torch
 
 from ctapipelining.launcher import RawLaunch, addresses
 
 
+@pytest.mark.xdist_group("sm90_compile")  # beside test_compile's compiles: Triton's cache shared (conftest)
 def test_raw_arguments_fit_the_launchers_format_for_every_variant():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
