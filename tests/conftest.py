@@ -23,6 +23,25 @@ def pytest_configure(config):
         config.option.loadgroup = True
 
 
+@pytest.fixture(scope="session")
+def sm90():
+    """``sm90_report.py``'s JSON: the kernels compiled for sm_90 on the CPU, in one process
+    (once per test run: the tests that use it share an ``xdist_group``, so one worker)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).parent
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [sys.executable, str(here / "sm90_report.py")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu2" in item.keywords and NGPU < 2:

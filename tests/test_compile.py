@@ -12,17 +12,9 @@ pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker: its compiles
 
 
 @pytest.fixture(scope="module")
-def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-m", "ctapipelining.kernels.compile_check"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
+def report(sm90):
+    """The compile check's report of the GEMM and chain kernel variants (conftest ``sm90``)."""
+    return sm90["kernels"]
 
 
 def kernels(report, chain: bool):
@@ -193,23 +185,19 @@ def test_clock_probe_compiles_and_each_side_votes_on_its_waits():
         assert side["atom_sys"] >= 1, side
 
 
-def test_fused_epilogues_compile_and_fit_the_block_configurations():
+def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
     """The MLP blocks' epilogues compile to pipelined TMA/wgmma GEMMs within Hopper's shared
     memory in the configurations :mod:`ctapipelining.nn` gives them (a stack's four stages in one
     chain kernel too; a down GEMM whose tiles are added onto its output by TMA, on the plain
     GEMM's tiles); a residual tile with three
     stages of 128 x 256 tiles would not fit (why the down GEMM's tiles are narrower)."""
-    code = "import json; from ctapipelining.kernels.compile_check import compile_epilogues as e; print(json.dumps(e()))"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
     from ctapipelining.kernels.gemm import RESIDUAL_CONFIG, SMEM_LIMIT
     from ctapipelining.nn import DOWN_CONFIG, GATE_UP_CONFIG
 
     assert (GATE_UP_CONFIG.block_n, GATE_UP_CONFIG.num_stages) == (256, 3)
     assert (DOWN_CONFIG.block_n, DOWN_CONFIG.num_stages) == (256, 3)  # its residual added by TMA
     assert (RESIDUAL_CONFIG.block_n, RESIDUAL_CONFIG.num_stages) == (128, 4)  # one its epilogue loads
-    got = json.loads(r.stdout)
+    got = sm90["epilogues"]
     assert got["accumulate"]["tma_store"] == 0 and got["accumulate"]["tma_reduce"] > 0
     from ctapipelining.nn import STACK_CONFIG
 

@@ -3,10 +3,6 @@ format of the launcher Triton builds for every kernel variant (GEMM and chain ke
 launch after the first fail, or read an argument in the wrong place), and plan buffers pass
 as addresses."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -15,16 +11,13 @@ import torch
 from ctapipelining.launcher import RawLaunch, addresses
 
 
-@pytest.mark.xdist_group("sm90_compile")  # beside test_compile's compiles: Triton's cache shared (conftest)
-def test_raw_arguments_fit_the_launchers_format_for_every_variant():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "launcher_format.py")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ok") == 15, r.stdout  # 5 GEMM variants, 3 epilogues, 2 norm passes, 5 chains
+@pytest.mark.xdist_group("sm90_compile")  # where conftest's sm90 report is built
+def test_raw_arguments_fit_the_launchers_format_for_every_variant(sm90):
+    """``launcher_format.py``, run with the other sm_90 compiles (conftest ``sm90``)."""
+    got = sm90["launcher"]
+    assert got["error"] is None, got["error"][-3000:]
+    oks = [line for line in got["lines"] if line.startswith("ok")]
+    assert len(oks) == 15, got["lines"]  # 5 GEMM variants, 3 epilogues, 2 norm passes, 5 chains
 
 
 class Bundle(NamedTuple):
