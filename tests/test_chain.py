@@ -417,23 +417,27 @@ def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
         ChainLaunch(M, stages, SPLIT, 4, CPU, ticket=t, epoch=e)
 
 
-@pytest.mark.parametrize("loopback", [False, True])
-def test_a_plan_of_few_rows_takes_the_narrow_tiles_and_stays_bitwise(loopback):
+@pytest.mark.parametrize("loopback,policy", [(False, "static"), (True, "workqueue")])
+def test_a_plan_of_few_rows_takes_the_narrow_tiles_and_stays_bitwise(loopback, policy):
     """Built without a configuration, a pipeline's plans of up to ``NARROW_ROWS`` rows run
     ``NARROW_PIPELINE_CONFIG`` (64 x 128 tiles), taller ones ``PIPELINE_CONFIG``; each call equals
-    its sequential GEMMs (in the plan's configuration) bitwise. A configuration given, ends or
-    epilogues fix the tiles at every height."""
+    its sequential GEMMs (in the plan's configuration) bitwise: in a chain kernel, whose second
+    stage waits for its rows in 8 parts inside its K loop (1024 wide), and as two kernels taking
+    ready tiles from a ring. A configuration given, ends or epilogues fix the tiles at every
+    height."""
     from ctapipelining.kernels.gemm import NARROW_PIPELINE_CONFIG, PIPELINE_CONFIG
     from ctapipelining.pipeline import NARROW_ROWS
 
-    ws = chain(256, 256, 136)
-    pipe = Pipeline(ws, loopback=loopback)
+    ws = chain(256, 1024, 136)
+    pipe = Pipeline(ws, loopback=loopback, policy=policy)
     for M, want in ((1, NARROW_PIPELINE_CONFIG), (NARROW_ROWS, NARROW_PIPELINE_CONFIG), (200, PIPELINE_CONFIG)):
         plan = pipe.plan(M)
         assert plan.configs == pipe.plan_configs(plan.M) == [want, want], M
         assert all(lc.gemm.config.block_m == want.block_m for lc in plan.launches)
         x = torch.randn(M, 256).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
+    if not loopback:
+        assert pipe.plan(1).links[0].dep.parts == 8  # the waits inside the K loop
     fixed = GemmConfig(16, 32, 32)
     assert Pipeline(ws, config=fixed).plan_configs(64) == [fixed, fixed]
     assert Pipeline(ws, epilogues=[None, Epilogue(bias=None)]).plan_configs(64) == [PIPELINE_CONFIG] * 2
