@@ -422,22 +422,24 @@ def test_a_plan_of_few_rows_takes_the_narrow_tiles_and_stays_bitwise(loopback, p
     """Built without a configuration, a pipeline's plans of up to ``NARROW_ROWS`` rows run
     ``NARROW_PIPELINE_CONFIG`` (64 x 128 tiles), taller ones ``PIPELINE_CONFIG``; each call equals
     its sequential GEMMs (in the plan's configuration) bitwise: in a chain kernel, whose second
-    stage waits for its rows in 8 parts inside its K loop (1024 wide), and as two kernels taking
+    stage waits for its rows in 4 parts inside its K loop (512 wide), and as two kernels taking
     ready tiles from a ring. A configuration given, ends or epilogues fix the tiles at every
     height."""
     from ctapipelining.kernels.gemm import NARROW_PIPELINE_CONFIG, PIPELINE_CONFIG
     from ctapipelining.pipeline import NARROW_ROWS
 
-    ws = chain(256, 1024, 136)
+    ws = chain(256, 512, 136)
     pipe = Pipeline(ws, loopback=loopback, policy=policy)
-    for M, want in ((1, NARROW_PIPELINE_CONFIG), (NARROW_ROWS, NARROW_PIPELINE_CONFIG), (200, PIPELINE_CONFIG)):
+    narrow = [NARROW_PIPELINE_CONFIG] * 2
+    for M in (1, NARROW_ROWS):
         plan = pipe.plan(M)
-        assert plan.configs == pipe.plan_configs(plan.M) == [want, want], M
-        assert all(lc.gemm.config.block_m == want.block_m for lc in plan.launches)
+        assert plan.configs == narrow and all(lc.gemm.config.block_m == 64 for lc in plan.launches)
         x = torch.randn(M, 256).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
+    assert pipe.rows_for(NARROW_ROWS + 1) > NARROW_ROWS  # the next plan height: the wide tiles
+    assert pipe.plan_configs(pipe.rows_for(NARROW_ROWS + 1)) == [PIPELINE_CONFIG] * 2
     if not loopback:
-        assert pipe.plan(1).links[0].dep.parts == 8  # the waits inside the K loop
+        assert pipe.plan(1).links[0].dep.parts == 4  # one a K-step: waits inside the K loop
     fixed = GemmConfig(16, 32, 32)
     assert Pipeline(ws, config=fixed).plan_configs(64) == [fixed, fixed]
     assert Pipeline(ws, epilogues=[None, Epilogue(bias=None)]).plan_configs(64) == [PIPELINE_CONFIG] * 2
