@@ -720,11 +720,11 @@ class Pipeline:
     def plan_configs(self, M: int) -> list[GemmConfig]:
         """Each stage's configuration in the plan of ``M`` rows (a plan height): the
         constructor's, or, built without one (``config=None``; and without ends, prefill or
-        drain rows, epilogues or a segment),
-        :data:`NARROW_PIPELINE_CONFIG` up to :data:`NARROW_ROWS` rows (64 x 128 tiles: 128
-        CTAs busy where 128 x 256 tiles keep 32; two 8192-wide stages in one chain kernel at 128
-        rows ran 0.57x as long, benchmarks/results/2026-12-01-h200-configs/run3-shared/).
-        :data:`PIPELINE_CONFIG` above."""
+        drain rows, epilogues or a segment), :data:`NARROW_PIPELINE_CONFIG` up to
+        :data:`NARROW_ROWS` rows (64 x 128 tiles: 128 CTAs busy where 128 x 256 tiles keep 32;
+        two 8192-wide stages in one chain kernel at 128 rows ran 0.57x as long,
+        benchmarks/results/2026-12-01-h200-configs/run3-shared/) and :data:`PIPELINE_CONFIG`
+        above."""
         if self._per_height and M <= NARROW_ROWS:
             return [NARROW_PIPELINE_CONFIG] * len(self.weights)
         return self.configs
@@ -789,9 +789,8 @@ class Pipeline:
     ) -> torch.Tensor:  # fmt: skip
         """``a @ w`` alone, as stage ``s`` (or, ``drain``, a drain GEMM on stage 0's GPU) runs
         it in a call: its configuration (of the plan's ``configs``) and its grid (a split tail
-        depends on the grid); with
-        stage ``s``'s epilogue, its ``residual`` and the partial sums of squares of its input
-        (``sums``) and where its output's go (``out_sums``)."""
+        depends on the grid); with stage ``s``'s epilogue, its ``residual`` and the partial sums
+        of squares of its input (``sums``) and where its output's go (``out_sums``)."""
         stream = 0 if drain else s
         (rows, K), N = a.shape, w.shape[1]
         epi = None if drain else self.epilogues[s]

@@ -13,6 +13,27 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def graph_follows_its_source(block, x, change):
+    """A captured graph of ``block`` replays what an eager call gives; after ``change()`` (a source
+    weight changed in place) a capture refuses, and the next eager call lays the weights out again
+    in place, so the graph replays the new ones."""
+    static_x = x.clone()
+    y = block(static_x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = block(static_x)
+    g.replay()
+    assert torch.equal(static_y, y)
+    with torch.no_grad():
+        change()
+    with pytest.raises(RuntimeError, match="outside the CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            block(static_x)
+    y2 = block(static_x)
+    g.replay()
+    assert torch.equal(static_y, y2) and not torch.equal(y2, y)
+
+
 @pytest.mark.parametrize("H,inter", [(4096, 14336), (8192, 28672)])
 def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
     """At Llama-8B and -70B sizes, M = 1, 777, 4096: against float32, the fused block's error is
@@ -49,23 +70,7 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
     first = _plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0])
     assert first.stats._compiled and all(raw is not None for raw in first.stats._compiled.values())
     x = torch.randn(4096, H, device="cuda").bfloat16()
-    y = block(x)
-    g = torch.cuda.CUDAGraph()
-    static_x = x.clone()
-    with torch.cuda.graph(g):
-        static_y = block(static_x)
-    g.replay()
-    assert torch.equal(static_y, y)
-    # a source weight changed in place: the next eager call lays it out again, in place, so the
-    # graph replays the new weights; a capture meanwhile would refuse
-    with torch.no_grad():
-        mlp.down_proj.weight.mul_(2)
-    with pytest.raises(RuntimeError, match="outside the CUDA-graph capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            block(static_x)
-    y2 = block(x)
-    g.replay()
-    assert torch.equal(static_y, y2) and not torch.equal(y2, y)
+    graph_follows_its_source(block, x, lambda: mlp.down_proj.weight.mul_(2))
 
 
 @pytest.mark.parametrize("H,inter", [(4096, 16384)])
@@ -110,21 +115,8 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
     with torch.no_grad():  # inference: a compiled model traces through the operator
         compiled = torch.compile(lambda t: block(t) * 2, fullgraph=True)
         assert torch.equal(compiled(x), block(x) * 2)
-    # a captured graph after a source weight changed in place: the next eager call lays the weights
-    # (and the first GEMM's column sums) out again in place, and the graph replays the new ones
-    static_x = x.clone()
-    y = block(static_x)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = block(static_x)
-    g.replay()
-    assert torch.equal(static_y, y)
-    with torch.no_grad():
-        mlp.c_fc.weight.mul_(1.5)
-        norm.bias.add_(0.25)
-    y2 = block(static_x)
-    g.replay()
-    assert torch.equal(static_y, y2) and not torch.equal(y2, y)
+    # the first GEMM's column sums are laid out again in place too
+    graph_follows_its_source(block, x, lambda: (mlp.c_fc.weight.mul_(1.5), norm.bias.add_(0.25)))
 
 
 def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_another():
