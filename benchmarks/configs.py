@@ -1,16 +1,25 @@
-"""Tile configurations per row count for the plain GEMM: every candidate against cuBLAS, the
-table ``ctapipelining.gemm.plain_config`` reads.
+"""Tile configurations per row count: every candidate against the fastest alternative, the
+tables ``ctapipelining.gemm.plain_config`` and ``ctapipelining.pipeline.Pipeline.plan_configs`` read.
 
-usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS]
+usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS] [plain|chain]
 
-``X[M, 8192] @ W[8192, 8192]`` on cuda:0, bf16, at each M of ROWS (default 128, 640, 768, 1024,
-2048, 4096, 16384): cuBLAS (``torch.mm``) and :func:`~ctapipelining.gemm.matmul` under each
-candidate of :data:`CANDIDATES` (those that fit shared memory), every line graph-replayed and
-timed by the bench's harness (shuffled turns, paired), each candidate first checked against
-cuBLAS. Writes OUT_DIR/configs.json (medians, each candidate over cuBLAS with its 95% CI, and
-per M the fastest candidate by median, ``best``) and OUT_DIR/gemm_configs.json (per M that
-candidate's configuration). ``ctapipelining/data/gemm_configs.json`` gathers these rows, each
-naming its results folder (a CPU test checks that each row is that folder's ``best``).
+``plain`` (default): ``X[M, 8192] @ W[8192, 8192]`` on cuda:0, bf16, at each M of ROWS (default
+128, 640, 768, 1024, 2048, 4096, 16384): cuBLAS (``torch.mm``) and
+:func:`~ctapipelining.gemm.matmul` under each candidate of :data:`CANDIDATES` (those that fit
+shared memory), each candidate first checked against cuBLAS. Writes OUT_DIR/configs.json
+(medians, each candidate over cuBLAS with its 95% CI, and per M the fastest candidate by median,
+``best``) and OUT_DIR/gemm_configs.json (per M that candidate's configuration).
+
+``chain``: ``X[M, 8192] @ A[8192, 8192] @ B[8192, 8192]``, both stages on cuda:0 in one chain
+kernel (a :class:`~ctapipelining.pipeline.Pipeline` built with each candidate of
+:data:`CHAIN_CANDIDATES`, each checked bitwise against its ``sequential``), against the floor: the
+faster of cuBLAS twice and our plain GEMM twice (each in its measured configuration). Writes
+OUT_DIR/configs.json (the same fields, each candidate over the floor) and
+OUT_DIR/pipeline_configs.json.
+
+Every line is graph-replayed and timed by the bench's harness (shuffled turns, paired).
+``ctapipelining/data/{gemm,pipeline}_configs.json`` gather these rows, each naming its results
+folder (a CPU test checks that each row is that folder's ``best``).
 """
 
 import dataclasses
@@ -27,7 +36,12 @@ from ctapipelining.timing import Method, capture, environment, median_ci, time_i
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [128, 640, 768, 1024, 2048, 4096, 16384]
+KIND = sys.argv[4] if len(sys.argv) > 4 else "plain"
+DEFAULT_ROWS = {
+    "plain": [128, 640, 768, 1024, 2048, 4096, 16384],
+    "chain": [128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 16384],  # plan heights
+}
+ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else DEFAULT_ROWS[KIND]
 K = N = 8192
 
 CANDIDATES = {  # name: config (group_m 8: the plain GEMM's grouped order)
@@ -44,8 +58,19 @@ CANDIDATES = {  # name: config (group_m 8: the plain GEMM's grouped order)
     for split in (True, False)
 }
 
+CHAIN_CANDIDATES = {  # name: config (group_m 4 and wait_parts 8: PIPELINE_CONFIG's)
+    f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(bm, bn, bk, 4, st, wp, split, wait_parts=8)
+    for bm, bn, bk, st, wp in [
+        (128, 256, 64, 3, 8),
+        (128, 128, 64, 4, 4),
+        (64, 256, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+    ]  # fmt: skip
+    for split in (True, False)
+}
 
-def main():
+
+def plain():
     torch.manual_seed(0)
     w = (torch.randn(K, N, device="cuda:0") * K**-0.5).bfloat16()
     fits = {k: c for k, c in CANDIDATES.items() if c.smem_bytes() <= SMEM_LIMIT}
@@ -83,5 +108,51 @@ def main():
     (OUT / "gemm_configs.json").write_text(json.dumps({"measured": source, "rows": table}, indent=1))
 
 
+def chain():
+    from ctapipelining.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    a, b = ((torch.randn(K, N, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
+    fits = {k: c for k, c in CHAIN_CANDIDATES.items() if c.smem_bytes() <= SMEM_LIMIT}
+    pipes = {k: Pipeline([a, b], config=c, row_buckets=0) for k, c in fits.items()}
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "N": N, "K": K}
+    report["candidates"] = {k: dataclasses.asdict(c) for k, c in fits.items()}
+    report["rows"], table = {}, []
+    for M in ROWS:
+        x = torch.randn(M, K, device="cuda:0").bfloat16()
+        h, y = (torch.empty(M, N, dtype=torch.bfloat16, device="cuda:0") for _ in range(2))
+        twice = {  # the floor's candidates: each GEMM in turn
+            "cublas_seq": lambda x=x, h=h, y=y: (torch.mm(x, a, out=h), torch.mm(h, b, out=y)),
+            "ours_seq": lambda x=x, h=h, y=y: (matmul(x, a, out=h), matmul(h, b, out=y)),
+        }
+        methods = [Method(k, capture(fn, [0]).replay) for k, fn in twice.items()]
+        for name, pipe in list(pipes.items()):
+            try:
+                got = pipe(x, check=True)
+            except Exception as e:  # Triton found it does not fit after all (out of resource)
+                print(M, name, "refused:", str(e).splitlines()[0][:200], flush=True)
+                del pipes[name], fits[name]
+                continue
+            assert torch.equal(got, pipe.sequential(x)), (M, name)
+            methods.append(Method(name, capture(lambda x=x, y=y, p=pipe: p(x, out=y), [0]).replay))
+        times = time_interleaved(methods, [0], REPS, 3)
+        floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
+        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
+        for name in fits:
+            med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[floor])])
+            row[f"{name}/floor"] = {"median": med, "ci95": [lo, hi]}
+        best = min(fits, key=lambda k: row["median_ms"][k])
+        row["best"] = best
+        report["rows"][M] = row
+        table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_floor": row[f"{best}/floor"]})
+        print(M, best, json.dumps(row[f"{best}/floor"]), flush=True)
+        for pipe in pipes.values():
+            pipe.check_errors()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "configs.json").write_text(json.dumps(report, indent=1))
+    source = {"device": torch.cuda.get_device_name(0), "N": N, "K": K, "command": report["command"]}
+    (OUT / "pipeline_configs.json").write_text(json.dumps({"measured": source, "rows": table}, indent=1))
+
+
 if __name__ == "__main__":
-    main()
+    {"plain": plain, "chain": chain}[KIND]()

@@ -30,6 +30,9 @@
 #          another, MLP_REPS (default 20), STACK_ONLY (shapes)                    -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
 #          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
+#   configs benchmarks/configs.py: each tile configuration per row count, CONFIGS_KIND plain (the plain GEMM
+#          against cuBLAS) or chain (two stages in one chain kernel against the floor), CONFIGS_ROWS
+#          (default the script's), CONFIGS_REPS (default 20)                    -> configs-KIND.log, configs-KIND/
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
@@ -99,6 +102,9 @@ for step in $STEPS; do
         timeout 180 torchrun --nproc-per-node "$NG" examples/torchrun_chain.py --rows "${DIST_ROWS:-4096}" \
           --stages-per-rank "$SPR" $lb --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; grep -E "^\{|Error" "$OUT/$name.log" | tail -3; done ;;
+    configs) k="${CONFIGS_KIND:-plain}"
+      timeout 400 python3 benchmarks/configs.py "$OUT/configs-$k" "${CONFIGS_REPS:-20}" "${CONFIGS_ROWS:-}" "$k" \
+        > "$OUT/configs-$k.log" 2>&1; echo "configs rc=$?"; tail -14 "$OUT/configs-$k.log" ;;
     tune) timeout 300 python3 benchmarks/tune.py "$OUT" "${TUNE_M:-16384}" 8192 "${TUNE_REPS:-20}" > "$OUT/tune.log" 2>&1
       grep -E "^(cublas|plain|pipeline)|FAILED|WRONG|Error" "$OUT/tune.log" | tail -30 ;;
     *) echo "unknown step $step (see the list at the top of $0)" ;;
