@@ -102,10 +102,7 @@ def plain():
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_cublas": row[f"{best}/cublas"]})
         print(M, best, json.dumps(row[f"{best}/cublas"]), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "configs.json").write_text(json.dumps(report, indent=1))
-    source = {"device": torch.cuda.get_device_name(0), "N": N, "K": K, "command": report["command"]}
-    (OUT / "gemm_configs.json").write_text(json.dumps({"measured": source, "rows": table}, indent=1))
+        write(report, table, "gemm_configs.json")
 
 
 def chain():
@@ -148,10 +145,14 @@ def chain():
         print(M, best, json.dumps(row[f"{best}/floor"]), flush=True)
         for pipe in pipes.values():
             pipe.check_errors()
+        write(report, table, "pipeline_configs.json")  # after each row: a run cut short keeps its rows
+
+
+def write(report: dict, table: list, name: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "configs.json").write_text(json.dumps(report, indent=1))
     source = {"device": torch.cuda.get_device_name(0), "N": N, "K": K, "command": report["command"]}
-    (OUT / "pipeline_configs.json").write_text(json.dumps({"measured": source, "rows": table}, indent=1))
+    (OUT / name).write_text(json.dumps({"measured": source, "rows": table}, indent=1))
 
 
 if __name__ == "__main__":
