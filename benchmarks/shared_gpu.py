@@ -10,16 +10,14 @@ paired), so only ratios inside one run count:
   (full-GPU grids, each row count in its measured configuration);
 * ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
   chain kernel (one grid, tiles claimed in one combined order), in its configuration per plan
-  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: narrow tiles up to 128 rows);
+  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table);
 * ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
-  variants below (but ``chain_narrow``);
+  variants below;
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
   (``loopback=True``);
 * ``chain_sm120``: the chain kernel with ``sm_budget=120`` (12 SMs left free for other kernels);
 * ``chain_g8``: the chain kernel with groups of 8 row-blocks (the plain GEMM's), not 4;
 * ``chain_split``: the chain kernel with its last partial round split along K (``split_tail``);
-* ``chain_narrow``: the chain kernel on ``NARROW_PIPELINE_CONFIG`` at every height (64 x 128
-  tiles, K-steps of 128, 4 warps);
 * ``chain_stage_major``: the chain kernel with its stages one after the other in its combined
   order (:meth:`~ctapipelining.chain.ChainLaunch.set_order` ``None``), not interleaved;
 * ``chain_graphedcall``: ``chain`` replayed through :meth:`~ctapipelining.pipeline.Pipeline.capture`'s
@@ -42,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ctapipelining.gemm import matmul
-from ctapipelining.kernels.gemm import NARROW_PIPELINE_CONFIG, PIPELINE_CONFIG
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
@@ -67,14 +65,13 @@ def main():
     a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
     wide = PIPELINE_CONFIG
     pipes = {
-        "chain": Pipeline([a, b]),  # its configuration per plan height (narrow tiles up to 128 rows)
+        "chain": Pipeline([a, b]),  # its configuration per plan height (the measured table)
         "chain_wide": Pipeline([a, b], config=wide),  # 128 x 256 tiles at every height: the variants'
         "loopback": Pipeline([a, b], loopback=True, config=wide),
         "chain_sm120": Pipeline([a, b], sm_budget=120, config=wide),
         "chain_g8": Pipeline([a, b], config=dataclasses.replace(wide, group_m=8)),
         "chain_split": Pipeline([a, b], config=dataclasses.replace(wide, split_tail=True)),
         "chain_stage_major": Pipeline([a, b], config=wide),
-        "chain_narrow": Pipeline([a, b], config=NARROW_PIPELINE_CONFIG),
     }
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     for M in ROWS:
@@ -100,7 +97,7 @@ def main():
         for num, den in (
             ("chain_wide", "loopback"), ("chain_sm120", "chain_wide"), ("chain", "ours_seq"),
             ("chain_g8", "chain_wide"), ("chain_split", "chain_wide"), ("chain_stage_major", "chain_wide"),
-            ("chain_narrow", "chain_wide"), ("chain", "chain_wide"), ("chain_graphedcall", "chain"),
+            ("chain", "chain_wide"), ("chain_graphedcall", "chain"),
         ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
         for pipe in pipes.values():

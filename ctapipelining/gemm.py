@@ -151,12 +151,13 @@ CONFIG_TABLE = "gemm_configs.json"  # under ctapipelining/data: benchmarks/confi
 
 
 @functools.cache
-def config_table() -> tuple[tuple[int, GemmConfig], ...]:
-    """The plain GEMM's measured configurations, ``(rows, config)`` by increasing rows
-    (``ctapipelining/data/gemm_configs.json``: the fastest of ``benchmarks/configs.py``'s
-    candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on one H200; each row names
-    its results folder)."""
-    rows = json.loads((importlib.resources.files(__package__) / "data" / CONFIG_TABLE).read_text())["rows"]
+def config_table(name: str = CONFIG_TABLE) -> tuple[tuple[int, GemmConfig], ...]:
+    """A measured configuration table, ``(rows, config)`` by increasing rows: by default the
+    plain GEMM's (``ctapipelining/data/gemm_configs.json``: the fastest of
+    ``benchmarks/configs.py``'s candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on
+    one H200), or ``name`` under ``ctapipelining/data`` (a pipeline's,
+    :data:`ctapipelining.pipeline.PIPELINE_TABLE`). Each row names its results folder."""
+    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
     return tuple(sorted((row["M"], GemmConfig(**row["config"])) for row in rows))
 
 

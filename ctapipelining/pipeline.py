@@ -82,15 +82,16 @@ from .gemm import (
     check_out,
     check_tensor,
     check_weight,
+    config_table,
     num_sms,
     overlaps,
+    pick_config,
     tail_split,
     tma_ready,
 )
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import (
     ENDS_CONFIG,
-    NARROW_PIPELINE_CONFIG,
     PIPELINE_CONFIG,
     TRACE_FIELDS,
     GemmConfig,
@@ -124,7 +125,7 @@ class PipelineHung(RuntimeError):
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
-NARROW_ROWS = 128  # plan heights up to this run NARROW_PIPELINE_CONFIG (Pipeline.plan_configs)
+PIPELINE_TABLE = "pipeline_configs.json"  # under ctapipelining/data: configurations per plan height
 
 
 def _int32_on(arr, device) -> torch.Tensor:
@@ -422,8 +423,7 @@ class Pipeline:
     config : tile configuration of every stage (:class:`GemmConfig`), or a list of one per stage
         (sharing ``block_m``: the links count row-blocks; only consecutive stages of one
         configuration share a chain kernel). Default: chosen per plan height
-        (:meth:`plan_configs`: narrow tiles up to :data:`NARROW_ROWS` rows, else
-        :data:`PIPELINE_CONFIG`; with ends :data:`ENDS_CONFIG`). Its ``wait_parts`` is
+        (:meth:`plan_configs`: a measured table); with ends :data:`ENDS_CONFIG`. Its ``wait_parts`` is
         capped at the producer's column-blocks; a ``workqueue`` consumer runs whole tiles once
         they are ready, so it waits for whole row-blocks (one part).
     epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage, applied to
@@ -720,13 +720,15 @@ class Pipeline:
     def plan_configs(self, M: int) -> list[GemmConfig]:
         """Each stage's configuration in the plan of ``M`` rows (a plan height): the
         constructor's, or, built without one (``config=None``; and without ends, prefill or
-        drain rows, epilogues or a segment), :data:`NARROW_PIPELINE_CONFIG` up to
-        :data:`NARROW_ROWS` rows (64 x 128 tiles: 128 CTAs busy where 128 x 256 tiles keep 32;
-        two 8192-wide stages in one chain kernel at 128 rows ran 0.57x as long,
-        benchmarks/results/2026-12-01-h200-configs/run3-shared/) and :data:`PIPELINE_CONFIG`
-        above."""
-        if self._per_height and M <= NARROW_ROWS:
-            return [NARROW_PIPELINE_CONFIG] * len(self.weights)
+        drain rows, epilogues or a segment), the measured table's row for ``M``
+        (:data:`PIPELINE_TABLE`, :func:`~ctapipelining.gemm.pick_config`): the fastest of
+        ``benchmarks/configs.py``'s candidates for two 8192-wide stages in one chain kernel on one
+        H200 at each plan height (``benchmarks/results/2026-12-01-h200-configs/run5-chain/``).
+        Few rows take narrow tiles (64 x 128 up to 128 rows, 128 x 128 up to 256: more CTAs busy),
+        taller plans 128 x 256 tiles, with the last partial round split along K where that
+        measured faster (at 640 rows: 0.91x the unsplit time)."""
+        if self._per_height:
+            return [pick_config(config_table(PIPELINE_TABLE), M)] * len(self.weights)
         return self.configs
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:

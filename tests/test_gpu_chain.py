@@ -25,8 +25,9 @@ def chain(*dims):
 
 
 CASES = [  # (widths, rows)
-    ((8192, 8192, 8192), 640),  # two waves of tiles a layer: the combined order's three rounds
-    ((8192, 8192, 8192), 128),  # the narrow tiles' plan (Pipeline.plan_configs): two 64-row blocks
+    ((8192, 8192, 8192), 640),  # two waves of tiles a layer: the combined order's three rounds (split tail)
+    ((8192, 8192, 8192), 128),  # the table's narrow tiles (Pipeline.plan_configs): two 64-row blocks
+    ((8192, 8192, 8192), 256),  # the table's 128 x 128 tiles with a split tail
     ((5000, 7000, 5000), 3000),  # nothing divides the tiles
     ((4096, 3000, 5000, 4096), 5000),
     ((2048, 4096, 2048, 4096, 2048), 16384),
@@ -39,17 +40,22 @@ CASES = [  # (widths, rows)
 @pytest.mark.parametrize("dims,M", CASES)
 @pytest.mark.parametrize("wide", [False, True])
 def test_chain_kernel_equals_the_stages_one_after_another(policy, dims, M, wide):
-    """Each case in the plan's own configuration (``wide=False``: narrow tiles at 128 rows) and
-    in ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height."""
+    """Each case in the plan's own configuration (``wide=False``: the measured table's row for
+    its height) and in ``PIPELINE_CONFIG``'s 128 x 256 tiles where that differs."""
+    from ctapipelining.gemm import config_table, pick_config
     from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+    from ctapipelining.pipeline import PIPELINE_TABLE
 
-    if wide and M > 128:
-        pytest.skip("above 128 rows a plan's own configuration is PIPELINE_CONFIG")
     ws = chain(*dims)
-    pipe = Pipeline(ws, policy=policy, config=PIPELINE_CONFIG if wide else None)
+    pipe = Pipeline(ws, policy=policy)
+    own = pick_config(config_table(PIPELINE_TABLE), pipe.rows_for(M))
+    if wide and own == PIPELINE_CONFIG:
+        pytest.skip("the plan's own configuration is PIPELINE_CONFIG")
+    if wide:
+        pipe = Pipeline(ws, policy=policy, config=PIPELINE_CONFIG)
     plan = pipe.plan(M)
     assert isinstance(plan.launches[0].gemm, ChainLaunch)
-    assert plan.configs[0].block_m == (64 if M <= 128 and not wide else 128)
+    assert plan.configs == [PIPELINE_CONFIG if wide else own] * len(ws)
     for _ in range(2):
         x = rand(M, dims[0])
         for buf in plan.inputs[1:]:

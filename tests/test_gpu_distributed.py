@@ -38,7 +38,7 @@ def test_through_symmetric_memory_equals_the_one_process_pipeline(world1, policy
     ws = weights(dims)
     pipe = DistributedPipeline(ws, policy=policy, loopback=True, timeout_s=0.5)
     # the one-process pipeline in the distributed default's tiles at every height (built without a
-    # config, it takes narrow tiles up to 128 rows)
+    # config, it takes its table's tiles per plan height)
     ref = Pipeline(ws, policy=policy, loopback=True, timeout_s=0.5, config=PIPELINE_CONFIG)
     for M in (3000, 128, 3000):
         x = torch.randn(M, dims[0], device="cuda:0").bfloat16()

@@ -213,17 +213,21 @@ def test_configs_fit_shared_memory():
     assert np.all([c.block_m % 16 == 0 for c in get_configs()])
 
 
-def test_the_config_table_is_what_its_results_measured():
-    """Every row of the packaged table is a valid configuration that fits shared memory and is
-    the fastest candidate its results folder recorded at that row count (not edited by hand)."""
+@pytest.mark.parametrize("table", ["gemm_configs.json", "pipeline_configs.json"])
+def test_the_config_table_is_what_its_results_measured(table):
+    """Every row of a packaged table (the plain GEMM's, a pipeline's per plan height) is a valid
+    configuration that fits shared memory and is the fastest candidate its results folder
+    recorded at that row count (not edited by hand)."""
     import json
     from pathlib import Path
 
     from ctapipelining.gemm import CONFIG_TABLE, config_table
+    from ctapipelining.pipeline import PIPELINE_TABLE
 
+    assert table in (CONFIG_TABLE, PIPELINE_TABLE)
     root = Path(__file__).parent.parent
-    rows = json.loads((root / "ctapipelining" / "data" / CONFIG_TABLE).read_text())["rows"]
-    assert [r for r, _ in config_table()] == sorted(r["M"] for r in rows)
+    rows = json.loads((root / "ctapipelining" / "data" / table).read_text())["rows"]
+    assert [r for r, _ in config_table(table)] == sorted(r["M"] for r in rows)
     for row in rows:
         cfg = GemmConfig(**row["config"])
         assert cfg.smem_bytes() <= 227 * 1024

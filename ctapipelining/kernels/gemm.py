@@ -119,10 +119,6 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, split_tail=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, wait_parts=8)
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-# a pipeline's stages on few rows (Pipeline.plan_configs): 64 x 128 tiles, K-steps of 128, 4 warps
-# (the plain GEMM's tiles at 128 rows, benchmarks/results/2026-12-01-h200-configs/; two stages in one
-# chain kernel on them at 128 rows ran 0.57x as long as on 128 x 256 tiles, run3-shared/)
-NARROW_PIPELINE_CONFIG = GemmConfig(64, 128, 128, group_m=4, num_stages=4, num_warps=4, wait_parts=8)
 # a GEMM with a fused epilogue: whole tiles; with a residual that its epilogue loads (a pipeline
 # stage's, or into an output with padded rows), whose tile needs shared memory too, 128 x 256 tiles
 # fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x as long
