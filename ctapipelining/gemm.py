@@ -622,6 +622,17 @@ class GemmLaunch:
         """Whether every specialisation compiled so far launches through :class:`RawLaunch`."""
         return bool(self._compiled) and all(raw is not None for _, raw in self._compiled.values())
 
+    def bound(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple | None:
+        """``(raw launch, its arguments)`` for a launch without a residual or norm statistics on
+        these operands (already checked), once their specialisation is compiled and launches
+        raw; else None. The arguments hold addresses and tensor maps, no tensor."""
+        if self.stats is not None or self.accumulate or (self.epilogue is not None and self.epilogue.residual):
+            return None
+        got = self._compiled.get((c.stride(0) == c.shape[1], c.stride(0), a.dtype, residual_key(None)))
+        if got is None or got[1] is None:
+            return None
+        return got[1], self.raw_args(got[1].tensor_map, a, b, c)
+
 
 def launch_gemm(a, b, c, config: GemmConfig, num_ctas: int, **hooks):
     """Bind and launch once: ``GemmLaunch(M, N, K, config, num_ctas, a.device, **hooks)(a, b, c)``."""
@@ -635,6 +646,18 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
+# matmul's checked calls: (signature of a, b, out (None: a new one), config, stream) -> (launch,
+# raw launch, its arguments (None: out is new each call), out's shape); cleared when full
+_BOUND: dict[tuple, tuple] = {}
+MAX_BOUND = 64
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """What every check of an operand reads: its address, shape, strides, dtype and device.
+    Addresses are unique across the GPUs of a process (unified addressing), so two tensors with
+    one signature pass or fail the same checks, overlap the same tensors and take the same
+    tensor maps."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
 
 
 @functools.lru_cache(maxsize=64)
@@ -703,7 +726,27 @@ def matmul(
     ``config``, the configuration measured fastest for its row count (:func:`plain_config`).
     Its launches, bound once
     per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
-    so the buffers the graph points at (split tail, norm statistics) are never freed."""
+    so the buffers the graph points at (split tail, norm statistics) are never freed. A call
+    without an epilogue whose operands have the signature (:func:`signature`) of an earlier
+    checked call on the same stream skips the checks it passed and launches its bound arguments
+    (64 kept): the host time of an eager call is then little more than the launch's."""
+    key = None
+    plain = epilogue is None and residual is None and (config is None or type(config) is GemmConfig)
+    if plain and type(a) is type(b) is torch.Tensor and (out is None or type(out) is torch.Tensor) and a.is_cuda:
+        stream = torch._C._cuda_getCurrentRawStream(a.get_device())
+        key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
+        hit = _BOUND.get(key)
+        if hit is not None and not knobs.runtime.launch_enter_hook.calls:  # (a profiler's hooks: Triton's path)
+            launch, raw, args, shape = hit
+            if out is None:
+                out = torch.empty(shape, dtype=a.dtype, device=a.device)
+                args = launch.raw_args(raw.tensor_map, a, b, out)
+            if torch.cuda.is_current_stream_capturing():
+                _CAPTURED.add(launch)
+            index = a.get_device()
+            with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
+                raw(launch.num_ctas, stream, *args)
+            return out
     check_operands(a, b)
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
@@ -760,4 +803,9 @@ def matmul(
     # the kernel launches in the current device's context
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
         launch(a, b, out, residual=residual)
+    bound = None if key is None else launch.bound(a, b, out)
+    if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.clear()
+        _BOUND[key] = (launch, bound[0], None if key[2] is None else bound[1], out.shape)
     return out

@@ -432,7 +432,8 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
     table = config_table(PIPELINE_TABLE)
     ws = chain(256, 512, 136)
     pipe = Pipeline(ws, loopback=loopback, policy=policy)
-    for M, height, block_m in ((1, 128, 64), (128, 128, 64), (200, 256, 128)):
+    assert pipe.rows_for(1) == 128
+    for M, height, block_m in ((128, 128, 64), (200, 256, 128)):
         assert pipe.rows_for(M) == height
         plan = pipe.plan(M)
         assert plan.configs == [pick_config(table, height)] * 2

@@ -136,6 +136,39 @@ def test_cached_launch_equals_tritons_launch_path(M):
     assert float((first.float() - a.float() @ b.float()).norm() / (a.float() @ b.float()).norm()) < 2e-2
 
 
+def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_must():
+    """A call whose operands have the signature of an earlier checked call launches its bound
+    arguments (``gemm._BOUND``), bitwise the first call, with ``out`` given or new, and in a CUDA
+    graph; an operand with another signature (a transposed ``out``, an ``out`` overlapping ``a``,
+    the same address in another dtype) goes through the checks and is refused."""
+    from ctapipelining import gemm
+
+    a, b = rand(2048, 1024), rand(1024, 512, scale=1024**-0.5)
+    first = matmul(a, b)
+    y = torch.full_like(first, float("nan"))
+    for _ in range(3):
+        matmul(a, b, out=y)
+        assert torch.equal(y, first)
+        assert torch.equal(matmul(a, b), first)
+    bound = [k for k in gemm._BOUND if k[0] == gemm.signature(a) and k[1] == gemm.signature(b)]
+    assert len(bound) == 2 and {k[2] is None for k in bound} == {True, False}  # out new, out given
+    y.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        matmul(a, b, out=y)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, first)
+    with pytest.raises(ValueError, match="row-major"):
+        matmul(a, b, out=torch.empty(512, 2048, dtype=torch.bfloat16, device="cuda:0").t())
+    big = rand(2048, 1024)
+    matmul(big, b, out=y)
+    with pytest.raises(ValueError, match="overlaps"):
+        matmul(big, b, out=big[:, :512])
+    with pytest.raises(ValueError, match="torch.bfloat16 tensor, got .* torch.float16"):
+        matmul(a, b, out=y.view(torch.float16))
+
+
 def test_a_launch_compiled_for_one_dtype_is_not_reused_for_another():
     """Same shape, bf16 then fp16 then bf16: each dtype gets its own compiled kernel."""
     a, b = rand(512, 1024), rand(1024, 512, scale=1024**-0.5)
