@@ -542,23 +542,28 @@ def traced_tile_ns(trace: Path | str) -> float:
 
 def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: float | None = None) -> list[dict]:
     """Predicted against measured ratios of ``benchmarks/shared_gpu.py``'s results (two
-    ``K``-wide layers on one GPU): the chain kernel over our GEMMs one after another, and over
-    the loopback. ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in
-    place of the calibration's. The model has no clocks: a GPU whose SMs partly idle (a
-    loopback's waiting consumer) clocks up, which it does not see."""
+    ``K``-wide layers on one GPU): the chain kernel over our GEMMs one after another, over the
+    loopback, stage after stage over interleaved, and with a split last round over without.
+    The model's tiles are the calibration's (128 x 256) at every height: a run that also has a
+    ``chain_wide`` line (the chain on those tiles, where ``chain`` takes its tiles per plan
+    height) is compared through it. ``tile_ns``: the tile time on that GPU (e.g.
+    :func:`traced_tile_ns`), in place of the calibration's. The model has no clocks: a GPU
+    whose SMs partly idle (a loopback's waiting consumer) clocks up, which it does not see."""
     if tile_ns is not None:
         cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
     r = json.loads(Path(results).read_text())
     rows = []
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
+        chain = "chain_wide" if "chain_wide" in med else "chain"
         p = {
-            "chain": simulate_chain_kernel(M, [K, K, K], cal),
+            chain: simulate_chain_kernel(M, [K, K, K], cal),
             "chain_stage_major": simulate_chain_kernel(M, [K, K, K], cal, interleave=False),
+            "chain_split": simulate_chain_kernel(M, [K, K, K], cal, split_tail=True),
             "ours_seq": simulate_ours_sequential(M, [K, K, K], cal),
             "loopback": simulate_loopback(M, [K, K, K], cal),
         }
-        ratios = [("chain", "ours_seq"), ("chain", "loopback"), ("chain_stage_major", "chain")]
+        ratios = [(chain, "ours_seq"), (chain, "loopback"), ("chain_stage_major", chain), ("chain_split", chain)]
         for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
             predicted = p[num] / p[den]
