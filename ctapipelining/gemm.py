@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import weakref
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -646,18 +648,20 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
-# matmul's checked calls: (signature of a, b, out (None: a new one), config, stream) -> (launch,
-# raw launch, its arguments (None: out is new each call), out's shape); cleared when full
-_BOUND: dict[tuple, tuple] = {}
+# matmul's checked calls, least recently used first: (signature of a, b, out (None: a new one),
+# config, stream) -> (the launch, weakly: it lives as long as _plain_launch's cache or a graph
+# keeps it; its raw launch; its arguments (None: out is new each call); out's shape)
+_BOUND: OrderedDict[tuple, tuple] = OrderedDict()
 MAX_BOUND = 64
+_OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
 
 
 def signature(t: torch.Tensor) -> tuple:
-    """What every check of an operand reads: its address, shape, strides, dtype and device.
-    Addresses are unique across the GPUs of a process (unified addressing), so two tensors with
-    one signature pass or fail the same checks, overlap the same tensors and take the same
-    tensor maps."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+    """What every check of an operand reads: its address, shape, strides, dtype and device (a
+    CUDA device's index, -1 for any other). Addresses are unique across the GPUs of a process
+    (unified addressing), so two tensors with one signature pass or fail the same checks,
+    overlap the same tensors and take the same tensor maps."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device() if t.is_cuda else -1
 
 
 @functools.lru_cache(maxsize=64)
@@ -729,15 +733,22 @@ def matmul(
     so the buffers the graph points at (split tail, norm statistics) are never freed. A call
     without an epilogue whose operands have the signature (:func:`signature`) of an earlier
     checked call on the same stream skips the checks it passed and launches its bound arguments
-    (64 kept): the host time of an eager call is then little more than the launch's."""
+    (the 64 most recently used kept): the host time of an eager call is then little more than
+    the launch's."""
     key = None
     plain = epilogue is None and residual is None and (config is None or type(config) is GemmConfig)
-    if plain and type(a) is type(b) is torch.Tensor and (out is None or type(out) is torch.Tensor) and a.is_cuda:
+    types = _OPERAND_TYPES
+    if plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda:
         stream = torch._C._cuda_getCurrentRawStream(a.get_device())
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
         hit = _BOUND.get(key)
-        if hit is not None and not knobs.runtime.launch_enter_hook.calls:  # (a profiler's hooks: Triton's path)
-            launch, raw, args, shape = hit
+        launch = hit and hit[0]()
+        if launch is not None and not knobs.runtime.launch_enter_hook.calls:  # (a profiler's hooks: Triton's path)
+            try:
+                _BOUND.move_to_end(key)
+            except KeyError:  # another thread's call dropped it meanwhile
+                pass
+            _, raw, args, shape = hit
             if out is None:
                 out = torch.empty(shape, dtype=a.dtype, device=a.device)
                 args = launch.raw_args(raw.tensor_map, a, b, out)
@@ -805,7 +816,7 @@ def matmul(
         launch(a, b, out, residual=residual)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
-        if len(_BOUND) >= MAX_BOUND:
-            _BOUND.clear()
-        _BOUND[key] = (launch, bound[0], None if key[2] is None else bound[1], out.shape)
+        _BOUND[key] = (weakref.ref(launch), bound[0], None if key[2] is None else bound[1], out.shape)
+        while len(_BOUND) > MAX_BOUND:
+            _BOUND.popitem(last=False)
     return out

@@ -136,37 +136,54 @@ def test_cached_launch_equals_tritons_launch_path(M):
     assert float((first.float() - a.float() @ b.float()).norm() / (a.float() @ b.float()).norm()) < 2e-2
 
 
-def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_must():
+def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_must(monkeypatch):
     """A call whose operands have the signature of an earlier checked call launches its bound
-    arguments (``gemm._BOUND``), bitwise the first call, with ``out`` given or new, and in a CUDA
-    graph; an operand with another signature (a transposed ``out``, an ``out`` overlapping ``a``,
-    the same address in another dtype) goes through the checks and is refused."""
+    arguments (``gemm._BOUND``) without running the checks again, bitwise the first call, with
+    ``out`` given or new, eagerly and in a CUDA graph; an operand whose signature differs in
+    any field (strides, shape, dtype) goes through the checks and is refused."""
     from ctapipelining import gemm
 
+    gemm._BOUND.clear()
     a, b = rand(2048, 1024), rand(1024, 512, scale=1024**-0.5)
     first = matmul(a, b)
     y = torch.full_like(first, float("nan"))
-    for _ in range(3):
+    matmul(a, b, out=y)  # checked: bound for (a, b, y) and (a, b, new)
+    assert len(gemm._BOUND) == 2 and {k[2] is None for k in gemm._BOUND} == {True, False}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # bound on the capture stream too
         matmul(a, b, out=y)
+    torch.cuda.current_stream().wait_stream(side)
+
+    def refuse(*args, **kw):
+        raise AssertionError("a bound call ran the checks")
+
+    with monkeypatch.context() as m:  # from here on a call that runs the checks fails
+        for name in ("check_operands", "check_out", "overlaps", "_plain_launch"):
+            m.setattr(gemm, name, refuse)
+        for _ in range(3):
+            y.fill_(float("nan"))
+            matmul(a, b, out=y)
+            assert torch.equal(y, first)
+            poison = torch.full_like(first, float("nan"))
+            del poison  # the allocator's next block of this size: a new output written over NaN
+            assert torch.equal(matmul(a, b), first)
+        y.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            matmul(a, b, out=y)
+        assert any(lc is gemm._BOUND[k][0]() for k in gemm._BOUND for lc in gemm._CAPTURED)
+        graph.replay()
+        torch.cuda.synchronize()
         assert torch.equal(y, first)
-        assert torch.equal(matmul(a, b), first)
-    bound = [k for k in gemm._BOUND if k[0] == gemm.signature(a) and k[1] == gemm.signature(b)]
-    assert len(bound) == 2 and {k[2] is None for k in bound} == {True, False}  # out new, out given
-    y.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        matmul(a, b, out=y)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, first)
-    with pytest.raises(ValueError, match="row-major"):
-        matmul(a, b, out=torch.empty(512, 2048, dtype=torch.bfloat16, device="cuda:0").t())
-    big = rand(2048, 1024)
-    matmul(big, b, out=y)
-    with pytest.raises(ValueError, match="overlaps"):
-        matmul(big, b, out=big[:, :512])
-    with pytest.raises(ValueError, match="torch.bfloat16 tensor, got .* torch.float16"):
+    with pytest.raises(ValueError, match="row-major"):  # y's address and shape, other strides
+        matmul(a, b, out=y.view(512, 2048).t())
+    with pytest.raises(ValueError, match=r"must be a \[2048, 512\]"):  # y's address, another shape
+        matmul(a, b, out=y.view(512, 2048))
+    with pytest.raises(ValueError, match="torch.bfloat16 tensor, got .* torch.float16"):  # another dtype
         matmul(a, b, out=y.view(torch.float16))
+    with pytest.raises(ValueError, match="overlaps"):  # a's own memory as out
+        matmul(a, b, out=a[:, :512])
 
 
 def test_a_launch_compiled_for_one_dtype_is_not_reused_for_another():

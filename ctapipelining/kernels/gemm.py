@@ -107,7 +107,9 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 #   (the producer alone then runs as fast as the plain GEMM, 3.280 vs 3.286 ms; signalling
 #   right after the store: 3.396 ms); TMA-store producers 0.980-0.995x ordinary stores over the
 #   whole chain, paired (their writes into the peer are asynchronous bulk copies). A split
-#   tail buys the chain nothing (0.999x), so it is off.
+#   tail bought that chain nothing (0.999x), so PIPELINE_CONFIG has none; a pipeline built
+#   without a configuration takes its tiles per plan height from a table measured on two stages
+#   sharing one H200 (Pipeline.plan_configs), with a split last round where it measured faster.
 # - waiting in parts: a static consumer waiting for its rows in 2 / 4 / 8 parts ran the chain
 #   0.976x / 0.951x / 0.948x the whole-row-block wait (the consumer's tiles are faster than
 #   the producer's, so it catches up and would otherwise start each round only when a whole
