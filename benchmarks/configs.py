@@ -2,6 +2,7 @@
 tables ``ctapipelining.gemm.plain_config`` and ``ctapipelining.pipeline.Pipeline.plan_configs`` read.
 
 usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS] [plain|chain]
+       python3 benchmarks/configs.py package RUN_DIR RESULTS_FOLDER
 
 ``plain`` (default): ``X[M, 8192] @ W[8192, 8192]`` on cuda:0, bf16, at each M of ROWS (default
 128, 640, 768, 1024, 2048, 4096, 16384): cuBLAS (``torch.mm``) and
@@ -15,7 +16,12 @@ kernel (a :class:`~ctapipelining.pipeline.Pipeline` built with each candidate of
 :data:`CHAIN_CANDIDATES`, each checked bitwise against its ``sequential``), against the floor: the
 faster of cuBLAS twice and our plain GEMM twice (each in its measured configuration). Writes
 OUT_DIR/configs.json (the same fields, each candidate over the floor) and
-OUT_DIR/pipeline_configs.json.
+OUT_DIR/pipeline_configs.json. Its ``best`` is the fastest by median, but a split last round
+only where it beats the same tiles unsplit by more than :data:`SPLIT_MARGIN` (within it, the
+two differ by noise, and the split holds the last stage's body twice).
+
+``package``: write RUN_DIR's table (``gemm_configs.json`` or ``pipeline_configs.json``) into
+``ctapipelining/data/``, each row naming RESULTS_FOLDER (where RUN_DIR's files are kept).
 
 Every line is graph-replayed and timed by the bench's harness (shuffled turns, paired).
 ``ctapipelining/data/{gemm,pipeline}_configs.json`` gather these rows, each naming its results
@@ -34,14 +40,16 @@ from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import SMEM_LIMIT, GemmConfig
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
-OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
-REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-KIND = sys.argv[4] if len(sys.argv) > 4 else "plain"
+ARGS = [] if sys.argv[1:2] == ["package"] else sys.argv[1:]  # package: its own arguments
+OUT = Path(ARGS[0]) if len(ARGS) > 0 else Path(".")
+REPS = int(ARGS[1]) if len(ARGS) > 1 else 20
+KIND = ARGS[3] if len(ARGS) > 3 else "plain"
+SPLIT_MARGIN = 0.01  # chain mode: a split last round must be faster than unsplit by more than this
 DEFAULT_ROWS = {
     "plain": [128, 640, 768, 1024, 2048, 4096, 16384],
     "chain": [128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 16384],  # plan heights
 }
-ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else DEFAULT_ROWS[KIND]
+ROWS = [int(m) for m in ARGS[2].split(",")] if len(ARGS) > 2 and ARGS[2] else DEFAULT_ROWS[KIND]
 K = N = 8192
 
 CANDIDATES = {  # name: config (group_m 8: the plain GEMM's grouped order)
@@ -138,7 +146,11 @@ def chain():
         for name in fits:
             med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[floor])])
             row[f"{name}/floor"] = {"median": med, "ci95": [lo, hi]}
-        best = min(fits, key=lambda k: row["median_ms"][k])
+        ms = row["median_ms"]
+        best = min(fits, key=ms.get)
+        whole = best.removesuffix("_split")
+        if whole != best and whole in fits and ms[best] > (1 - SPLIT_MARGIN) * ms[whole]:
+            best = whole
         row["best"] = best
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_floor": row[f"{best}/floor"]})
@@ -146,6 +158,30 @@ def chain():
         for pipe in pipes.values():
             pipe.check_errors()
         write(report, table, "pipeline_configs.json")  # after each row: a run cut short keeps its rows
+
+
+def package(run: Path, folder: str) -> None:
+    """Write ``run``'s table into ``ctapipelining/data/`` (module docstring)."""
+    name = "pipeline_configs.json" if (run / "pipeline_configs.json").exists() else "gemm_configs.json"
+    env = json.loads((run / "configs.json").read_text())["environment"]
+    table = json.loads((run / name).read_text())
+    over = "over_floor" if name == "pipeline_configs.json" else "over_cublas"
+    what = {
+        "gemm_configs.json": "the plain GEMM's tile configuration per row count: for M rows, the row of the smallest "
+        "M >= it (the last row's beyond it); each row the fastest candidate of benchmarks/configs.py at that M",
+        "pipeline_configs.json": "a pipeline's tile configuration per plan height (Pipeline.plan_configs, built "
+        "without a configuration): for a plan of M rows, the row of the smallest M >= it (the last row's beyond "
+        "it); each row the best candidate of benchmarks/configs.py's chain mode at that M (two 8192-wide stages in "
+        "one chain kernel on one GPU; a split last round only where it is faster by more than 1%)",
+    }[name]
+    measured = {"device": table["measured"]["device"], "N": N, "K": K, "dtype": "bfloat16",
+                "date": env["date"][:10], "torch": env["torch"], "triton": env["triton"]}  # fmt: skip
+    rows = [
+        {"M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder}
+        for r in table["rows"]
+    ]
+    data = Path(__file__).parents[1] / "ctapipelining" / "data" / name
+    data.write_text(json.dumps({"what": what, "measured": measured, "rows": rows}, indent=1) + "\n")
 
 
 def write(report: dict, table: list, name: str) -> None:
@@ -156,4 +192,7 @@ def write(report: dict, table: list, name: str) -> None:
 
 
 if __name__ == "__main__":
-    {"plain": plain, "chain": chain}[KIND]()
+    if sys.argv[1:2] == ["package"]:
+        package(Path(sys.argv[2]), sys.argv[3])
+    else:
+        {"plain": plain, "chain": chain}[KIND]()
