@@ -723,10 +723,12 @@ class Pipeline:
         drain rows, epilogues or a segment), the measured table's row for ``M``
         (:data:`PIPELINE_TABLE`, :func:`~ctapipelining.gemm.pick_config`): the fastest of
         ``benchmarks/configs.py``'s candidates for two 8192-wide stages in one chain kernel on one
-        H200 at each plan height (``benchmarks/results/2026-12-01-h200-configs/run5-chain/``).
+        H200 at each plan height (``benchmarks/results/2026-12-01-h200-configs/run7-final/``).
         Few rows take narrow tiles (64 x 128 up to 128 rows, 128 x 128 up to 256: more CTAs busy),
-        taller plans 128 x 256 tiles, with the last partial round split along K where that
-        measured faster (at 640 rows: 0.91x the unsplit time)."""
+        taller plans 128 x 256 tiles, with the last partial round split along K where that is
+        faster by more than 1% (at 640 rows: 0.86-0.91x the unsplit time, ``run5-chain/``,
+        ``run7-final/``). Measured with the stages sharing a GPU; a pipeline whose stages are
+        on different GPUs takes the same table."""
         if self._per_height:
             return [pick_config(config_table(PIPELINE_TABLE), M)] * len(self.weights)
         return self.configs

@@ -11,7 +11,8 @@ on: everything (both policies), or only the last part of each row-block's input,
 being there from the start (``static_late_part``: the race is then on a wait inside the K
 loop). The sleeps sweep a window centred on the deadline, found first by bisection (on the
 majority of three trials per step), so a share of the trials release within a few microseconds
-of it either way; the centre follows the outcomes near it (the edge drifts with the clocks).
+of it either way; the centre follows the outcomes on the wrong side of it (the edge drifts with
+the clocks, and one bisection step misled by a late launch misplaces it).
 Prints one JSON line."""
 
 import contextlib
@@ -25,7 +26,7 @@ from ctapipelining.gemm import matmul
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
 
 TIMEOUT_S = 300e-6
-EDGE_STEP_US = 0.25  # how far the window's centre follows each outcome near it
+EDGE_STEP_US = 0.5  # how far the window's centre moves for each outcome on the wrong side of it
 
 
 def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> dict:
@@ -93,8 +94,10 @@ def run_policy(policy, ws, x, side, cycles_per_us, trials, late_part=False) -> d
         counts[r] += 1
         if abs(d - edge) <= 5 and r in near:
             near[r] += 1
-            # the edge drifts with the GPU's clocks: a release near it that ran right says the
-            # deadline is later, a timeout that it is earlier; the window follows it
+        # the edge drifts with the clocks, and the bisection may misplace it: a release after the
+        # centre that ran right says the deadline is later, one before it that timed out that it is
+        # earlier; the centre follows those (balanced where both sides are equally likely)
+        if r == "right" and d > edge or r == "timeout" and d < edge:
             edge += EDGE_STEP_US if r == "right" else -EDGE_STEP_US
     return {"edge_delay_us": edge, "counts": counts, "within_5us_of_edge": near}
 

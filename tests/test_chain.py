@@ -420,8 +420,8 @@ def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
 @pytest.mark.parametrize("loopback,policy", [(False, "static"), (True, "workqueue")])
 def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback, policy):
     """Built without a configuration, a pipeline's plan of each height runs the measured table's
-    row for it (``PIPELINE_TABLE``): 64 x 128 tiles up to 128 rows, 128 x 128 tiles with a split
-    tail up to 256, 128 x 256 tiles above. Each call equals its sequential GEMMs (in the plan's
+    row for it (``PIPELINE_TABLE``): 64 x 128 tiles up to 128 rows, 128 x 128 tiles up to 256,
+    128 x 256 tiles above. Each call equals its sequential GEMMs (in the plan's
     configuration) bitwise: in a chain kernel, whose second stage waits for its rows in 4 parts
     inside its K loop (512 wide), and as two kernels taking ready tiles from a ring. A
     configuration given, ends or epilogues fix the tiles at every height."""
@@ -440,7 +440,7 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
         assert all(lc.gemm.config.block_m == block_m for lc in plan.launches)
         x = torch.randn(M, 256).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
-    assert plan.configs[0].split_tail and plan.configs[0].block_n == 128  # the 256-row height's
+    assert plan.configs[0].block_n == 128  # the 256-row height's
     assert pipe.plan_configs(pipe.rows_for(300)) == [pick_config(table, 384)] * 2 == [PIPELINE_CONFIG] * 2
     if not loopback:
         assert pipe.plan(1).links[0].dep.parts == 4  # one a K-step: waits inside the K loop

@@ -27,7 +27,7 @@ def chain(*dims):
 CASES = [  # (widths, rows)
     ((8192, 8192, 8192), 640),  # two waves of tiles a layer: the combined order's three rounds (split tail)
     ((8192, 8192, 8192), 128),  # the table's narrow tiles (Pipeline.plan_configs): two 64-row blocks
-    ((8192, 8192, 8192), 256),  # the table's 128 x 128 tiles with a split tail
+    ((8192, 8192, 8192), 256),  # the table's 128 x 128 tiles
     ((5000, 7000, 5000), 3000),  # nothing divides the tiles
     ((4096, 3000, 5000, 4096), 5000),
     ((2048, 4096, 2048, 4096, 2048), 16384),
