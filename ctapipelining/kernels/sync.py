@@ -123,7 +123,7 @@ _SPIN_PTX = tl.constexpr("""
   mov.u64 %wt0, %globaltimer;
   add.u64 %wt0, %wt0, $3;
 WAIT_LOOP:
-  ld.acquire.gpu.global.b64 $0, [$1];
+  ld.acquire.sys.global.b64 $0, [$1];
   sub.s64 %wd, $0, $2;
   setp.ge.s64 %wp0, %wd, 0;
   @%wp0 bra WAIT_DONE;
@@ -293,11 +293,11 @@ def signal_tile(tile, epoch, signal, QUEUE: tl.constexpr, INTERPRET: tl.constexp
         if j < num_signals:
             c = tl.load(signal.signal_counters + first_signal + j)
             if QUEUE:
-                old = tl.atomic_add(signal.counters + c, 1, sem="acq_rel", scope="gpu")
+                old = tl.atomic_add(signal.counters + c, 1, sem="acq_rel", scope="sys")
                 if old + 1 == epoch * tl.load(signal.need + c):
                     first = tl.load(signal.push_ptr + c)
                     n = tl.load(signal.push_ptr + c + 1) - first
-                    pos = tl.atomic_add(signal.tail, n, sem="relaxed", scope="gpu")
+                    pos = tl.atomic_add(signal.tail, n, sem="relaxed", scope="sys")
                     k = tl.arange(0, signal.PUSH_BLOCK)
                     ts = tl.load(signal.push_tiles + first + k, mask=k < n, other=0)
                     q = pos + k
@@ -306,7 +306,7 @@ def signal_tile(tile, epoch, signal, QUEUE: tl.constexpr, INTERPRET: tl.constexp
                         (q // signal.consumer_tiles + 1) * signal.consumer_tiles + ts,
                         mask=k < n,
                         sem="release",
-                        scope="gpu",
+                        scope="sys",
                     )
             else:
-                tl.atomic_add(signal.counters + c, 1, sem="release", scope="gpu")
+                tl.atomic_add(signal.counters + c, 1, sem="release", scope="sys")
