@@ -34,7 +34,8 @@ import torch
 from ctapipelining import deps
 from ctapipelining.gemm import GemmLaunch, grid_size, matmul
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
-from ctapipelining.pipeline import Link, Pipeline
+from ctapipelining.pipeline import Pipeline
+from ctapipelining.plan import Link
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")

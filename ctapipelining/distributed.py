@@ -58,8 +58,9 @@ from . import deps, fabric
 from .gemm import check_out, check_weight, num_sms, overlaps
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
-from .pipeline import MAX_PLANS, ROW_BUCKETS, Link, Pipeline, PipelineHung, PipelineTimeout, Plan, Segment, SignalLists
-from .pipeline import link_dependency as _link_dependency
+from .pipeline import MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
+from .plan import Link, Plan, Segment, SignalLists
+from .plan import link_dependency as _link_dependency
 
 ALIGN = 256  # bytes: every heap region starts on this boundary (TMA wants 16; a cache line is 128)
 HANDSHAKE_WARPS = 1
@@ -171,7 +172,7 @@ def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torc
 @dataclass(eq=False)
 class DistributedPlan:
     """This rank's part of a plan of ``M`` rows: its heap, the links that touch it, and per
-    local segment its :class:`~ctapipelining.pipeline.Plan`, its input and output (None: the
+    local segment its :class:`~ctapipelining.plan.Plan`, its input and output (None: the
     caller's ``x`` / ``out``) and its handshake state (``calls``: int64 [1], this plan's
     calls on the segment; the flags: int64 [1] views of a heap, None where there is no
     neighbour)."""

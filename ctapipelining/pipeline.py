@@ -5,7 +5,7 @@ A call launches every stage at once, each GPU's stages on a stream of that GPU; 
 writes its tiles into stage ``s + 1``'s input buffer on the next GPU and signals them there, and
 stage ``s + 1``'s persistent CTAs start each tile as soon as its input rows have landed.
 
-State lives in one object per input height ``M`` (:class:`Plan`): the intermediate buffers,
+State lives in one object per input height ``M`` (:class:`~ctapipelining.plan.Plan`): the intermediate buffers,
 each link's scoreboard and ring, each stage's epoch and error word, and the launch records a
 call runs (every kernel bound once, so a call only launches). Counters only grow, so
 back-to-back calls need no reset, and a call can be captured in a CUDA graph:
@@ -64,21 +64,17 @@ import dataclasses
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import triton
 
 from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .epilogue import Epilogue
 from .gemm import (
     GemmLaunch,
-    SignalHook,
     TailBuffers,
-    WaitHook,
     check_out,
     check_tensor,
     check_weight,
@@ -98,6 +94,7 @@ from .kernels.gemm import (
     fits_loaded_residual,
 )
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
+from .plan import Launch, Link, Plan, Segment, SignalLists, i64_zeros, link_dependency, sums_to
 from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
@@ -126,211 +123,6 @@ class PipelineHung(RuntimeError):
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 PIPELINE_TABLE = "pipeline_configs.json"  # under ctapipelining/data: configurations per plan height
-
-
-def _int32_on(arr, device) -> torch.Tensor:
-    return torch.as_tensor(arr, dtype=torch.int32).to(device)
-
-
-def _i64(n: int, device) -> torch.Tensor:
-    """Protocol state: int64 zeros (counters, slots, head, tail, epochs, error words)."""
-    return torch.zeros(n, dtype=torch.int64, device=device)
-
-
-@dataclass
-class SignalLists:
-    """A producer's read-only CSR lists (:class:`ctapipelining.deps.Dependency`), on the device
-    of the GEMM that signals with them."""
-
-    signal_ptr: torch.Tensor
-    signal_counters: torch.Tensor
-    need: torch.Tensor
-    push_ptr: torch.Tensor
-    push_tiles: torch.Tensor
-
-    @classmethod
-    def create(cls, dep: deps.Dependency, device: torch.device) -> SignalLists:
-        arrays = (dep.signal_ptr, dep.signal_counters, dep.need, dep.push_ptr, dep.push_tiles)
-        return cls(*(_int32_on(a, device) for a in arrays))
-
-
-@dataclass
-class Link:
-    """Scoreboard and ring of stage ``s`` (consumer memory) and stage ``s - 1``'s CSR lists
-    (producer memory; a prefill GEMM on the consumer's device gets a copy there), for one ``M``."""
-
-    dep: deps.Dependency
-    counters: torch.Tensor
-    counter_of_tile: torch.Tensor
-    need_consumer: torch.Tensor
-    slots: torch.Tensor
-    head: torch.Tensor
-    tail: torch.Tensor
-    lists: SignalLists
-    local_lists: SignalLists | None = None
-
-    @classmethod
-    def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
-        return cls(
-            dep=dep,
-            counters=_i64(dep.num_counters, consumer),
-            counter_of_tile=_int32_on(dep.counter_of_tile, consumer),
-            need_consumer=_int32_on(dep.need, consumer),
-            slots=_i64(dep.consumer.num_tiles, consumer),
-            head=_i64(1, consumer),
-            tail=_i64(1, consumer),
-            lists=SignalLists.create(dep, producer),
-        )
-
-    def state(self) -> list[torch.Tensor]:
-        """The tensors that only grow (zeroed by a reset)."""
-        return [self.counters, self.slots, self.head, self.tail]
-
-    def wait_hook(self, queue: bool) -> WaitHook:
-        d = self.dep
-        return WaitHook(
-            self.counters, self.counter_of_tile, self.need_consumer, self.slots, self.head, queue,
-            d.parts, d.producer.num_n, d.producer.block_n,
-        )  # fmt: skip
-
-    def signal_hook(self, queue: bool, first_tile: int = 0, local: bool = False) -> SignalHook:
-        """The producer's hook; ``first_tile``: the producer tile id of the launch's tile 0
-        (a launch on rows ``[r, M)`` numbers its tiles from 0); ``local``: the CSR lists on the
-        consumer's device (a prefill GEMM there)."""
-        lists = self.local_lists if local else self.lists
-        return SignalHook(
-            self.counters,
-            lists.signal_ptr[first_tile:],
-            lists.signal_counters,
-            lists.need,
-            lists.push_ptr,
-            lists.push_tiles,
-            self.slots,
-            self.tail,
-            self.dep.consumer.num_tiles,
-            triton.next_power_of_2(self.dep.max_push),
-            self.dep.max_signals,
-            queue,
-        )
-
-
-Rows = tuple  # ("x" | "out", first row, end row): rows of the call's own input or output
-
-
-@dataclass(eq=False)
-class Launch:
-    """One kernel of a call, bound at plan time: a stage's GEMM, a chain kernel over the
-    stages that share a GPU, or a prefill or drain GEMM. Its operands (``ops``: ``(a, b, c)``
-    per stage it runs) are plan buffers or :data:`Rows` of the call's ``x`` / ``out``."""
-
-    stream: int  # the stage whose stream (and device) runs it
-    gemm: GemmLaunch | ChainLaunch
-    ops: list[tuple]
-    stages: tuple[int, ...] = ()  # the chain's stages it runs (none: a prefill or drain GEMM)
-    # (ops: (a, b, c) per stage, and the residual as a fourth where the stage's epilogue adds one)
-    copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
-
-    def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None, compile_only: bool = False):
-        """Launch on ``stream`` (raw handle; None: the current one), which is also current
-        (``compile_only``: compile the kernel for these operands and launch nothing)."""
-        if self.copy_x is not None and not compile_only:
-            buf, rows = self.copy_x
-            buf.copy_(x[:rows])
-        ops = [tuple(_rows(t, x, out) for t in op) for op in self.ops]
-        if isinstance(self.gemm, ChainLaunch):
-            return self.gemm(ops, stream, compile_only=compile_only)
-        a, b, c, *residual = ops[0]
-        return self.gemm(a, b, c, stream, residual=residual[0] if residual else None, compile_only=compile_only)
-
-
-def _to(sums, device: torch.device):
-    """Partial sums (a tensor, a pair of them, or None) on ``device``."""
-    if sums is None:
-        return None
-    return tuple(t.to(device) for t in sums) if isinstance(sums, tuple) else sums.to(device)
-
-
-def _rows(src, x, out) -> torch.Tensor:
-    """A plan buffer (or a weight), or rows ``[lo, hi)`` of ``x`` / ``out`` (fewer when the call
-    has fewer rows than its plan: a bucketed plan; the launch reads zeros past them and writes
-    nothing)."""
-    if not isinstance(src, tuple):
-        return src
-    name, lo, hi = src
-    t = x if name == "x" else out
-    return t if lo == 0 and hi >= t.shape[0] else t[lo:hi]
-
-
-def link_dependency(
-    producer: deps.TileGrid, consumer: deps.TileGrid, consumer_k: int, queue: bool, config: GemmConfig
-) -> deps.Dependency:
-    """The dependency arrays of a link: a consumer that waits on a ring (``queue``) waits for
-    whole row-blocks; one that waits on counters does so in ``config.wait_parts`` parts (at most
-    the producer's column-blocks). Both ends of a link build it with this one rule."""
-    parts = 1 if queue else min(config.wait_parts, producer.num_n)
-    return deps.build_dependency(producer, consumer, "gemm", consumer_k=consumer_k, parts=parts)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Where a :class:`Pipeline` sits in a longer chain whose other stages run in other
-    launches (another process: :mod:`ctapipelining.distributed`). Its stages are stages
-    ``first_stage, first_stage + 1, ...`` of the chain. ``links(M)`` gives, for a plan of ``M``
-    rows, the :class:`Link` into its first stage (scoreboard and ring in this segment's memory,
-    filled by the previous segment; None for the chain's first stage) and the link out of its
-    last (the next segment's scoreboard and ring, as addressed from here; None for the chain's
-    last stage); both with :func:`link_dependency`, waited on and signalled under the
-    pipeline's policy. ``where`` names the place in errors (e.g. ``"rank 1"``)."""
-
-    first_stage: int
-    links: Callable[[int], tuple[Link | None, Link | None]]
-    where: str = ""
-
-
-@dataclass(eq=False)
-class Plan:
-    """Everything one input height ``M`` needs, allocated and bound once, reused by every call:
-    buffers, scoreboards, and the :class:`Launch` records a call runs, in stream order."""
-
-    M: int
-    inputs: list[torch.Tensor | None]  # inputs[s]: stage s's A operand (None for stage 0: the caller's x)
-    links: list[Link]  # links[s - 1]: stage s-1 -> stage s
-    epochs: list[torch.Tensor]  # int64 [1] per stage, on its device (the stages of a chain kernel share one)
-    errors: list[torch.Tensor]  # int64 [len(ERR_FIELDS)] per stage, on its device
-    traces: list[torch.Tensor | None]  # per stage [tiles, 5] int64 %globaltimer stamps (trace mode)
-    tails: list[TailBuffers | None]  # per launch with a split tail: partials and arrival counters
-    num_ctas: list[int]
-    tickets: list[torch.Tensor] = field(default_factory=list)  # int64 [1] per chain kernel: positions claimed
-    # per stage: its input rows' partial sums of squares (and sums, for a LayerNorm), from the stage before
-    sums: list = field(default_factory=list)
-    launches: list[Launch] = field(default_factory=list)
-    epoch: int = 0  # calls launched since the last reset (graph replays not counted)
-    prefill_rows: int = 0  # rows of stage 1's input computed on stage 1's GPU (see Pipeline)
-    prefill_x: torch.Tensor | None = None  # [prefill_rows, K_0] on stage 1's device
-    drain_rows: int = 0  # last rows of the chain computed on stage 0's GPU (see Pipeline)
-    drain_h: torch.Tensor | None = None  # [drain_rows, N_0] on stage 0's device: the drain's layer 1
-    inbound: Link | None = None  # a segment's link from the previous segment (its scoreboard is ours)
-    pinned: bool = False  # a CUDA graph points at these buffers: never evicted
-    stale: bool = False  # a launch failed part way: reset before the next call
-    err_host: list[torch.Tensor] = field(default_factory=list)  # pinned copies of the error words
-    configs: list[GemmConfig] = field(default_factory=list)  # each stage's (Pipeline.plan_configs)
-
-    @property
-    def err_flags(self):
-        """The host copies' flags (a read of pinned memory, no copy)."""
-        return (view[0] for view in self._err_views)
-
-    def __post_init__(self):
-        self._err_views = [e.numpy() for e in self.err_host]
-
-    def ends(self, stream: int) -> list[GemmLaunch]:
-        """The prefill (``stream`` 1) or drain (``stream`` 0) GEMMs of this plan."""
-        return [lc.gemm for lc in self.launches if not lc.stages and lc.stream == stream]
-
-    def state(self) -> list[torch.Tensor]:
-        tails = [t.counters for t in self.tails if t is not None]  # partial after a timeout
-        links = [t for link in self.links + ([self.inbound] if self.inbound else []) for t in link.state()]
-        return links + self.epochs + self.errors + self.tickets + tails
 
 
 @dataclass(eq=False)
@@ -764,7 +556,7 @@ class Pipeline:
         y, prev, sums = x, None, None
         for s, w in enumerate(self.weights):
             if any(self.epilogues):  # no ends (checked at construction)
-                y, sums = y.to(w.device), _to(sums, w.device)
+                y, sums = y.to(w.device), sums_to(sums, w.device)
                 out_sums = self._out_sums(s, M, w.device)
                 y, prev = self._gemm(y, w, s, False, configs, residual=prev, sums=sums, out_sums=out_sums), y
                 sums = out_sums
@@ -960,8 +752,8 @@ class Pipeline:
             inputs=inputs,
             links=links,
             # a run count per kernel: the stages of a chain kernel share one
-            epochs=[t for g in self.groups for t in [_i64(1, devs[g[0]])] * len(g)],
-            errors=[_i64(len(ERR_FIELDS), d) for d in devs],
+            epochs=[t for g in self.groups for t in [i64_zeros(1, devs[g[0]])] * len(g)],
+            errors=[i64_zeros(len(ERR_FIELDS), d) for d in devs],
             traces=[
                 torch.full((g.num_tiles, TRACE_FIELDS.value), -1, dtype=torch.int64, device=d) if self.trace else None
                 for g, d in zip(grids, devs)
@@ -1004,7 +796,7 @@ class Pipeline:
             """One chain kernel over the stages of ``group`` (consecutive, on one GPU)."""
             dev = devs[group[0]]
             ctas = self._chain_grid(group, P, configs[group[0]])
-            plan.tickets.append(_i64(1, dev))
+            plan.tickets.append(i64_zeros(1, dev))
             stages = [
                 ChainStage(
                     ws[s].shape[1],

@@ -556,13 +556,14 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
         chain = "chain_wide" if "chain_wide" in med else "chain"
-        p = {
-            chain: simulate_chain_kernel(M, [K, K, K], cal),
-            "chain_stage_major": simulate_chain_kernel(M, [K, K, K], cal, interleave=False),
-            "chain_split": simulate_chain_kernel(M, [K, K, K], cal, split_tail=True),
-            "ours_seq": simulate_ours_sequential(M, [K, K, K], cal),
-            "loopback": simulate_loopback(M, [K, K, K], cal),
+        model = {  # each line's model: simulated only where the run has the line
+            chain: (simulate_chain_kernel, {}),
+            "chain_stage_major": (simulate_chain_kernel, {"interleave": False}),
+            "chain_split": (simulate_chain_kernel, {"split_tail": True}),
+            "ours_seq": (simulate_ours_sequential, {}),
+            "loopback": (simulate_loopback, {}),
         }
+        p = {k: f(M, [K, K, K], cal, **kw) for k, (f, kw) in model.items() if k in med}
         ratios = [(chain, "ours_seq"), (chain, "loopback"), ("chain_stage_major", chain), ("chain_split", chain)]
         for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])

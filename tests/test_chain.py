@@ -14,7 +14,8 @@ from ctapipelining.chain import ChainLaunch, ChainStage
 from ctapipelining.epilogue import Epilogue, gelu
 from ctapipelining.gemm import GemmLaunch
 from ctapipelining.kernels.gemm import GemmConfig
-from ctapipelining.pipeline import Link, Pipeline, PipelineTimeout, _i64
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
+from ctapipelining.plan import Link, i64_zeros
 
 pytestmark = pytest.mark.interpreter
 
@@ -108,8 +109,8 @@ def test_chain_kernel_between_two_kernels(queue):
         links.append(Link.create(dep, CPU, CPU))
         bufs.append(torch.full((M, dims[s]), float("nan"), dtype=torch.float16))
     lq = [None, queue, False, queue]  # the link into stage s waits on a ring
-    epochs, errors = [_i64(1, CPU) for _ in range(4)], [_i64(8, CPU) for _ in range(4)]
-    ticket = _i64(1, CPU)
+    epochs, errors = [i64_zeros(1, CPU) for _ in range(4)], [i64_zeros(8, CPU) for _ in range(4)]
+    ticket = i64_zeros(1, CPU)
     first = GemmLaunch(M, dims[1], dims[0], cfg, 4, CPU, signal=links[0].signal_hook(queue), epoch=epochs[0])
     middle = ChainLaunch(
         M,
@@ -165,7 +166,7 @@ def test_a_grid_larger_than_the_positions():
     dep = deps.build_dependency(
         deps.TileGrid(M, n0, 16, 16), deps.TileGrid(M, n1, 16, 16), "gemm", consumer_k=n0, parts=2
     )  # fmt: skip
-    link, err, t, e = Link.create(dep, CPU, CPU), _i64(8, CPU), _i64(1, CPU), _i64(1, CPU)
+    link, err, t, e = Link.create(dep, CPU, CPU), i64_zeros(8, CPU), i64_zeros(1, CPU), i64_zeros(1, CPU)
     stages = [
         ChainStage(n0, k0, signal=link.signal_hook(False)),
         ChainStage(n1, n0, wait=link.wait_hook(False), err=err),
@@ -218,13 +219,13 @@ def test_a_chain_kernels_stages_launch_together():
 
 def test_chain_launch_refuses_what_it_cannot_run():
     cfg = PARTS
-    t, e = _i64(1, CPU), _i64(1, CPU)
+    t, e = i64_zeros(1, CPU), i64_zeros(1, CPU)
     M = 32
     dep = deps.build_dependency(
         deps.TileGrid(M, 24, 16, 16), deps.TileGrid(M, 16, 16, 16), "gemm", consumer_k=24, parts=2
     )  # fmt: skip
     link = Link.create(dep, CPU, CPU)
-    err = _i64(8, CPU)
+    err = i64_zeros(8, CPU)
     ok = [ChainStage(24, 16, signal=link.signal_hook(False)), ChainStage(16, 24, wait=link.wait_hook(False), err=err)]
     ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=e)
     bad = {
@@ -253,11 +254,11 @@ def test_chain_launch_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="num_ctas"):
         ChainLaunch(M, ok, cfg, 0, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="epoch must be"):
-        ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=_i64(2, CPU))
+        ChainLaunch(M, ok, cfg, 2, CPU, ticket=t, epoch=i64_zeros(2, CPU))
     with pytest.raises(ValueError, match="last stage needs its error word"):
         ChainLaunch(M, [ChainStage(24, 16)], cfg, 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="ticket must be an int64 tensor"):
-        ChainLaunch(M, ok, cfg, 2, CPU, ticket=_i64(2, CPU), epoch=e)
+        ChainLaunch(M, ok, cfg, 2, CPU, ticket=i64_zeros(2, CPU), epoch=e)
 
 
 def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
@@ -408,7 +409,7 @@ def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
     ws = chain(16, 48, 48)
     pipe = Pipeline(ws, config=SPLIT, loopback=False, epilogues=[None, Epilogue(residual=False, bias=None)])
     assert pipe.plan(40).launches[0].gemm.split is None and not pipe.stage_config(1).split_tail
-    M, t, e, err = 40, _i64(1, CPU), _i64(1, CPU), _i64(8, CPU)
+    M, t, e, err = 40, i64_zeros(1, CPU), i64_zeros(1, CPU), i64_zeros(8, CPU)
     dep = deps.build_dependency(deps.TileGrid(M, 48, 16, 16), deps.TileGrid(M, 48, 16, 16), "gemm", consumer_k=48)
     link = Link.create(dep, CPU, CPU)
     stages = [ChainStage(48, 16, signal=link.signal_hook(False)),

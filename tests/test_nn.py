@@ -10,7 +10,8 @@ from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, g
 from ctapipelining.gemm import GemmLaunch, matmul
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.nn import GPTMLP, GPTStack, LlamaMLP, LlamaStack, MLPStack
-from ctapipelining.pipeline import Pipeline, Segment
+from ctapipelining.pipeline import Pipeline
+from ctapipelining.plan import Segment
 
 pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
