@@ -16,12 +16,14 @@ kernel (a :class:`~ctapipelining.pipeline.Pipeline` built with each candidate of
 :data:`CHAIN_CANDIDATES`, each checked bitwise against its ``sequential``), against the floor: the
 faster of cuBLAS twice and our plain GEMM twice (each in its measured configuration). Writes
 OUT_DIR/configs.json (the same fields, each candidate over the floor) and
-OUT_DIR/pipeline_configs.json. Its ``best`` is the fastest by median, but a split last round
-only where it beats the same tiles unsplit by more than :data:`SPLIT_MARGIN` (within it, the
-two differ by noise, and the split holds the last stage's body twice).
+OUT_DIR/pipeline_configs.json. Its ``best`` is the fastest by median, a split last round counted
+:data:`SPLIT_MARGIN` slower (so it is chosen only where it beats every other candidate by more:
+within that, split and unsplit tiles differ by noise, and the split holds the last stage's body
+twice).
 
-``package``: write RUN_DIR's table (``gemm_configs.json`` or ``pipeline_configs.json``) into
-``ctapipelining/data/``, each row naming RESULTS_FOLDER (where RUN_DIR's files are kept).
+``package``: write RUN_DIR's rows (``gemm_configs.json`` or ``pipeline_configs.json``) into the
+table of that name in ``ctapipelining/data/``, each naming RESULTS_FOLDER (where RUN_DIR's files
+are kept); the table's rows at other row counts stay (a table may gather several runs).
 
 Every line is graph-replayed and timed by the bench's harness (shuffled turns, paired).
 ``ctapipelining/data/{gemm,pipeline}_configs.json`` gather these rows, each naming its results
@@ -40,6 +42,9 @@ from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import SMEM_LIMIT, GemmConfig
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
+USAGE = __doc__.split("\n\n")[1]
+if sys.argv[1:2] == ["package"] and len(sys.argv) != 4 or len(sys.argv) > 5 and sys.argv[1] != "package":
+    sys.exit(USAGE)
 ARGS = [] if sys.argv[1:2] == ["package"] else sys.argv[1:]  # package: its own arguments
 OUT = Path(ARGS[0]) if len(ARGS) > 0 else Path(".")
 REPS = int(ARGS[1]) if len(ARGS) > 1 else 20
@@ -49,6 +54,8 @@ DEFAULT_ROWS = {
     "plain": [128, 640, 768, 1024, 2048, 4096, 16384],
     "chain": [128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 16384],  # plan heights
 }
+if KIND not in DEFAULT_ROWS:
+    sys.exit(USAGE)
 ROWS = [int(m) for m in ARGS[2].split(",")] if len(ARGS) > 2 and ARGS[2] else DEFAULT_ROWS[KIND]
 K = N = 8192
 
@@ -147,10 +154,8 @@ def chain():
             med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[floor])])
             row[f"{name}/floor"] = {"median": med, "ci95": [lo, hi]}
         ms = row["median_ms"]
-        best = min(fits, key=ms.get)
-        whole = best.removesuffix("_split")
-        if whole != best and whole in fits and ms[best] > (1 - SPLIT_MARGIN) * ms[whole]:
-            best = whole
+        # a split last round counts 1% slower: it wins only by more than that
+        best = min(fits, key=lambda k: ms[k] / (1 - SPLIT_MARGIN) if k.endswith("_split") else ms[k])
         row["best"] = best
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_floor": row[f"{best}/floor"]})
@@ -176,12 +181,12 @@ def package(run: Path, folder: str) -> None:
     }[name]
     measured = {"device": table["measured"]["device"], "N": N, "K": K, "dtype": "bfloat16",
                 "date": env["date"][:10], "torch": env["torch"], "triton": env["triton"]}  # fmt: skip
-    rows = [
-        {"M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder}
-        for r in table["rows"]
-    ]
     data = Path(__file__).parents[1] / "ctapipelining" / "data" / name
-    data.write_text(json.dumps({"what": what, "measured": measured, "rows": rows}, indent=1) + "\n")
+    rows = {r["M"]: r for r in json.loads(data.read_text())["rows"]} if data.exists() else {}
+    for r in table["rows"]:
+        rows[r["M"]] = {"M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder}
+    out = {"what": what, "measured": measured, "rows": [rows[m] for m in sorted(rows)]}
+    data.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def write(report: dict, table: list, name: str) -> None:

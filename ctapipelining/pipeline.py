@@ -1223,4 +1223,4 @@ class Pipeline:
         return msgs
 
 
-__all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "Plan", "Launch", "Link", "GraphedCall", "Segment"]
+__all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "GraphedCall"]

@@ -167,7 +167,7 @@ def link_dependency(
 
 @dataclass(frozen=True)
 class Segment:
-    """Where a :class:`Pipeline` sits in a longer chain whose other stages run in other
+    """Where a :class:`~ctapipelining.pipeline.Pipeline` sits in a longer chain whose other stages run in other
     launches (another process: :mod:`ctapipelining.distributed`). Its stages are stages
     ``first_stage, first_stage + 1, ...`` of the chain. ``links(M)`` gives, for a plan of ``M``
     rows, the :class:`Link` into its first stage (scoreboard and ring in this segment's memory,

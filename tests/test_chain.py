@@ -441,7 +441,7 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
         assert all(lc.gemm.config.block_m == block_m for lc in plan.launches)
         x = torch.randn(M, 256).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
-    assert plan.configs[0].block_n == 128  # the 256-row height's
+    assert plan.configs[0].block_n == 128 and not plan.configs[0].split_tail  # the 256-row height's
     assert pipe.plan_configs(pipe.rows_for(300)) == [pick_config(table, 384)] * 2 == [PIPELINE_CONFIG] * 2
     if not loopback:
         assert pipe.plan(1).links[0].dep.parts == 4  # one a K-step: waits inside the K loop
