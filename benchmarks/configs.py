@@ -59,39 +59,55 @@ if KIND not in DEFAULT_ROWS:
 ROWS = [int(m) for m in ARGS[2].split(",")] if len(ARGS) > 2 and ARGS[2] else DEFAULT_ROWS[KIND]
 K = N = 8192
 
-CANDIDATES = {  # name: config (group_m 8: the plain GEMM's grouped order)
-    f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(bm, bn, bk, 8, st, wp, split)
-    for bm, bn, bk, st, wp in [
-        (128, 256, 64, 3, 8),
-        (128, 128, 64, 4, 8),
-        (128, 128, 64, 4, 4),
-        (128, 128, 128, 3, 8),
-        (64, 256, 64, 4, 4),
-        (64, 128, 64, 5, 4),
-        (64, 128, 128, 4, 4),
-    ]  # fmt: skip
-    for split in (True, False)
-}
 
-CHAIN_CANDIDATES = {  # name: config (group_m 4 and wait_parts 8: PIPELINE_CONFIG's)
-    f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(bm, bn, bk, 4, st, wp, split, wait_parts=8)
-    for bm, bn, bk, st, wp in [
-        (128, 256, 64, 3, 8),
-        (128, 128, 64, 4, 4),
-        (64, 256, 64, 4, 4),
-        (64, 128, 128, 4, 4),
-    ]  # fmt: skip
-    for split in (True, False)
-}
+def candidates(tiles: list[tuple], group_m: int, **fixed) -> dict[str, GemmConfig]:
+    """``name: config`` for each ``(block_m, block_n, block_k, num_stages, num_warps)`` of
+    ``tiles``, with and without a split tail (name suffix ``_split``)."""
+    return {
+        f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(
+            bm, bn, bk, group_m, st, wp, split, **fixed
+        )
+        for bm, bn, bk, st, wp in tiles
+        for split in (True, False)
+    }
+
+
+CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
+    [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4),
+     (64, 128, 64, 5, 4), (64, 128, 128, 4, 4)],
+    group_m=8,
+)  # fmt: skip
+CHAIN_CANDIDATES = candidates(  # group_m 4 and wait_parts 8: PIPELINE_CONFIG's
+    [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)], group_m=4, wait_parts=8
+)
+
+
+def new_report(fits: dict[str, GemmConfig]) -> dict:
+    """The run's record: environment, command, sizes and the candidates that fit."""
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "N": N, "K": K}
+    report["candidates"] = {k: dataclasses.asdict(c) for k, c in fits.items()}
+    report["rows"] = {}
+    return report
+
+
+def rank(times: dict, fits: dict[str, GemmConfig], base: str, label: str, split_margin: float = 0.0) -> dict:
+    """One row count's record: median times, each candidate over ``base`` per repetition
+    (median, 95% CI) as ``NAME/label``, and ``best``: the fastest by median, a split tail counted
+    ``split_margin`` slower."""
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    row = {"median_ms": ms}
+    for name in fits:
+        med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[base])])
+        row[f"{name}/{label}"] = {"median": med, "ci95": [lo, hi]}
+    row["best"] = min(fits, key=lambda k: ms[k] / (1 - split_margin) if k.endswith("_split") else ms[k])
+    return row
 
 
 def plain():
     torch.manual_seed(0)
     w = (torch.randn(K, N, device="cuda:0") * K**-0.5).bfloat16()
     fits = {k: c for k, c in CANDIDATES.items() if c.smem_bytes() <= SMEM_LIMIT}
-    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "N": N, "K": K}
-    report["candidates"] = {k: dataclasses.asdict(c) for k, c in fits.items()}
-    report["rows"], table = {}, []
+    report, table = new_report(fits), []
     for M in ROWS:
         x = torch.randn(M, K, device="cuda:0").bfloat16()
         y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda:0")
@@ -107,13 +123,8 @@ def plain():
             err = float((got.float() - want.float()).abs().max())
             assert err < 0.05, (M, name, err)
             methods.append(Method(name, capture(lambda x=x, y=y, c=cfg: matmul(x, w, out=y, config=c), [0]).replay))
-        times = time_interleaved(methods, [0], REPS, 3)
-        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
-        for name in fits:
-            med, lo, hi = median_ci([p / q for p, q in zip(times[name], times["cublas"])])
-            row[f"{name}/cublas"] = {"median": med, "ci95": [lo, hi]}
-        best = min(fits, key=lambda k: row["median_ms"][k])
-        row["best"] = best
+        row = rank(time_interleaved(methods, [0], REPS, 3), fits, "cublas", "cublas")
+        best = row["best"]
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_cublas": row[f"{best}/cublas"]})
         print(M, best, json.dumps(row[f"{best}/cublas"]), flush=True)
@@ -127,9 +138,7 @@ def chain():
     a, b = ((torch.randn(K, N, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
     fits = {k: c for k, c in CHAIN_CANDIDATES.items() if c.smem_bytes() <= SMEM_LIMIT}
     pipes = {k: Pipeline([a, b], config=c, row_buckets=0) for k, c in fits.items()}
-    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "N": N, "K": K}
-    report["candidates"] = {k: dataclasses.asdict(c) for k, c in fits.items()}
-    report["rows"], table = {}, []
+    report, table = new_report(fits), []
     for M in ROWS:
         x = torch.randn(M, K, device="cuda:0").bfloat16()
         h, y = (torch.empty(M, N, dtype=torch.bfloat16, device="cuda:0") for _ in range(2))
@@ -149,14 +158,8 @@ def chain():
             methods.append(Method(name, capture(lambda x=x, y=y, p=pipe: p(x, out=y), [0]).replay))
         times = time_interleaved(methods, [0], REPS, 3)
         floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
-        row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
-        for name in fits:
-            med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[floor])])
-            row[f"{name}/floor"] = {"median": med, "ci95": [lo, hi]}
-        ms = row["median_ms"]
-        # a split last round counts 1% slower: it wins only by more than that
-        best = min(fits, key=lambda k: ms[k] / (1 - SPLIT_MARGIN) if k.endswith("_split") else ms[k])
-        row["best"] = best
+        row = rank(times, fits, floor, "floor", SPLIT_MARGIN) | {"floor": floor}
+        best = row["best"]
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_floor": row[f"{best}/floor"]})
         print(M, best, json.dumps(row[f"{best}/floor"]), flush=True)
