@@ -518,6 +518,13 @@ class GemmLaunch:
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
 
+    @staticmethod
+    def _key(a: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None) -> tuple:
+        """The specialisation a call compiles (:attr:`_compiled`'s key): a TMA store (rows not
+        padded), ``c``'s row stride, the dtype, the residual's (:func:`residual_key`)."""
+        stride = c.stride(0)
+        return stride == c.shape[1], stride, a.dtype, residual_key(residual)
+
     def _adds(self, c: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether this call adds its tiles onto ``c`` holding the residual (:attr:`accumulate`, a
         TMA store into ``c`` on the residual's GPU), rather than loading the residual in the epilogue."""
@@ -548,9 +555,8 @@ class GemmLaunch:
         ``compile_only``: compile this specialisation (if it is not yet) and launch nothing."""
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
-        stride = c.stride(0)
-        tma_store = stride == c.shape[1]  # rows padded: ordinary stores
-        key = (tma_store, stride, a.dtype, residual_key(residual))
+        key = self._key(a, c, residual)
+        tma_store = key[0]
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
@@ -630,7 +636,7 @@ class GemmLaunch:
         raw; else None. The arguments hold addresses and tensor maps, no tensor."""
         if self.stats is not None or self.accumulate or (self.epilogue is not None and self.epilogue.residual):
             return None
-        got = self._compiled.get((c.stride(0) == c.shape[1], c.stride(0), a.dtype, residual_key(None)))
+        got = self._compiled.get(self._key(a, c, None))
         if got is None or got[1] is None:
             return None
         return got[1], self.raw_args(got[1].tensor_map, a, b, c)
