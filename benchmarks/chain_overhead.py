@@ -125,9 +125,12 @@ def main():
                 eb.add_(1)
                 lb([(h, b, y)])
 
-            claims()
+            for _ in range(3):
+                claims()
             torch.cuda.synchronize()
-            print(M, "claims" + sfx, "equal to the chain:", torch.equal(y, want), flush=True)
+            print(M, "claims" + sfx, "equal to the chain:", torch.equal(y, want), "tickets", la.ticket.item(),
+                  lb.ticket.item(), "per run", la.claims_per_run, lb.claims_per_run, "errors", erra.tolist(),
+                  errb.tolist(), flush=True)  # fmt: skip
             methods.append(Method("claims" + sfx, capture(claims, [0])))
         methods += [Method(name, capture(lambda p=pipe, x=x, y=y: p(x, out=y), [0])) for name, pipe in pipes.items()]
         times = time_interleaved(methods, [0], REPS, 3)
@@ -140,7 +143,7 @@ def main():
         row["claims/ours_seq_bumps"] = ci([p / q for p, q in zip(times["claims"], times["ours_seq_bumps"])])
         for pipe in pipes.values():
             pipe.check_errors()
-        assert all(int(e[0]) == 0 for e in errs), "a one-stage chain kernel reported an error"
+        row["claims_errors"] = [e.tolist() for e in errs]  # [new a, new b, old a, old b]: flag first
         report["rows"][M] = row
         print(M, json.dumps(row), flush=True)
         OUT.mkdir(parents=True, exist_ok=True)
