@@ -13,10 +13,7 @@ two kernels one after the other take four (``docs/design.md``, placement).
 
 No deadlock whatever the number of resident CTAs: a tile only waits for tiles of the stage
 before it, which sit at earlier positions, and a position is claimed only by a CTA that is
-running, which runs it next whatever happens; so the earliest unfinished position never
-waits, and by induction every tile ends. A CTA claims its next position a quarter into its
-current tile's K loop (:class:`~.sync.Claim`), where the claim's round trip and the order's
-read hide behind the steps in flight; where no K loop ran (no tile, a tail slice), after it.
+running; so the earliest unfinished position never waits, and by induction every tile ends.
 A CTA signals its tiles late (a quarter into its next tile, :func:`~.gemm._mma_tile`), so
 before it waits on a tile of a later stage it signals the tile it still holds.
 
@@ -64,7 +61,7 @@ from .gemm import (
     _split_tail,
     tile_of_position,
 )
-from .sync import KIND_TICKET, Claim, claim_next, fence_proxy_async, report_timeout, signal_targets, wait_slot
+from .sync import KIND_TICKET, fence_proxy_async, report_timeout, wait_slot
 
 STAGE_SHIFT: tl.constexpr = tl.constexpr(24)  # the combined order's code: stage << STAGE_SHIFT | position (deps)
 POSITION_MASK: tl.constexpr = tl.constexpr((1 << 24) - 1)
@@ -109,28 +106,25 @@ def _flush(
             if stages[t].signal is not None:
                 if pending_stage == t:
                     pending = _signal_pending(
-                        pending, epoch, stages[t].signal, signal_targets(pending, stages[t].signal),
-                        c_descs[t] is not None, QUEUE and t == S - 1, INTERPRET,
+                        pending, epoch, stages[t].signal, c_descs[t] is not None, QUEUE and t == S - 1, INTERPRET
                     )  # fmt: skip
     return pending
 
 
 @triton.jit
 def _stage_tile(
-    stage, op, pos, num_m, epoch, pending, timeout_ns, claim,
+    stage, op, pos, num_m, epoch, pending, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE_IN: tl.constexpr, QUEUE_OUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The tile at position ``pos`` of ``stage`` (a :class:`Stage`; its operands ``op``:
     :class:`~.gemm.Operands`; ``QUEUE_IN``: its input comes through a ring, ``QUEUE_OUT``: its
-    signal pushes into one; ``claim``: the CTA's next claim, :class:`~.sync.Claim`). Returns
-    ``(pending, alive, claimed)``: the tile still to signal, false if a wait timed out
-    (CTA-uniform, reported), and the claim made in its K loop (``(-1, 0)``: none)."""
+    signal pushes into one). Returns ``(pending, alive)``: the tile still to signal, and false
+    if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
-    prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr, claim)
+    prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
-    claimed = (pos.to(tl.int64) * 0 - 1, pos.to(tl.int32) * 0)
     if QUEUE_IN:
         # the ring of a link from the previous GPU: the tile that became ready pos-th
         tile, ok = wait_slot(
@@ -138,7 +132,7 @@ def _stage_tile(
         )
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
-            pending, _, claimed = _run_tile(
+            pending, _ = _run_tile(
                 op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, stage.epi, BLOCK_M,
                 BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
             )  # fmt: skip
@@ -151,13 +145,13 @@ def _stage_tile(
             counter0 = tl.load(stage.wait.counter_of_tile + tile)
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
-        pending, ok, claimed = _run_tile(
+        pending, ok = _run_tile(
             op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, stage.epi,
             BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:
             alive = ok
-    return pending, alive, claimed
+    return pending, alive
 
 
 @triton.jit(do_not_specialize=["c_rows", "timeout_ns"])
@@ -191,19 +185,15 @@ def chain_kernel(
     grid = tl.num_programs(0)
     trips = tl.cdiv(total, grid) + 1
     base = (epoch - 1) * grid * trips  # the claims of the runs before this one
-    # the first claim; each later one is made a quarter into the tile before it (its K loop), where
-    # its round trip hides behind the steps in flight (or after it, where no K loop ran)
-    nxt, code = claim_next(Claim(ticket, order, base, total, True))
-    for it in tl.range(0, trips, flatten=True):
-        pos = nxt - base
-        at = code >> STAGE_SHIFT  # the stage and its own position (deps.chain_order)
-        q = code & POSITION_MASK
-        claim = Claim(ticket, order, base, total, it + 1 < trips)  # no claim past the CTA's share
-        claimed = (nxt * 0 - 1, code * 0)
+    for _ in tl.range(0, trips, flatten=True):
+        pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base  # one thread; the CTA shares it
         if (pos < 0) | (pos >= grid * trips):  # not this run's: the ticket is out of step with the epoch
             report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
             alive = alive & False
         if (pos < total) & alive:  # CTA-uniform
+            code = tl.load(order + pos)  # the stage and its own position (deps.chain_order)
+            at = code >> STAGE_SHIFT
+            q = code & POSITION_MASK
             for s in tl.static_range(S):
                 if at == s:
                     # the CTA's tile of another stage is signalled before this one waits (a later
@@ -219,29 +209,23 @@ def chain_kernel(
                         if q >= tail.first:  # a K-slice of a tail tile: the CTA's held tile first
                             if stages[s].signal is not None:  # (pending_stage is s: set above)
                                 pending = _signal_pending(
-                                    pending, epoch, stages[s].signal, signal_targets(pending, stages[s].signal),
-                                    c_descs[s] is not None, QUEUE, INTERPRET,
-                                )  # fmt: skip
-                            prot = Protocol(
-                                epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr, None
-                            )  # its claim after it
+                                    pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
+                                )
+                            prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
                             alive = _split_tail(
                                 op, prot, tail, q - tail.first, num_m,
                                 tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal, stages[s].epi,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
                             )  # fmt: skip
                         else:
-                            pending, alive, claimed = _stage_tile(
-                                stages[s], op, q, num_m, epoch, pending, timeout_ns, claim, BLOCK_M, BLOCK_N,
-                                BLOCK_K, GROUP_M, queue_in, QUEUE, INTERPRET,
+                            pending, alive = _stage_tile(
+                                stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, queue_in, QUEUE, INTERPRET,
                             )  # fmt: skip
                     else:
-                        pending, alive, claimed = _stage_tile(
-                            stages[s], op, q, num_m, epoch, pending, timeout_ns, claim, BLOCK_M, BLOCK_N, BLOCK_K,
+                        pending, alive = _stage_tile(
+                            stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
                             GROUP_M, queue_in, QUEUE and s == S - 1, INTERPRET,
                         )  # fmt: skip
-        nxt, code = claimed
-        if (nxt < 0) & claim.more:  # no K loop claimed (no tile, a tail slice, a wait given up on a ring)
-            nxt, code = claim_next(claim)
     # the CTA's last tile: its stage's signal (the last stage's may cross to the next GPU)
     _flush(pending, pending_stage, epoch, stages, c_descs, -1, S, QUEUE, INTERPRET)

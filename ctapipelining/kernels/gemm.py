@@ -37,14 +37,12 @@ from .sync import (
     KIND_COUNTER,
     bulk_store_wait,
     claim,
-    claim_next,
     cta_all,
     cta_barrier,
     fence_proxy_async,
     globaltimer,
     poll_geq,
     report_timeout,
-    signal_targets,
     signal_tile,
     wait_slot,
 )
@@ -168,16 +166,13 @@ class Operands(NamedTuple):
 
 class Protocol(NamedTuple):
     """A stage's protocol state inside a kernel: the run count ``epoch``, its error word and
-    index, its waits' ``timeout_ns``, its per-tile stamps (``trace_ptr`` None: none), and the
-    chain kernel's next claim (``claim``: :class:`~.sync.Claim`, made inside the K loop; None:
-    none)."""
+    index, its waits' ``timeout_ns``, its per-tile stamps (``trace_ptr`` None: none)."""
 
     epoch: object
     err_ptr: object
     stage: object
     timeout_ns: object
     trace_ptr: object
-    claim: object
 
 
 class Tail(NamedTuple):
@@ -202,14 +197,13 @@ def tile_of_position(pos, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _signal_pending(
-    pending, epoch, signal, targets, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr
+    pending, epoch, signal, TMA_STORE: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr
 ):  # fmt: skip
-    """Signal the stored tile ``pending`` (-1: none; a TMA store: once it completed; ``targets``:
-    its :func:`~.sync.signal_targets`). Returns -1."""
+    """Signal the stored tile ``pending`` (-1: none; a TMA store: once it completed). Returns -1."""
     if pending >= 0:
         if TMA_STORE:
             bulk_store_wait(0, INTERPRET)
-        signal_tile(pending, epoch, signal, targets, QUEUE, INTERPRET)
+        signal_tile(pending, epoch, signal, QUEUE, INTERPRET)
     return pending * 0 - 1
 
 
@@ -274,34 +268,22 @@ def _mma_tile(
     the K loop, each a branch at one step: with ``signal`` the CTA's previous tile
     (``pending``) is signalled a quarter into the loop, by when its writes have drained; with
     ``wait`` in parts this thread waits for part ``q`` of the input rows (counters from ``c0``)
-    at step :func:`_part_step` (``ok``: per thread); with ``prot.claim`` the chain kernel's next
-    position is claimed a quarter into the loop, where the claim's round trip hides behind the
-    steps in flight. Otherwise the loop is the plain GEMM's. Returns ``(acc, pending, ok,
-    claimed)``, ``claimed`` the :func:`~.sync.claim_next` made here (``(-1, 0)``: none)."""
+    at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
+    Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if signal is not None:
-        targets = signal_targets(pending, signal)  # loaded now, used a quarter into the loop
-    nxt = tl.program_id(0).to(tl.int64) * 0 - 1
-    code = tl.program_id(0) * 0
     for ki in range(k_begin, k_end):
         a = op.a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = op.b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
         acc = tl.dot(a, b, acc)
         if signal is not None:
             if ki == k_begin + (k_end - k_begin) // 4:
-                pending = _signal_pending(
-                    pending, prot.epoch, signal, targets, op.c_desc is not None, QUEUE, INTERPRET
-                )  # fmt: skip
-        if prot.claim is not None:
-            if ki == k_begin + (k_end - k_begin) // 4:
-                if prot.claim.more:  # CTA-uniform
-                    nxt, code = claim_next(prot.claim)
+                pending = _signal_pending(pending, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
         if wait is not None:
             for q in tl.static_range(1, wait.PARTS):
                 if ki == _part_step(q, wait, BLOCK_K):
                     ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
-    return acc, pending, ok, (nxt, code)
+    return acc, pending, ok
 
 
 @triton.jit
@@ -367,11 +349,11 @@ def _run_tile(
     """One tile (``epi``: its :class:`.epilogue.Epilogue`, all None for none): compute, then, if every wait of every
     thread held (a static consumer's one vote per tile; ``ok`` comes in per thread), store it
     and note it for signalling, else report the timeout and drop it. Returns ``(tile still to
-    signal, ok, claimed)``, ``ok`` CTA-uniform, ``claimed`` as :func:`_mma_tile`'s."""
+    signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
     t_start = _now(prot.trace_ptr)
-    acc, pending, ok, claimed = _mma_tile(
+    acc, pending, ok = _mma_tile(
         op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
     )
     if wait is not None:
@@ -384,7 +366,7 @@ def _run_tile(
     else:
         if wait is not None:
             _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
-    return pending, ok, claimed
+    return pending, ok
 
 
 @triton.jit
@@ -432,7 +414,7 @@ def _split_tail(
             pm = tile // num_n
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
-            acc, _, _, _ = _mma_tile(
+            acc, _, _ = _mma_tile(
                 op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
             )
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -449,10 +431,7 @@ def _split_tail(
                 _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
-                    _signal_pending(
-                        tile, prot.epoch, signal, signal_targets(tile, signal), op.c_desc is not None, QUEUE,
-                        INTERPRET,
-                    )  # fmt: skip
+                    _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
                 _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
         else:
             if wait is not None:
@@ -482,7 +461,7 @@ def gemm_kernel(
         epoch = tl.load(epoch_ptr)
     pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled
     op = Operands(a_desc, b_desc, c_desc, c_ptr, c_rows, N, k_tiles, stride_cm)
-    prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr, None)
+    prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr)
     # Without a wait `alive` is the constant True, so the plain GEMM has no branch on it.
     alive = True
     if wait is not None:
@@ -495,7 +474,7 @@ def gemm_kernel(
             tile, ok = wait_slot(wait.slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:  # CTA-uniform (voted)
                 fence_proxy_async(INTERPRET)
-                pending, _, _ = _run_tile(
+                pending, _ = _run_tile(
                     op, prot, tile, num_n, signal, pending, None, 0, True, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
                     QUEUE, INTERPRET,
                 )  # fmt: skip
@@ -518,14 +497,14 @@ def gemm_kernel(
                     c0 = tl.load(wait.counter_of_tile + tile)
                     ok = _poll_before(wait, c0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
-                pending, ok, _ = _run_tile(
+                pending, ok = _run_tile(
                     op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
                     QUEUE, INTERPRET,
                 )  # fmt: skip
                 if wait is not None:
                     alive = ok
     if signal is not None:  # the CTA's last tile
-        _signal_pending(pending, epoch, signal, signal_targets(pending, signal), c_desc is not None, QUEUE, INTERPRET)
+        _signal_pending(pending, epoch, signal, c_desc is not None, QUEUE, INTERPRET)
     if tail is not None:
         _split_tail(
             op, prot, tail, tl.program_id(0), num_m, num_n, alive, wait, signal, epi,

@@ -254,29 +254,6 @@ def claim(head, epoch, num_tiles, NUM_CTAS: tl.constexpr):
     return tl.atomic_add(head, 1, sem="relaxed", scope="gpu") - base
 
 
-class Claim(NamedTuple):
-    """A chain kernel's next claim (:func:`claim_next`): its ticket (*i64, only growing), its
-    combined order (*i32), the claims of the runs before this one (``base``), this run's
-    positions (``total``), and whether to claim (``more``: false on the CTA's last trip)."""
-
-    ticket: object
-    order: object
-    base: object
-    total: object
-    more: object
-
-
-@triton.jit
-def claim_next(claim):
-    """Claim a chain kernel's next position from ``claim.ticket`` (one thread; the CTA shares
-    the answer) and read its code in the combined order (0 where the position is not one of
-    this run's: the caller checks the position). Returns ``(ticket value, code)``."""
-    nxt = tl.atomic_add(claim.ticket, 1, sem="relaxed", scope="gpu")
-    pos = nxt - claim.base
-    code = tl.load(claim.order + pos, mask=(pos >= 0) & (pos < claim.total), other=0)
-    return nxt, code
-
-
 @triton.jit
 def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET: tl.constexpr):
     """``workqueue`` policy prologue: wait for ring position ``pos`` of run ``epoch`` to be
@@ -300,22 +277,9 @@ def wait_slot(slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRE
 
 
 @triton.jit
-def signal_targets(tile, signal):
-    """What :func:`signal_tile` reads of ``tile``'s plan-time lists (``tile`` -1: nothing to
-    signal): the start of its counters in ``signal_counters``, how many, and the first of them.
-    A K loop loads them before it starts, so their latency hides behind its steps."""
-    t = tl.maximum(tile, 0)
-    first = tl.load(signal.signal_ptr + t)
-    count = tl.where(tile >= 0, tl.load(signal.signal_ptr + t + 1) - first, 0)
-    c_first = tl.load(signal.signal_counters + first, mask=count > 0, other=0)
-    return first, count, c_first
-
-
-@triton.jit
-def signal_tile(tile, epoch, signal, targets, QUEUE: tl.constexpr, INTERPRET: tl.constexpr):
+def signal_tile(tile, epoch, signal, QUEUE: tl.constexpr, INTERPRET: tl.constexpr):
     """Epilogue: publish ``tile`` (already stored by every thread) to the consumer
-    (``signal``: :class:`Signal`; ``targets``: its :func:`signal_targets`; ``QUEUE``: the
-    workqueue policy).
+    (``signal``: :class:`Signal`; ``QUEUE``: the workqueue policy).
 
     Bumps each counter the tile feeds (at most ``MAX_SIGNALS``: a static loop, so the
     persistent loop around it stays a simple ``for`` Triton can flatten); under ``QUEUE`` the
@@ -323,12 +287,11 @@ def signal_tile(tile, epoch, signal, targets, QUEUE: tl.constexpr, INTERPRET: tl
     into the consumer's ring.
     """
     cta_barrier(INTERPRET)  # all threads' tile stores (or bulk-store waits) before thread 0's release
-    first_signal, num_signals, c_first = targets
+    first_signal = tl.load(signal.signal_ptr + tile)
+    num_signals = tl.load(signal.signal_ptr + tile + 1) - first_signal
     for j in tl.static_range(signal.MAX_SIGNALS):
         if j < num_signals:
-            c = c_first
-            if j > 0:
-                c = tl.load(signal.signal_counters + first_signal + j)
+            c = tl.load(signal.signal_counters + first_signal + j)
             if QUEUE:
                 old = tl.atomic_add(signal.counters + c, 1, sem="acq_rel", scope="sys")
                 if old + 1 == epoch * tl.load(signal.need + c):
