@@ -60,16 +60,19 @@ ROWS = [int(m) for m in ARGS[2].split(",")] if len(ARGS) > 2 and ARGS[2] else DE
 K = N = 8192
 
 
-def candidates(tiles: list[tuple], group_m: int, **fixed) -> dict[str, GemmConfig]:
+def candidates(tiles: list[tuple], group_m: int, variants=({},), **fixed) -> dict[str, GemmConfig]:
     """``name: config`` for each ``(block_m, block_n, block_k, num_stages, num_warps)`` of
-    ``tiles``, with and without a split tail (name suffix ``_split``)."""
-    return {
-        f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}": GemmConfig(
-            bm, bn, bk, group_m, st, wp, split, **fixed
-        )
-        for bm, bn, bk, st, wp in tiles
-        for split in (True, False)
-    }
+    ``tiles``, with and without a split tail (name suffix ``_split``), in each of ``variants``
+    (other fields: a ``wait_parts`` of 1 adds ``_wp1`` to the name, a ``group_m`` of 8 ``_g8``)."""
+    out = {}
+    for bm, bn, bk, st, wp in tiles:
+        for var in variants:
+            fields = {"group_m": group_m, **fixed, **var}
+            tag = ("_wp1" if fields.get("wait_parts") == 1 else "") + ("_g8" if var.get("group_m") == 8 else "")
+            for split in (True, False):
+                name = f"{bm}x{bn}x{bk}_s{st}_w{wp}{tag}{'_split' if split else ''}"
+                out[name] = GemmConfig(bm, bn, bk, num_stages=st, num_warps=wp, split_tail=split, **fields)
+    return out
 
 
 CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
@@ -77,9 +80,16 @@ CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
      (64, 128, 64, 5, 4), (64, 128, 128, 4, 4)],
     group_m=8,
 )  # fmt: skip
-CHAIN_CANDIDATES = candidates(  # group_m 4 and wait_parts 8: PIPELINE_CONFIG's
-    [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)], group_m=4, wait_parts=8
-)
+# group_m 4 and wait_parts 8 (PIPELINE_CONFIG's), each also waiting for whole rows (the combined
+# order places a tile's input rows about a round before it: its parts are then mostly written),
+# and the widest tiles also in groups of 8 row-blocks
+WHOLE_ROWS = ({}, {"wait_parts": 1})
+GROUPS_OF_8 = ({"group_m": 8}, {"group_m": 8, "wait_parts": 1})
+CHAIN_CANDIDATES = candidates(
+    [(128, 256, 64, 3, 8)], group_m=4, wait_parts=8, variants=WHOLE_ROWS + GROUPS_OF_8
+) | candidates(
+    [(128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)], group_m=4, wait_parts=8, variants=WHOLE_ROWS
+)  # fmt: skip
 
 
 def new_report(fits: dict[str, GemmConfig]) -> dict:
