@@ -515,14 +515,23 @@ class Pipeline:
         drain rows, epilogues or a segment), the measured table's row for ``M``
         (:data:`PIPELINE_TABLE`, :func:`~ctapipelining.gemm.pick_config`): the fastest of
         ``benchmarks/configs.py``'s candidates for two 8192-wide stages in one chain kernel on one
-        H200 at each plan height (``benchmarks/results/2026-12-01-h200-configs/run7-final/``).
+        H200 at each plan height (``benchmarks/results/2026-12-01-h200-configs/run11-parts/``).
         Few rows take narrow tiles (64 x 128 up to 128 rows, 128 x 128 up to 256: more CTAs busy),
         taller plans 128 x 256 tiles, with the last partial round split along K where that is
-        faster by more than 1% (at 640 rows: 0.86-0.91x the unsplit time, ``run5-chain/``,
-        ``run7-final/``). Measured with the stages sharing a GPU; a pipeline whose stages are
-        on different GPUs takes the same table."""
+        faster by more than 1% (at 128 and 640 rows), and a consumer in the same kernel as its
+        producer waits for whole row-blocks, not in parts (the combined order places its input
+        rows about a round before it, so parts would only add waits: 0.6-1.0% faster from 1024 to
+        16384 rows, ``benchmarks/results/2026-12-01-h200-chain/overhead/``). A consumer whose
+        producer is another kernel (another GPU, a loopback, another process) keeps
+        :data:`PIPELINE_CONFIG`'s parts, where waiting in parts measured a gain
+        (``benchmarks/results/2026-11-30-h200x2-parts/``)."""
         if self._per_height:
-            return [pick_config(config_table(PIPELINE_TABLE), M)] * len(self.weights)
+            cfg = pick_config(config_table(PIPELINE_TABLE), M)
+            across = dataclasses.replace(cfg, wait_parts=PIPELINE_CONFIG.wait_parts)
+            inbound = [
+                s == 0 and self._inbound or s > 0 and not self._same_kernel(s - 1, s) for s in range(len(self.weights))
+            ]
+            return [across if i else cfg for i in inbound]
         return self.configs
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:

@@ -422,10 +422,12 @@ def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
 def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback, policy):
     """Built without a configuration, a pipeline's plan of each height runs the measured table's
     row for it (``PIPELINE_TABLE``): 64 x 128 tiles up to 128 rows, 128 x 128 tiles up to 256,
-    128 x 256 tiles above. Each call equals its sequential GEMMs (in the plan's
-    configuration) bitwise: in a chain kernel, whose second stage waits for its rows in 4 parts
-    inside its K loop (512 wide), and as two kernels taking ready tiles from a ring. A
-    configuration given, ends or epilogues fix the tiles at every height."""
+    128 x 256 tiles above; a consumer in its producer's kernel waits as the row says, one whose
+    producer is another kernel (the loopback) in ``PIPELINE_CONFIG``'s parts. Each call equals
+    its sequential GEMMs (in the plan's configuration) bitwise: in a chain kernel, whose second
+    stage waits for its rows in 4 parts inside its K loop at 128 rows (512 wide), and as two
+    kernels taking ready tiles from a ring. A configuration given, ends or epilogues fix the
+    tiles at every height."""
     from ctapipelining.gemm import config_table, pick_config
     from ctapipelining.kernels.gemm import PIPELINE_CONFIG
     from ctapipelining.pipeline import PIPELINE_TABLE
@@ -433,16 +435,24 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
     table = config_table(PIPELINE_TABLE)
     ws = chain(256, 512, 136)
     pipe = Pipeline(ws, loopback=loopback, policy=policy)
+
+    def expected(height):  # the row, but a consumer in another kernel waits in PIPELINE_CONFIG's parts
+        row = pick_config(table, height)
+        return [row, dataclasses.replace(row, wait_parts=PIPELINE_CONFIG.wait_parts) if loopback else row]
+
     assert pipe.rows_for(1) == 128
     for M, height, block_m in ((128, 128, 64), (200, 256, 128)):
         assert pipe.rows_for(M) == height
         plan = pipe.plan(M)
-        assert plan.configs == [pick_config(table, height)] * 2
+        assert plan.configs == expected(height)
         assert all(lc.gemm.config.block_m == block_m for lc in plan.launches)
         x = torch.randn(M, 256).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
     assert plan.configs[0].block_n == 128 and not plan.configs[0].split_tail  # the 256-row height's
-    assert pipe.plan_configs(pipe.rows_for(300)) == [pick_config(table, 384)] * 2 == [PIPELINE_CONFIG] * 2
+    tall = pipe.plan_configs(pipe.rows_for(300))
+    assert tall == expected(384) and {(c.block_m, c.block_n) for c in tall} == {(128, 256)}
+    assert pick_config(table, 384).wait_parts == 1 and tall[1].wait_parts == (8 if loopback else 1)
+    assert pipe.plan(pipe.rows_for(300)).links[0].dep.parts == 1  # whole rows, or a ring (tiles once ready)
     if not loopback:
         assert pipe.plan(1).links[0].dep.parts == 4  # one a K-step: waits inside the K loop
     fixed = GemmConfig(16, 32, 32)
