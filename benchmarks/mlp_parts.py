@@ -1,9 +1,13 @@
 """Where the fused Llama block's time goes: each of its GEMMs with each part of its epilogue,
-against the same GEMM plain and in cuBLAS, graph-replayed, paired (one H200, Llama-70B MLP,
-M = 4096). The down GEMM's residual two ways: loaded by the epilogue on 128 x 128 tiles (as a
-pipeline stage does), and added onto the output by TMA on the plain GEMM's tiles (``matmul``).
+against the same GEMM plain and in cuBLAS, graph-replayed, paired (one H200; default the
+Llama-70B MLP at M = 4096). The down GEMM's residual two ways: loaded by the epilogue on 128 x
+128 tiles (as a pipeline stage does), and added onto the output by TMA on the plain GEMM's tiles
+(``matmul``). Each plain GEMM also with its last partial round split along K (``_split``).
 
-usage: python3 benchmarks/mlp_parts.py OUT_DIR [REPS]
+usage: python3 benchmarks/mlp_parts.py OUT_DIR [REPS] [SHAPES]
+
+SHAPES: comma-separated ``HIDDEN:INTERMEDIATE:M`` (default ``8192:28672:4096``); OUT_DIR/mlp_parts.json
+holds one record per shape.
 """
 
 import dataclasses
@@ -21,10 +25,20 @@ from ctapipelining.timing import Method, capture, environment, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-H, INTER, M = 8192, 28672, 4096
+SHAPES = [
+    tuple(int(v) for v in s.split(":")) for s in (sys.argv[3] if len(sys.argv) > 3 else "8192:28672:4096").split(",")
+]
 
 
 def main():
+    report = {"environment": environment(), "command": " ".join(sys.argv), "shapes": {}}
+    for H, INTER, M in SHAPES:
+        report["shapes"][f"H{H}_I{INTER}_M{M}"] = parts(H, INTER, M)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "mlp_parts.json").write_text(json.dumps(report, indent=1))
+
+
+def parts(H: int, INTER: int, M: int) -> dict:
     torch.manual_seed(0)
     x = torch.randn(M, H, device="cuda").bfloat16()
     gu = (torch.randn(H, 2 * INTER, device="cuda") * H**-0.5).bfloat16()
@@ -33,6 +47,8 @@ def main():
     full, half = torch.empty(M, 2 * INTER, device="cuda").bfloat16(), torch.empty(M, INTER, device="cuda").bfloat16()
     y = torch.empty(M, H, device="cuda").bfloat16()
     cfg3 = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
+    split3 = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
+    n128w8 = dataclasses.replace(cfg3, block_n=128, num_stages=4)  # 128 x 128 tiles, eight warps
     n128 = dataclasses.replace(cfg3, block_n=128, num_stages=4)
     gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
     res = Epilogue(residual=True)
@@ -41,10 +57,14 @@ def main():
     lines = {
         "gu_cublas": lambda: torch.mm(x, gu, out=full),
         "gu_plain": lambda: matmul(x, gu, out=full, config=cfg3),
+        "gu_plain_split": lambda: matmul(x, gu, out=full, config=split3),
+        "gu_plain_n128": lambda: matmul(x, gu, out=full, config=n128w8),
         "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
         "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
         "down_cublas": lambda: torch.mm(h, down, out=y),
         "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
+        "down_plain3_split": lambda: matmul(h, down, out=y, config=split3),
+        "down_plain_n128": lambda: matmul(h, down, out=y, config=n128w8),
         "down_res_load_n128": lambda: load(h, down, y, residual=x),
         "down_res_add3": lambda: matmul(h, down, out=y, config=cfg3, epilogue=res, residual=x),
     }
@@ -53,10 +73,8 @@ def main():
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {f"{k}/{base}": round(med[k] / med[base], 4) for k in med for base in ("gu_cublas", "down_cublas")
               if k.split("_")[0] == base.split("_")[0]}  # fmt: skip
-    report = {"environment": environment(), "command": " ".join(sys.argv), "median_ms": med, "ratios": ratios}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "mlp_parts.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median_ms": med, "ratios": ratios}, indent=1))
+    print(H, INTER, M, json.dumps({"median_ms": med, "ratios": ratios}, indent=1), flush=True)
+    return {"median_ms": med, "ratios": ratios}
 
 
 if __name__ == "__main__":
