@@ -26,7 +26,8 @@
 #          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt),
 #          MLP_ONLY (shapes whose key contains it)                              -> mlp_block.log, mlp_block.json
 #   parts  (1 GPU) benchmarks/mlp_parts.py: a Llama block's GEMMs part by part against cuBLAS, PARTS_SHAPES
-#          (HIDDEN:INTERMEDIATE:M,...; default the Llama-70B block at 4096 rows) -> mlp_parts.log, mlp_parts.json
+#          (HIDDEN:INTERMEDIATE:M,...; default the Llama-70B block at 4096 rows), PARTS_OLD (a folder with an older
+#          tree as ctapipelining_old: its block timed beside) -> mlp_parts.log, mlp_parts.json
 #   stack  (1 GPU) benchmarks/mlp_stack.py: two Llama blocks as one pipeline against the blocks one after
 #          another, MLP_REPS (default 20), STACK_ONLY (shapes)                    -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
@@ -87,8 +88,9 @@ for step in $STEPS; do
     mlp) timeout 500 python3 benchmarks/mlp_block.py "$OUT" "${MLP_REPS:-20}" "${MLP_MODE:-max-autotune-no-cudagraphs}" \
         "${MLP_BLOCKS:-llama}" "${MLP_ONLY:-}" \
         > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^(GPT_)?H|Error" "$OUT/mlp_block.log" | tail -8 ;;
-    parts) timeout 300 python3 benchmarks/mlp_parts.py "$OUT" "${MLP_REPS:-20}" ${PARTS_SHAPES:-} > "$OUT/mlp_parts.log" 2>&1
-      echo "parts rc=$?"; grep -A12 '"ratios"' "$OUT/mlp_parts.log" | tail -12 ;;
+    parts) timeout 300 python3 benchmarks/mlp_parts.py "$OUT" "${MLP_REPS:-20}" "${PARTS_SHAPES:-8192:28672:4096}" \
+        ${PARTS_OLD:-} > "$OUT/mlp_parts.log" 2>&1
+      echo "parts rc=$?"; grep -E 'block|Error' "$OUT/mlp_parts.log" | tail -12 ;;
     stack) timeout 400 python3 benchmarks/mlp_stack.py "$OUT" "${MLP_REPS:-20}" "${STACK_ONLY:-}" \
         > "$OUT/mlp_stack.log" 2>&1; echo "stack rc=$?"; grep -E "^H|Error" "$OUT/mlp_stack.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1

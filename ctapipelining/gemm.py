@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
-from .kernels.epilogue import NORM_COLS, NORM_ROWS, norm_rows
+from .kernels.epilogue import NORM_MAX_COLS, NORM_WARPS, norm_rows
 from .kernels.gemm import (
     EPILOGUE_CONFIG,
     PLAIN_CONFIG,
@@ -349,29 +349,35 @@ class NormStats:
             row_scale=self.row_scale, row_shift=self.row_shift,
         )  # fmt: skip
 
-    def __call__(self, a: torch.Tensor, stream: int | None) -> None:
-        """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`) on
-        ``stream``, where the statistics are this launch's own."""
+    def __call__(self, a: torch.Tensor, stream: int | None, copy: torch.Tensor | None = None) -> None:
+        """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`, one
+        program a row) on ``stream``, where the statistics are this launch's own; ``copy``
+        (checked by the caller): the rows are also stored there."""
         if not self.own:
             return
         rows, cols = a.shape
         held = self._statistics()[0].shape[0]
         if rows > held:
             raise ValueError(f"a has {rows} rows; this launch's row statistics hold {held}")
-        grid = _cdiv(rows, NORM_ROWS)
-        # what Triton specialises the compiled pass on (rows is not: norm_rows' do_not_specialize)
-        key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0))
+        if rows == 0:
+            return
+        # what Triton specialises the compiled pass on (the grid is the row count: not a key)
+        key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0)) + (
+            () if copy is None else (copy.data_ptr() % 16 == 0, copy.stride(0))
+        )
         raw = self._compiled.get(key)
         if raw is not None and not knobs.runtime.launch_enter_hook.calls:
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(grid, stream, *self.raw_args(a))
+            raw(rows, stream, *self.raw_args(a, copy))
             return
         on_stream = stream is not None and not interpreting()
+        scale, shift = self._statistics()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-            kernel = norm_rows[(grid,)](
-                a, *self._statistics(), rows, cols, a.stride(0), self.epilogue.norm_eps, **self._constexprs
-            )
+            kernel = norm_rows[(rows,)](
+                a, scale, shift, copy, cols, a.stride(0), 0 if copy is None else copy.stride(0),
+                self.epilogue.norm_eps, **self._constexprs(cols), num_warps=NORM_WARPS,
+            )  # fmt: skip
         if not interpreting():  # later launches of this specialisation: raw (None: Triton's path)
             self._compiled[key] = RawLaunch.of(kernel)
 
@@ -381,17 +387,17 @@ class NormStats:
         scale = self.row_sq if self.row_sq is not None else self.row_scale
         return scale, self.row_shift if self.row_shift is not None else scale
 
-    @property
-    def _constexprs(self) -> dict:
-        return dict(CENTER=self.row_shift is not None, BLOCK_R=NORM_ROWS, BLOCK_C=NORM_COLS)
+    def _constexprs(self, cols: int) -> dict:
+        return dict(CENTER=self.row_shift is not None, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
 
-    def raw_args(self, a: torch.Tensor) -> tuple:
-        """The pass's arguments on ``a`` as its compiled launcher takes them: pointers as
-        addresses, then the constexprs."""
+    def raw_args(self, a: torch.Tensor, copy: torch.Tensor | None = None) -> tuple:
+        """The pass's arguments on ``a`` (and ``copy``) as its compiled launcher takes them:
+        pointers as addresses, then the constexprs."""
         scale, shift = self._statistics()
         return (
-            a.data_ptr(), scale.data_ptr(), shift.data_ptr(), *a.shape, a.stride(0), self.epilogue.norm_eps,
-            *self._constexprs.values(),
+            a.data_ptr(), scale.data_ptr(), shift.data_ptr(), None if copy is None else copy.data_ptr(), a.shape[1],
+            a.stride(0), 0 if copy is None else copy.stride(0), self.epilogue.norm_eps,
+            *self._constexprs(a.shape[1]).values(),
         )  # fmt: skip
 
 
@@ -543,7 +549,7 @@ class GemmLaunch:
 
     def __call__(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None,
-        residual: torch.Tensor | None = None, compile_only: bool = False,
+        residual: torch.Tensor | None = None, compile_only: bool = False, a_copy: torch.Tensor | None = None,
     ):  # fmt: skip
         """Launch on ``stream`` (a raw CUDA stream handle on the current device; default the
         current stream of ``a``'s device): ``c = a @ b`` with this launch's hooks (operands already checked:
@@ -551,8 +557,10 @@ class GemmLaunch:
         ``c`` may live on a peer GPU). ``m <= M``: the launch's tile grid covers ``M`` rows (a
         plan for a bucket of row counts); rows past ``m`` read as zeros and are not written.
         Returns Triton's compiled kernel (PTX, register and spill counts for inspection).
-        ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked).
-        ``compile_only``: compile this specialisation (if it is not yet) and launch nothing."""
+        ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked; ``c``
+        itself: ``c`` holds it already). ``a_copy`` (``a``'s shape, checked): the norm's pass over
+        ``a`` also stores ``a`` there. ``compile_only``: compile this specialisation (if it is not
+        yet) and launch nothing."""
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
         key = self._key(a, c, residual)
@@ -560,10 +568,12 @@ class GemmLaunch:
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
+        if a_copy is not None and (self.stats is None or not self.stats.own):
+            raise ValueError("a_copy is made by the norm's own pass over a: an epilogue with rms_eps or layer_norm_eps")
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
-            self.stats(a, stream)
+            self.stats(a, stream, a_copy)
         adds = self._adds(c, residual)
-        if adds and not compile_only:  # C starts as the residual, on the same stream
+        if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
             if residual.shape != c.shape or residual.dtype != c.dtype:
                 raise ValueError(
                     f"the residual must be C's shape and dtype, got {tuple(residual.shape)} {residual.dtype}"
@@ -701,6 +711,11 @@ def overlaps(a: torch.Tensor, *others: torch.Tensor) -> bool:
     return False
 
 
+def same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` are the same matrix in memory (device, address, shape, strides)."""
+    return x.device == y.device and x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+
+
 def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str = "out") -> None:
     """Raise a clear error for an output the GEMM cannot write: ``[M, N]`` of ``dtype``, rows
     contiguous (row stride ``>= N``, a multiple of 16 bytes), base 16-byte aligned."""
@@ -723,16 +738,23 @@ def matmul(
     config: GemmConfig | None = None,
     epilogue: Epilogue | None = None,
     residual: torch.Tensor | None = None,
+    a_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain persistent GEMM ``a @ b`` (both hooks off), with an optional fused ``epilogue``
     (:class:`~ctapipelining.epilogue.Epilogue`; ``residual``: the matrix it adds, of the
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
-    ``a``, ``b`` or ``residual``) may be on a peer GPU (peer access is enabled here, or a
+    ``a``, ``b`` or ``residual``, or ``residual`` itself: ``out += ...`` in place) may be on a
+    peer GPU (peer access is enabled here, or a
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
     configuration has no split tail (an epilogue needs whole tiles). A residual is copied into
-    the output first and each tile added onto it (TMA reduce-add); into an output with padded
-    rows, or under the interpreter, the epilogue loads it instead, on 128 x 128 tiles
-    (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones). Without an epilogue or a
+    the output first (unless it is the output) and each tile added onto it (TMA reduce-add);
+    into an output with padded rows, or under the interpreter, the epilogue loads it instead,
+    on 128 x 128 tiles (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones).
+    ``a_copy`` (``a``'s shape and dtype, rows contiguous, overlapping no operand): with a norm
+    epilogue, whose pass over ``a``'s rows reads them anyway, the pass also stores them there: a
+    block whose residual is its input then reads it once (``y = x + f(x)``: ``h = matmul(x, w1,
+    epilogue=norm, a_copy=y)``, then ``matmul(h, w2, out=y, epilogue=residual, residual=y)``).
+    Without an epilogue or a
     ``config``, the configuration measured fastest for its row count (:func:`plain_config`).
     Its launches, bound once
     per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
@@ -742,7 +764,7 @@ def matmul(
     (the 64 most recently used kept): the host time of an eager call is then little more than
     the launch's."""
     key = None
-    plain = epilogue is None and residual is None and (config is None or type(config) is GemmConfig)
+    plain = epilogue is None and residual is None and a_copy is None and (config is None or type(config) is GemmConfig)
     types = _OPERAND_TYPES
     if plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda:
         stream = torch._C._cuda_getCurrentRawStream(a.get_device())
@@ -802,8 +824,17 @@ def matmul(
         out = torch.empty(M, n_out, dtype=a.dtype, device=a.device)
     check_out(out, M, n_out, a.dtype)
     vectors = [] if epilogue is None else [v[None, :] for v in (epilogue.bias, epilogue.col_sum) if v is not None]
-    if overlaps(out, a, b, *([] if residual is None else [residual]), *vectors):
+    in_place = residual is not None and same_view(residual, out)  # out holds the residual already
+    if overlaps(out, a, b, *([] if residual is None or in_place else [residual]), *vectors):
         raise ValueError("out overlaps an operand: the GEMM would read what it has already overwritten")
+    if a_copy is not None:
+        if epilogue is None or epilogue.norm_eps is None:
+            raise ValueError("a_copy is made by a norm epilogue's pass over a's rows (rms_eps or layer_norm_eps)")
+        check_out(a_copy, M, K, a.dtype, "a_copy")
+        if a_copy.device != a.device:
+            raise ValueError(f"a_copy must be on {a.device} (the norm's pass stores it), got {a_copy.device}")
+        if overlaps(a_copy, a, b, out, *([] if residual is None else [residual]), *vectors):
+            raise ValueError("a_copy overlaps an operand or the output: the pass would overwrite what the GEMM reads")
     if M == 0 or N == 0:
         return out
     if out.device != a.device:
@@ -811,7 +842,7 @@ def matmul(
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
         fabric.enable_peer_access([a.device.index, out.device.index])
     if a.device.type != "cuda":  # the interpreter
-        _plain_launch(M, N, K, cfg, a.device, 0, epilogue)(a, b, out, residual=residual)
+        _plain_launch(M, N, K, cfg, a.device, 0, epilogue)(a, b, out, residual=residual, a_copy=a_copy)
         return out
     index = a.device.index
     launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index), epilogue)
@@ -819,7 +850,7 @@ def matmul(
         _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
     # the kernel launches in the current device's context
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
-        launch(a, b, out, residual=residual)
+        launch(a, b, out, residual=residual, a_copy=a_copy)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
         _BOUND[key] = (weakref.ref(launch), bound[0], None if key[2] is None else bound[1], out.shape)

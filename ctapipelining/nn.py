@@ -192,11 +192,14 @@ class FusedMLP(torch.nn.Module):
         return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
 
     def _run(self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body)."""
+        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body). The first GEMM's norm
+        pass, which reads the rows anyway, also copies them into the output, and the second adds
+        its tiles onto them there: the residual is read once."""
         self._follow_source()
         first, second = self._epilogues()
-        h = matmul(rows, w_in, config=self.in_config, epilogue=first)
-        return matmul(h, w_out, config=self.out_config, epilogue=second, residual=rows)
+        y = torch.empty_like(rows)
+        h = matmul(rows, w_in, config=self.in_config, epilogue=first, a_copy=y)
+        return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
 
     def refresh(self) -> None:
         """Lay the weights out again from the module this block was built from (a call does it by

@@ -127,11 +127,13 @@ def main():
         check(launch.raw_args(fake_map, a, b, c, residual), tokens(fmt), roles, name)
         print("ok", name)
     # the norm's statistics pass before a GEMM whose epilogue normalises (an RMSNorm's, a LayerNorm's)
+    # (each also storing a copy of the rows: a block's residual)
     for epi in (Epilogue(rms_eps=1e-5), Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(N))):
         stats = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi).stats
-        fmt, roles = launcher_format(compile_norm(center=epi.layer_norm_eps is not None))
-        check(stats.raw_args(a), tokens(fmt), roles, f"norm pass {epi}")
-        print("ok norm pass", "layer" if epi.layer_norm_eps is not None else "rms")
+        for copy in (None, torch.zeros_like(a)):
+            fmt, roles = launcher_format(compile_norm(epi.layer_norm_eps is not None, copy is not None, K))
+            check(stats.raw_args(a, copy), tokens(fmt), roles, f"norm pass {epi} copy={copy is not None}")
+            print("ok norm pass", "layer" if epi.layer_norm_eps is not None else "rms", "copy" * (copy is not None))
     # chain kernels: (compile_chain flags and options, stages, outer links by ring)
     inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)
     outer_wait = dict(wait=dataclasses.replace(wait, **queue), err=i64(8))

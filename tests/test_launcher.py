@@ -17,7 +17,7 @@ def test_raw_arguments_fit_the_launchers_format_for_every_variant(sm90):
     got = sm90["launcher"]
     assert got["error"] is None, got["error"][-3000:]
     oks = [line for line in got["lines"] if line.startswith("ok")]
-    assert len(oks) == 15, got["lines"]  # 5 GEMM variants, 3 epilogues, 2 norm passes, 5 chains
+    assert len(oks) == 17, got["lines"]  # 5 GEMM variants, 3 epilogues, 4 norm passes (copy or not), 5 chains
 
 
 class Bundle(NamedTuple):

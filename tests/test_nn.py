@@ -284,6 +284,42 @@ def test_layer_norm_epilogue_and_its_statistics_on_a_plain_gemm():
         matmul(a, folded[:, :32].contiguous(), config=SMALL, epilogue=Epilogue(layer_norm_eps=1e-5, col_sum=col_sum))
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_place(norm):
+    """``a_copy``: the norm's pass stores ``a`` there bitwise, on rows wider than its widest
+    step (two steps, the last ragged) and on narrow ones, and the GEMM is bitwise the one
+    without it; ``residual=out``: the tiles are added onto what ``out`` holds, bitwise the
+    residual given apart. A copy without a norm, or one that overlaps an operand, and a
+    residual that overlaps ``out`` without being it are refused before anything runs."""
+    from ctapipelining.kernels.epilogue import NORM_MAX_COLS
+
+    torch.manual_seed(2)
+    for M, K, N in ((3, NORM_MAX_COLS + 40, 32), (37, 48, 64)):
+        a, w = (torch.randn(M, K) + 3).half(), (torch.randn(K, N) / K**0.5).half()
+        epi = Epilogue(rms_eps=1e-5) if norm == "rms" else Epilogue(layer_norm_eps=1e-5, col_sum=w.float().sum(0))
+        copy = torch.full_like(a, float("nan"))
+        y = matmul(a, w, config=SMALL, epilogue=epi, a_copy=copy)
+        assert torch.equal(copy, a) and torch.equal(y, matmul(a, w, config=SMALL, epilogue=epi))
+        xn = a.float() - a.float().mean(-1, keepdim=True) if norm == "layer" else a.float()
+        ref = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-5) @ w.float()
+        assert rel(y, ref) < 3e-3, (M, K)
+    res = torch.randn(M, N).half()
+    held = res.clone()
+    apart = matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=res)
+    same = matmul(a, w, out=held, config=SMALL, epilogue=Epilogue(residual=True), residual=held)
+    assert same is held and torch.equal(held, apart)
+    with pytest.raises(ValueError, match="norm epilogue"):
+        matmul(a, w, config=SMALL, a_copy=torch.empty_like(a))
+    with pytest.raises(ValueError, match="a_copy overlaps"):
+        matmul(a, w, config=SMALL, epilogue=epi, a_copy=a)
+    with pytest.raises(ValueError, match="a_copy must be"):
+        matmul(a, w, config=SMALL, epilogue=epi, a_copy=torch.empty(M, K + 8).half())
+    buf = torch.randn(M * N + 8).half()  # the residual 8 elements past out: overlapping, not the same
+    with pytest.raises(ValueError, match="out overlaps"):
+        matmul(a, w, out=buf[: M * N].view(M, N), config=SMALL, epilogue=Epilogue(residual=True),
+               residual=buf[8:].view(M, N))  # fmt: skip
+
+
 def test_a_backward_through_a_block_says_it_is_inference_only():
     mlp, norm = hf_block()
     block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .chain import MAX_STAGES, Stage, chain_kernel
-from .epilogue import NORM_COLS, NORM_ROWS, Epilogue, gelu, norm_rows, silu
+from .epilogue import NORM_MAX_COLS, NORM_WARPS, Epilogue, gelu, norm_rows, silu
 from .gemm import Tail, gemm_kernel
 from .sync import Signal, Wait
 
@@ -74,14 +74,18 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int):
     )
 
 
-def compile_norm(center: bool):
+def compile_norm(center: bool, copy: bool = False, cols: int = 4096):
     """Compile :func:`~ctapipelining.kernels.epilogue.norm_rows` (the norm's statistics pass) for
-    sm_90 on bf16 rows: a LayerNorm's (``center``) or an RMSNorm's."""
-    sig = dict(a_ptr="*bf16", scale_ptr="*fp32", shift_ptr="*fp32", rows="i32", cols="i32", stride="i32",
-               eps="fp32", CENTER="constexpr", BLOCK_R="constexpr", BLOCK_C="constexpr")  # fmt: skip
-    const = dict(CENTER=center, BLOCK_R=NORM_ROWS, BLOCK_C=NORM_COLS)
+    sm_90 on bf16 rows of ``cols`` columns: a LayerNorm's (``center``) or an RMSNorm's, storing a
+    copy of the rows (``copy``) or not."""
+    sig = dict(a_ptr="*bf16", scale_ptr="*fp32", shift_ptr="*fp32", copy_ptr="*bf16" if copy else "constexpr",
+               cols="i32", stride="i32", copy_stride="i32", eps="fp32", CENTER="constexpr",
+               BLOCK_C="constexpr")  # fmt: skip
+    const = dict(CENTER=center, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
+    if not copy:
+        const["copy_ptr"] = None
     src = triton.compiler.ASTSource(fn=norm_rows, signature=sig, constexprs=const)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NORM_WARPS))
 
 
 def compile_variant(

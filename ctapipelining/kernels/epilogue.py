@@ -93,38 +93,43 @@ def gelu(x):
     return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
 
 
-NORM_ROWS, NORM_COLS = 8, 256  # the rows a program of :func:`norm_rows` reads, and the columns a step
+NORM_WARPS = 4  # a program of :func:`norm_rows` reads one row: many programs, their loads all in flight
+NORM_MAX_COLS = 8192  # the widest step (columns) it reads at once
 
 
-@triton.jit(do_not_specialize=["rows"])  # one compiled pass serves every row count (rows == 1 included)
+@triton.jit
 def norm_rows(
-    a_ptr, scale_ptr, shift_ptr, rows, cols, stride, eps, CENTER: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    a_ptr, scale_ptr, shift_ptr, copy_ptr, cols, stride, copy_stride, eps, CENTER: tl.constexpr, BLOCK_C: tl.constexpr
 ):  # fmt: skip
-    """Each row's norm statistics (fp32), ``BLOCK_R`` rows a program: ``CENTER`` (LayerNorm)
-    ``shift[r] = mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two
-    passes over the row: no cancellation in the variance); else (RMSNorm) ``scale[r]`` is the
-    row's sum of squares (an epilogue's ``row_sq`` of one part)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    base = a_ptr + r[:, None].to(tl.int64) * stride
-    mean = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    """Row ``program_id``'s norm statistics (fp32): ``CENTER`` (LayerNorm) ``shift[r] =
+    mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two passes over the
+    row: no cancellation in the variance); else (RMSNorm) ``scale[r]`` is the row's sum of
+    squares (an epilogue's ``row_sq`` of one part). ``copy_ptr`` (None: none): the row is also
+    stored there (row stride ``copy_stride``), so a block whose residual is its input reads it
+    once. One row a program, ``BLOCK_C`` columns a step (the whole row up to
+    :data:`NORM_MAX_COLS`), so a pass has a load of every row in flight at once."""
+    r = tl.program_id(0)
+    row = a_ptr + r.to(tl.int64) * stride
+    mean = 0.0
     if CENTER:
+        total = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for c0 in range(0, cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            mean += tl.sum(tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32), axis=1)
-        mean = mean / cols
-        tl.store(shift_ptr + r, mean, mask=r < rows)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            total += tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=0) / cols
+        tl.store(shift_ptr + r, mean)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for c0 in range(0, cols, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        mask = (r[:, None] < rows) & (c[None, :] < cols)
-        a = tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        d = tl.where(mask, a - mean[:, None], 0.0)
-        acc += tl.sum(d * d, axis=1)
+        v = tl.load(row + c, mask=c < cols, other=0.0)
+        if copy_ptr is not None:
+            tl.store(copy_ptr + r.to(tl.int64) * copy_stride + c, v, mask=c < cols)
+        d = tl.where(c < cols, v.to(tl.float32) - mean, 0.0)
+        acc += d * d
+    sq = tl.sum(acc, axis=0)
     if CENTER:
-        acc = tl.rsqrt(acc / cols + eps)
-    tl.store(scale_ptr + r, acc, mask=r < rows)
+        sq = tl.rsqrt(sq / cols + eps)
+    tl.store(scale_ptr + r, sq)
 
 
 @triton.jit
