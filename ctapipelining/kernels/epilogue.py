@@ -160,47 +160,25 @@ def layer_norm_stats(epi, offs_m, rows):
 
 
 @triton.jit
-def prefetch(epi, pm, rows, BLOCK_M: tl.constexpr):
-    """The row vectors :func:`apply` reads for row-block ``pm``: ``(scale, shift)``, the norm's
-    per-row scale (an RMSNorm's or a LayerNorm's rsqrt) and shift (a LayerNorm's mean), zeros
-    where unused (:func:`apply` decides by ``epi``'s fields). Loaded before the tile's K loop, their
-    latency hides behind it rather than stalling the epilogue, and they cost a few registers
-    across the loop (a thread holds a few rows; the column vectors, bias and ``col_sum``, would
-    cost dozens: they are loaded after it). Only where they are final before the loop: the
-    statistics of a pass before the launch, or of a stage whose every part of the tile's rows has
-    been waited for."""
-    offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    shift = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if epi.row_sum is not None:  # a LayerNorm from partial sums
-        shift, scale = layer_norm_stats(epi, offs_m, rows)
-    elif epi.row_sq is not None:
-        scale = rms_scale(epi, offs_m, rows)
-    if epi.row_shift is not None:
-        shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
-    if epi.row_scale is not None:
-        scale = tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)
-    return scale, shift
-
-
-@triton.jit
-def apply(epi, acc, pm, pn, rows, n_out, pre, BLOCK_M: tl.constexpr):
+def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
-    the output's extent, for masks), its row vectors ``pre`` (:func:`prefetch`; None: loaded
-    here). Returns the tile to store (half as wide with ``GATED``; ``acc`` itself with nothing
-    to do)."""
-    if pre is None:
-        scale, shift = prefetch(epi, pm, rows, BLOCK_M)
-    else:
-        scale, shift = pre
+    the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
+    ``acc`` itself with nothing to do)."""
     offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     IN_N: tl.constexpr = acc.shape[1]
     n_in = n_out * 2 if epi.GATED is not None else n_out  # the GEMM's columns
     cols_in = pn * IN_N + tl.arange(0, IN_N)
-    if epi.row_sum is not None or epi.row_shift is not None:  # a LayerNorm: (a - mean) @ B, a - mean not formed
+    if epi.row_sum is not None:  # a LayerNorm from partial sums
+        mean, rstd = layer_norm_stats(epi, offs_m, rows)
+        acc -= mean[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
+        acc = acc * rstd[:, None]
+    elif epi.row_sq is not None:
+        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
+    if epi.row_shift is not None:
+        shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
         acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
-    if epi.row_sum is not None or epi.row_sq is not None or epi.row_scale is not None:
-        acc = acc * scale[:, None]
+    if epi.row_scale is not None:
+        acc = acc * tl.load(epi.row_scale + offs_m, mask=offs_m < rows, other=0.0)[:, None]
     if epi.bias is not None:
         acc += tl.load(epi.bias + cols_in, mask=cols_in < n_in, other=0.0).to(tl.float32)[None, :]
     if epi.GATED is not None:

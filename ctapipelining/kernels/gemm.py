@@ -296,13 +296,12 @@ def _out_cols(op, epi):
 
 
 @triton.jit
-def _store_tile(op, acc, pm, pn, epi, pre, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue (its vectors ``pre``,
-    :func:`.epilogue.prefetch`; None: loaded now): an asynchronous TMA
+def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue: an asynchronous TMA
     store (clipped to C's rows by the descriptor), or ordinary stores masked to ``c_rows`` x
     the output's columns (half of ``N`` with a gated epilogue); then, if the epilogue asks, the
     stored rows' sums of squares (:func:`.epilogue.store_sums`)."""
-    acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), pre, BLOCK_M)
+    acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M)
     OUT_N: tl.constexpr = acc.shape[1]
     if op.c_desc is not None:
         stored = acc.to(op.c_desc.dtype)
@@ -353,9 +352,6 @@ def _run_tile(
     signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
-    pre = None  # the epilogue's row vectors: loaded before the K loop where the rows' statistics are final
-    if wait is None or wait.PARTS == 1:
-        pre = epilogue.prefetch(epi, pm, op.c_rows, BLOCK_M)
     t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
         op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
@@ -363,7 +359,7 @@ def _run_tile(
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
-        _store_tile(op, acc, pm, pn, epi, pre, BLOCK_M, BLOCK_N)
+        _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
         if signal is not None:
             pending = tile  # signalled a quarter into the next tile, or after the loop
         _record(prot.trace_ptr, tile, t_wait, t_start, _now(prot.trace_ptr))
@@ -432,7 +428,7 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(op, acc, pm, pn, epi, None, BLOCK_M, BLOCK_N)
+                _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
                     _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
