@@ -63,7 +63,8 @@ K = N = 8192
 def candidates(tiles: list[tuple], group_m: int, variants=({},), **fixed) -> dict[str, GemmConfig]:
     """``name: config`` for each ``(block_m, block_n, block_k, num_stages, num_warps)`` of
     ``tiles``, with and without a split tail (name suffix ``_split``), in each of ``variants``
-    (other fields: a ``wait_parts`` of 1 adds ``_wp1`` to the name, a ``group_m`` of 8 ``_g8``)."""
+    (other fields: a ``wait_parts`` of 1 adds ``_wp1`` to the name, a variant's ``group_m`` of 8
+    ``_g8``; ``group_m`` itself names nothing)."""
     out = {}
     for bm, bn, bk, st, wp in tiles:
         for var in variants:

@@ -56,7 +56,6 @@ def parts(H: int, INTER: int, M: int) -> dict:
     y = torch.empty(M, H, device="cuda").bfloat16()
     cfg3 = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
     split3 = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
-    n128w8 = dataclasses.replace(cfg3, block_n=128, num_stages=4)  # 128 x 128 tiles, eight warps
     n128 = dataclasses.replace(cfg3, block_n=128, num_stages=4)
     gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
     res = Epilogue(residual=True)
@@ -66,13 +65,13 @@ def parts(H: int, INTER: int, M: int) -> dict:
         "gu_cublas": lambda: torch.mm(x, gu, out=full),
         "gu_plain": lambda: matmul(x, gu, out=full, config=cfg3),
         "gu_plain_split": lambda: matmul(x, gu, out=full, config=split3),
-        "gu_plain_n128": lambda: matmul(x, gu, out=full, config=n128w8),
+        "gu_plain_n128": lambda: matmul(x, gu, out=full, config=n128),
         "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
         "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
         "down_cublas": lambda: torch.mm(h, down, out=y),
         "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
         "down_plain3_split": lambda: matmul(h, down, out=y, config=split3),
-        "down_plain_n128": lambda: matmul(h, down, out=y, config=n128w8),
+        "down_plain_n128": lambda: matmul(h, down, out=y, config=n128),
         "down_res_load_n128": lambda: load(h, down, y, residual=x),
         "down_res_add3": lambda: matmul(h, down, out=y, config=cfg3, epilogue=res, residual=x),
     }

@@ -354,6 +354,8 @@ class NormStats:
         program a row) on ``stream``, where the statistics are this launch's own; ``copy``
         (checked by the caller): the rows are also stored there."""
         if not self.own:
+            if copy is not None:
+                raise ValueError("a copy of the rows is made by a norm's own pass; these statistics come from a producer")
             return
         rows, cols = a.shape
         held = self._statistics()[0].shape[0]
@@ -363,7 +365,7 @@ class NormStats:
             return
         # what Triton specialises the compiled pass on (the grid is the row count: not a key)
         key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0)) + (
-            () if copy is None else (copy.data_ptr() % 16 == 0, copy.stride(0))
+            () if copy is None else (copy.dtype, copy.data_ptr() % 16 == 0, copy.stride(0))
         )
         raw = self._compiled.get(key)
         if raw is not None and not knobs.runtime.launch_enter_hook.calls:
@@ -563,21 +565,19 @@ class GemmLaunch:
         yet) and launch nothing."""
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
+        if a_copy is not None and (self.stats is None or not self.stats.own):
+            raise ValueError("a_copy is made by the norm's own pass over a: an epilogue with rms_eps or layer_norm_eps")
+        adds = self._adds(c, residual)
+        if adds and (residual.shape != c.shape or residual.dtype != c.dtype):
+            raise ValueError(f"the residual must be C's shape and dtype, got {tuple(residual.shape)} {residual.dtype}")
         key = self._key(a, c, residual)
         tma_store = key[0]
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
-        if a_copy is not None and (self.stats is None or not self.stats.own):
-            raise ValueError("a_copy is made by the norm's own pass over a: an epilogue with rms_eps or layer_norm_eps")
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream, a_copy)
-        adds = self._adds(c, residual)
         if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
-            if residual.shape != c.shape or residual.dtype != c.dtype:
-                raise ValueError(
-                    f"the residual must be C's shape and dtype, got {tuple(residual.shape)} {residual.dtype}"
-                )
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if stream else nullcontext():
                 c.copy_(residual)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:

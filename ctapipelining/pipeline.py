@@ -519,19 +519,17 @@ class Pipeline:
         Few rows take narrow tiles (64 x 128 up to 128 rows, 128 x 128 up to 256: more CTAs busy),
         taller plans 128 x 256 tiles, with the last partial round split along K where that is
         faster by more than 1% (at 128 and 640 rows), and a consumer in the same kernel as its
-        producer waits for whole row-blocks, not in parts (the combined order places its input
-        rows about a round before it, so parts would only add waits: 0.6-1.0% faster from 1024 to
-        16384 rows, ``benchmarks/results/2026-12-01-h200-chain/overhead/``). A consumer whose
-        producer is another kernel (another GPU, a loopback, another process) keeps
-        :data:`PIPELINE_CONFIG`'s parts, where waiting in parts measured a gain
-        (``benchmarks/results/2026-11-30-h200x2-parts/``)."""
+        producer waits as the row says: for whole row-blocks at 256-16384 rows but 640 (the
+        combined order places its input rows about a round before it, so parts would mostly add
+        waits: 0.6-1.0% faster from 1024 to 16384 rows,
+        ``benchmarks/results/2026-12-01-h200-chain/overhead/``). A consumer whose producer is
+        another kernel (another GPU, a loopback) waits in :data:`PIPELINE_CONFIG`'s parts, where
+        waiting in parts measured a gain (``benchmarks/results/2026-11-30-h200x2-parts/``); its
+        other fields are the row's, measured on one GPU."""
         if self._per_height:
             cfg = pick_config(config_table(PIPELINE_TABLE), M)
             across = dataclasses.replace(cfg, wait_parts=PIPELINE_CONFIG.wait_parts)
-            inbound = [
-                s == 0 and self._inbound or s > 0 and not self._same_kernel(s - 1, s) for s in range(len(self.weights))
-            ]
-            return [across if i else cfg for i in inbound]
+            return [across if s and not self._same_kernel(s - 1, s) else cfg for s in range(len(self.weights))]
         return self.configs
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:

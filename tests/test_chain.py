@@ -418,7 +418,7 @@ def test_a_chain_kernels_split_tail_never_runs_an_epilogue():
         ChainLaunch(M, stages, SPLIT, 4, CPU, ticket=t, epoch=e)
 
 
-@pytest.mark.parametrize("loopback,policy", [(False, "static"), (True, "workqueue")])
+@pytest.mark.parametrize("loopback,policy", [(False, "static"), (True, "workqueue"), (True, "static")])
 def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback, policy):
     """Built without a configuration, a pipeline's plan of each height runs the measured table's
     row for it (``PIPELINE_TABLE``): 64 x 128 tiles up to 128 rows, 128 x 128 tiles up to 256,
@@ -452,9 +452,29 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
     tall = pipe.plan_configs(pipe.rows_for(300))
     assert tall == expected(384) and {(c.block_m, c.block_n) for c in tall} == {(128, 256)}
     assert pick_config(table, 384).wait_parts == 1 and tall[1].wait_parts == (8 if loopback else 1)
-    assert pipe.plan(pipe.rows_for(300)).links[0].dep.parts == 1  # whole rows, or a ring (tiles once ready)
+    # whole rows in one kernel; across kernels a ring (tiles once ready) or PIPELINE_CONFIG's parts,
+    # capped at the producer's 2 column-blocks (512 columns in 128 x 256 tiles)
+    assert pipe.plan(pipe.rows_for(300)).links[0].dep.parts == (2 if loopback and policy == "static" else 1)
     if not loopback:
         assert pipe.plan(1).links[0].dep.parts == 4  # one a K-step: waits inside the K loop
     fixed = GemmConfig(16, 32, 32)
     assert Pipeline(ws, config=fixed).plan_configs(64) == [fixed, fixed]
     assert Pipeline(ws, epilogues=[None, Epilogue(bias=None)]).plan_configs(64) == [PIPELINE_CONFIG] * 2
+
+
+def test_a_chain_kernel_whose_first_stage_waits_on_another_kernel_waits_in_that_links_parts():
+    """Six stages on one device without a configuration: two chain kernels (four stages, then
+    two), launched with the table's row, whose links inside wait as it says (whole rows at 256
+    rows) while the second kernel's first stage waits on the first kernel in PIPELINE_CONFIG's
+    parts (capped at its producer's column-blocks): bitwise equal to the stages one after another."""
+    from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+
+    torch.manual_seed(3)
+    ws = chain(64, 256, 64, 256, 512, 256, 64)
+    pipe = Pipeline(ws, loopback=False)
+    plan = pipe.plan(200)
+    assert [lc.stages for lc in plan.launches] == [(0, 1, 2, 3), (4, 5)]
+    assert [c.wait_parts for c in plan.configs] == [1, 1, 1, 1, PIPELINE_CONFIG.wait_parts, 1]
+    assert [lk.dep.parts for lk in plan.links] == [1, 1, 1, 4, 1]  # 3 -> 4: capped at stage 3's 4 column-blocks
+    x = torch.randn(200, 64).half()
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))

@@ -255,3 +255,31 @@ def test_a_residual_added_by_tma_on_any_width_over_a_nan_out(M, K, N):
     tol = 2 * torch.finfo(torch.bfloat16).eps * want.abs().amax() + 1e-2
     assert (got.float() - want).abs().max() <= tol
     assert (got.float() - loaded.float()).abs().max() <= tol
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_norm_pass_copies_its_rows_into_a_padded_buffer_and_a_residual_adds_in_place(norm):
+    """On the GPU, twice (the second call takes the pass's raw launch): the norm's pass stores the
+    rows bitwise into a copy with padded rows (its padding untouched) and the GEMM is bitwise the
+    one without a copy; a residual that is ``out`` is added onto it in place, bitwise the residual
+    given apart, over widths that are not a multiple of the tile (8200 columns: two steps of the
+    pass, the last ragged)."""
+    from ctapipelining.epilogue import Epilogue
+    from ctapipelining.gemm import matmul
+
+    torch.manual_seed(4)
+    M, K, N = 300, 8200, 1000
+    a = (torch.randn(M, K, device="cuda") + 2).bfloat16()
+    b = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
+    epi = Epilogue(rms_eps=1e-5) if norm == "rms" else Epilogue(layer_norm_eps=1e-5, col_sum=b.float().sum(0))
+    want = matmul(a, b, epilogue=epi)
+    for _ in range(2):
+        padded = torch.full((M, K + 56), float("nan"), device="cuda").bfloat16()
+        y = matmul(a, b, epilogue=epi, a_copy=padded[:, :K])
+        assert torch.equal(padded[:, :K], a) and padded[:, K:].isnan().all()
+        assert torch.equal(y, want)
+    res = torch.randn(M, N, device="cuda").bfloat16()
+    apart = matmul(a, b, epilogue=Epilogue(residual=True), residual=res)
+    held = res.clone()
+    assert matmul(a, b, out=held, epilogue=Epilogue(residual=True), residual=held) is held
+    assert torch.equal(held, apart)

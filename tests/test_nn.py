@@ -297,9 +297,11 @@ def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_p
     for M, K, N in ((3, NORM_MAX_COLS + 40, 32), (37, 48, 64)):
         a, w = (torch.randn(M, K) + 3).half(), (torch.randn(K, N) / K**0.5).half()
         epi = Epilogue(rms_eps=1e-5) if norm == "rms" else Epilogue(layer_norm_eps=1e-5, col_sum=w.float().sum(0))
-        copy = torch.full_like(a, float("nan"))
-        y = matmul(a, w, config=SMALL, epilogue=epi, a_copy=copy)
-        assert torch.equal(copy, a) and torch.equal(y, matmul(a, w, config=SMALL, epilogue=epi))
+        padded = torch.full((M, K + 8), float("nan")).half()  # a row stride other than a's
+        for copy in (torch.full_like(a, float("nan")), padded[:, :K]):
+            y = matmul(a, w, config=SMALL, epilogue=epi, a_copy=copy)
+            assert torch.equal(copy, a) and torch.equal(y, matmul(a, w, config=SMALL, epilogue=epi))
+        assert padded[:, K:].isnan().all()  # the padding untouched
         xn = a.float() - a.float().mean(-1, keepdim=True) if norm == "layer" else a.float()
         ref = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-5) @ w.float()
         assert rel(y, ref) < 3e-3, (M, K)
@@ -308,12 +310,16 @@ def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_p
     apart = matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=res)
     same = matmul(a, w, out=held, config=SMALL, epilogue=Epilogue(residual=True), residual=held)
     assert same is held and torch.equal(held, apart)
+    sentinel, out = torch.full_like(a, float("nan")), torch.full((M, N), float("nan")).half()
     with pytest.raises(ValueError, match="norm epilogue"):
-        matmul(a, w, config=SMALL, a_copy=torch.empty_like(a))
+        matmul(a, w, out=out, config=SMALL, a_copy=sentinel)
     with pytest.raises(ValueError, match="a_copy overlaps"):
-        matmul(a, w, config=SMALL, epilogue=epi, a_copy=a)
+        matmul(a, w, out=out, config=SMALL, epilogue=epi, a_copy=a)
     with pytest.raises(ValueError, match="a_copy must be"):
-        matmul(a, w, config=SMALL, epilogue=epi, a_copy=torch.empty(M, K + 8).half())
+        matmul(a, w, out=out, config=SMALL, epilogue=epi, a_copy=torch.empty(M, K + 8).half())
+    with pytest.raises(ValueError, match="a_copy overlaps"):
+        matmul(a, w, out=out, config=SMALL, epilogue=epi, a_copy=out[:, :K])  # the output's first K columns
+    assert sentinel.isnan().all() and out.isnan().all()  # refused before anything ran
     buf = torch.randn(M * N + 8).half()  # the residual 8 elements past out: overlapping, not the same
     with pytest.raises(ValueError, match="out overlaps"):
         matmul(a, w, out=buf[: M * N].view(M, N), config=SMALL, epilogue=Epilogue(residual=True),

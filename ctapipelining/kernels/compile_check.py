@@ -7,7 +7,10 @@ instructions, and by the device script next to the registers and spills the GPU 
 """
 
 import json
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -198,6 +201,36 @@ def compile_chain(
         sig["c_ptr"] = "*bf16"
     const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, QUEUE=queue, INTERPRET=False)
     return _compile(chain_kernel, sig, const, num_warps, num_stages)
+
+
+def ptxas_usage(kernel) -> dict | None:
+    """Registers and spilled bytes of ``kernel``'s sm_90a PTX, from the ``ptxas`` that Triton
+    ships (``ptxas -v``); None where there is none."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.devnull], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", r.stderr)]
+    if r.returncode or regs is None:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    return {"registers": int(regs.group(1)), "spill_bytes": sum(spills)}
+
+
+def compile_norms() -> dict:
+    """The norm's statistics pass (:func:`~.epilogue.norm_rows`) for RMSNorm and LayerNorm rows,
+    storing a copy or not, 4096 and 8192 columns wide: each one's registers and spills
+    (:func:`ptxas_usage`)."""
+    return {
+        f"{'layer' if center else 'rms'}{'_copy' if copy else ''}_{cols}": ptxas_usage(compile_norm(center, copy, cols))
+        for center in (False, True)
+        for copy in (False, True)
+        for cols in (4096, 8192)
+    }
 
 
 def unfenced_loads(ptx: str) -> int:

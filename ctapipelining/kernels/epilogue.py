@@ -93,8 +93,8 @@ def gelu(x):
     return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
 
 
-NORM_WARPS = 4  # a program of :func:`norm_rows` reads one row: many programs, their loads all in flight
-NORM_MAX_COLS = 8192  # the widest step (columns) it reads at once
+NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row: many programs, their loads all in flight
+NORM_MAX_COLS = 4096  # the widest step (columns) it reads at once
 
 
 @triton.jit
