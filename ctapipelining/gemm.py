@@ -355,7 +355,7 @@ class NormStats:
         (checked by the caller): the rows are also stored there."""
         if not self.own:
             if copy is not None:
-                raise ValueError("a copy of the rows is made by a norm's own pass; these statistics come from a producer")
+                raise ValueError("a copy of the rows is made by a norm's own pass; a producer left these statistics")
             return
         rows, cols = a.shape
         held = self._statistics()[0].shape[0]
@@ -754,6 +754,9 @@ def matmul(
     epilogue, whose pass over ``a``'s rows reads them anyway, the pass also stores them there: a
     block whose residual is its input then reads it once (``y = x + f(x)``: ``h = matmul(x, w1,
     epilogue=norm, a_copy=y)``, then ``matmul(h, w2, out=y, epilogue=residual, residual=y)``).
+    Such a pass may sum a row in another order than one without the copy (the compiler lays the
+    row out to vectorise the store, by the copy's alignment): the result is then within a
+    rounding of the call without it, not bitwise.
     Without an epilogue or a
     ``config``, the configuration measured fastest for its row count (:func:`plain_config`).
     Its launches, bound once
