@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
-from .kernels.epilogue import NORM_MAX_COLS, NORM_WARPS, norm_rows
+from .kernels.epilogue import NORM_INTERPRET_ROWS, NORM_MAX_COLS, NORM_WARPS, norm_rows
 from .kernels.gemm import (
     EPILOGUE_CONFIG,
     PLAIN_CONFIG,
@@ -371,13 +371,13 @@ class NormStats:
         if raw is not None and not knobs.runtime.launch_enter_hook.calls:
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(rows, stream, *self.raw_args(a, copy))
+            raw(_cdiv(rows, self._rows_per_program()), stream, *self.raw_args(a, copy))
             return
         on_stream = stream is not None and not interpreting()
         scale, shift = self._statistics()
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
-            kernel = norm_rows[(rows,)](
-                a, scale, shift, copy, cols, a.stride(0), 0 if copy is None else copy.stride(0),
+            kernel = norm_rows[(_cdiv(rows, self._rows_per_program()),)](
+                a, scale, shift, copy, rows, cols, a.stride(0), 0 if copy is None else copy.stride(0),
                 self.epilogue.norm_eps, **self._constexprs(cols), num_warps=NORM_WARPS,
             )  # fmt: skip
         if not interpreting():  # later launches of this specialisation: raw (None: Triton's path)
@@ -389,15 +389,24 @@ class NormStats:
         scale = self.row_sq if self.row_sq is not None else self.row_scale
         return scale, self.row_shift if self.row_shift is not None else scale
 
+    @staticmethod
+    def _rows_per_program() -> int:
+        """One row a program on a GPU (every row's load in flight); many under the interpreter,
+        which runs the programs one after another."""
+        return NORM_INTERPRET_ROWS if interpreting() else 1
+
     def _constexprs(self, cols: int) -> dict:
-        return dict(CENTER=self.row_shift is not None, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
+        return dict(
+            CENTER=self.row_shift is not None, BLOCK_R=self._rows_per_program(),
+            BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS),
+        )  # fmt: skip
 
     def raw_args(self, a: torch.Tensor, copy: torch.Tensor | None = None) -> tuple:
         """The pass's arguments on ``a`` (and ``copy``) as its compiled launcher takes them:
         pointers as addresses, then the constexprs."""
         scale, shift = self._statistics()
         return (
-            a.data_ptr(), scale.data_ptr(), shift.data_ptr(), None if copy is None else copy.data_ptr(), a.shape[1],
+            a.data_ptr(), scale.data_ptr(), shift.data_ptr(), None if copy is None else copy.data_ptr(), *a.shape,
             a.stride(0), 0 if copy is None else copy.stride(0), self.epilogue.norm_eps,
             *self._constexprs(a.shape[1]).values(),
         )  # fmt: skip

@@ -82,9 +82,9 @@ def compile_norm(center: bool, copy: bool = False, cols: int = 4096):
     sm_90 on bf16 rows of ``cols`` columns: a LayerNorm's (``center``) or an RMSNorm's, storing a
     copy of the rows (``copy``) or not."""
     sig = dict(a_ptr="*bf16", scale_ptr="*fp32", shift_ptr="*fp32", copy_ptr="*bf16" if copy else "constexpr",
-               cols="i32", stride="i32", copy_stride="i32", eps="fp32", CENTER="constexpr",
-               BLOCK_C="constexpr")  # fmt: skip
-    const = dict(CENTER=center, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
+               rows="i32", cols="i32", stride="i32", copy_stride="i32", eps="fp32", CENTER="constexpr",
+               BLOCK_R="constexpr", BLOCK_C="constexpr")  # fmt: skip
+    const = dict(CENTER=center, BLOCK_R=1, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
     if not copy:
         const["copy_ptr"] = None
     src = triton.compiler.ASTSource(fn=norm_rows, signature=sig, constexprs=const)

@@ -93,43 +93,48 @@ def gelu(x):
     return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
 
 
-NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row: many programs, their loads all in flight
+NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row on a GPU: many programs, their loads all in flight
 NORM_MAX_COLS = 4096  # the widest step (columns) it reads at once
+NORM_INTERPRET_ROWS = 32  # rows a program reads under the interpreter, which runs programs one by one
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one compiled pass serves every row count (rows == 1 included)
 def norm_rows(
-    a_ptr, scale_ptr, shift_ptr, copy_ptr, cols, stride, copy_stride, eps, CENTER: tl.constexpr, BLOCK_C: tl.constexpr
+    a_ptr, scale_ptr, shift_ptr, copy_ptr, rows, cols, stride, copy_stride, eps, CENTER: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Row ``program_id``'s norm statistics (fp32): ``CENTER`` (LayerNorm) ``shift[r] =
-    mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two passes over the
-    row: no cancellation in the variance); else (RMSNorm) ``scale[r]`` is the row's sum of
-    squares (an epilogue's ``row_sq`` of one part). ``copy_ptr`` (None: none): the row is also
-    stored there (row stride ``copy_stride``), so a block whose residual is its input reads it
-    once. One row a program, ``BLOCK_C`` columns a step (the whole row up to
-    :data:`NORM_MAX_COLS`), so a pass has a load of every row in flight at once."""
-    r = tl.program_id(0)
-    row = a_ptr + r.to(tl.int64) * stride
-    mean = 0.0
+    """Each row's norm statistics (fp32), ``BLOCK_R`` rows a program: ``CENTER`` (LayerNorm)
+    ``shift[r] = mean(a[r])`` and ``scale[r] = rsqrt(mean((a[r] - shift[r]) ** 2) + eps)`` (two
+    passes over the row: no cancellation in the variance); else (RMSNorm) ``scale[r]`` is the
+    row's sum of squares (an epilogue's ``row_sq`` of one part). ``copy_ptr`` (None: none): the
+    rows are also stored there (row stride ``copy_stride``), so a block whose residual is its
+    input reads it once. On a GPU one row a program (``BLOCK_R`` 1), ``BLOCK_C`` columns a step
+    (the whole row up to :data:`NORM_MAX_COLS`), so a pass has a load of every row in flight."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = r < rows
+    base = a_ptr + r[:, None].to(tl.int64) * stride
+    mean = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if CENTER:
-        total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        total = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
         for c0 in range(0, cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            total += tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32)
-        mean = tl.sum(total, axis=0) / cols
-        tl.store(shift_ptr + r, mean)
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+            mask = row_ok[:, None] & (c[None, :] < cols)
+            total += tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=1) / cols
+        tl.store(shift_ptr + r, mean, mask=row_ok)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for c0 in range(0, cols, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        v = tl.load(row + c, mask=c < cols, other=0.0)
+        mask = row_ok[:, None] & (c[None, :] < cols)
+        v = tl.load(base + c[None, :], mask=mask, other=0.0)
         if copy_ptr is not None:
-            tl.store(copy_ptr + r.to(tl.int64) * copy_stride + c, v, mask=c < cols)
-        d = tl.where(c < cols, v.to(tl.float32) - mean, 0.0)
+            tl.store(copy_ptr + r[:, None].to(tl.int64) * copy_stride + c[None, :], v, mask=mask)
+        d = tl.where(mask, v.to(tl.float32) - mean[:, None], 0.0)
         acc += d * d
-    sq = tl.sum(acc, axis=0)
+    sq = tl.sum(acc, axis=1)
     if CENTER:
         sq = tl.rsqrt(sq / cols + eps)
-    tl.store(scale_ptr + r, sq)
+    tl.store(scale_ptr + r, sq, mask=row_ok)
 
 
 @triton.jit
