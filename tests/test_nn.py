@@ -287,12 +287,13 @@ def test_layer_norm_epilogue_and_its_statistics_on_a_plain_gemm():
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_place(norm):
+def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_place(norm, monkeypatch):
     """``a_copy``: the norm's pass stores ``a`` there bitwise, on rows wider than its widest
     step (two steps, the last ragged) and on narrow ones, and the GEMM is bitwise the one
     without it; ``residual=out``: the tiles are added onto what ``out`` holds, bitwise the
-    residual given apart. A copy without a norm, or one that overlaps an operand, and a
-    residual that overlaps ``out`` without being it are refused before anything runs."""
+    residual given apart; the pass in a GPU's one row a program gives the same. A copy without
+    a norm, or one that overlaps an operand, and a residual that overlaps ``out`` without being
+    it are refused before anything runs."""
     from ctapipelining.kernels.epilogue import NORM_MAX_COLS
 
     torch.manual_seed(2)
@@ -308,6 +309,12 @@ def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_p
         xn = a.float() - a.float().mean(-1, keepdim=True) if norm == "layer" else a.float()
         ref = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-5) @ w.float()
         assert rel(y, ref) < 3e-3, (M, K)
+    from ctapipelining.gemm import NormStats
+
+    monkeypatch.setattr(NormStats, "_rows_per_program", staticmethod(lambda: 1))  # a GPU's programs
+    one_row = torch.full_like(a, float("nan"))
+    assert torch.equal(matmul(a, w, config=SMALL, epilogue=epi, a_copy=one_row), y) and torch.equal(one_row, a)
+    monkeypatch.undo()
     res = torch.randn(M, N).half()
     held = res.clone()
     apart = matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=res)
