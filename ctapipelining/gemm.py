@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
 from .epilogue import OFF, PLAIN, Epilogue
-from .kernels.epilogue import NORM_INTERPRET_ROWS, NORM_MAX_COLS, NORM_WARPS, norm_rows
+from .kernels.epilogue import NORM_GPU_ROWS, NORM_INTERPRET_ROWS, NORM_MAX_COLS, NORM_WARPS, norm_rows
 from .kernels.gemm import (
     EPILOGUE_CONFIG,
     PLAIN_CONFIG,
@@ -350,9 +350,9 @@ class NormStats:
         )  # fmt: skip
 
     def __call__(self, a: torch.Tensor, stream: int | None, copy: torch.Tensor | None = None) -> None:
-        """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`, one
-        program a row) on ``stream``, where the statistics are this launch's own; ``copy``
-        (checked by the caller): the rows are also stored there."""
+        """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`,
+        :meth:`_rows_per_program` rows a program) on ``stream``, where the statistics are this
+        launch's own; ``copy`` (checked by the caller): the rows are also stored there."""
         if not self.own:
             if copy is not None:
                 raise ValueError("a copy of the rows is made by a norm's own pass; a producer left these statistics")
@@ -363,7 +363,8 @@ class NormStats:
             raise ValueError(f"a has {rows} rows; this launch's row statistics hold {held}")
         if rows == 0:
             return
-        # what Triton specialises the compiled pass on (the grid is the row count: not a key)
+        # what Triton specialises the compiled pass on (rows is not specialised; BLOCK_R is fixed per
+        # process: one GPU launch's rows a program, or the interpreter's, which compiles nothing)
         key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0)) + (
             () if copy is None else (copy.dtype, copy.data_ptr() % 16 == 0, copy.stride(0))
         )
@@ -393,7 +394,7 @@ class NormStats:
     def _rows_per_program() -> int:
         """One row a program on a GPU (every row's load in flight); many under the interpreter,
         which runs the programs one after another."""
-        return NORM_INTERPRET_ROWS if interpreting() else 1
+        return NORM_INTERPRET_ROWS if interpreting() else NORM_GPU_ROWS
 
     def _constexprs(self, cols: int) -> dict:
         return dict(

@@ -13,6 +13,7 @@ from ctapipelining.chain import ChainLaunch, ChainStage
 from ctapipelining.epilogue import Epilogue, gelu, silu
 from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
 from ctapipelining.kernels.compile_check import compile_chain, compile_norm, compile_variant
+from ctapipelining.kernels.epilogue import norm_rows
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 
 
@@ -130,9 +131,19 @@ def main():
     # (each also storing a copy of the rows: a block's residual)
     for epi in (Epilogue(rms_eps=1e-5), Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(N))):
         stats = GemmLaunch(M, N, K, plain, ctas, dev, epilogue=epi).stats
-        for copy in (None, torch.zeros_like(a)):
-            fmt, roles = launcher_format(compile_norm(epi.layer_norm_eps is not None, copy is not None, K))
-            check(stats.raw_args(a, copy), tokens(fmt), roles, f"norm pass {epi} copy={copy is not None}")
+        center = epi.layer_norm_eps is not None
+        # the constants a GPU launch takes are those compiled here (one row a program)
+        names = norm_rows.arg_names
+        constants = compile_norm(center, False, K).src.constants.items()
+        compiled = {names[i[0]]: v for i, v in constants if names[i[0]].isupper()}
+        assert stats._constexprs(K) == compiled, (stats._constexprs(K), compiled)
+        for copy in (None, torch.zeros(M, K + 8, dtype=a.dtype)[:, :K]):
+            fmt, roles = launcher_format(compile_norm(center, copy is not None, K))
+            args = stats.raw_args(a, copy)
+            check(args, tokens(fmt), roles, f"norm pass {epi} copy={copy is not None}")
+            at = {n: args[i] for i, n in enumerate(norm_rows.arg_names)}  # each slot holds what it names
+            assert (at["rows"], at["cols"], at["stride"]) == (M, K, a.stride(0)), at
+            assert at["copy_stride"] == (0 if copy is None else K + 8) and at["BLOCK_R"] == 1, at
             print("ok norm pass", "layer" if epi.layer_norm_eps is not None else "rms", "copy" * (copy is not None))
     # chain kernels: (compile_chain flags and options, stages, outer links by ring)
     inner_wait, inner_signal = dict(wait=wait, err=i64(8)), dict(signal=signal)

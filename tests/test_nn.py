@@ -294,6 +294,7 @@ def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_p
     residual given apart; the pass in a GPU's one row a program gives the same. A copy without
     a norm, or one that overlaps an operand, and a residual that overlaps ``out`` without being
     it are refused before anything runs."""
+    from ctapipelining.gemm import NormStats
     from ctapipelining.kernels.epilogue import NORM_MAX_COLS
 
     torch.manual_seed(2)
@@ -306,15 +307,14 @@ def test_a_norms_pass_copies_the_rows_and_a_residual_in_the_output_is_added_in_p
             y = matmul(a, w, config=cfg, epilogue=epi, a_copy=copy)
             assert torch.equal(copy, a) and torch.equal(y, matmul(a, w, config=cfg, epilogue=epi))
         assert padded[:, K:].isnan().all()  # the padding untouched
+        with monkeypatch.context() as m:  # a GPU's one row a program
+            m.setattr(NormStats, "_rows_per_program", staticmethod(lambda: 1))
+            one_row = torch.full_like(a, float("nan"))
+            assert torch.equal(matmul(a, w, config=cfg, epilogue=epi, a_copy=one_row), y)
+            assert torch.equal(one_row, a)
         xn = a.float() - a.float().mean(-1, keepdim=True) if norm == "layer" else a.float()
         ref = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-5) @ w.float()
         assert rel(y, ref) < 3e-3, (M, K)
-    from ctapipelining.gemm import NormStats
-
-    monkeypatch.setattr(NormStats, "_rows_per_program", staticmethod(lambda: 1))  # a GPU's programs
-    one_row = torch.full_like(a, float("nan"))
-    assert torch.equal(matmul(a, w, config=SMALL, epilogue=epi, a_copy=one_row), y) and torch.equal(one_row, a)
-    monkeypatch.undo()
     res = torch.randn(M, N).half()
     held = res.clone()
     apart = matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=res)

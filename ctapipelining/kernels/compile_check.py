@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .chain import MAX_STAGES, Stage, chain_kernel
-from .epilogue import NORM_MAX_COLS, NORM_WARPS, Epilogue, gelu, norm_rows, silu
+from .epilogue import NORM_GPU_ROWS, NORM_MAX_COLS, NORM_WARPS, Epilogue, gelu, norm_rows, silu
 from .gemm import Tail, gemm_kernel
 from .sync import Signal, Wait
 
@@ -84,7 +84,7 @@ def compile_norm(center: bool, copy: bool = False, cols: int = 4096):
     sig = dict(a_ptr="*bf16", scale_ptr="*fp32", shift_ptr="*fp32", copy_ptr="*bf16" if copy else "constexpr",
                rows="i32", cols="i32", stride="i32", copy_stride="i32", eps="fp32", CENTER="constexpr",
                BLOCK_R="constexpr", BLOCK_C="constexpr")  # fmt: skip
-    const = dict(CENTER=center, BLOCK_R=1, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
+    const = dict(CENTER=center, BLOCK_R=NORM_GPU_ROWS, BLOCK_C=min(triton.next_power_of_2(cols), NORM_MAX_COLS))
     if not copy:
         const["copy_ptr"] = None
     src = triton.compiler.ASTSource(fn=norm_rows, signature=sig, constexprs=const)

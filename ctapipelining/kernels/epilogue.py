@@ -95,6 +95,7 @@ def gelu(x):
 
 NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row on a GPU: many programs, their loads all in flight
 NORM_MAX_COLS = 4096  # the widest step (columns) it reads at once
+NORM_GPU_ROWS = 1  # rows a program of :func:`norm_rows` reads on a GPU
 NORM_INTERPRET_ROWS = 32  # rows a program reads under the interpreter, which runs programs one by one
 
 
