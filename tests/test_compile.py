@@ -221,9 +221,9 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
 def test_the_norm_pass_keeps_its_registers_few_and_spills_nothing(sm90):
     """One row a program, so that every row's load is in flight: that needs many programs
     resident on an SM, so few registers (a pass that held a whole 8192-wide row in 4 warps took
-    254 and allowed two programs). RMSNorm and LayerNorm, with and without the copy of the rows."""
+    254 and allowed two programs). RMSNorm and LayerNorm, storing the copy of the rows."""
     norms = sm90["norms"]
-    assert len(norms) == 8
+    assert set(norms) == {"rms_copy", "layer_copy"}
     for name, usage in norms.items():
         if usage is None:
             pytest.skip("no ptxas in this Triton")
