@@ -377,11 +377,10 @@ def test_any_order_gives_the_same_result(lag):
         ch.set_order(lag)
         stages = (ch.order >> deps.STAGE_SHIFT).tolist()
         assert (stages == sorted(stages)) == (lag is None)
-    for _ in range(2):
-        x = torch.randn(100, 16).half()
-        for buf in plan.inputs[1:]:
-            buf.fill_(float("nan"))
-        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    x = torch.randn(100, 16).half()  # (back-to-back calls: test_chain_kernel_equals_the_stages_one_after_another)
+    for buf in plan.inputs[1:]:
+        buf.fill_(float("nan"))
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 
 def test_the_kernel_follows_the_bound_order():
@@ -446,8 +445,9 @@ def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback
         plan = pipe.plan(M)
         assert plan.configs == expected(height)
         assert all(lc.gemm.config.block_m == block_m for lc in plan.launches)
-        x = torch.randn(M, 256).half()
-        assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
+        if not loopback or M == 200:  # (the loopback at 128 rows: the chain kernel's tiles, run above)
+            x = torch.randn(M, 256).half()
+            assert torch.equal(pipe(x, check=True), pipe.sequential(x)), M
     assert plan.configs[0].block_n == 128 and not plan.configs[0].split_tail  # the 256-row height's
     tall = pipe.plan_configs(pipe.rows_for(300))
     assert tall == expected(384) and {(c.block_m, c.block_n) for c in tall} == {(128, 256)}
