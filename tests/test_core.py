@@ -151,7 +151,8 @@ def test_row_counts_share_bucketed_plans_and_write_only_their_rows():
         out = torch.full((M + 40, 16), float("nan")).half()
         y = pipe(x, out=out[:M], check=True)
         assert torch.equal(y, pipe.sequential(x)) and out[M:].isnan().all()
-        assert torch.equal(y, matmul(matmul(x, ws[0], config=SMALL), ws[1], config=SMALL))
+        if M in (150, 200):  # and the plain GEMMs on the call's own rows, in a plan's first and last bucket
+            assert torch.equal(y, matmul(matmul(x, ws[0], config=SMALL), ws[1], config=SMALL))
     assert sorted(pipe._plans) == [pipe.rows_for(150), pipe.rows_for(176), pipe.rows_for(200)] == [160, 192, 224]
     assert Pipeline(ws, config=SMALL, row_buckets=0).rows_for(150) == 150
     with pytest.raises(ValueError, match="row_buckets"):
