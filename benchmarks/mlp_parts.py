@@ -33,20 +33,22 @@ REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 SHAPES = [
     tuple(int(v) for v in s.split(":")) for s in (sys.argv[3] if len(sys.argv) > 3 else "8192:28672:4096").split(",")
 ]
-
-
 OLD = sys.argv[4] if len(sys.argv) > 4 else None
 
 
 def main():
+    old_block = None  # the older tree's LlamaMLP, imported once
+    if OLD:
+        sys.path.insert(0, OLD)
+        from ctapipelining_old.nn import LlamaMLP as old_block
     report = {"environment": environment(), "command": " ".join(sys.argv), "shapes": {}}
     for H, INTER, M in SHAPES:
-        report["shapes"][f"H{H}_I{INTER}_M{M}"] = parts(H, INTER, M)
+        report["shapes"][f"H{H}_I{INTER}_M{M}"] = parts(H, INTER, M, old_block)
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "mlp_parts.json").write_text(json.dumps(report, indent=1))
 
 
-def parts(H: int, INTER: int, M: int) -> dict:
+def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
     torch.manual_seed(0)
     x = torch.randn(M, H, device="cuda").bfloat16()
     gu = (torch.randn(H, 2 * INTER, device="cuda") * H**-0.5).bfloat16()
@@ -79,11 +81,8 @@ def parts(H: int, INTER: int, M: int) -> dict:
     w_down = (torch.randn(H, INTER, device="cuda") * INTER**-0.5).bfloat16()
     g = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
     blocks = {"block": LlamaMLP(w_gate, w_up, w_down, g)}
-    if OLD:
-        sys.path.insert(0, OLD)
-        from ctapipelining_old.nn import LlamaMLP as OldLlamaMLP
-
-        blocks["block_old"] = OldLlamaMLP(w_gate, w_up, w_down, g)
+    if old_block is not None:
+        blocks["block_old"] = old_block(w_gate, w_up, w_down, g)
     with torch.no_grad():
         want = blocks["block"](x).float()
         for name, blk in blocks.items():  # the old tree's norm pass may sum in another order
