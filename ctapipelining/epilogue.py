@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .kernels import epilogue as device
-from .kernels.epilogue import gelu, silu
+from .kernels.epilogue import GATE_RUN, gelu, silu
 
 __all__ = ["Epilogue", "column_sums", "fold_layer_norm", "fold_rms_weight", "gelu", "interleave", "silu"]
 
@@ -35,7 +35,7 @@ class Epilogue:
       A before the GEMM (:func:`ctapipelining.kernels.epilogue.norm_rows`);
     * ``bias``: a vector of the GEMM's columns (B's), added;
     * ``activation``: a ``@triton.jit`` function of one fp32 tile (:func:`silu`,
-      :func:`gelu`, or your own); with ``gated``, B's columns are (gate, up) pairs
+      :func:`gelu`, or your own); with ``gated``, B's columns are runs of gate and up columns
       (:func:`interleave`) and output column ``j`` is ``activation(gate_j) * up_j``: C has
       half of B's columns;
     * ``residual``: each call passes a matrix of C's shape, added (a block's input).
@@ -86,10 +86,11 @@ class Epilogue:
 
     def check(self, N: int, dtype: torch.dtype, device: torch.device, block_n: int) -> None:
         """Raise a clear error if this epilogue cannot close a GEMM with ``N`` columns of B."""
-        if self.gated and (N % 16 or block_n % 2):
+        if self.gated and (N % 16 or block_n % (2 * GATE_RUN.value)):
             raise ValueError(
-                f"a gated epilogue halves B's {N} columns, (gate, up) pairs: it needs a multiple of 16 "
-                "(an output row of whole 16-byte units)"
+                f"a gated epilogue halves B's {N} columns, runs of {GATE_RUN.value} gate and up columns "
+                f"(interleave): it needs a multiple of 16 columns and tiles a multiple of {2 * GATE_RUN.value} "
+                f"wide, got {block_n}"
             )
         if self.bias is not None:
             if self.bias.shape != (N,) or self.bias.dtype != dtype or self.bias.device != device:
@@ -159,12 +160,18 @@ PLAIN = Epilogue()  # an epilogue that changes nothing (a stage that only stores
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``[K, I]`` gate and up weights (``x @ gate``) as one ``[K, 2I]`` weight whose columns
-    ``2j, 2j + 1`` are ``gate[:, j], up[:, j]``: a gated epilogue then finds both halves of each
-    output column in one tile."""
+    """``[K, I]`` gate and up weights (``x @ gate``) as one ``[K, 2I]`` weight whose columns come
+    in runs of ``R`` = :data:`~ctapipelining.kernels.epilogue.GATE_RUN` (8): gate columns ``jR``
+    to ``jR + R - 1``, then up's same columns. A gated epilogue then finds both halves of each
+    output column in one tile (any tile width that is a multiple of ``2R``), each thread's in its
+    own registers. ``I`` must be a multiple of ``R``."""
     if gate.shape != up.shape or gate.dim() != 2:
         raise ValueError(f"gate and up must be [K, I] of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    return torch.stack([gate, up], dim=2).reshape(gate.shape[0], 2 * gate.shape[1]).contiguous()
+    K, I = gate.shape
+    R = GATE_RUN.value
+    if I % R:
+        raise ValueError(f"a gated MLP's {I} intermediate columns must be a multiple of {R} (runs of gate and up)")
+    return torch.stack([gate.reshape(K, I // R, R), up.reshape(K, I // R, R)], dim=2).reshape(K, 2 * I).contiguous()
 
 
 def fold_rms_weight(norm_weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ the second), the intermediate ``h`` is written once and read once. The norm's we
 is folded into the first GEMM's weight (and bias), and its epilogue applies the statistics.
 
 - :class:`LlamaMLP`: ``y = x + W_down(silu(rmsnorm(x) @ W_gate) * (rmsnorm(x) @ W_up))``, no
-  bias. The gate and up columns are interleaved in pairs, so the gated activation is an
-  epilogue and ``h`` is half as wide as the first GEMM.
+  bias. The gate and up columns are interleaved in runs of 8
+  (:func:`~ctapipelining.epilogue.interleave`), so the gated activation is an epilogue and
+  ``h`` is half as wide as the first GEMM.
 - :class:`GPTMLP`: ``y = x + W_2(gelu(layernorm(x) @ W_1 + b_1)) + b_2``. The LayerNorm is
   ``(x @ W_1' - mean * colsum(W_1')) * rstd + (beta @ W_1 + b_1)`` in the first epilogue
   (:func:`~ctapipelining.epilogue.fold_layer_norm`; where a row's mean is large next to its
@@ -278,7 +279,7 @@ class LlamaMLP(FusedMLP):
         self._lay_out(w_gate, w_up, w_down, norm_weight)
 
     def _lay_out(self, w_gate, w_up, w_down, norm_weight) -> None:
-        """``[H, 2I]`` gate/up (norm folded, columns in pairs) and ``[I, H]`` down."""
+        """``[H, 2I]`` gate/up (norm folded, columns in runs of gate and up) and ``[I, H]`` down."""
         with torch.no_grad():
             gate_up = interleave(fold_rms_weight(norm_weight, w_gate.t()), fold_rms_weight(norm_weight, w_up.t()))
             down = w_down.t().clone(memory_format=torch.contiguous_format)  # never a view of the source

@@ -199,6 +199,9 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
     assert (RESIDUAL_CONFIG.block_n, RESIDUAL_CONFIG.num_stages) == (128, 4)  # one its epilogue loads
     got = sm90["epilogues"]
     assert got["accumulate"]["tma_store"] == 0 and got["accumulate"]["tma_reduce"] > 0
+    # the gated tile (gate and up columns in runs, interleave) is stored as the plain GEMM's:
+    # bf16 pairs through stmatrix, never an element at a time
+    assert got["gated_rms"]["stmatrix"] > 0 and got["gated_rms"]["st_shared_b16"] == 0
     from ctapipelining.nn import STACK_CONFIG
 
     assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)

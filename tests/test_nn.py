@@ -115,6 +115,8 @@ def test_bad_epilogues_are_refused_before_launch():
         Epilogue(rms_eps=0.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         matmul(a, torch.randn(48, 72).half(), config=SMALL, epilogue=Epilogue(silu, gated=True))
+    with pytest.raises(ValueError, match="multiple of 8"):  # gate and up columns in runs of 8
+        interleave(torch.zeros(48, 12).half(), torch.zeros(48, 12).half())
     with pytest.raises(ValueError, match="bias must be a \\[64\\]"):
         matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(32).half()))
     with pytest.raises(ValueError, match="pass residual exactly"):

@@ -34,6 +34,8 @@ PATTERNS = {
     "atom_gpu": r"atom\.[a-z_.]*gpu",
     "ld_cg": r"ld\.global\.cg",
     "vote": r"bar\.red\.and\.pred",
+    "st_shared_b16": r"st\.shared\.b16",  # a tile stored into shared memory an element at a time
+    "stmatrix": r"stmatrix\.sync",
 }
 VARIANTS = {  # name: (wait, signal, queue)
     "plain": (False, False, False),

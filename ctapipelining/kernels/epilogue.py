@@ -31,9 +31,12 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
 2. ``bias`` (not None): a row vector of the GEMM's columns, added (before the activation, as in
    ``act(x @ W + b)``; a LayerNorm's bias folds into it: ``beta @ B + b``).
 3. ``ACTIVATION`` (a ``@triton.jit`` function of one fp32 tile, or None). With ``GATED``, B's
-   columns come in pairs (gate, up), so each output tile holds both halves of its columns:
-   output column ``j = ACTIVATION(acc[:, 2j]) * acc[:, 2j + 1]``, a tile half as wide as the
-   GEMM's (:func:`ctapipelining.epilogue.interleave`).
+   columns come in runs of :data:`GATE_RUN` gate columns then as many up columns
+   (:func:`ctapipelining.epilogue.interleave`), so each output tile holds both halves of its
+   columns: a tile half as wide as the GEMM's, ``ACTIVATION(gate) * up``. Runs of 8 keep the
+   split in registers and leave each thread adjacent output columns, so the tile is stored as
+   the plain GEMM's is (bf16 pairs, ``stmatrix``); (gate, up) pairs would leave each thread one
+   column of a pair, stored 16 bits at a time.
 4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``, ``res_rows``
    rows: those past it add zeros), added. Or, with ``ACCUMULATE``, C already holds the residual
    and the tile is added onto it by a TMA reduce-add (``cp.reduce.async.bulk.tensor .add``) in
@@ -76,7 +79,7 @@ class Epilogue(NamedTuple):
     sum_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums, column pn (None: none)
     part_cols: object  # with row_sum: the columns of each part but the last (the producer's tile width)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
-    GATED: object  # True: B's columns are (gate, up) pairs, ACTIVATION(gate) * up, a half-width tile (None: not)
+    GATED: object  # True: B's columns are runs of gate and up columns, ACTIVATION(gate) * up, a half-width tile (None: not)
     ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
 
 
@@ -93,6 +96,7 @@ def gelu(x):
     return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
 
 
+GATE_RUN: tl.constexpr = tl.constexpr(8)  # a gated B's columns: runs of this many gate columns, then as many up
 NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row on a GPU: many programs, their loads all in flight
 NORM_MAX_COLS = 4096  # the widest step (columns) it reads at once
 NORM_GPU_ROWS = 1  # rows a program of :func:`norm_rows` reads on a GPU
@@ -188,7 +192,9 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     if epi.bias is not None:
         acc += tl.load(epi.bias + cols_in, mask=cols_in < n_in, other=0.0).to(tl.float32)[None, :]
     if epi.GATED is not None:
-        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+        runs = tl.reshape(acc, (acc.shape[0], acc.shape[1] // (2 * GATE_RUN), 2, GATE_RUN))
+        runs = tl.permute(runs, (0, 1, 3, 2))  # [rows, run, column in run, (gate, up)]
+        gate, up = tl.split(tl.reshape(runs, (acc.shape[0], acc.shape[1] // 2, 2)))
         acc = epi.ACTIVATION(gate) * up
     elif epi.ACTIVATION is not None:
         acc = epi.ACTIVATION(acc)
