@@ -134,7 +134,7 @@ class Epilogue:
             )
         return device.Epilogue(
             row_sq if partial else None,
-            row_sq.shape[1] if partial else None,
+            tl.constexpr(row_sq.shape[1]) if partial else None,
             norm_cols if partial else None,
             self.norm_eps if partial else None,
             row_scale if self.layer_norm_eps is not None and not partial else None,

@@ -202,6 +202,10 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
     # the gated tile (gate and up columns in runs, interleave) is stored as the plain GEMM's:
     # bf16 pairs through stmatrix, never an element at a time
     assert got["gated_rms"]["stmatrix"] > 0 and got["gated_rms"]["st_shared_b16"] == 0
+    # a fused epilogue leaves the plain GEMM's persistent loop flattened (an RMSNorm's parts unroll)
+    for name in ("gated_rms", "bias_residual", "accumulate", "layer_norm_bias"):
+        assert got[name]["flattened"], name
+    assert sm90["kernels"]["plain"]["flattened"]
     from ctapipelining.nn import STACK_CONFIG
 
     assert (STACK_CONFIG.block_n, STACK_CONFIG.num_stages) == (128, 4)

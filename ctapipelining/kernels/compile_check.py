@@ -111,7 +111,7 @@ def compile_variant(
     sig["a_desc"] = f"tensordesc<bf16[{bm}, {bk}]>"
     sig["b_desc"] = f"tensordesc<bf16[{bk}, {bn}]>"
     if tma_store:
-        sig["c_desc"] = f"tensordesc<bf16[{bm}, {bn // 2 if epilogue == 'gated_rms' else bn}]>"
+        sig["c_desc"] = f"tensordesc<bf16[{bm}, {bn // 2 if _gated(epilogue) else bn}]>"
         off("c_ptr")
     else:
         off("c_desc")
@@ -165,7 +165,7 @@ def compile_chain(
     sig, const = {}, {}
     at = names.index("stages")
     for i in range(MAX_STAGES):
-        gated = bool(epilogues) and i < stages and epilogues[i] == "gated_rms"
+        gated = bool(epilogues) and i < stages and _gated(epilogues[i])
         for name, block_shape in (("a", (bm, bk)), ("b", (bk, bn)), ("c", (bm, bn // 2 if gated else bn))):
             arg = f"{name}{i}"
             if i < stages and not (name == "c" and i == stages - 1 and not tma_store):
@@ -247,10 +247,18 @@ def unfenced_loads(ptx: str) -> int:
     return bad
 
 
+def flattened(ttgir: str) -> bool:
+    """Whether the loop that runs the MMAs also carries a tile's coordinates (``pm``, ``pn``):
+    the persistent loop and the K loop fused into one (``tl.range(..., flatten=True)``), so the
+    next tile's loads are issued during this tile's last steps. A loop in the body (an
+    epilogue's) keeps the compiler from fusing them."""
+    return any("scf.for" in line and "#mma>" in line and "%pm" in line for line in ttgir.splitlines())
+
+
 def _summary(k) -> dict:
     ptx = k.asm["ptx"]
     counts = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()}
-    return counts | {"smem": k.metadata.shared, "unfenced_loads": unfenced_loads(ptx)}
+    return counts | {"smem": k.metadata.shared, "unfenced_loads": unfenced_loads(ptx), "flattened": flattened(k.asm["ttgir"])}
 
 
 def report() -> dict:
@@ -279,9 +287,10 @@ def report() -> dict:
 
 
 # The epilogues of the MLP blocks' GEMMs: the fields each one sets (the others are None)
-_RMS = dict(row_sq="*fp32", sq_parts="i32", norm_cols="i32", norm_eps="fp32")
+_RMS = dict(row_sq="*fp32", SQ_PARTS=1, norm_cols="i32", norm_eps="fp32")  # a norm pass's one part
 EPILOGUE_VARIANTS = {
     "gated_rms": _RMS | dict(ACTIVATION=silu, GATED=True),  # Llama gate/up
+    "gated_rms_sums": _RMS | dict(SQ_PARTS=32, ACTIVATION=silu, GATED=True),  # a stack's next gate/up: 32 parts
     "bias_residual": dict(
         bias="*bf16", residual="*bf16", stride_res="i32", res_rows="i32", ACTIVATION=gelu
     ),  # a down GEMM
@@ -291,7 +300,7 @@ EPILOGUE_VARIANTS = {
     ),  # a stack's down
     "accumulate": dict(ACCUMULATE=True),  # a block's down GEMM: each tile added onto C by TMA
     # a GPT stack's: a LayerNorm from the stage before's partial sums; a down GEMM leaving them
-    "layer_norm_sums": _RMS | dict(row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
+    "layer_norm_sums": _RMS | dict(SQ_PARTS=32, row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
     "bias_residual_sums": dict(
         bias="*bf16",
         residual="*bf16",
@@ -304,6 +313,10 @@ EPILOGUE_VARIANTS = {
 }
 
 
+def _gated(variant: str | None) -> bool:
+    return variant is not None and bool(EPILOGUE_VARIANTS[variant].get("GATED"))
+
+
 def _epilogue_sig(variant: str | None, at, const: dict) -> Epilogue:
     """The epilogue bundle's signature for ``variant`` (a key of :data:`EPILOGUE_VARIANTS`; None:
     every field None) at argument index ``at``, its constants into ``const``."""
@@ -311,7 +324,7 @@ def _epilogue_sig(variant: str | None, at, const: dict) -> Epilogue:
     types = [fields.get(f, "constexpr") if f.islower() else "constexpr" for f in Epilogue._fields]
     at = at if isinstance(at, tuple) else (at,)
     for i, f in enumerate(Epilogue._fields):
-        if f in ("ACTIVATION", "GATED", "ACCUMULATE"):
+        if f.isupper():
             const[(*at, i)] = fields.get(f)
         elif types[i] == "constexpr":
             const[(*at, i)] = None
@@ -342,7 +355,7 @@ def compile_epilogues() -> dict:
         ),
         "layer_norm_bias": _summary(compile_variant(False, False, False, epilogue="layer_norm_bias", num_stages=3)),
         # a LlamaStack's and a GPTStack's two blocks on one GPU: one chain kernel, nn.STACK_CONFIG
-        "stack_chain": _summary(stack_chain("gated_rms", "residual_sums", "gated_rms", "residual_sums")),
+        "stack_chain": _summary(stack_chain("gated_rms", "residual_sums", "gated_rms_sums", "residual_sums")),
         "gpt_stack_chain": _summary(
             stack_chain("layer_norm_bias", "bias_residual_sums", "layer_norm_sums", "bias_residual")
         ),

@@ -8,8 +8,10 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
 
 1. The norm of A's rows, folded in. The norm's weight is folded into B on the host
    (``B' = diag(g) @ B``), so what is left is a per-row scale (and shift):
-   - RMSNorm, ``row_sq`` (not None): each row's sum of squares, in ``sq_parts`` partial sums
-     (``[rows, sq_parts]``, fp32), and ``acc * rsqrt(sum / norm_cols + norm_eps)``. The partial
+   - RMSNorm, ``row_sq`` (not None): each row's sum of squares, in ``SQ_PARTS`` partial sums
+     (``[rows, SQ_PARTS]``, fp32; a constexpr, so the sums unroll: a loop in the epilogue would
+     keep the compiler from flattening the persistent loop, whose next tile's loads then no
+     longer overlap this tile's last steps), and ``acc * rsqrt(sum / norm_cols + norm_eps)``. The partial
      sums come from a pass over A before the GEMM (:func:`norm_rows`, one part), or, in a
      pipeline, from the stage that wrote A: its epilogue stores each output tile's rows' sums
      of squares (``sq_out``, below), one part per column-block, so the next block's norm costs
@@ -62,8 +64,8 @@ import triton.language as tl
 class Epilogue(NamedTuple):
     """A GEMM's epilogue (module docstring). UPPER_CASE fields are ``tl.constexpr``."""
 
-    row_sq: object  # *fp32 [rows, sq_parts]: each row's partial sums of squares, RMSNorm (None: none)
-    sq_parts: object  # row_sq's row stride (its partial sums per row)
+    row_sq: object  # *fp32 [rows, SQ_PARTS]: each row's partial sums of squares, RMSNorm (None: none)
+    SQ_PARTS: object  # row_sq's row stride (its partial sums per row), a constexpr
     norm_cols: object  # the columns the sums of squares run over (A's: the GEMM's K)
     norm_eps: object  # the RMSNorm's epsilon
     row_scale: object  # *fp32 [rows]: each row's scale, LayerNorm (None: none)
@@ -75,7 +77,7 @@ class Epilogue(NamedTuple):
     res_rows: object  # the residual's rows (a call may have fewer rows than the GEMM's tile grid)
     sq_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums of squares, column pn (None: none)
     out_parts: object  # sq_out's row stride
-    row_sum: object  # *fp32 [rows, sq_parts]: each row's partial sums; with row_sq a LayerNorm (None: none)
+    row_sum: object  # *fp32 [rows, SQ_PARTS]: each row's partial sums; with row_sq a LayerNorm (None: none)
     sum_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums, column pn (None: none)
     part_cols: object  # with row_sum: the columns of each part but the last (the producer's tile width)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
@@ -147,8 +149,8 @@ def rms_scale(epi, offs_m, rows):
     """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares;
     0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite)."""
     sq = tl.zeros(offs_m.shape, dtype=tl.float32)
-    for j in range(epi.sq_parts):
-        sq += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+    for j in tl.static_range(epi.SQ_PARTS):
+        sq += tl.load(epi.row_sq + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0)
     return tl.where(offs_m < rows, tl.rsqrt(sq / epi.norm_cols + epi.norm_eps), 0.0)
 
 
@@ -157,15 +159,15 @@ def layer_norm_stats(epi, offs_m, rows):
     """Each row's mean and ``rsqrt(var + eps)`` from its parts' sums and sums of squares about
     their own means (Chan's formula: no cancellation); a scale of 0 for rows past ``rows``."""
     total = tl.zeros(offs_m.shape, dtype=tl.float32)
-    for j in range(epi.sq_parts):
-        total += tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+    for j in tl.static_range(epi.SQ_PARTS):
+        total += tl.load(epi.row_sum + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0)
     mean = total / epi.norm_cols
     m2 = tl.zeros(offs_m.shape, dtype=tl.float32)
-    for j in range(epi.sq_parts):
+    for j in tl.static_range(epi.SQ_PARTS):
         n = tl.minimum(epi.part_cols, epi.norm_cols - j * epi.part_cols).to(tl.float32)
-        s = tl.load(epi.row_sum + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0)
+        s = tl.load(epi.row_sum + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0)
         d = s / n - mean
-        m2 += tl.load(epi.row_sq + offs_m * epi.sq_parts + j, mask=offs_m < rows, other=0.0) + n * d * d
+        m2 += tl.load(epi.row_sq + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0) + n * d * d
     return mean, tl.where(offs_m < rows, tl.rsqrt(m2 / epi.norm_cols + epi.norm_eps), 0.0)  # rows past: 0
 
 
