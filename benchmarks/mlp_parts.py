@@ -2,7 +2,8 @@
 against the same GEMM plain and in cuBLAS, graph-replayed, paired (one H200; default the
 Llama-70B MLP at M = 4096). The down GEMM's residual two ways: loaded by the epilogue on 128 x
 128 tiles (as a pipeline stage does), and added onto the output by TMA on the plain GEMM's tiles
-(``matmul``). Each plain GEMM also with its last partial round split along K (``_split``), and
+(``matmul``). Each plain GEMM, and each with its whole epilogue, also with its last partial
+round split along K (``_split``: the summing CTA applies the epilogue), and
 on 128 x 128 tiles (``_n128``). The whole block (:class:`ctapipelining.nn.LlamaMLP`, ``block``)
 against its two cuBLAS GEMMs in one graph (``gemms_cublas``), and, with OLD_PARENT (a folder
 holding an older tree as ``ctapipelining_old``), the old tree's block (``block_old``) in the
@@ -70,12 +71,14 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
         "gu_plain_n128": lambda: matmul(x, gu, out=full, config=n128),
         "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
         "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
+        "gu_gated_rms_split": lambda: matmul(x, gu, out=half, config=split3, epilogue=gated_rms),
         "down_cublas": lambda: torch.mm(h, down, out=y),
         "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
         "down_plain3_split": lambda: matmul(h, down, out=y, config=split3),
         "down_plain_n128": lambda: matmul(h, down, out=y, config=n128),
         "down_res_load_n128": lambda: load(h, down, y, residual=x),
         "down_res_add3": lambda: matmul(h, down, out=y, config=cfg3, epilogue=res, residual=x),
+        "down_res_add3_split": lambda: matmul(h, down, out=y, config=split3, epilogue=res, residual=x),
     }
     w_gate, w_up = ((torch.randn(INTER, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
     w_down = (torch.randn(H, INTER, device="cuda") * INTER**-0.5).bfloat16()

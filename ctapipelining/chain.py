@@ -130,9 +130,6 @@ class ChainLaunch:
         self.split = chain_tail_split(M, [(st.K, st.N) for st in stages], config, num_ctas)
         if self.split is not None and len(stages) == 1 and stages[0].wait is not None and queue:
             self.split = None  # a ring's tiles come in readiness order: nothing to split at the end
-        last = stages[-1]
-        if self.split is not None and (last.epilogue is not None or last.out_sums is not None):
-            raise ValueError("an epilogue needs whole tiles: the last stage's configuration must not split its tail")
         self.tail = None if self.split is None else TailBuffers.create(self.split, config, device)
         self.order = torch.from_numpy(self._order_codes(num_ctas)).to(device)
         tail = (

@@ -480,8 +480,6 @@ class GemmLaunch:
         cfg = config
         if epilogue is None and out_sums is not None:
             epilogue = PLAIN  # only the stored rows' sums of squares
-        if epilogue is not None and (split is not None or tail is not None or cfg.split_tail):
-            raise ValueError("an epilogue needs whole tiles: use a configuration without split_tail")
         if trace is not None and interpreting():
             raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         if wait is not None and signal is not None and wait.queue != signal.queue:
@@ -755,8 +753,8 @@ def matmul(
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
     ``a``, ``b`` or ``residual``, or ``residual`` itself: ``out += ...`` in place) may be on a
     peer GPU (peer access is enabled here, or a
-    :class:`~ctapipelining.fabric.PeerAccessError` says why not). With an epilogue the default
-    configuration has no split tail (an epilogue needs whole tiles). A residual is copied into
+    :class:`~ctapipelining.fabric.PeerAccessError` says why not). With a split tail the epilogue
+    applies to each tail tile once its K-slices are summed. A residual is copied into
     the output first (unless it is the output) and each tile added onto it (TMA reduce-add);
     into an output with padded rows, or under the interpreter, the epilogue loads it instead,
     on 128 x 128 tiles (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones).

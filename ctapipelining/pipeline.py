@@ -545,8 +545,7 @@ class Pipeline:
         queue_consumer = consumer and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
         cfg = (configs or self.configs)[s]
-        whole = self.epilogues[s] is not None or s + 1 < len(self.weights) and self._norm_sums(s + 1)
-        if cfg.split_tail and (queue_consumer or whole or len(group) > 1 and s != group[-1]):
+        if cfg.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
             return dataclasses.replace(cfg, split_tail=False)
         return cfg
 

@@ -121,11 +121,11 @@ TRACE_FIELDS = tl.constexpr(5)  # per tile: wait begun, compute begun, stored, e
 PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, split_tail=True)
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, wait_parts=8)
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
-# a GEMM with a fused epilogue: whole tiles; with a residual that its epilogue loads (a pipeline
-# stage's, or into an output with padded rows), whose tile needs shared memory too, 128 x 256 tiles
-# fit two stages only, and 128 x 128 tiles with four ran a Llama-70B down GEMM 0.85x as long
-# (benchmarks/results/2026-12-01-h200-mlp/)
-EPILOGUE_CONFIG = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
+# a GEMM with a fused epilogue: the plain GEMM's tiles and split tail (the summing CTA applies the
+# epilogue); with a residual that its epilogue loads (a pipeline stage's, or into an output with
+# padded rows), whose tile needs shared memory too, 128 x 256 tiles fit two stages only, and 128 x
+# 128 tiles with four ran a Llama-70B down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/)
+EPILOGUE_CONFIG = PLAIN_CONFIG
 RESIDUAL_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
 CONFIGS = [
@@ -377,7 +377,7 @@ def _split_tail(
 ):  # fmt: skip
     """After the full rounds: work item ``item`` of the split tail (:class:`Tail`) of ``op``
     (the plain kernel's CTA ``i`` runs item ``i``; a chain kernel's CTAs claim them). ``epi``:
-    the GEMM's epilogue, which must do nothing (a partial tile is not the tile it would apply to).
+    the GEMM's epilogue, applied by the CTA that sums a tile's slices, to the whole tile.
 
     Item ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
     for its input, in a consumer: every part of it, one vote) and stores the fp32 partial in
@@ -391,13 +391,6 @@ def _split_tail(
     """
     j = item // tail.splits
     ready = alive
-    # the partials and their sum are stored as they are: the kernel's epilogue does nothing
-    tl.static_assert(
-        (epi.row_sq is None) & (epi.row_sum is None) & (epi.row_scale is None) & (epi.row_shift is None)
-        & (epi.bias is None) & (epi.residual is None) & (epi.sq_out is None) & (epi.sum_out is None)
-        & (epi.ACTIVATION is None) & (epi.ACCUMULATE is None),
-        "an epilogue needs whole tiles: no split tail",
-    )  # fmt: skip
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
