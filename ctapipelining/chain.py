@@ -111,6 +111,8 @@ class ChainLaunch:
             if any(h is not None and h.queue != queue for h in outer):
                 raise ValueError(f"stage {st.stage}: its link to another GPU does not follow queue={queue}")
             check_wait(st.wait, st.err, st.K)
+            if st.epilogue is not None:
+                st.epilogue.check_tiles(st.N, config.block_n)
             if st.trace is not None and interpreting():
                 raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         self.M, self.stages, self.config, self.num_ctas, self.queue = M, stages, config, num_ctas, queue

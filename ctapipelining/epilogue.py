@@ -84,14 +84,20 @@ class Epilogue:
         """C's columns for a GEMM with ``N`` columns of B."""
         return N // 2 if self.gated else N
 
-    def check(self, N: int, dtype: torch.dtype, device: torch.device, block_n: int) -> None:
-        """Raise a clear error if this epilogue cannot close a GEMM with ``N`` columns of B."""
+    def check_tiles(self, N: int, block_n: int) -> None:
+        """Raise a clear error if this epilogue cannot close a GEMM with ``N`` columns of B in
+        tiles ``block_n`` wide (a gated tile holds whole runs of gate and up columns)."""
         if self.gated and (N % 16 or block_n % (2 * GATE_RUN.value)):
             raise ValueError(
                 f"a gated epilogue halves B's {N} columns, runs of {GATE_RUN.value} gate and up columns "
                 f"(interleave): it needs a multiple of 16 columns and tiles a multiple of {2 * GATE_RUN.value} "
                 f"wide, got {block_n}"
             )
+
+    def check(self, N: int, dtype: torch.dtype, device: torch.device, block_n: int) -> None:
+        """Raise a clear error if this epilogue cannot close a GEMM with ``N`` columns of B in
+        tiles ``block_n`` wide."""
+        self.check_tiles(N, block_n)
         if self.bias is not None:
             if self.bias.shape != (N,) or self.bias.dtype != dtype or self.bias.device != device:
                 raise ValueError(

@@ -480,6 +480,8 @@ class GemmLaunch:
         cfg = config
         if epilogue is None and out_sums is not None:
             epilogue = PLAIN  # only the stored rows' sums of squares
+        if epilogue is not None:
+            epilogue.check_tiles(N, cfg.block_n)
         if trace is not None and interpreting():
             raise ValueError("trace mode reads %globaltimer and needs a GPU (not the Triton interpreter)")
         if wait is not None and signal is not None and wait.queue != signal.queue:

@@ -11,7 +11,7 @@ from protocol_state import preset_epoch
 
 from ctapipelining import deps
 from ctapipelining.chain import ChainLaunch, ChainStage
-from ctapipelining.epilogue import Epilogue, gelu
+from ctapipelining.epilogue import Epilogue, gelu, silu
 from ctapipelining.gemm import GemmLaunch
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Pipeline, PipelineTimeout
@@ -259,6 +259,9 @@ def test_chain_launch_refuses_what_it_cannot_run():
         ChainLaunch(M, [ChainStage(24, 16)], cfg, 2, CPU, ticket=t, epoch=e)
     with pytest.raises(ValueError, match="ticket must be an int64 tensor"):
         ChainLaunch(M, ok, cfg, 2, CPU, ticket=i64_zeros(2, CPU), epoch=e)
+    gated = ChainStage(32, 16, err=err, epilogue=Epilogue(silu, gated=True))  # runs of 8 gate, 8 up columns
+    with pytest.raises(ValueError, match="tiles a multiple of 16 wide, got 8"):
+        ChainLaunch(M, [gated], dataclasses.replace(cfg, block_n=8), 2, CPU, ticket=t, epoch=e)
 
 
 def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():

@@ -135,6 +135,11 @@ def test_bad_epilogues_are_refused_before_launch():
         matmul(a, torch.randn(48, 72).half(), config=SMALL, epilogue=Epilogue(silu, gated=True))
     with pytest.raises(ValueError, match="multiple of 8"):  # gate and up columns in runs of 8
         interleave(torch.zeros(48, 12).half(), torch.zeros(48, 12).half())
+    narrow = GemmConfig(16, 8, 16)  # a tile narrower than one run of gate and one of up columns
+    with pytest.raises(ValueError, match="tiles a multiple of 16 wide, got 8"):
+        matmul(a, w, config=narrow, epilogue=Epilogue(silu, gated=True))
+    with pytest.raises(ValueError, match="tiles a multiple of 16 wide, got 8"):  # the launch a pipeline binds
+        GemmLaunch(32, 64, 48, narrow, 4, a.device, epilogue=Epilogue(silu, gated=True))
     with pytest.raises(ValueError, match="bias must be a \\[64\\]"):
         matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(32).half()))
     with pytest.raises(ValueError, match="pass residual exactly"):
