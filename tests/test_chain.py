@@ -423,6 +423,38 @@ def test_a_chain_kernels_split_tail_applies_the_last_stages_epilogue():
     assert float((y.float() - ref).norm() / ref.norm()) < 3e-3
 
 
+@pytest.mark.parametrize("loopback", [True, False])
+def test_a_split_tail_tile_stores_its_rows_sums_for_the_next_stages_norm(loopback):
+    """A stage whose next stage normalises, its tail split: the CTA that sums a tail tile stores
+    that tile's rows' sums of squares (the next stage's norm reads them) before it signals the
+    tile. A GEMM kernel of its own (the loopback), and the last stage of a chain kernel (a third
+    stage in another configuration is a kernel of its own). The sums are NaN-poisoned before each
+    call; bitwise the sequential GEMMs, and within a rounding of float32."""
+    torch.manual_seed(0)
+    if loopback:
+        ws, configs = chain(48, 48, 48), SPLIT
+        epilogues = [Epilogue(gelu), Epilogue(rms_eps=1e-5)]
+    else:
+        ws, configs = chain(16, 48, 48, 32), [SPLIT, SPLIT, dataclasses.replace(SPLIT, num_stages=3)]
+        epilogues = [None, Epilogue(gelu), Epilogue(rms_eps=1e-5)]
+    pipe = Pipeline(ws, config=configs, loopback=loopback, epilogues=epilogues)
+    plan = pipe.plan(40)
+    producer = plan.launches[-2].gemm  # the stage before the norm
+    assert isinstance(producer, GemmLaunch if loopback else ChainLaunch)
+    assert (producer.tail.split if loopback else producer.split) is not None
+    for _ in range(2):
+        x = torch.randn(40, ws[0].shape[0]).half()
+        plan.sums[-1].fill_(float("nan"))
+        y = pipe(x, check=True)
+        assert torch.equal(y, pipe.sequential(x))
+        h = x.float()
+        for w, epi in zip(ws[:-1], epilogues[:-1]):
+            h = h @ w.float()
+            h = (h if epi is None else torch.nn.functional.gelu(h, approximate="tanh")).half().float()
+        ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)) @ ws[-1].float()
+        assert float((y.float() - ref).norm() / ref.norm()) < 3e-3
+
+
 @pytest.mark.parametrize("loopback,policy", [(False, "static"), (True, "static")])  # the ring: other tests
 def test_a_plan_takes_the_tables_tiles_for_its_height_and_stays_bitwise(loopback, policy):
     """Built without a configuration, a pipeline's plan of each height runs the measured table's

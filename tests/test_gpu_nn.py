@@ -231,12 +231,13 @@ def test_a_stack_with_a_block_per_gpu(policy):
     g.check_errors()
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 512, 1000), (300, 776, 264), (4097, 1024, 4104)])
+@pytest.mark.parametrize("M,K,N", [(1, 512, 1000), (300, 776, 264), (4097, 1024, 4104), (1100, 4096, 3840)])
 def test_a_residual_added_by_tma_on_any_width_over_a_nan_out(M, K, N):
     """``matmul`` adding its residual by TMA reduce-add, on widths and heights that are not a
     multiple of the tile, into an ``out`` filled with NaN: no element left NaN, the row after
     ``out`` untouched, and within a bf16 rounding of float32 and of the same GEMM with its
-    residual loaded by the epilogue (an ``out`` with padded rows)."""
+    residual loaded by the epilogue (an ``out`` with padded rows). 1100 x 3840: 135 tiles on an
+    H200's 132 SMs, a split tail (3 tiles, 4 K-slices each) whose summing CTAs add their tiles."""
     from ctapipelining.epilogue import Epilogue
     from ctapipelining.gemm import matmul
 

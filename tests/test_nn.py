@@ -108,7 +108,7 @@ def test_epilogues_on_a_plain_gemm():
 def test_a_split_tail_applies_the_epilogue_to_each_summed_tile():
     """A gated SiLU with an RMSNorm on a GEMM whose partial last round is split along K: the CTA
     that sums a tail tile's slices applies the epilogue to the whole tile (against float32, and
-    within a rounding of the same GEMM on whole tiles)."""
+    within a rounding of the same GEMM on whole tiles); a bias, a GELU and a residual too."""
     torch.manual_seed(1)
     M, K, inter = 40, 48, 32
     a = torch.randn(M, K).half()
@@ -121,6 +121,11 @@ def test_a_split_tail_applies_the_epilogue_to_each_summed_tile():
     ref = torch.nn.functional.silu(af @ gate.float()) * (af @ up.float())
     assert rel(y, ref) < 2e-3
     assert (y.float() - matmul(a, interleave(gate, up), config=SMALL, epilogue=epi).float()).abs().max() < 2e-3
+    # a bias, a GELU and a residual, each added once to a tail tile (after its slices are summed)
+    w, bias, res = (torch.randn(K, 64) / K**0.5).half(), torch.randn(64).half(), torch.randn(M, 64).half()
+    y = matmul(a, w, config=split, epilogue=Epilogue(gelu, bias=bias, residual=True), residual=res)
+    ref = torch.nn.functional.gelu(a.float() @ w.float() + bias.float(), approximate="tanh") + res.float()
+    assert rel(y, ref) < 2e-3
 
 
 def test_bad_epilogues_are_refused_before_launch():
