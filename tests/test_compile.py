@@ -202,9 +202,16 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
     # the gated tile (gate and up columns in runs, interleave) is stored as the plain GEMM's:
     # bf16 pairs through stmatrix, never an element at a time
     assert got["gated_rms"]["stmatrix"] > 0 and got["gated_rms"]["st_shared_b16"] == 0
-    # a fused epilogue leaves the plain GEMM's persistent loop flattened (an RMSNorm's parts unroll)
-    for name in ("gated_rms", "bias_residual", "accumulate", "layer_norm_bias"):
+    # a fused epilogue leaves the plain GEMM's persistent loop flattened (an RMSNorm's parts unroll),
+    # also beside a split tail whose summing CTA applies it (EPILOGUE_CONFIG, the blocks' default)
+    for name in ("gated_rms", "bias_residual", "accumulate", "layer_norm_bias", "gated_rms+split_tail",
+                 "accumulate+split_tail"):  # fmt: skip
         assert got[name]["flattened"], name
+    for name in ("gated_rms+split_tail", "accumulate+split_tail"):
+        assert got[name]["smem"] <= SMEM_LIMIT and got[name]["ld_cg"] > 0, name  # the tail's partials
+    assert got["gated_rms+split_tail"]["tma_store"] > got["gated_rms"]["tma_store"]  # the tail's own store
+    assert got["accumulate+split_tail"]["tma_store"] == 0  # its tail tiles are added onto C too
+    assert got["accumulate+split_tail"]["tma_reduce"] > got["accumulate"]["tma_reduce"]
     assert sm90["kernels"]["plain"]["flattened"]
     from ctapipelining.nn import STACK_CONFIG
 
@@ -223,6 +230,7 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
 
     assert fits_loaded_residual(RESIDUAL_CONFIG) and fits_loaded_residual(STACK_CONFIG)
     assert not fits_loaded_residual(EPILOGUE_CONFIG)
+    assert EPILOGUE_CONFIG.split_tail  # what the "+split_tail" variants above compile
 
 
 def test_the_norm_pass_keeps_its_registers_few_and_spills_nothing(sm90):

@@ -258,7 +258,11 @@ def flattened(ttgir: str) -> bool:
 def _summary(k) -> dict:
     ptx = k.asm["ptx"]
     counts = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()}
-    return counts | {"smem": k.metadata.shared, "unfenced_loads": unfenced_loads(ptx), "flattened": flattened(k.asm["ttgir"])}
+    return counts | {
+        "smem": k.metadata.shared,
+        "unfenced_loads": unfenced_loads(ptx),
+        "flattened": flattened(k.asm["ttgir"]),
+    }
 
 
 def report() -> dict:
@@ -300,7 +304,9 @@ EPILOGUE_VARIANTS = {
     ),  # a stack's down
     "accumulate": dict(ACCUMULATE=True),  # a block's down GEMM: each tile added onto C by TMA
     # a GPT stack's: a LayerNorm from the stage before's partial sums; a down GEMM leaving them
-    "layer_norm_sums": _RMS | dict(SQ_PARTS=32, row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu),
+    "layer_norm_sums": dict(
+        _RMS, SQ_PARTS=32, row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu
+    ),
     "bias_residual_sums": dict(
         bias="*bf16",
         residual="*bf16",
@@ -346,6 +352,14 @@ def compile_epilogues() -> dict:
     their summaries (``smem`` against :data:`~.gemm.SMEM_LIMIT`)."""
     return {
         "gated_rms": _summary(compile_variant(False, False, False, epilogue="gated_rms", num_stages=3)),
+        # the blocks' GEMMs as they run by default (EPILOGUE_CONFIG): the summing CTA of a split tail's tile
+        # applies the epilogue too
+        "gated_rms+split_tail": _summary(
+            compile_variant(False, False, False, epilogue="gated_rms", num_stages=3, split_tail=True)
+        ),
+        "accumulate+split_tail": _summary(
+            compile_variant(False, False, False, epilogue="accumulate", num_stages=3, split_tail=True)
+        ),
         "bias_residual": _summary(
             compile_variant(False, False, False, (128, 128, 64), epilogue="bias_residual", num_stages=4)
         ),

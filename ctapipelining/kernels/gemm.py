@@ -122,9 +122,12 @@ PLAIN_CONFIG = GemmConfig(128, 256, 64, group_m=8, num_stages=3, num_warps=8, sp
 PIPELINE_CONFIG = GemmConfig(128, 256, 64, group_m=4, num_stages=3, num_warps=8, wait_parts=8)
 ENDS_CONFIG = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
 # a GEMM with a fused epilogue: the plain GEMM's tiles and split tail (the summing CTA applies the
-# epilogue); with a residual that its epilogue loads (a pipeline stage's, or into an output with
-# padded rows), whose tile needs shared memory too, 128 x 256 tiles fit two stages only, and 128 x
-# 128 tiles with four ran a Llama-70B down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/)
+# epilogue; with Llama's gated RMSNorm, ptxas (sm_90a) then gives the kernel 255 registers and 212
+# bytes of spills, 180 and none on whole tiles, and the 8B gate/up GEMM at 4096 rows ran 1.028x
+# cuBLAS's against 1.035x on whole tiles: benchmarks/results/2026-12-01-h200-mlp/parts-8b/split-401cc06/);
+# with a residual that its epilogue loads (a pipeline stage's, or into an output with padded rows),
+# whose tile needs shared memory too, 128 x 256 tiles fit two stages only, and 128 x 128 tiles with
+# four ran a Llama-70B down GEMM 0.85x as long (benchmarks/results/2026-12-01-h200-mlp/)
 EPILOGUE_CONFIG = PLAIN_CONFIG
 RESIDUAL_CONFIG = dataclasses.replace(PLAIN_CONFIG, block_n=128, num_stages=4, split_tail=False)
 
