@@ -224,8 +224,9 @@ class Pipeline:
         a residual adds the input of the stage before (the block's input: the two stages on one
         device); the norm of a later stage's input takes the rows' sums of squares (and sums,
         for a LayerNorm) that the stage before stores with its tiles (no pass over memory), the
-        first stage's a pass over ``x``. A stage with an epilogue, or whose next
-        stage normalises, has no split tail. Not with prefill or drain rows.
+        first stage's a pass over ``x``. With a split tail, the CTA that sums a tail tile's
+        K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
+        stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
         before it raises :class:`PipelineHung` and refuses further calls; default

@@ -26,11 +26,12 @@ With a split tail (:class:`~.gemm.Tail`, the host's ``chain_tail_split``), the c
 partial last round, when it lies within the last stage, is cut into K-slices: each of its tiles
 becomes ``splits`` positions, claimed from the ticket like the others, each run as an item of
 :func:`~.gemm._split_tail` (after waiting for every part of the tile's input; the CTA that
-brings a tile's last slice sums them in slice order, stores and signals it), so the last round
-takes a fraction of a tile time where whole tiles would take one. The kernel then holds the
-last stage's body twice: ``ptxas -v`` (sm_90a) gives two 128x256 stages 255 registers and 8
-bytes of spills with it, 202 and none without, so whether it pays is for a measurement
-(``benchmarks/shared_gpu.py``'s ``chain_split`` line) to say, not yet made.
+brings a tile's last slice sums them in slice order, applies the last stage's epilogue, stores
+and signals it), so the last round takes a fraction of a tile time where whole tiles would take
+one. The kernel then holds the last stage's body twice: ``ptxas -v`` (sm_90a) gives two
+128x256 stages 255 registers and 8 bytes of spills with it, 202 and none without, so whether it
+pays is for a measurement (``benchmarks/shared_gpu.py``'s ``chain_split`` line) to say, not yet
+made.
 
 The ticket only grows, like the counters: each CTA of the grid (whatever its size) claims a fixed
 number of times, one more than an even share of the positions (so its loop has a trip count, and
