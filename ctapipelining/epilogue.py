@@ -173,11 +173,12 @@ def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     own registers. ``I`` must be a multiple of ``R``."""
     if gate.shape != up.shape or gate.dim() != 2:
         raise ValueError(f"gate and up must be [K, I] of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    K, I = gate.shape
+    K, inter = gate.shape
     R = GATE_RUN.value
-    if I % R:
-        raise ValueError(f"a gated MLP's {I} intermediate columns must be a multiple of {R} (runs of gate and up)")
-    return torch.stack([gate.reshape(K, I // R, R), up.reshape(K, I // R, R)], dim=2).reshape(K, 2 * I).contiguous()
+    if inter % R:
+        raise ValueError(f"a gated MLP's {inter} intermediate columns must be a multiple of {R} (runs of gate and up)")
+    runs = [t.reshape(K, inter // R, R) for t in (gate, up)]
+    return torch.stack(runs, dim=2).reshape(K, 2 * inter).contiguous()
 
 
 def fold_rms_weight(norm_weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ class Epilogue(NamedTuple):
     sum_out: object  # *fp32 [rows, out_parts]: the stored tile's rows' sums, column pn (None: none)
     part_cols: object  # with row_sum: the columns of each part but the last (the producer's tile width)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
-    GATED: object  # True: B's columns are runs of gate and up columns, ACTIVATION(gate) * up, a half-width tile (None: not)
+    GATED: object  # True: B's columns in runs of gate and up, ACTIVATION(gate) * up, a half-width tile (None: not)
     ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
 
 
