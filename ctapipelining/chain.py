@@ -9,7 +9,6 @@ launches through :class:`~ctapipelining.launcher.RawLaunch`.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
 from .kernels.gemm import GemmConfig, Tail
-from .launcher import RawLaunch, addresses
+from .launcher import RawLaunch, addresses, on_stream
 
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
@@ -252,8 +251,7 @@ class ChainLaunch:
             )  # fmt: skip
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
             return kernel
-        on_stream = not interpreting()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if on_stream else nullcontext():
+        with on_stream(stream, device):
             kernel = chain_kernel[(self.num_ctas,)](
                 *args, **self._constexprs, num_stages=self.config.num_stages, num_warps=self.config.num_warps
             )

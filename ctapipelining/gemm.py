@@ -35,7 +35,7 @@ from .kernels.gemm import (
     gemm_kernel,
 )
 from .kernels.sync import Signal, Wait
-from .launcher import RawLaunch, addresses
+from .launcher import RawLaunch, addresses, on_stream
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -374,9 +374,8 @@ class NormStats:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
             raw(_cdiv(rows, self._rows_per_program()), stream, *self.raw_args(a, copy))
             return
-        on_stream = stream is not None and not interpreting()
         scale, shift = self._statistics()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
+        with on_stream(stream, a.device):
             kernel = norm_rows[(_cdiv(rows, self._rows_per_program()),)](
                 a, scale, shift, copy, rows, cols, a.stride(0), 0 if copy is None else copy.stride(0),
                 self.epilogue.norm_eps, **self._constexprs(cols), num_warps=NORM_WARPS,
@@ -588,7 +587,7 @@ class GemmLaunch:
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream, a_copy)
         if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if stream else nullcontext():
+            with on_stream(stream, a.device):
                 c.copy_(residual)
         if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
             kernel, raw = got
@@ -620,8 +619,7 @@ class GemmLaunch:
             )
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
             return kernel
-        on_stream = stream is not None and not interpreting()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)) if on_stream else nullcontext():
+        with on_stream(stream, a.device):
             kernel = gemm_kernel[(self.num_ctas,)](
                 *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )

@@ -16,6 +16,7 @@ any other shape of launcher, and the caller then uses Triton's own path.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,19 @@ except ImportError:  # no CUDA backend: RawLaunch.of returns None
     make_tensordesc_arg = None
 
 MAX_TENSOR_MAPS = 64  # encoded tensor maps kept per launch (cleared when full)
+
+
+def on_stream(handle: int | None, device: torch.device):
+    """A context in which the raw CUDA stream ``handle`` on ``device`` (None: the current one)
+    is torch's current stream, for work that goes where torch's current stream is (Triton's own
+    launch path, torch's ops). The null handle is the default stream:
+    ``torch.cuda.ExternalStream(0)`` would be a new stream from PyTorch's pool (it reads a
+    null pointer as none given), which does not wait for the caller's work."""
+    if handle is None or device.type != "cuda" or handle == torch._C._cuda_getCurrentRawStream(device.index):
+        return nullcontext()
+    if handle == 0:
+        return torch.cuda.stream(torch.cuda.default_stream(device))
+    return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
 
 
 def addresses(bundle):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from protocol_state import preset_epoch
 
-from ctapipelining.gemm import _plain_launch, matmul, plain_config
+from ctapipelining.gemm import GemmLaunch, _plain_launch, grid_size, matmul, plain_config
 from ctapipelining.pipeline import Pipeline, PipelineHung
 
 pytestmark = pytest.mark.gpu
@@ -95,6 +95,37 @@ def test_calls_from_two_streams_are_ordered(policy):
     pipe.check_errors()
     assert torch.equal(out1, pipe.sequential(x1))
     assert torch.equal(out2, pipe.sequential(x2))
+
+
+def test_a_launch_given_the_default_streams_handle_runs_on_it():
+    """A launch given the null handle (the default stream) that takes Triton's own path (a
+    profiler's launch hooks are set; so does a first, compiling launch) runs on the default
+    stream, after the caller's work there (``torch.cuda.ExternalStream(0)`` would be a stream
+    from PyTorch's pool, which does not wait for it): a copy behind a ~100 ms sleep is read."""
+    from triton import knobs
+
+    from ctapipelining.kernels.gemm import PLAIN_CONFIG
+
+    dev = torch.device("cuda:0")
+    real, b = rand(4096, 4096), rand(4096, 4096, scale=4096**-0.5)
+    want = matmul(real, b, config=PLAIN_CONFIG)
+    gemm = GemmLaunch(4096, 4096, 4096, PLAIN_CONFIG, grid_size(4096, 4096, PLAIN_CONFIG, dev), dev)
+
+    def hook(*args):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):  # compiling, then compiled: each through Triton's path under the hook
+            a, c = torch.zeros_like(real), torch.full_like(want, float("nan"))
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)
+            a.copy_(real)  # after the sleep, on the default stream
+            gemm(a, b, c, 0)
+            torch.cuda.synchronize()
+            assert torch.equal(c, want)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
 
 
 def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
