@@ -34,9 +34,13 @@ def on_stream(handle: int | None, device: torch.device):
     is torch's current stream, for work that goes where torch's current stream is (Triton's own
     launch path, torch's ops). The null handle is the default stream:
     ``torch.cuda.ExternalStream(0)`` would be a new stream from PyTorch's pool (it reads a
-    null pointer as none given), which does not wait for the caller's work."""
-    if handle is None or device.type != "cuda" or handle == torch._C._cuda_getCurrentRawStream(device.index):
+    null pointer as none given), which does not wait for the caller's work. ``device`` is also
+    the current device there: Triton's path launches on the current device's current stream
+    (``torch.cuda.stream`` switches the device too)."""
+    if device.type != "cuda":
         return nullcontext()
+    if handle is None or handle == torch._C._cuda_getCurrentRawStream(device.index):
+        return nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
     if handle == 0:
         return torch.cuda.stream(torch.cuda.default_stream(device))
     return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ctapipelining.launcher import RawLaunch, addresses
+from ctapipelining.launcher import RawLaunch, addresses, on_stream
 
 
 @pytest.mark.xdist_group("sm90_compile")  # where conftest's sm90 report is built
@@ -73,3 +73,25 @@ def test_launch_hooks_take_tritons_path_not_the_raw_launch():
     assert torch.allclose(c.float(), a.float() @ b.float(), atol=1e-2, rtol=1e-2)
     launch(a, b, torch.zeros_like(c), stream=0)  # no hook: the cached raw launch
     assert len(used) == 1
+
+
+def test_on_stream_makes_the_handles_stream_and_its_device_current(monkeypatch):
+    """What ``on_stream`` enters (torch's queries patched: no GPU here): nothing on the CPU, or
+    where the handle (None: the current one) is current on the current device; the device alone
+    where it is current on another (Triton launches on the current device); the default stream
+    for the null handle (``ExternalStream(0)`` would be a pool stream); else the handle's stream."""
+    from contextlib import nullcontext
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 70 + index, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: ("default", device))
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("external", handle, device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: ("current", stream))
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert type(on_stream(None, cpu)) is nullcontext and type(on_stream(5, cpu)) is nullcontext
+    assert type(on_stream(None, gpu0)) is nullcontext and type(on_stream(70, gpu0)) is nullcontext
+    for handle in (None, 71):
+        switch = on_stream(handle, gpu1)
+        assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+    assert on_stream(0, gpu1) == ("current", ("default", gpu1))
+    assert on_stream(5, gpu0) == ("current", ("external", 5, gpu0))
