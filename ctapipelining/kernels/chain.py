@@ -29,9 +29,11 @@ becomes ``splits`` positions, claimed from the ticket like the others, each run 
 brings a tile's last slice sums them in slice order, applies the last stage's epilogue, stores
 and signals it), so the last round takes a fraction of a tile time where whole tiles would take
 one. The kernel then holds the last stage's body twice: ``ptxas -v`` (sm_90a) gives two
-128x256 stages 255 registers and 8 bytes of spills with it, 202 and none without, so whether it
-pays is for a measurement (``benchmarks/shared_gpu.py``'s ``chain_split`` line) to say, not yet
-made.
+128x256 stages 255 registers and 8 bytes of spills with it, 202 and none without. It pays where
+the last round is partial and short: two 8192-wide stages at 640 rows ran 0.93-0.94x the unsplit
+chain, and within 1% of it at the other heights (``benchmarks/shared_gpu.py``'s ``chain_split``
+line on 128 x 256 tiles, ``benchmarks/results/2026-12-01-h200-configs/run6-table/`` and
+``run11-parts/``); the pipeline table, measured per tile shape, splits at 128 and 640 rows.
 
 The ticket only grows, like the counters: each CTA of the grid (whatever its size) claims a fixed
 number of times, one more than an even share of the positions (so its loop has a trip count, and
