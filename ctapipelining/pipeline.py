@@ -32,7 +32,9 @@ stage's device and for the end of the previous call on every stage's stream, and
 streams then wait for every stage. So ``x``, ``out`` and the result are ordered with whatever
 the caller does on any of the devices (the caching allocator included), and a producer of one
 call never overwrites a buffer or ring slot that a consumer of the call before still reads,
-whichever streams or threads the two calls came from. Calls and graph replays hold a lock, so
+whichever streams or threads the two calls came from. On one GPU without loopback, an eager
+call (like a graph replay) queues its work on the caller's current stream itself: the same
+ordering with fewer host calls. Calls and graph replays hold a lock, so
 a ``Pipeline`` may be called from several threads (they take turns on the host). Inside a CUDA
 graph that the user captures, the user orders the captured calls.
 
@@ -416,6 +418,9 @@ class Pipeline:
             self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
             self._kernel_streams = list(dict.fromkeys(self.streams))  # each once: a call joins back from them
             self._join_events = [torch.cuda.Event() for _ in self._kernel_streams]
+        # one GPU and one kernel stream (no loopback): an eager call queues its work on the caller's
+        # stream itself, as a graph replay does (_launch_direct)
+        self._direct = self.on_gpu and len(self.distinct_devices) == 1 and not self.loopback and segment is None
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
@@ -1049,6 +1054,11 @@ class Pipeline:
         capturing = self._capturing()
         if capturing:
             plan.pinned = True  # a graph now points at its buffers
+        elif (
+            self._direct and only is None and not delay_cycles and advance_epoch
+            and torch.cuda.current_device() == self._device_indices[0]
+        ):  # fmt: skip
+            return self._launch_direct(plan, x, out)
         saved = self._current_streams()  # restored at the end: each stage's stream is made current
         # the streams a call forks from and joins back to: the current stream of every stage's
         # device, so that what the caller allocated or reads on any of them (x, out, the result)
@@ -1126,6 +1136,42 @@ class Pipeline:
                 self._done = done
                 self._after_done = [c.cuda_stream for c in callers]
             self._pending[plan] = self._done
+        return kernels
+
+    def _launch_direct(self, plan: Plan, x, out) -> list:
+        """:meth:`_launch` of an eager call on one GPU with one kernel stream: every stream
+        operation (the epoch bumps, the kernels, the error words' copies, the end's event) goes
+        on the caller's current stream, in the order the general path queues them on the stage
+        stream, without forking to that stream and joining back (fewer host calls before the
+        first kernel). The same ordering: after the previous call's end when it was issued from
+        another stream, before whatever the caller queues next."""
+        caller = torch.cuda.current_stream(self._device_indices[0])
+        stream = caller.cuda_stream
+        if [stream] != self._after_done:
+            for ev in self._done:
+                caller.wait_event(ev)
+        kernels = [None] * len(self.weights)
+        done = self._join_events[0]
+        try:
+            for s in range(len(self.weights)):
+                if s == self._group_of[s][0]:  # the stages of a chain kernel share one epoch
+                    plan.epochs[s].add_(1)
+                for launch in plan.launches:
+                    if launch.stream == s:
+                        kernel = launch.run(x, out, stream)
+                        for t in launch.stages:
+                            kernels[t] = kernel
+                if s > 0 or plan.inbound is not None:  # else its word stays clear
+                    plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
+        except BaseException:
+            plan.stale = True
+            done.record(caller)  # what was queued stays ordered before the caller's next work
+            self._done, self._after_done = [done], [stream]
+            raise
+        done.record(caller)
+        plan.epoch += 1
+        self._done, self._after_done = [done], [stream]
+        self._pending[plan] = self._done
         return kernels
 
     def compile(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:

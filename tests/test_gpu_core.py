@@ -128,6 +128,36 @@ def test_a_launch_given_the_default_streams_handle_runs_on_it():
         knobs.runtime.launch_enter_hook.remove(hook)
 
 
+def test_eager_calls_on_one_gpu_queue_on_the_callers_stream_in_order(monkeypatch):
+    """Both stages on one GPU, no loopback: an eager call queues its work on the caller's
+    stream itself (``Pipeline._launch_direct``). Call 1 waits behind a ~50 ms sleep on the
+    default stream; call 2 comes from another stream that did not wait for it, and must still
+    end after call 1 (it waits for call 1's end). Both equal their sequential stages."""
+    ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws)
+    x1, x2 = rand(4096, 4096), rand(4096, 4096)
+    ref1, ref2 = pipe.sequential(x1), pipe.sequential(x2)
+    pipe(x1, check=True)  # compiled, plan built
+    direct = []
+    launch_direct = pipe._launch_direct
+    monkeypatch.setattr(pipe, "_launch_direct", lambda *a: direct.append(1) or launch_direct(*a))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # before call 1, on the default stream
+    out1 = pipe(x1)
+    end1 = torch.cuda.Event(enable_timing=True)
+    end1.record()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        out2 = pipe(x2)
+        end2 = torch.cuda.Event(enable_timing=True)
+        end2.record()
+    torch.cuda.synchronize()
+    pipe.check_errors()
+    assert len(direct) == 2
+    assert end1.elapsed_time(end2) > 0  # call 2 ended after call 1, not ~50 ms before it
+    assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
+
+
 def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     """A consumer with no producer and a 3 s deadline: the host gives up after 0.3 s with a
     clear error, and the pipeline refuses further calls; the GPU ends the kernel by itself."""
