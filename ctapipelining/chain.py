@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from triton import knobs
 
 from . import deps
 from .epilogue import OFF, PLAIN, Epilogue
@@ -34,7 +33,7 @@ from .gemm import (
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
 from .kernels.gemm import GemmConfig, Tail
-from .launcher import RawLaunch, addresses, on_stream
+from .launcher import RawLaunch, addresses, launch_hooks, on_stream
 
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
@@ -212,12 +211,8 @@ class ChainLaunch:
         yet) and launch nothing."""
         c = ops[-1][2]  # on a peer GPU when the last stage writes across
         device = ops[0][1].device  # the kernel's GPU: where its first stage's weights are
-        residuals = [op[3] if len(op) > 3 else None for op in ops]
-        if [r is not None for r in residuals] != self.residual:
-            raise ValueError("a residual goes with each stage whose epilogue adds one, and only there")
-        stride = c.stride(0)
-        tma_store = stride == c.shape[1]
-        key = (tma_store, stride, c.dtype, *(residual_key(r) for r in residuals))
+        key, residuals = self._key(ops)
+        tma_store, stride = key[:2]
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
@@ -225,7 +220,7 @@ class ChainLaunch:
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         if self.stats[0] is not None and not compile_only:  # the first stage's norm: a pass over its A first
             self.stats[0](ops[0][0], stream)
-        if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
+        if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
             raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops, residuals))
             return kernel
@@ -258,6 +253,29 @@ class ChainLaunch:
         if not interpreting() and got is None:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
+
+    def _key(self, ops: list[tuple]) -> tuple[tuple, list]:
+        """The specialisation a launch on ``ops`` compiles (:attr:`_compiled`'s key: a TMA store of
+        the last stage, its row stride, the dtype, the residuals'), and each stage's residual."""
+        c = ops[-1][2]
+        residuals = [op[3] if len(op) > 3 else None for op in ops]
+        if [r is not None for r in residuals] != self.residual:
+            raise ValueError("a residual goes with each stage whose epilogue adds one, and only there")
+        stride = c.stride(0)
+        return (stride == c.shape[1], stride, c.dtype, *(residual_key(r) for r in residuals)), residuals
+
+    def bound(self, ops: list[tuple]) -> tuple | None:
+        """``(compiled kernel, raw launch, its arguments)`` for a launch on ``ops`` (already
+        checked) once their specialisation is compiled and launches raw, where nothing launches
+        before the kernel (no norm pass over the first stage's A); else None. The arguments hold
+        addresses and tensor maps, no tensor."""
+        if self.stats[0] is not None:
+            return None
+        key, residuals = self._key(ops)
+        got = self._compiled.get(key)
+        if got is None or got[1] is None:
+            return None
+        return got[0], got[1], self.raw_args(got[1].tensor_map, ops, residuals)
 
     def raw_args(self, tensor_map, ops: list[tuple], residuals: list | None = None) -> tuple:
         """The kernel's arguments as the compiled launcher takes them (see

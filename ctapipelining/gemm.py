@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -35,7 +34,7 @@ from .kernels.gemm import (
     gemm_kernel,
 )
 from .kernels.sync import Signal, Wait
-from .launcher import RawLaunch, addresses, on_stream
+from .launcher import RawLaunch, addresses, launch_hooks, on_stream
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -369,7 +368,7 @@ class NormStats:
             () if copy is None else (copy.dtype, copy.data_ptr() % 16 == 0, copy.stride(0))
         )
         raw = self._compiled.get(key)
-        if raw is not None and not knobs.runtime.launch_enter_hook.calls:
+        if raw is not None and not launch_hooks():
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
             raw(_cdiv(rows, self._rows_per_program()), stream, *self.raw_args(a, copy))
@@ -589,7 +588,7 @@ class GemmLaunch:
         if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
             with on_stream(stream, a.device):
                 c.copy_(residual)
-        if got is not None and got[1] is not None and not knobs.runtime.launch_enter_hook.calls:
+        if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
@@ -603,7 +602,7 @@ class GemmLaunch:
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0),
             *self._with_residual(self._bundles, residual, False, adds),
         )  # fmt: skip
-        if got is not None and got[1] is None and not knobs.runtime.launch_enter_hook.calls:
+        if got is not None and got[1] is None and not launch_hooks():
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
@@ -649,15 +648,16 @@ class GemmLaunch:
         return bool(self._compiled) and all(raw is not None for _, raw in self._compiled.values())
 
     def bound(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple | None:
-        """``(raw launch, its arguments)`` for a launch without a residual or norm statistics on
-        these operands (already checked), once their specialisation is compiled and launches
-        raw; else None. The arguments hold addresses and tensor maps, no tensor."""
+        """``(compiled kernel, raw launch, its arguments)`` for a launch without a residual or
+        norm statistics on these operands (already checked), once their specialisation is
+        compiled and launches raw; else None. The arguments hold addresses and tensor maps, no
+        tensor."""
         if self.stats is not None or self.accumulate or (self.epilogue is not None and self.epilogue.residual):
             return None
         got = self._compiled.get(self._key(a, c, None))
         if got is None or got[1] is None:
             return None
-        return got[1], self.raw_args(got[1].tensor_map, a, b, c)
+        return got[0], got[1], self.raw_args(got[1].tensor_map, a, b, c)
 
 
 def launch_gemm(a, b, c, config: GemmConfig, num_ctas: int, **hooks):
@@ -782,7 +782,7 @@ def matmul(
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
         hit = _BOUND.get(key)
         launch = hit and hit[0]()
-        if launch is not None and not knobs.runtime.launch_enter_hook.calls:  # (a profiler's hooks: Triton's path)
+        if launch is not None and not launch_hooks():  # (a profiler's hooks: Triton's path)
             try:
                 _BOUND.move_to_end(key)
             except KeyError:  # another thread's call dropped it meanwhile
@@ -864,7 +864,7 @@ def matmul(
         launch(a, b, out, residual=residual, a_copy=a_copy)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
-        _BOUND[key] = (weakref.ref(launch), bound[0], None if key[2] is None else bound[1], out.shape)
+        _BOUND[key] = (weakref.ref(launch), bound[1], None if key[2] is None else bound[2], out.shape)
         while len(_BOUND) > MAX_BOUND:
             _BOUND.popitem(last=False)
     return out

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
+from triton import knobs
 
 try:
     from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -44,6 +45,12 @@ def on_stream(handle: int | None, device: torch.device):
     if handle == 0:
         return torch.cuda.stream(torch.cuda.default_stream(device))
     return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
+
+
+def launch_hooks() -> bool:
+    """Whether a profiler's launch hooks are set (Triton's own launch path calls them; a raw
+    launch would not)."""
+    return bool(knobs.runtime.launch_enter_hook.calls)
 
 
 def addresses(bundle):

@@ -84,6 +84,7 @@ from .gemm import (
     num_sms,
     overlaps,
     pick_config,
+    span,
     tail_split,
     tma_ready,
 )
@@ -352,6 +353,7 @@ class Pipeline:
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
+        self._weight_spans = [(w.device, *span(w)) for w in self.weights]  # an out must not overlap one
         # each stage's output columns (half of its weight's with a gated epilogue)
         self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
@@ -972,7 +974,8 @@ class Pipeline:
         check_out(out, x.shape[0], self.out_cols[-1], last.dtype)
         if out.device != self.devices[-1]:
             raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
-        if overlaps(out, x, *self.weights):
+        o0, o1 = span(out)
+        if overlaps(out, x) or any(d == out.device and o0 < hi and lo < o1 for d, lo, hi in self._weight_spans):
             raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:

@@ -158,6 +158,28 @@ def test_eager_calls_on_one_gpu_queue_on_the_callers_stream_in_order(monkeypatch
     assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
 
 
+def test_bound_launches_follow_each_calls_x_and_out():
+    """Eager calls on one GPU launch the chain kernel bound per ``x``/``out`` (``Launch.run``):
+    calls alternating between two inputs and outputs, an input changed in place, fewer rows than
+    the plan (a bucket) each equal their sequential stages, and the chain's launch holds a bound
+    entry per pair it saw (``tests/test_launcher.py`` checks the keys on the CPU)."""
+    ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws)
+    x1, x2 = rand(2048, 4096), rand(2048, 4096)
+    o1, o2 = torch.empty_like(x1), torch.empty_like(x2)
+    for _ in range(3):
+        for x, o in ((x1, o1), (x2, o2)):
+            o.fill_(float("nan"))
+            assert torch.equal(pipe(x, out=o, check=True), pipe.sequential(x))
+    x1.mul_(-1)  # same address, new values
+    assert torch.equal(pipe(x1, out=o1, check=True), pipe.sequential(x1))
+    short = rand(1900, 4096)
+    assert torch.equal(pipe(short, check=True), pipe.sequential(short))
+    (launch,) = [lc for lc in pipe.plan(2048).launches if lc.stages]
+    keys = {(k[0], k[3]) for k in launch._bound}
+    assert {(x1.data_ptr(), o1.data_ptr()), (x2.data_ptr(), o2.data_ptr())} <= keys
+
+
 def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     """A consumer with no producer and a 3 s deadline: the host gives up after 0.3 s with a
     clear error, and the pipeline refuses further calls; the GPU ends the kernel by itself."""

@@ -95,3 +95,60 @@ def test_on_stream_makes_the_handles_stream_and_its_device_current(monkeypatch):
         assert isinstance(switch, torch.cuda.device) and switch.idx == 1
     assert on_stream(0, gpu1) == ("current", ("default", gpu1))
     assert on_stream(5, gpu0) == ("current", ("external", 5, gpu0))
+
+
+class _FakeGemm:
+    """A launch's GEMM that counts its full launches and binds them to a recording raw launch."""
+
+    num_ctas = 7
+
+    def __init__(self):
+        self.full, self.raw_calls = [], []
+
+    def __call__(self, a, b, c, stream, residual=None, compile_only=False):
+        self.full.append((a.data_ptr(), c.data_ptr(), a.shape[0]))
+        return "kernel"
+
+    def bound(self, a, b, c):
+        def raw(grid, stream, *args):
+            self.raw_calls.append((grid, stream, args))
+
+        return "kernel", raw, (a.data_ptr(), c.data_ptr())
+
+
+def test_a_launch_binds_per_x_and_out_and_rebinds_when_they_change():
+    """``Launch.run``: the first call on an ``x``/``out`` pair takes the full path and binds it;
+    the next on the same pair goes straight to the raw launch with the bound arguments; another
+    address, row count or row stride of either takes the full path again (never stale arguments);
+    with launch hooks set, or on a copy of ``x``, nothing is bound."""
+    from triton import knobs
+
+    from ctapipelining.plan import Launch
+
+    w = torch.zeros(8, 8)
+    x, out = torch.zeros(32, 8), torch.zeros(32, 8)
+    gemm = _FakeGemm()
+    launch = Launch(0, gemm, [(("x", 0, 32), w, ("out", 0, 32))])
+    launch.run(x, out, 5)
+    launch.run(x, out, 6)
+    assert len(gemm.full) == 1 and gemm.raw_calls == [(7, 6, (x.data_ptr(), out.data_ptr()))]
+    x2 = torch.zeros(32, 8)
+    launch.run(x2, out, 6)  # another x: full path
+    launch.run(x[:16], out[:16], 6)  # fewer rows: full path
+    padded = torch.zeros(32, 16)[:, :8]
+    launch.run(x, padded, 6)  # out with another row stride: full path
+    assert len(gemm.full) == 4 and len(gemm.raw_calls) == 1
+    launch.run(x2, out, 6)
+    assert gemm.raw_calls[-1] == (7, 6, (x2.data_ptr(), out.data_ptr()))
+    hooked = Launch(0, _FakeGemm(), launch.ops)
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        for _ in range(2):
+            hooked.run(x, out, 6)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert len(hooked.gemm.full) == 2 and not hooked.gemm.raw_calls
+    copying = Launch(0, _FakeGemm(), launch.ops, copy_x=(torch.zeros(4, 8), 4))
+    for _ in range(2):
+        copying.run(x, out, 6)
+    assert len(copying.gemm.full) == 2 and not copying.gemm.raw_calls
