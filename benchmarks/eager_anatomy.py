@@ -74,11 +74,8 @@ def main():
     x, y = rand(M, K), torch.empty(M, K, dtype=torch.bfloat16, device=DEV)
     pipe(x, out=y, check=True)
     plan = pipe.plan(M)
-    epoch, err, err_host = (
-        torch.zeros(1, dtype=torch.int64, device=DEV),
-        plan.errors[0].clone(),
-        plan.err_host[0].clone(),
-    )
+    epoch, err = torch.zeros(1, dtype=torch.int64, device=DEV), plan.errors[0].clone()
+    err_host = torch.zeros(err.shape, dtype=err.dtype, pin_memory=True)
     ev = torch.cuda.Event()
     steps = {
         "call": lambda: pipe(x, out=y),
