@@ -649,10 +649,14 @@ class GemmLaunch:
 
     def bound(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple | None:
         """``(compiled kernel, raw launch, its arguments)`` for a launch without a residual or
-        norm statistics on these operands (already checked), once their specialisation is
+        a norm pass of its own on these operands (already checked), once their specialisation is
         compiled and launches raw; else None. The arguments hold addresses and tensor maps, no
         tensor."""
-        if self.stats is not None or self.accumulate or (self.epilogue is not None and self.epilogue.residual):
+        if (
+            (self.stats is not None and self.stats.own)
+            or self.accumulate
+            or (self.epilogue is not None and self.epilogue.residual)
+        ):
             return None
         got = self._compiled.get(self._key(a, c, None))
         if got is None or got[1] is None:

@@ -50,7 +50,7 @@ def on_stream(handle: int | None, device: torch.device):
 def launch_hooks() -> bool:
     """Whether a profiler's launch hooks are set (Triton's own launch path calls them; a raw
     launch would not)."""
-    return bool(knobs.runtime.launch_enter_hook.calls)
+    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
 def addresses(bundle):

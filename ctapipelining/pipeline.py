@@ -210,7 +210,9 @@ class Pipeline:
     weights : list of ``[K_s, N_s]`` tensors, bf16 or fp16, row-major, ``N_s == K_{s+1}``,
         on CUDA devices, each holding a contiguous range of stages (consecutive devices need
         peer access; see ``loopback`` for stages that share one). Under the Triton interpreter
-        they may all be CPU tensors; the kernels then run one after another.
+        they may all be CPU tensors; the kernels then run one after another. Their values may
+        change in place between calls; their storage is the pipeline's for its life (a call
+        after ``w.data = ...`` or ``w.set_(...)`` raises: the plans' launches are bound to it).
     policy : ``"static"`` (each consumer CTA walks the tile order and waits on each tile's
         counter; the default: faster than ``"workqueue"`` at every size measured on 2x H200,
         benchmarks/results/2026-11-30-h200x2-ends/) or
@@ -354,6 +356,7 @@ class Pipeline:
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
         self._weight_spans = [(w.device, *span(w)) for w in self.weights]  # an out must not overlap one
+        self._weight_ptrs = [w.data_ptr() for w in self.weights]  # the storage the launches are bound to
         # each stage's output columns (half of its weight's with a gated epilogue)
         self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
@@ -988,6 +991,11 @@ class Pipeline:
             raise RuntimeError("this pipeline is a segment of a longer chain: call its DistributedPipeline")
         with self._lock:
             self._usable()
+            if [w.data_ptr() for w in self.weights] != self._weight_ptrs:
+                raise RuntimeError(
+                    "a weight's storage changed since this Pipeline was built (w.data = ... or w.set_): its plans "
+                    "are bound to the old storage; build a new Pipeline (in-place updates of the values are fine)"
+                )
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)

@@ -10,6 +10,7 @@ this module turns them into device tensors and kernel hooks.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -110,7 +111,7 @@ class Link:
 
 
 Rows = tuple  # ("x" | "out", first row, end row): rows of the call's own input or output
-MAX_BOUND = 8  # bound launches a Launch keeps (cleared when full): a serving loop's few buffers
+MAX_BOUND = 8  # bound launches a Launch keeps, the most recently used: a serving loop's few buffers
 
 
 @dataclass(eq=False)
@@ -127,7 +128,7 @@ class Launch:
     copy_x: tuple[torch.Tensor, int] | None = None  # (buffer, rows): copy x[:rows] there first
     # (x's and out's address, rows and row stride) -> (kernel, raw launch, its arguments): the
     # launches of the last calls, bound (:meth:`run`)
-    _bound: dict = field(default_factory=dict, repr=False)
+    _bound: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream: int | None, compile_only: bool = False):
         """Launch on ``stream`` (raw handle; None: the current one), which is also current
@@ -136,13 +137,15 @@ class Launch:
         A launch whose kernel is compiled and launches raw with nothing before it (no copy of
         ``x``, no norm pass) is bound once per ``x`` and ``out`` (their addresses, rows and row
         strides are all a call changes in its arguments; dtypes and widths are the pipeline's,
-        checked by the caller): a later call on the same goes straight to the launch, without
-        views, descriptors or specialisation lookups."""
+        checked by the caller, and the weights' storage is the pipeline's own for its life): a
+        later call on the same goes straight to the launch, without views, descriptors or
+        specialisation lookups."""
         key = None
         if stream is not None and not compile_only and self.copy_x is None and not launch_hooks():
             key = (x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), out.shape[0], out.stride(0))
             got = self._bound.get(key)
             if got is not None:
+                self._bound.move_to_end(key)
                 kernel, raw, args = got
                 raw(self.gemm.num_ctas, stream, *args)
                 return kernel
@@ -158,9 +161,9 @@ class Launch:
             kernel = self.gemm(a, b, c, stream, residual=residual[0] if residual else None, compile_only=compile_only)
             bound = None if key is None or residual else self.gemm.bound(a, b, c)
         if bound is not None:
-            if len(self._bound) >= MAX_BOUND:
-                self._bound.clear()
             self._bound[key] = bound
+            if len(self._bound) > MAX_BOUND:
+                self._bound.popitem(last=False)
         return kernel
 
 

@@ -75,6 +75,25 @@ def test_out_that_overlaps_x_is_refused():
     assert int(pipe.plan(24).epochs[0]) == epoch, "a refused call advanced the epoch"
 
 
+def test_out_on_a_weight_and_a_weights_new_storage_are_refused():
+    """An ``out`` that overlaps a weight is refused; a weight whose values change in place is
+    used as it is now; one whose storage was swapped (``w.data = ...``) is refused before
+    anything launches (the plans' launches are bound to the old storage)."""
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL)
+    x = torch.randn(24, 16).half()
+    with pytest.raises(ValueError, match="shares memory with x or a weight"):
+        pipe(x, out=ws[0].view(-1)[: 24 * 16].view(24, 16))
+    pipe(x)
+    ws[1].mul_(2)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    epoch = int(pipe.plan(24).epochs[0])
+    ws[0].data = ws[0].clone()
+    with pytest.raises(RuntimeError, match="storage changed"):
+        pipe(x)
+    assert int(pipe.plan(24).epochs[0]) == epoch, "a refused call advanced the epoch"
+
+
 def test_a_launch_that_fails_part_way_leaves_the_plan_to_be_reset():
     """The consumer's launch fails after the producer's went out: the device epochs are now
     out of step. The plan is marked stale, and the next call resets it first and is right."""

@@ -160,9 +160,10 @@ def test_eager_calls_on_one_gpu_queue_on_the_callers_stream_in_order(monkeypatch
 
 def test_bound_launches_follow_each_calls_x_and_out():
     """Eager calls on one GPU launch the chain kernel bound per ``x``/``out`` (``Launch.run``):
-    calls alternating between two inputs and outputs, an input changed in place, fewer rows than
-    the plan (a bucket) each equal their sequential stages, and the chain's launch holds a bound
-    entry per pair it saw (``tests/test_launcher.py`` checks the keys on the CPU)."""
+    calls alternating between two inputs and outputs, then with one of the pair changed alone, an
+    input changed in place, and one buffer's first rows (same addresses, fewer rows) each equal
+    their sequential stages, and the chain's launch holds a bound entry per pair it saw
+    (``tests/test_launcher.py`` checks the key part by part on the CPU)."""
     ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
     pipe = Pipeline(ws)
     x1, x2 = rand(2048, 4096), rand(2048, 4096)
@@ -171,10 +172,14 @@ def test_bound_launches_follow_each_calls_x_and_out():
         for x, o in ((x1, o1), (x2, o2)):
             o.fill_(float("nan"))
             assert torch.equal(pipe(x, out=o, check=True), pipe.sequential(x))
+    for x, o in ((x1, o2), (x2, o1), (x1, o1)):  # one of the pair changed alone
+        o.fill_(float("nan"))
+        assert torch.equal(pipe(x, out=o, check=True), pipe.sequential(x))
     x1.mul_(-1)  # same address, new values
     assert torch.equal(pipe(x1, out=o1, check=True), pipe.sequential(x1))
-    short = rand(1900, 4096)
-    assert torch.equal(pipe(short, check=True), pipe.sequential(short))
+    for m in (1900, 2048, 1900):  # one buffer's rows: same addresses, the rows alone change
+        o1.fill_(float("nan"))
+        assert torch.equal(pipe(x1[:m], out=o1[:m], check=True), pipe.sequential(x1[:m]))
     (launch,) = [lc for lc in pipe.plan(2048).launches if lc.stages]
     keys = {(k[0], k[3]) for k in launch._bound}
     assert {(x1.data_ptr(), o1.data_ptr()), (x2.data_ptr(), o2.data_ptr())} <= keys

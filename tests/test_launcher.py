@@ -118,28 +118,45 @@ class _FakeGemm:
 
 def test_a_launch_binds_per_x_and_out_and_rebinds_when_they_change():
     """``Launch.run``: the first call on an ``x``/``out`` pair takes the full path and binds it;
-    the next on the same pair goes straight to the raw launch with the bound arguments; another
-    address, row count or row stride of either takes the full path again (never stale arguments);
-    with launch hooks set, or on a copy of ``x``, nothing is bound."""
+    the next on the same pair goes straight to the raw launch with the bound arguments. Each
+    part of the pair changed alone (either address, either row count, either row stride) takes
+    the full path again (never stale arguments); the most recently used pairs stay bound
+    (``MAX_BOUND``); with launch hooks set, or on a copy of ``x``, nothing is bound."""
     from triton import knobs
 
-    from ctapipelining.plan import Launch
+    from ctapipelining.plan import MAX_BOUND, Launch
 
     w = torch.zeros(8, 8)
-    x, out = torch.zeros(32, 8), torch.zeros(32, 8)
+    xb, ob = torch.zeros(64, 16), torch.zeros(64, 16)  # each view below: one part changed
+    x, out = xb[:32, :8], ob[:32, :8]
     gemm = _FakeGemm()
     launch = Launch(0, gemm, [(("x", 0, 32), w, ("out", 0, 32))])
     launch.run(x, out, 5)
     launch.run(x, out, 6)
     assert len(gemm.full) == 1 and gemm.raw_calls == [(7, 6, (x.data_ptr(), out.data_ptr()))]
-    x2 = torch.zeros(32, 8)
-    launch.run(x2, out, 6)  # another x: full path
-    launch.run(x[:16], out[:16], 6)  # fewer rows: full path
-    padded = torch.zeros(32, 16)[:, :8]
-    launch.run(x, padded, 6)  # out with another row stride: full path
-    assert len(gemm.full) == 4 and len(gemm.raw_calls) == 1
-    launch.run(x2, out, 6)
-    assert gemm.raw_calls[-1] == (7, 6, (x2.data_ptr(), out.data_ptr()))
+    changed = {
+        "x's address": (xb[32:, :8], out),
+        "out's address": (x, ob[32:, :8]),
+        "x's rows": (xb[:31, :8], out),
+        "out's rows": (x, ob[:31, :8]),
+        "x's row stride": (xb.view(-1)[: 32 * 8].view(32, 8), out),
+        "out's row stride": (x, ob.view(-1)[: 32 * 8].view(32, 8)),
+    }
+    for what, (x2, out2) in changed.items():
+        full = len(gemm.full)
+        launch.run(x2, out2, 6)
+        assert len(gemm.full) == full + 1, f"{what} changed, yet the bound launch was used"
+    assert len(gemm.raw_calls) == 1
+    launch.run(x, out, 6)  # bound before the others; still among the most recent MAX_BOUND
+    assert len(gemm.raw_calls) == 2
+    others = [torch.zeros(32, 8) for _ in range(MAX_BOUND)]
+    for o in others:
+        launch.run(x, o, 6)
+    full = len(gemm.full)
+    launch.run(x, others[-1], 6)  # recent: bound
+    launch.run(x, out, 6)  # the least recently used, dropped: full path
+    assert len(gemm.full) == full + 1 and gemm.raw_calls[-1][2] == (x.data_ptr(), others[-1].data_ptr())
+    assert len(launch._bound) == MAX_BOUND
     hooked = Launch(0, _FakeGemm(), launch.ops)
     knobs.runtime.launch_enter_hook.add(print)
     try:
