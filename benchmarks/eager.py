@@ -17,6 +17,8 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
    one interleaved run; new / old per repetition, median and 95% CI.
+4. Blocks (unless BLOCKS=0): the fused Llama block at 4096 rows (Llama-70B and -8B dims), eager
+   against graph-replayed, and with OLD_PACKAGE_PARENT the earlier tree's block beside it.
 With two GPUs, 2. also for the two layers on two GPUs (``cross_*``: a producer on cuda:0
 writing into cuda:1, a consumer there) at M = 2048 and 16384.
 Writes eager.json in OUT_DIR and prints a table.
@@ -155,10 +157,45 @@ def main():
             assert torch.equal(cross(x, check=True), cross.sequential(x))
         report["eager_vs_graph"] |= paired(methods, pairs, (0, 1))
         cross.check_errors()
+    if os.environ.get("BLOCKS", "1") != "0":
+        report["block_eager_vs_graph"] = blocks()
     if OLD and os.environ.get("KERNELS", "1") != "0":
         report["new_vs_old"] = new_vs_old()
     (OUT / "eager.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}, indent=1))
+
+
+def blocks():
+    """The fused Llama block (:class:`ctapipelining.nn.LlamaMLP`, random weights) called eagerly
+    against its graph replay, at the issue's shapes (Llama-70B and -8B at 4096 rows), the block
+    of ``OLD_PACKAGE_PARENT`` beside it on the same weights; all four lines of a shape take turns."""
+    from ctapipelining.nn import LlamaMLP
+
+    out = {}
+    for H, inter, M in ((8192, 28672, 4096), (4096, 14336, 4096)):
+        ws = [rand(inter, H, scale=H**-0.5), rand(inter, H, scale=H**-0.5), rand(H, inter, scale=inter**-0.5)]
+        norm = 1 + 0.1 * torch.randn(H, device=DEV).bfloat16()
+        x = rand(M, H)
+        block = LlamaMLP(*ws, norm)
+        lines = {"new": block}
+        if OLD:
+            sys.path.insert(0, OLD)
+            from ctapipelining_old.nn import LlamaMLP as OldMLP
+
+            lines["old"] = OldMLP(*ws, norm)
+        methods, pairs = [], []
+        for name, b in lines.items():
+            assert torch.equal(b(x), block(x))
+            methods += [
+                Method(f"{name}_eager", lambda b=b, x=x: b(x)),
+                Method(f"{name}_graph", graphed(lambda b=b, x=x: b(x))),
+            ]
+            pairs.append((f"{name}_eager", f"{name}_graph"))
+        if OLD:
+            pairs.append(("new_eager", "old_eager"))
+        out[f"H{H}_I{inter}_M{M}"] = got = paired(methods, pairs)
+        print(f"H{H}_I{inter}_M{M}", json.dumps({k: v for k, v in got.items() if "/" in k}), flush=True)
+    return out
 
 
 def new_vs_old():
