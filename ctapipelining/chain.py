@@ -218,15 +218,11 @@ class ChainLaunch:
             return got and got[0]
         if stream is None and not interpreting():
             stream = torch._C._cuda_getCurrentRawStream(device.index)
-        raw_args = None
-        if got is not None and got[1] is not None and not launch_hooks() and not compile_only:
-            # built before the norm pass, so the kernel follows it at once (GemmLaunch.__call__)
-            raw_args = self.raw_args(got[1].tensor_map, ops, residuals)
         if self.stats[0] is not None and not compile_only:  # the first stage's norm: a pass over its A first
             self.stats[0](ops[0][0], stream)
-        if raw_args is not None:
+        if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
-            raw(self.num_ctas, stream, *raw_args)
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, ops, residuals))
             return kernel
         descs = []
         for i in range(MAX_STAGES):

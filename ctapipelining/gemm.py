@@ -583,21 +583,16 @@ class GemmLaunch:
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
-        raw_args = None
-        if got is not None and got[1] is not None and not launch_hooks() and not compile_only:
-            # the raw launch's arguments before the passes below: the GEMM then follows them at
-            # once, and the GPU does not idle between them while the host builds its arguments
-            raw_args = self.raw_args(got[1].tensor_map, a, b, c, residual)
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
             self.stats(a, stream, a_copy)
         if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
             with on_stream(stream, a.device):
                 c.copy_(residual)
-        if raw_args is not None:
+        if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(self.num_ctas, stream, *raw_args)
+            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c, residual))
             return kernel
         # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
         # (Triton's path calls them): kernel[grid]
