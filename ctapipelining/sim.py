@@ -39,6 +39,7 @@ What is modelled
   - the chain kernel (:func:`simulate_chain_kernel`): CTAs claim the positions of the kernel's
     own combined order (:func:`ctapipelining.deps.chain_order`, stages interleaved) as they come
     free; its tiles take ``chain_tile_factor`` times the GEMM's, and ``chain_fixed_ns`` a kernel;
+    a split last round ``chain_tail_slice_ns`` per slice;
   - the loopback (:func:`simulate_loopback`): a share of the SMs per stage;
   - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
     ``tail_slice_ns`` per slice).
@@ -49,6 +50,11 @@ What is modelled
   - the chain against the GEMMs one after another is within 3% at every height;
   - the chain against the loopback errs by up to 6.3% (128 rows) and 4.2% (640 rows), where the
     loopback's half-idle GPU clocks up.
+
+  On the later runs with the pipeline table (``benchmarks/results/2026-12-01-h200-configs/``,
+  ``run6-table/`` and ``run11-parts/``, two machines), on 128 x 256 tiles from 640 rows on: the
+  chain against the GEMMs one after another and against the loopback within 3%, and the chain
+  with a split last round against without it within 1.3% (fitted on ``run6-table/`` at 640 rows).
 
 Methods: sequential, micro-batching (one chunk size, or the best of a sweep), tensor
 parallelism, CTA-pipelining (both policies) and CTA-pipelining combined with TP (stages x
@@ -148,6 +154,11 @@ class Calibration:
     # a split tail's cost per slice beyond its share of K (its partial's write and read in the sum,
     # its pipeline fill), fitted on our two GEMMs at 640 and 768 rows (shared_gpu-956d730.json, same folder)
     tail_slice_ns: float = 4_000.0
+    # the same in a chain kernel's split tail, whose kernel holds the last stage's body twice (more
+    # registers, its slices waiting on a producer's last rows), fitted on the chain with and without
+    # a split tail at 640 rows (benchmarks/results/2026-12-01-h200-configs/run6-table/shared_gpu.json);
+    # run11-parts/ there, another machine, then comes within 1.3% at 640 rows and 1% at 16384
+    chain_tail_slice_ns: float = 11_000.0
     # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
     # to the calibrated 128x256 tile), measured in a tuning run
     tile_shapes: tuple = ((128, 128, 1.13),)
@@ -453,7 +464,7 @@ def simulate_chain_kernel(
     :attr:`Calibration.chain_tile_factor` times the GEMM's, the kernel
     :attr:`Calibration.chain_fixed_ns` more. ``split_tail``: the last stage's partial last
     round runs as K-slices (each waits for its tile's whole input; a tile is done with its last
-    slice, plus :attr:`Calibration.tail_slice_ns` per slice). Returns the GPU time."""
+    slice, plus :attr:`Calibration.chain_tail_slice_ns` per slice). Returns the GPU time."""
     bm, bn = cal.block_m, cal.block_n
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
@@ -522,7 +533,7 @@ def simulate_chain_kernel(
         if s < S - 1:
             pending[c] = (s, tile)
         heapq.heappush(heap, (cta_free[c], c))
-    end_all = max((done + split.splits * cal.tail_slice_ns for done in tail_done.values()), default=0.0)
+    end_all = max((done + split.splits * cal.chain_tail_slice_ns for done in tail_done.values()), default=0.0)
     return max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
 
 
