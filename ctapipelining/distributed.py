@@ -567,6 +567,8 @@ class DistributedPipeline:
         with self._lock:
             self._usable()
             try:
+                for seg in self.segments:  # its launches are bound to its weights' storage
+                    seg.check_weights()
                 M = self._rows(x, rows)
                 if out is not None:
                     self._check_out(out, x, M)

@@ -952,6 +952,15 @@ class Pipeline:
             raise PipelineHung(f"this Pipeline is unusable: {self._broken}")
 
     # -- running -----------------------------------------------------------------------------
+    def check_weights(self) -> None:
+        """Refuse a call after a weight's storage changed (``w.data = ...``, ``w.set_(...)``): the
+        plans' launches are bound to the old storage. Changes of the values in place are fine."""
+        if [w.data_ptr() for w in self.weights] != self._weight_ptrs:
+            raise RuntimeError(
+                "a weight's storage changed since this Pipeline was built (w.data = ... or w.set_): its plans "
+                "are bound to the old storage; build a new Pipeline (in-place updates of the values are fine)"
+            )
+
     def check_input(self, x: torch.Tensor) -> None:
         w0 = self.weights[0]
         ready = tma_ready(x) and x.dtype == w0.dtype and x.device == self.devices[0]
@@ -991,11 +1000,7 @@ class Pipeline:
             raise RuntimeError("this pipeline is a segment of a longer chain: call its DistributedPipeline")
         with self._lock:
             self._usable()
-            if [w.data_ptr() for w in self.weights] != self._weight_ptrs:
-                raise RuntimeError(
-                    "a weight's storage changed since this Pipeline was built (w.data = ... or w.set_): its plans "
-                    "are bound to the old storage; build a new Pipeline (in-place updates of the values are fine)"
-                )
+            self.check_weights()
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)

@@ -115,8 +115,9 @@ def test_a_consumer_whose_producer_never_starts_times_out_on_every_rank_then_rec
 
 @pytest.mark.interpreter
 def test_a_refused_call_puts_the_rank_out_of_step_until_every_rank_checks(world1):
-    """Bad input is refused before anything runs on this rank, but the other ranks made the
-    call: the rank refuses further calls until the collective check reports it and resets."""
+    """Bad input (or a weight whose storage was swapped) is refused before anything runs on this
+    rank, but the other ranks made the call: the rank refuses further calls until the collective
+    check reports it and resets."""
     ws = _weights([32, 48, 32])
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1)
     x = torch.randn(40, 32).half()
@@ -125,9 +126,17 @@ def test_a_refused_call_puts_the_rank_out_of_step_until_every_rank_checks(world1
         (dict(x=x, rows=41), "rows=41 but x has 40 rows"),
         (dict(x=torch.randn(40, 16).half()), r"x is \(40, 16\)"),
         (dict(x=x, out=x), "out shares memory"),
+        ("new storage", "storage changed"),
     ):
-        with pytest.raises(ValueError, match=match):
-            pipe(**bad)
+        if bad == "new storage":  # a weight swapped for another tensor: refused, then put back
+            old = ws[1].data
+            ws[1].data = old.clone()
+            with pytest.raises(RuntimeError, match=match):
+                pipe(x)
+            ws[1].data = old
+        else:
+            with pytest.raises(ValueError, match=match):
+                pipe(**bad)
         with pytest.raises(RuntimeError, match="call check_errors"):
             pipe(x)
         with pytest.raises(PipelineTimeout, match="rank 0 refused or failed a call"):
