@@ -267,8 +267,8 @@ class ChainLaunch:
     def bound(self, ops: list[tuple]) -> tuple | None:
         """``(compiled kernel, raw launch, its arguments)`` for a launch on ``ops`` (already
         checked) once their specialisation is compiled and launches raw, where nothing launches
-        before the kernel (no norm pass of its own over the first stage's A); else None. The arguments hold
-        addresses and tensor maps, no tensor."""
+        before the kernel (no norm pass of its own over the first stage's A); else None. The
+        arguments hold addresses and tensor maps, no tensor."""
         if self.stats[0] is not None and self.stats[0].own:
             return None
         key, residuals = self._key(ops)
