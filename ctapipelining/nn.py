@@ -192,13 +192,22 @@ class FusedMLP(torch.nn.Module):
         self._follow_source()
         return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
 
-    def _run(self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body). The first GEMM's norm
-        pass, which reads the rows anyway, also copies them into the output, and the second adds
-        its tiles onto them there: the residual is read once."""
+    def run(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The block on ``rows`` ``[M, H]`` (a row-major matrix on the block's device) into
+        ``out`` (``[M, H]``, overlapping nothing the block reads), without the custom operator:
+        for a schedule that places its rows itself (micro-batching a stack over GPUs,
+        :class:`ctapipelining.baselines.MicroBatch`)."""
+        return self._run(rows, self.w_in, self.w_out, out)
+
+    def _run(
+        self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body), into ``out`` (default
+        a new tensor). The first GEMM's norm pass, which reads the rows anyway, also copies them
+        into the output, and the second adds its tiles onto them there: the residual is read once."""
         self._follow_source()
         first, second = self._epilogues()
-        y = torch.empty_like(rows)
+        y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
 

@@ -33,12 +33,48 @@ def test_microbatch_equals_the_chain(gemm, chunk):
     assert float((y.float() - reference(mb.x, ws)).abs().max()) < 2e-2
 
 
+def llama_blocks(n, H=32, inter=48):
+    """``n`` small fused Llama blocks (fp16: the interpreter multiplies it right) in 16 x 32 tiles."""
+    from ctapipelining.kernels.gemm import GemmConfig
+    from ctapipelining.nn import LlamaMLP
+
+    cfg = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
+    return [
+        LlamaMLP(
+            *((torch.randn(*s) / s[-1] ** 0.5).half() for s in ((inter, H), (inter, H), (H, inter))),
+            (1 + torch.randn(H) / 8).half(),
+            gate_up_config=cfg,
+            down_config=cfg,
+        )
+        for _ in range(n)
+    ]
+
+
+def test_microbatch_of_fused_blocks_equals_the_blocks_one_after_another():
+    """A stack of fused MLP blocks micro-batched (each block on each chunk into its slice of the
+    output, then copied on): each chunk's rows as the blocks give them on the whole input."""
+    blocks = llama_blocks(2)
+    mb = MicroBatch(blocks, 40, 16)
+    x = torch.randn(40, 32).half()
+    mb.x.copy_(x)
+    y = mb()
+    ref = blocks[1](blocks[0](x))
+    assert y.shape == (40, 32) and float((y.float() - ref.float()).abs().max()) < 2e-2
+    assert float((mb.outs[0].float() - blocks[0](x).float()).abs().max()) < 2e-2  # the first block's output
+
+
 def test_microbatch_refuses_bad_arguments():
     ws = chain(16, 16)
     with pytest.raises(ValueError, match="chunk"):
         MicroBatch(ws, 32, 0)
     with pytest.raises(ValueError, match="gemm"):
         MicroBatch(ws, 32, 16, gemm="cutlass")
+    with pytest.raises(ValueError, match="stage 1 takes 32"):
+        MicroBatch(chain(16, 16) + chain(32, 16), 32, 16)
+    with pytest.raises(ValueError, match="all weights or all fused blocks"):
+        MicroBatch([chain(32, 32)[0], *llama_blocks(1)], 32, 16)
+    with pytest.raises(ValueError, match="at least one stage"):
+        MicroBatch([], 32, 16)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

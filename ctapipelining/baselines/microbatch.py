@@ -1,5 +1,5 @@
-"""Micro-batching: the input split along M into chunks, each GPU one layer, chunk ``i`` of
-layer ``s + 1`` overlapping chunk ``i + 1`` of layer ``s``.
+"""Micro-batching: the input split along M into chunks, each GPU one layer (a GEMM, or a fused
+MLP block), chunk ``i`` of layer ``s + 1`` overlapping chunk ``i + 1`` of layer ``s``.
 
 Each device has a compute stream and a copy stream. PyTorch's cross-device ``copy_``
 synchronises the *current* streams of both devices, so every copy runs with the two copy
@@ -21,26 +21,42 @@ GEMMS = ("cublas", "ours")
 
 
 class MicroBatch:
-    """Chunked pipeline of GEMMs over ``weights`` (``W_s`` on its own device): ``torch.matmul``
-    (``gemm="cublas"``) or :func:`ctapipelining.gemm.matmul` (``gemm="ours"``)."""
+    """Chunked pipeline over ``stages``, stage ``s`` on its own device. A stage is a weight
+    ``W_s`` (a GEMM: ``torch.matmul`` with ``gemm="cublas"``, :func:`ctapipelining.gemm.matmul`
+    with ``gemm="ours"``) or a fused MLP block (:class:`ctapipelining.nn.FusedMLP`, on the
+    device of its weights: the stack's own fused kernels, run on each chunk by
+    :meth:`~ctapipelining.nn.FusedMLP.run`)."""
 
-    def __init__(self, weights: list[torch.Tensor], M: int, chunk: int, graph: bool = True, gemm: str = "cublas"):
+    def __init__(self, stages: list, M: int, chunk: int, graph: bool = True, gemm: str = "cublas"):
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if not stages:
+            raise ValueError("micro-batching needs at least one stage")
         if gemm == "ours":
             from ..gemm import matmul
 
-            self._mm = lambda a, b, out: matmul(a, b, out=out)
+            mm = lambda a, b, out: matmul(a, b, out=out)  # noqa: E731
         else:
-            self._mm = lambda a, b, out: torch.matmul(a, b, out=out)
-        self.weights, self.M, self.chunk, self.gemm = weights, M, chunk, gemm
-        devs = [w.device for w in weights]
+            mm = lambda a, b, out: torch.matmul(a, b, out=out)  # noqa: E731
+        blocks = [not isinstance(st, torch.Tensor) for st in stages]
+        if any(blocks) and (not all(blocks) or gemm != "cublas"):
+            raise ValueError("stages are all weights or all fused blocks (which run their own kernels: no gemm)")
+        if all(blocks):  # (fn(rows, out), device, input and output columns, dtype) per stage
+            specs = [(st.run, st.w_out.device, st.hidden, st.hidden, st.w_out.dtype) for st in stages]
+        else:
+            specs = [(lambda a, out, w=w: mm(a, w, out), w.device, *w.shape, w.dtype) for w in stages]
+        for s in range(1, len(specs)):
+            if specs[s][2] != specs[s - 1][3]:
+                raise ValueError(f"stage {s} takes {specs[s][2]} columns; stage {s - 1} gives {specs[s - 1][3]}")
+        self.stages, self.M, self.chunk, self.gemm = stages, M, chunk, gemm
+        self._fns = [spec[0] for spec in specs]
+        devs = self.devices = [spec[1] for spec in specs]
         self.on_gpu = devs[0].type == "cuda"
-        self.x = torch.empty(M, weights[0].shape[0], dtype=weights[0].dtype, device=devs[0])
-        self.outs = [torch.empty(M, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-        self.ins = [self.x] + [torch.empty(M, w.shape[0], dtype=w.dtype, device=w.device) for w in weights[1:]]
+        self.x = torch.empty(M, specs[0][2], dtype=specs[0][4], device=devs[0])
+        self.outs = [torch.empty(M, n, dtype=dt, device=d) for _, d, _, n, dt in specs]
+        self.ins = [self.x] + [torch.empty(M, k, dtype=dt, device=d) for _, d, k, _, dt in specs[1:]]
         self.rows = [slice(i, min(i + chunk, M)) for i in range(0, M, chunk)]
         self.graph, self.graphed, self.graph_error = None, False, ""
         if not self.on_gpu:
@@ -61,25 +77,25 @@ class MicroBatch:
                     torch.cuda.synchronize(d)
 
     def _schedule(self) -> None:
-        n = len(self.weights)
+        n = len(self._fns)
         if not self.on_gpu:  # one chunk after another
             for r in self.rows:
-                for s, w in enumerate(self.weights):
-                    self._mm(self.ins[s][r], w, self.outs[s][r])
+                for s, fn in enumerate(self._fns):
+                    fn(self.ins[s][r], self.outs[s][r])
                     if s + 1 < n:
                         self.ins[s + 1][r].copy_(self.outs[s][r])
             return
-        caller = torch.cuda.current_stream(self.weights[0].device)
+        caller = torch.cuda.current_stream(self.devices[0])
         start = caller.record_event()
         for st in self.compute + self.copy:
             st.wait_event(start)
         for r in self.rows:
-            for s, w in enumerate(self.weights):
+            for s, fn in enumerate(self._fns):
                 comp = self.compute[s]
-                with torch.cuda.device(w.device), torch.cuda.stream(comp):
+                with torch.cuda.device(self.devices[s]), torch.cuda.stream(comp):
                     if s:
                         comp.wait_stream(self.copy[s])
-                    self._mm(self.ins[s][r], w, self.outs[s][r])
+                    fn(self.ins[s][r], self.outs[s][r])
                 if s + 1 < n:
                     src, dst = self.copy[s], self.copy[s + 1]
                     src.wait_stream(comp)
