@@ -28,8 +28,9 @@
 #   parts  (1 GPU) benchmarks/mlp_parts.py: a Llama block's GEMMs part by part against cuBLAS, PARTS_SHAPES
 #          (HIDDEN:INTERMEDIATE:M,...; default the Llama-70B block at 4096 rows), PARTS_OLD (a folder with an older
 #          tree as ctapipelining_old: its block timed beside) -> mlp_parts.log, mlp_parts.json
-#   stack  (1 GPU) benchmarks/mlp_stack.py: two Llama blocks as one pipeline against the blocks one after
-#          another, MLP_REPS (default 20), STACK_ONLY (shapes)                    -> mlp_stack.log, mlp_stack.json
+#   stack  benchmarks/mlp_stack.py: two Llama blocks as one pipeline against the blocks one after
+#          another; with 2 GPUs also two Llama-70B blocks, one per GPU, against one block on one GPU,
+#          micro-batching and tensor parallelism; MLP_REPS (default 20), STACK_ONLY (shapes) -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
 #          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
 #   configs benchmarks/configs.py: each tile configuration per row count, CONFIGS_KIND plain (the plain GEMM
@@ -92,7 +93,7 @@ for step in $STEPS; do
         ${PARTS_OLD:-} > "$OUT/mlp_parts.log" 2>&1
       echo "parts rc=$?"; grep -E 'block|Error' "$OUT/mlp_parts.log" | tail -12 ;;
     stack) timeout 400 python3 benchmarks/mlp_stack.py "$OUT" "${MLP_REPS:-20}" "${STACK_ONLY:-}" \
-        > "$OUT/mlp_stack.log" 2>&1; echo "stack rc=$?"; grep -E "^H|Error" "$OUT/mlp_stack.log" | tail -8 ;;
+        > "$OUT/mlp_stack.log" 2>&1; echo "stack rc=$?"; grep -E "^(2 GPUs )?H|Error" "$OUT/mlp_stack.log" | tail -8 ;;
     soak) timeout 400 python3 benchmarks/soak.py "$OUT" "${SOAK_CALLS:-10000}" > "$OUT/soak.log" 2>&1
       echo "soak rc=$?"; tail -c 1500 "$OUT/soak.log" ;;
     sancross) for tool in memcheck racecheck synccheck; do

@@ -15,7 +15,23 @@ contains it. Lines, graph-replayed, timed by the bench's harness (shuffled turns
 * ``cublas_gemms``: the four GEMMs alone in cuBLAS (each reading the block's real input).
 
 Also ``stack_eager``: the stack called eagerly. Checks the stack bitwise against its GEMMs one
-after another first. Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
+after another first.
+
+With two or more GPUs, also two Llama-70B blocks at M = 4096 and 8192 with one block per GPU
+(``two_gpus`` in the JSON), every line graph-replayed:
+
+* ``stack``: the stack as one pipeline over cuda:0 and cuda:1 (block 0's second GEMM feeding
+  block 1's first GEMM on the other GPU, row-block by row-block);
+* ``floor``: one fused block on one GPU (half the stack's work);
+* ``microbatch/C``: the same fused blocks micro-batched over the two GPUs in chunks of C rows
+  (:class:`ctapipelining.baselines.MicroBatch`; the fused block runs within 1.0x of
+  ``torch.compile`` of ``transformers``' block on one H200, so it is the faster kernel to
+  micro-batch);
+* ``tp``, ``tp_overlap``: Megatron tensor parallelism of each block over both GPUs, its NCCL
+  all-reduce after the block, or overlapped in 4 chunks of rows
+  (:class:`ctapipelining.baselines.TensorParallelBlocks`).
+
+Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
 """
 
 import json
@@ -25,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ctapipelining.baselines import MicroBatch, TensorParallelBlocks
 from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
@@ -32,6 +49,8 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 ONLY = sys.argv[3] if len(sys.argv) > 3 else ""
 SHAPES = [(4096, 14336, 1024), (4096, 14336, 4096), (8192, 28672, 4096)]
+SHAPES_2GPU = [(8192, 28672, 4096), (8192, 28672, 8192)]
+CHUNKS = (512, 1024, 2048)
 
 
 def ci(ratios):
@@ -82,6 +101,49 @@ def one_shape(H: int, inter: int, M: int) -> dict:
     return row
 
 
+def two_gpus(H: int, inter: int, M: int) -> dict:
+    """Two blocks, one per GPU, against one block on one GPU, micro-batching and tensor
+    parallelism (module docstring)."""
+    torch.manual_seed(0)
+    weights = [block_weights(H, inter) for _ in range(2)]
+    placed = [LlamaMLP(*(w.to(f"cuda:{d}") for w in ws), 1e-5) for d, ws in enumerate(weights)]
+    stack = LlamaStack(placed)
+    x = torch.randn(M, H, device="cuda:0").bfloat16()
+    want = stack(x)
+    row = {"bitwise": torch.equal(want, stack.sequential(x))}
+    lines = {f"microbatch/{c}": MicroBatch(placed, M, c) for c in CHUNKS if c < M}
+    on_first = [LlamaMLP(*ws, 1e-5) for ws in weights]  # split by TensorParallelBlocks
+    lines["tp"] = TensorParallelBlocks(on_first, [0, 1], M, chunks=1, graph=True)
+    lines["tp_overlap"] = TensorParallelBlocks(on_first, [0, 1], M, chunks=4, graph=True)
+    row["graphed"] = {}
+    for name, line in lines.items():
+        for xs in line.x if isinstance(line.x, list) else [line.x]:
+            xs.copy_(x)
+        got = line().to(want.device)
+        row[f"{name}_max_abs_diff"] = float((got.float() - want.float()).abs().max())  # their own roundings
+        row["graphed"][name] = line.graphed or line.graph_error[:120]
+    with torch.no_grad():
+        methods = [
+            Method("stack", capture(lambda: stack(x), [0, 1]).replay),
+            Method("floor", capture(lambda: placed[0](x), [0]).replay),
+            *(Method(name, line) for name, line in lines.items()),
+        ]
+        times = time_interleaved(methods, [0, 1], REPS, 3)
+    stack.pipeline.check_errors()
+    med = row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
+    best = min((k for k in med if k.startswith("microbatch/")), key=med.get)
+    row["best_microbatch"] = best
+    for num, den in (
+        ("stack", "floor"),
+        ("stack", best),
+        ("stack", "tp"),
+        ("stack", "tp_overlap"),
+        ("tp_overlap", "tp"),
+    ):
+        row[f"{num}/{den.split('/')[0]}"] = ci([p / q for p, q in zip(times[num], times[den])])
+    return row
+
+
 def main():
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "shapes": {}}
     for H, inter, M in SHAPES:
@@ -90,6 +152,14 @@ def main():
             continue
         report["shapes"][key] = row = one_shape(H, inter, M)
         print(key, json.dumps(row), flush=True)
+    if torch.cuda.device_count() >= 2:
+        report["two_gpus"] = {}
+        for H, inter, M in SHAPES_2GPU:
+            key = f"H{H}_I{inter}_M{M}"
+            if ONLY not in key:
+                continue
+            report["two_gpus"][key] = row = two_gpus(H, inter, M)
+            print("2 GPUs", key, json.dumps(row), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "mlp_stack.json").write_text(json.dumps(report, indent=1))
 

@@ -5,7 +5,7 @@ data parallelism over rows; each equal to the chain computed at once."""
 import pytest
 import torch
 
-from ctapipelining.baselines import DataParallel, MicroBatch, TensorParallel
+from ctapipelining.baselines import DataParallel, MicroBatch, TensorParallel, TensorParallelBlocks
 
 pytestmark = pytest.mark.interpreter
 
@@ -75,6 +75,33 @@ def test_microbatch_refuses_bad_arguments():
         MicroBatch([chain(32, 32)[0], *llama_blocks(1)], 32, 16)
     with pytest.raises(ValueError, match="at least one stage"):
         MicroBatch([], 32, 16)
+
+
+@pytest.mark.parametrize("g, chunks", [(1, 1), (2, 1), (2, 3)])
+def test_tensor_parallel_blocks_equal_the_blocks_one_after_another(g, chunks):
+    """Two fused Llama blocks, each split over ``g`` shards (gate/up runs by columns, down by
+    rows, the residual added by the first shard), the partial outputs summed after each block
+    (in chunks of rows): the stack's output on every shard, within the rounding of summing
+    partial products in fp16."""
+    blocks = llama_blocks(2, H=32, inter=64)
+    tp = TensorParallelBlocks(blocks, ["cpu"] * g, 24, chunks=chunks)
+    x = torch.randn(24, 32).half()
+    for xg in tp.x:
+        xg.copy_(x)
+    y = tp()
+    ref = blocks[1](blocks[0](x))
+    assert y is tp.ys[-1][0] and float((y.float() - ref.float()).abs().max()) < 3e-2
+    for other in tp.ys[-1][1:]:
+        assert torch.equal(other, y)
+
+
+def test_tensor_parallel_blocks_refuse_what_they_cannot_split():
+    with pytest.raises(ValueError, match="cannot be split over 4 GPUs"):
+        TensorParallelBlocks(llama_blocks(1, H=32, inter=48), ["cpu"] * 4, 16)  # 12 intermediate columns each
+    with pytest.raises(TypeError, match="LlamaMLP"):
+        TensorParallelBlocks(chain(32, 32), ["cpu"], 16)
+    with pytest.raises(ValueError, match="chunks"):
+        TensorParallelBlocks(llama_blocks(1), ["cpu"], 16, chunks=0)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

@@ -1,5 +1,7 @@
 """Megatron tensor parallelism for a 2-layer MLP ``x @ A @ B`` on ``g`` GPUs: ``A`` split by
-columns, ``B`` by rows, the partial outputs summed by an NCCL all-reduce.
+columns, ``B`` by rows, the partial outputs summed by an NCCL all-reduce
+(:class:`TensorParallel`); and for a stack of fused Llama MLP blocks, each block split that way
+(:class:`TensorParallelBlocks`).
 
 Single process, one compute stream per GPU, through ``torch.cuda.nccl.all_reduce`` (NCCL's
 single-process multi-GPU group call): it measures the same collective as one process per GPU
@@ -22,6 +24,21 @@ import torch
 
 def _device(d) -> torch.device:
     return torch.device(f"cuda:{d}") if isinstance(d, int) else torch.device(d)
+
+
+def all_reduce(parts: list[torch.Tensor], streams: list | None, comm: list | None) -> None:
+    """Sum ``parts`` (one per GPU) into every one: NCCL on the communication streams ``comm``,
+    each after its GPU's ``streams`` so far; on the CPU (``streams`` None) a sum in float32."""
+    if streams is None:
+        total = sum(p.float() for p in parts).to(parts[0].dtype)
+        for p in parts:
+            p.copy_(total)
+        return
+    import torch.cuda.nccl as nccl
+
+    for c, st in zip(comm, streams):
+        c.wait_stream(st)
+    nccl.all_reduce(parts, streams=comm)
 
 
 class TensorParallel:
@@ -71,17 +88,9 @@ class TensorParallel:
     def _all_reduce(self, rows: slice) -> None:
         """Sum the shards' outputs on ``rows`` into every GPU's (on the communication streams,
         after each GPU's compute so far)."""
-        parts = [o[rows] for o in self.out]
-        if not self.on_gpu:
-            total = sum(p.float() for p in parts).to(parts[0].dtype)
-            for p in parts:
-                p.copy_(total)
-            return
-        import torch.cuda.nccl as nccl
-
-        for c, st in zip(self.comm, self.streams):
-            c.wait_stream(st)
-        nccl.all_reduce(parts, streams=self.comm)
+        all_reduce(
+            [o[rows] for o in self.out], self.streams if self.on_gpu else None, self.comm if self.on_gpu else None
+        )
 
     def _run(self, all_reduce: bool) -> None:
         if self.on_gpu:
@@ -104,3 +113,127 @@ class TensorParallel:
         else:
             self._run(all_reduce)
         return self.out[0]
+
+
+class TensorParallelBlocks:
+    """A stack of fused Llama MLP blocks (:class:`ctapipelining.nn.LlamaMLP`), each split over
+    ``devices`` Megatron's way: GPU ``i`` holds the ``i``-th part of the gate/up columns (whole
+    runs of gate and up columns, so its gated epilogue pairs them as the block's does) and the
+    same part of the down weight's rows; each GPU runs the block's first GEMM with its norm and
+    gated SiLU fused and its half of the down GEMM (the first GPU's adding the residual), then an
+    NCCL all-reduce sums the partial outputs on every GPU: the next block's input, replicated.
+    This library's fused GEMMs on every shard, the same kernels as the stack's.
+
+    ``chunks > 1`` overlaps each block's all-reduce with its GEMMs, chunk by chunk (as
+    :class:`TensorParallel` does); ``graph=True`` captures a call in one CUDA graph (eager,
+    with :attr:`graph_error` saying why, if the capture fails). With CPU tensors the shards run
+    one after another and the all-reduce is a sum. Fill every GPU's :attr:`x` (the input,
+    replicated); a call returns the output on the first GPU."""
+
+    def __init__(self, blocks: list, devices: list, M: int, chunks: int = 1, graph: bool = False):
+        from ..epilogue import Epilogue
+        from ..gemm import matmul
+        from ..kernels.epilogue import GATE_RUN, silu
+        from ..nn import LlamaMLP
+
+        g = len(devices)
+        if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
+            raise TypeError("TensorParallelBlocks takes a non-empty list of ctapipelining.nn.LlamaMLP blocks")
+        if not isinstance(chunks, int) or not 1 <= chunks <= M:
+            raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
+        H, run = blocks[0].hidden, 2 * GATE_RUN.value
+        for b in blocks:
+            if b.hidden != H or b.intermediate % (g * run // 2):
+                raise ValueError(
+                    f"a block of hidden {b.hidden}, intermediate {b.intermediate} cannot be split over {g} GPUs "
+                    f"(hidden {H} for all; each GPU's share of the intermediate a multiple of {run // 2})"
+                )
+        self.devices = [_device(d) for d in devices]
+        self.on_gpu = self.devices[0].type == "cuda"
+        self._matmul = matmul
+        dtype = blocks[0].w_out.dtype
+        # per block, per GPU: (gate/up columns, down rows, the block's GEMM configurations)
+        self.shards = []
+        for b in blocks:
+            cols, rows = 2 * b.intermediate // g, b.intermediate // g
+            self.shards.append(
+                [
+                    (
+                        b.w_in[:, i * cols : (i + 1) * cols].contiguous().to(d),
+                        b.w_out[i * rows : (i + 1) * rows].contiguous().to(d),
+                        b.in_config,
+                        b.out_config,
+                    )
+                    for i, d in enumerate(self.devices)
+                ]
+            )
+        self._firsts = [Epilogue(silu, gated=True, rms_eps=b.eps) for b in blocks]  # each block's norm
+        self.residual = Epilogue(residual=True)
+        # the input, replicated, and each block's output (its partial sum, then the whole)
+        self.x = [torch.empty(M, H, dtype=dtype, device=d) for d in self.devices]
+        self.ys = [[torch.empty(M, H, dtype=dtype, device=d) for d in self.devices] for _ in blocks]
+        self.rows = [slice(M * c // chunks, M * (c + 1) // chunks) for c in range(chunks)]
+        self.graph, self.graphed, self.graph_error = None, False, ""
+        if not self.on_gpu:
+            return
+        self.streams = [torch.cuda.Stream(d) for d in self.devices]
+        self.comm = [torch.cuda.Stream(d) for d in self.devices]
+        self._run()  # warm-up (kernels compiled, NCCL communicators) before the capture
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+        if graph:
+            try:
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.device(self.devices[0]), torch.cuda.graph(gr):
+                    self._run()
+                self.graph, self.graphed = gr, True
+            except Exception as e:  # record why, run eagerly
+                self.graph_error = f"{type(e).__name__}: {e}"
+                for d in self.devices:
+                    torch.cuda.synchronize(d)
+
+    def _block(self, b: int, rows: slice) -> None:
+        """Block ``b``'s GEMMs on every shard on ``rows``: its partial outputs, the first GPU's
+        with the residual added."""
+        inputs = self.x if b == 0 else self.ys[b - 1]
+        for i, d in enumerate(self.devices):
+            w_in, w_out, in_cfg, out_cfg = self.shards[b][i]
+            with torch.cuda.device(d) if self.on_gpu else nullcontext():
+                with torch.cuda.stream(self.streams[i]) if self.on_gpu else nullcontext():
+                    x = inputs[i][rows]
+                    h = self._matmul(x, w_in, config=in_cfg, epilogue=self._firsts[b])
+                    y = self.ys[b][i][rows]
+                    if i == 0:
+                        self._matmul(h, w_out, out=y, config=out_cfg, epilogue=self.residual, residual=x)
+                    else:
+                        self._matmul(h, w_out, out=y, config=out_cfg)
+
+    def _run(self) -> None:
+        gpus = self.streams if self.on_gpu else None
+        if gpus:
+            first = torch.cuda.current_stream(self.devices[0])
+            start = first.record_event()
+            for st in self.streams + self.comm:
+                st.wait_event(start)
+        reduced = [None] * len(self.rows)  # per chunk: each GPU's event after its last all-reduce
+        for b in range(len(self.shards)):
+            for c, rows in enumerate(self.rows):
+                if gpus and reduced[c] is not None:  # this chunk's input: the block before, summed
+                    for st, ev in zip(self.streams, reduced[c]):
+                        st.wait_event(ev)
+                self._block(b, rows)
+                if len(self.devices) > 1:  # under the next chunk's GEMMs
+                    all_reduce([y[rows] for y in self.ys[b]], gpus, self.comm if gpus else None)
+                    if gpus:
+                        reduced[c] = [cm.record_event() for cm in self.comm]
+        if gpus:
+            for st in self.streams + self.comm:
+                first.wait_stream(st)
+
+    def __call__(self) -> torch.Tensor:
+        """One call: the stack's output on the first GPU."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        return self.ys[-1][0]
