@@ -192,23 +192,31 @@ class FusedMLP(torch.nn.Module):
         self._follow_source()
         return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
 
-    def run(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def run(self, rows: torch.Tensor, out: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """The block on ``rows`` ``[M, H]`` (a row-major matrix on the block's device) into
-        ``out`` (``[M, H]``, overlapping nothing the block reads), without the custom operator:
-        for a schedule that places its rows itself (micro-batching a stack over GPUs,
-        :class:`ctapipelining.baselines.MicroBatch`)."""
-        return self._run(rows, self.w_in, self.w_out, out)
+        ``out`` (``[M, H]``, row-major without padded rows, overlapping nothing the block reads),
+        without the custom operator: for a schedule that places its rows itself (micro-batching a
+        stack over GPUs, :class:`ctapipelining.baselines.MicroBatch`). ``h``: where the first GEMM
+        writes the intermediate (``[M, I]``; default a new tensor), for a schedule captured in a
+        CUDA graph on another GPU's stream, whose own allocations would not be the graph's."""
+        return self._run(rows, self.w_in, self.w_out, out, h)
 
     def _run(
-        self, rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        rows: torch.Tensor,
+        w_in: torch.Tensor,
+        w_out: torch.Tensor,
+        out: torch.Tensor | None = None,
+        h: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body), into ``out`` (default
-        a new tensor). The first GEMM's norm pass, which reads the rows anyway, also copies them
-        into the output, and the second adds its tiles onto them there: the residual is read once."""
+        a new tensor), the intermediate into ``h`` (default a new tensor). The first GEMM's norm
+        pass, which reads the rows anyway, also copies them into the output, and the second adds
+        its tiles onto them there: the residual is read once."""
         self._follow_source()
         first, second = self._epilogues()
         y = torch.empty_like(rows) if out is None else out
-        h = matmul(rows, w_in, config=self.in_config, epilogue=first, a_copy=y)
+        h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
 
     def refresh(self) -> None:

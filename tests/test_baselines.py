@@ -71,8 +71,12 @@ def test_microbatch_refuses_bad_arguments():
         MicroBatch(ws, 32, 16, gemm="cutlass")
     with pytest.raises(ValueError, match="stage 1 takes 32"):
         MicroBatch(chain(16, 16) + chain(32, 16), 32, 16)
-    with pytest.raises(ValueError, match="all weights or all fused blocks"):
+    with pytest.raises(TypeError, match="all weights"):
         MicroBatch([chain(32, 32)[0], *llama_blocks(1)], 32, 16)
+    with pytest.raises(TypeError, match="all weights"):
+        MicroBatch([torch.nn.Linear(32, 32)], 32, 16)
+    with pytest.raises(ValueError, match="leave gemm"):
+        MicroBatch(llama_blocks(1), 32, 16, gemm="ours")
     with pytest.raises(ValueError, match="at least one stage"):
         MicroBatch([], 32, 16)
 
@@ -102,6 +106,14 @@ def test_tensor_parallel_blocks_refuse_what_they_cannot_split():
         TensorParallelBlocks(chain(32, 32), ["cpu"], 16)
     with pytest.raises(ValueError, match="chunks"):
         TensorParallelBlocks(llama_blocks(1), ["cpu"], 16, chunks=0)
+    with pytest.raises(ValueError, match="at least one"):
+        TensorParallelBlocks(llama_blocks(1), [], 16)
+    with pytest.raises(ValueError, match="distinct GPUs"):
+        TensorParallelBlocks(llama_blocks(1), ["cuda:0", "cuda:0"], 16)
+    fp16, bf16 = llama_blocks(2)
+    bf16.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype"):
+        TensorParallelBlocks([fp16, bf16], ["cpu"], 16)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

@@ -1,11 +1,14 @@
 """The baselines on one GPU (their 2-GPU runs are the bench's): micro-batching on our GEMM and
 on cuBLAS, graph-captured; data parallelism with two shares on one GPU, graph-captured; tensor
-parallelism's chunked schedule on one shard, graph-captured. Each equal to the chain at once."""
+parallelism's chunked schedule on one shard, graph-captured; the same for fused Llama blocks
+(micro-batched; split Megatron's way), and on two GPUs when there are two. Each equal to the
+chain, or the blocks, at once."""
 
 import pytest
 import torch
 
-from ctapipelining.baselines import DataParallel, MicroBatch, TensorParallel
+from ctapipelining.baselines import DataParallel, MicroBatch, TensorParallel, TensorParallelBlocks
+from ctapipelining.nn import LlamaMLP
 
 pytestmark = pytest.mark.gpu
 
@@ -53,3 +56,49 @@ def test_tensor_parallel_chunks_graph_on_one_shard():
     x = rand(3000, 2048)
     tp.x[0].copy_(x)
     assert close(tp(), reference(x, [A, B]))
+
+
+def llama_blocks(devices, H=2048, inter=4096):
+    def w(rows, cols, d):
+        return (torch.randn(rows, cols, device=d) * cols**-0.5).bfloat16()
+
+    return [
+        LlamaMLP(w(inter, H, d), w(inter, H, d), w(H, inter, d), (1 + 0.2 * torch.randn(H, device=d)).bfloat16())
+        for d in devices
+    ]
+
+
+def blocks_at_once(blocks, x):
+    for b in blocks:
+        x = b(x.to(b.w_out.device))
+    return x.float()
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], pytest.param(["cuda:0", "cuda:1"], marks=pytest.mark.gpu2)])
+def test_microbatch_of_fused_blocks_graph(devices):
+    if len(set(devices)) > torch.cuda.device_count():
+        pytest.skip("needs 2 GPUs")
+    blocks = llama_blocks(devices)
+    mb = MicroBatch(blocks, 3000, 1024)
+    assert mb.graphed, mb.graph_error
+    for _ in range(2):  # the second call on new input: no stale intermediate
+        mb.x.copy_(rand(3000, 2048))
+        assert close(mb(), blocks_at_once(blocks, mb.x).to(mb.outs[-1].device))
+
+
+@pytest.mark.parametrize("gpus, chunks", [(1, 4), pytest.param(2, 1, marks=pytest.mark.gpu2),
+                                          pytest.param(2, 4, marks=pytest.mark.gpu2)])  # fmt: skip
+def test_tensor_parallel_blocks_graph(gpus, chunks):
+    if gpus > torch.cuda.device_count():
+        pytest.skip("needs 2 GPUs")
+    blocks = llama_blocks(["cuda:0", "cuda:0"])
+    tp = TensorParallelBlocks(blocks, list(range(gpus)), 3000, chunks=chunks, graph=True)
+    assert tp.graphed, tp.graph_error
+    for _ in range(2):
+        x = rand(3000, 2048)
+        for xg in tp.x:
+            xg.copy_(x)
+        y = tp()
+        assert close(y, blocks_at_once(blocks, x))
+        for other in tp.ys[-1][1:]:
+            assert torch.equal(other.to(y.device), y)

@@ -40,13 +40,24 @@ class MicroBatch:
             mm = lambda a, b, out: matmul(a, b, out=out)  # noqa: E731
         else:
             mm = lambda a, b, out: torch.matmul(a, b, out=out)  # noqa: E731
-        blocks = [not isinstance(st, torch.Tensor) for st in stages]
-        if any(blocks) and (not all(blocks) or gemm != "cublas"):
-            raise ValueError("stages are all weights or all fused blocks (which run their own kernels: no gemm)")
-        if all(blocks):  # (fn(rows, out), device, input and output columns, dtype) per stage
-            specs = [(st.run, st.w_out.device, st.hidden, st.hidden, st.w_out.dtype) for st in stages]
+        from ..nn import FusedMLP
+
+        blocks = [isinstance(st, FusedMLP) for st in stages]
+        if not all(blocks) and not all(isinstance(st, torch.Tensor) for st in stages):
+            raise TypeError("stages are all weights (tensors) or all fused MLP blocks (ctapipelining.nn.FusedMLP)")
+        if all(blocks) and gemm != "cublas":
+            raise ValueError("fused blocks run their own kernels: leave gemm at its default")
+        if all(blocks):  # (fn(rows, out, r), device, input and output columns, dtype) per stage
+            # (each block's intermediate in a buffer of its own: a capture's allocations on another
+            # GPU's stream would not be the graph's)
+            self._h = [torch.empty(M, st.w_out.shape[0], dtype=st.w_out.dtype, device=st.w_out.device) for st in stages]
+            specs = [
+                (lambda a, out, r, s=s, st=st: st.run(a, out, h=self._h[s][r]), st.w_out.device, st.hidden, st.hidden,
+                 st.w_out.dtype)
+                for s, st in enumerate(stages)
+            ]  # fmt: skip
         else:
-            specs = [(lambda a, out, w=w: mm(a, w, out), w.device, *w.shape, w.dtype) for w in stages]
+            specs = [(lambda a, out, r, w=w: mm(a, w, out), w.device, *w.shape, w.dtype) for w in stages]
         for s in range(1, len(specs)):
             if specs[s][2] != specs[s - 1][3]:
                 raise ValueError(f"stage {s} takes {specs[s][2]} columns; stage {s - 1} gives {specs[s - 1][3]}")
@@ -81,7 +92,7 @@ class MicroBatch:
         if not self.on_gpu:  # one chunk after another
             for r in self.rows:
                 for s, fn in enumerate(self._fns):
-                    fn(self.ins[s][r], self.outs[s][r])
+                    fn(self.ins[s][r], self.outs[s][r], r)
                     if s + 1 < n:
                         self.ins[s + 1][r].copy_(self.outs[s][r])
             return
@@ -95,7 +106,7 @@ class MicroBatch:
                 with torch.cuda.device(self.devices[s]), torch.cuda.stream(comp):
                     if s:
                         comp.wait_stream(self.copy[s])
-                    fn(self.ins[s][r], self.outs[s][r])
+                    fn(self.ins[s][r], self.outs[s][r], r)
                 if s + 1 < n:
                     src, dst = self.copy[s], self.copy[s + 1]
                     src.wait_stream(comp)
@@ -108,8 +119,32 @@ class MicroBatch:
             caller.wait_stream(st)
 
     def __call__(self) -> torch.Tensor:
+        """One call on :attr:`x`: the last stage's output. Ordered after the work queued so far on
+        every stage device's current stream, and before what each queues next."""
+        others = order_devices(self.devices) if self.on_gpu else None
         if self.graph is not None:
             self.graph.replay()
         else:
             self._schedule()
+        if others:
+            others()
         return self.outs[-1]
+
+
+def order_devices(devices: list):
+    """Make the first device's current stream wait for every other device's current stream, and
+    return a function that makes each of those wait for the first's: a schedule that forks from
+    and joins back to the first device's stream (a CUDA graph replayed there) is then ordered with
+    the caller's work on every device (its inputs filled there, its outputs read there)."""
+    import torch
+
+    first = torch.cuda.current_stream(devices[0])
+    others = [torch.cuda.current_stream(d) for d in dict.fromkeys(devices[1:]) if d != devices[0]]
+    for st in others:
+        first.wait_stream(st)
+
+    def join() -> None:
+        for st in others:
+            st.wait_stream(first)
+
+    return join

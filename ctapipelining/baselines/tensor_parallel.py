@@ -21,12 +21,14 @@ from contextlib import nullcontext
 
 import torch
 
+from .microbatch import order_devices
+
 
 def _device(d) -> torch.device:
     return torch.device(f"cuda:{d}") if isinstance(d, int) else torch.device(d)
 
 
-def all_reduce(parts: list[torch.Tensor], streams: list | None, comm: list | None) -> None:
+def reduce_parts(parts: list[torch.Tensor], streams: list | None, comm: list | None) -> None:
     """Sum ``parts`` (one per GPU) into every one: NCCL on the communication streams ``comm``,
     each after its GPU's ``streams`` so far; on the CPU (``streams`` None) a sum in float32."""
     if streams is None:
@@ -88,7 +90,7 @@ class TensorParallel:
     def _all_reduce(self, rows: slice) -> None:
         """Sum the shards' outputs on ``rows`` into every GPU's (on the communication streams,
         after each GPU's compute so far)."""
-        all_reduce(
+        reduce_parts(
             [o[rows] for o in self.out], self.streams if self.on_gpu else None, self.comm if self.on_gpu else None
         )
 
@@ -120,9 +122,10 @@ class TensorParallelBlocks:
     ``devices`` Megatron's way: GPU ``i`` holds the ``i``-th part of the gate/up columns (whole
     runs of gate and up columns, so its gated epilogue pairs them as the block's does) and the
     same part of the down weight's rows; each GPU runs the block's first GEMM with its norm and
-    gated SiLU fused and its half of the down GEMM (the first GPU's adding the residual), then an
+    gated SiLU fused and its part of the down GEMM (the first GPU's adding the residual), then an
     NCCL all-reduce sums the partial outputs on every GPU: the next block's input, replicated.
-    This library's fused GEMMs on every shard, the same kernels as the stack's.
+    Each shard runs this library's fused GEMMs in the block's own configurations. The shards are
+    copies made at construction: a later change of the blocks' weights needs a new instance.
 
     ``chunks > 1`` overlaps each block's all-reduce with its GEMMs, chunk by chunk (as
     :class:`TensorParallel` does); ``graph=True`` captures a call in one CUDA graph (eager,
@@ -133,12 +136,17 @@ class TensorParallelBlocks:
     def __init__(self, blocks: list, devices: list, M: int, chunks: int = 1, graph: bool = False):
         from ..epilogue import Epilogue
         from ..gemm import matmul
-        from ..kernels.epilogue import GATE_RUN, silu
+        from ..kernels.epilogue import GATE_RUN
         from ..nn import LlamaMLP
 
         g = len(devices)
         if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
             raise TypeError("TensorParallelBlocks takes a non-empty list of ctapipelining.nn.LlamaMLP blocks")
+        cuda = [_device(d) for d in devices if _device(d).type == "cuda"]
+        if g < 1 or len(set(cuda)) != len(cuda):
+            raise ValueError(f"devices must be at least one, and distinct GPUs, got {devices!r}")
+        if len({b.w_out.dtype for b in blocks}) != 1:
+            raise ValueError("the blocks must share one dtype")
         if not isinstance(chunks, int) or not 1 <= chunks <= M:
             raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
         H, run = blocks[0].hidden, 2 * GATE_RUN.value
@@ -167,11 +175,16 @@ class TensorParallelBlocks:
                     for i, d in enumerate(self.devices)
                 ]
             )
-        self._firsts = [Epilogue(silu, gated=True, rms_eps=b.eps) for b in blocks]  # each block's norm
+        self._firsts = [b._epilogues()[0] for b in blocks]  # each block's norm and gated SiLU
+        # each GPU's intermediate, sized for the widest block's share (a capture's allocations on
+        # another GPU's stream would not be the graph's)
+        widest = max(b.intermediate for b in blocks) // g
+        self._h = [torch.empty(M * widest, dtype=dtype, device=d) for d in self.devices]
         self.residual = Epilogue(residual=True)
         # the input, replicated, and each block's output (its partial sum, then the whole)
         self.x = [torch.empty(M, H, dtype=dtype, device=d) for d in self.devices]
         self.ys = [[torch.empty(M, H, dtype=dtype, device=d) for d in self.devices] for _ in blocks]
+        self.M = M
         self.rows = [slice(M * c // chunks, M * (c + 1) // chunks) for c in range(chunks)]
         self.graph, self.graphed, self.graph_error = None, False, ""
         if not self.on_gpu:
@@ -201,7 +214,8 @@ class TensorParallelBlocks:
             with torch.cuda.device(d) if self.on_gpu else nullcontext():
                 with torch.cuda.stream(self.streams[i]) if self.on_gpu else nullcontext():
                     x = inputs[i][rows]
-                    h = self._matmul(x, w_in, config=in_cfg, epilogue=self._firsts[b])
+                    h = self._h[i][: self.M * w_out.shape[0]].view(self.M, w_out.shape[0])[rows]
+                    self._matmul(x, w_in, out=h, config=in_cfg, epilogue=self._firsts[b])
                     y = self.ys[b][i][rows]
                     if i == 0:
                         self._matmul(h, w_out, out=y, config=out_cfg, epilogue=self.residual, residual=x)
@@ -223,7 +237,7 @@ class TensorParallelBlocks:
                         st.wait_event(ev)
                 self._block(b, rows)
                 if len(self.devices) > 1:  # under the next chunk's GEMMs
-                    all_reduce([y[rows] for y in self.ys[b]], gpus, self.comm if gpus else None)
+                    reduce_parts([y[rows] for y in self.ys[b]], gpus, self.comm if gpus else None)
                     if gpus:
                         reduced[c] = [cm.record_event() for cm in self.comm]
         if gpus:
@@ -231,9 +245,14 @@ class TensorParallelBlocks:
                 first.wait_stream(st)
 
     def __call__(self) -> torch.Tensor:
-        """One call: the stack's output on the first GPU."""
+        """One call on :attr:`x`: the stack's output on the first GPU (every GPU's in
+        ``ys[-1]``). Ordered after the work queued so far on every GPU's current stream, and
+        before what each queues next."""
+        join = order_devices(self.devices) if self.on_gpu else None
         if self.graph is not None:
             self.graph.replay()
         else:
             self._run()
+        if join:
+            join()
         return self.ys[-1][0]
