@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .graphs import try_capture
 from .microbatch import GEMMS
 
 
@@ -72,15 +73,8 @@ class DataParallel:
         for d in self.devices:
             torch.cuda.synchronize(d)
         if graph:
-            try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.device(self.devices[0]), torch.cuda.graph(g):
-                    self._run()
-                self.graph, self.graphed = g, True
-            except Exception as e:  # record why, run eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                for d in self.devices:
-                    torch.cuda.synchronize(d)
+            self.graph, self.graph_error = try_capture(self._run, self.devices)
+            self.graphed = self.graph is not None
 
     def _run(self) -> None:
         G, last = len(self.devices), len(self.devices) - 1

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .graphs import order_devices, try_capture
+
 GEMMS = ("cublas", "ours")
 
 
@@ -77,15 +79,8 @@ class MicroBatch:
         self._schedule()  # warm-up: kernels compiled, cuBLAS handles and workspaces made before any capture
         torch.cuda.synchronize(devs[0])
         if graph:
-            try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.device(devs[0]), torch.cuda.graph(g):
-                    self._schedule()
-                self.graph, self.graphed = g, True
-            except Exception as e:  # record why, run eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                for d in devs:
-                    torch.cuda.synchronize(d)
+            self.graph, self.graph_error = try_capture(self._schedule, devs)
+            self.graphed = self.graph is not None
 
     def _schedule(self) -> None:
         n = len(self._fns)
@@ -129,22 +124,3 @@ class MicroBatch:
         if others:
             others()
         return self.outs[-1]
-
-
-def order_devices(devices: list):
-    """Make the first device's current stream wait for every other device's current stream, and
-    return a function that makes each of those wait for the first's: a schedule that forks from
-    and joins back to the first device's stream (a CUDA graph replayed there) is then ordered with
-    the caller's work on every device (its inputs filled there, its outputs read there)."""
-    import torch
-
-    first = torch.cuda.current_stream(devices[0])
-    others = [torch.cuda.current_stream(d) for d in dict.fromkeys(devices[1:]) if d != devices[0]]
-    for st in others:
-        first.wait_stream(st)
-
-    def join() -> None:
-        for st in others:
-            st.wait_stream(first)
-
-    return join

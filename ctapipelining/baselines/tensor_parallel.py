@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .microbatch import order_devices
+from .graphs import order_devices, try_capture
 
 
 def _device(d) -> torch.device:
@@ -69,15 +69,8 @@ class TensorParallel:
             self._run(True)  # warm-up (cuBLAS handles, NCCL communicators) before the capture
             for d in self.devices:
                 torch.cuda.synchronize(d)
-            try:
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.device(self.devices[0]), torch.cuda.graph(gr):
-                    self._run(True)
-                self.graph, self.graphed = gr, True
-            except Exception as e:  # record why, run eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                for d in self.devices:
-                    torch.cuda.synchronize(d)
+            self.graph, self.graph_error = try_capture(lambda: self._run(True), self.devices)
+            self.graphed = self.graph is not None
 
     def compute(self, rows: slice = slice(None)) -> None:
         """Both GEMMs of every shard on ``rows`` (each GPU on its compute stream)."""
@@ -195,15 +188,8 @@ class TensorParallelBlocks:
         for d in self.devices:
             torch.cuda.synchronize(d)
         if graph:
-            try:
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.device(self.devices[0]), torch.cuda.graph(gr):
-                    self._run()
-                self.graph, self.graphed = gr, True
-            except Exception as e:  # record why, run eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                for d in self.devices:
-                    torch.cuda.synchronize(d)
+            self.graph, self.graph_error = try_capture(self._run, self.devices)
+            self.graphed = self.graph is not None
 
     def _block(self, b: int, rows: slice) -> None:
         """Block ``b``'s GEMMs on every shard on ``rows``: its partial outputs, the first GPU's
