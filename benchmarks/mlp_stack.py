@@ -29,7 +29,9 @@ With two or more GPUs, also two Llama-70B blocks at M = 4096 and 8192 with one b
   micro-batch);
 * ``tp``, ``tp_overlap``: Megatron tensor parallelism of each block over both GPUs, its NCCL
   all-reduce after the block, or overlapped in 4 chunks of rows
-  (:class:`ctapipelining.baselines.TensorParallelBlocks`).
+  (:class:`ctapipelining.baselines.TensorParallelBlocks`);
+* ``split``: one block split the paper's way, its gate/up GEMM on cuda:0 and its down GEMM on
+  cuda:1 (two thirds of the work on the first GPU), against ``floor`` (the same block on one GPU).
 
 Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
 """
@@ -42,7 +44,9 @@ from pathlib import Path
 import torch
 
 from ctapipelining.baselines import MicroBatch, TensorParallelBlocks
+from ctapipelining.kernels.gemm import RESIDUAL_CONFIG
 from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
+from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -112,6 +116,13 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     want = stack(x)
     row = {"bitwise": torch.equal(want, stack.sequential(x))}
     y1 = torch.empty_like(want)  # the captured stack's output (a graph's buffers stay put)
+    first = placed[0]  # split: its down GEMM on the second GPU, its residual read from the first
+    split = Pipeline(
+        [first.w_in, first.w_out.to("cuda:1")], config=[first.in_config, RESIDUAL_CONFIG],
+        epilogues=[*first._epilogues()],
+    )  # fmt: skip
+    row["split_bitwise"] = torch.equal(split(x), split.sequential(x))
+    y_split = torch.empty_like(want)
     lines = {f"microbatch/{c}": MicroBatch(placed, M, c) for c in CHUNKS if c < M}
     on_first = [LlamaMLP(*ws, 1e-5) for ws in weights]  # split by TensorParallelBlocks
     lines["tp"] = TensorParallelBlocks(on_first, [0, 1], M, chunks=1, graph=True)
@@ -127,10 +138,12 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
         methods = [
             Method("stack", capture(lambda: stack.pipeline(x, out=y1), [0, 1]).replay),
             Method("floor", capture(lambda: placed[0](x), [0]).replay),
+            Method("split", capture(lambda: split(x, out=y_split), [0, 1]).replay),
             *(Method(name, line) for name, line in lines.items()),
         ]
         times = time_interleaved(methods, [0, 1], REPS, 3)
     stack.pipeline.check_errors()
+    split.check_errors()
     med = row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
     best = min((k for k in med if k.startswith("microbatch/")), key=med.get)
     row["best_microbatch"] = best
@@ -140,6 +153,7 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
         ("stack", "tp"),
         ("stack", "tp_overlap"),
         ("tp_overlap", "tp"),
+        ("split", "floor"),
     ):
         row[f"{num}/{den.split('/')[0]}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row

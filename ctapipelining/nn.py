@@ -444,8 +444,9 @@ class MLPStack(torch.nn.Module):
     :class:`GPTStack` build one from ``transformers`` modules.
 
     ``blocks``: :class:`FusedMLP` blocks (:class:`LlamaMLP`, :class:`GPTMLP`) of one hidden size
-    and dtype, each on the device it runs on (a block's two GEMMs run on one device: the second
-    GEMM's residual is the block's input, read where it lives); consecutive blocks on one device
+    and dtype, each on the device it runs on (a block's two GEMMs run on one device; a
+    :class:`~ctapipelining.pipeline.Pipeline` over one block's two GEMMs may place them on two,
+    the second reading its residual, the block's input, where it lives); consecutive blocks on one device
     or on GPUs with peer access. What the fusion does per block is the block's own, with one
     difference: block ``b > 0``'s norm takes its rows' sums of squares (and, for a LayerNorm,
     sums) from block ``b - 1``'s second GEMM, which stores them with each output tile (partial

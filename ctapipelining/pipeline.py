@@ -226,8 +226,9 @@ class Pipeline:
     epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage, applied to
         each of its output tiles (a transformer block's norm, bias, activation, residual; a
         gated one halves the stage's columns: the next weight has that many rows). In a chain:
-        a residual adds the input of the stage before (the block's input: the two stages on one
-        device); the norm of a later stage's input takes the rows' sums of squares (and sums,
+        a residual adds the input of the stage before (the block's input), read where it lives:
+        on another GPU, each tile's rows across NVLink once its own input rows have come (they
+        came to that GPU first); the norm of a later stage's input takes the rows' sums of squares (and sums,
         for a LayerNorm) that the stage before stores with its tiles (no pass over memory), the
         first stage's a pass over ``x``. With a split tail, the CTA that sums a tail tile's
         K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
@@ -446,11 +447,8 @@ class Pipeline:
             if epi is None:
                 continue
             epi.check(w.shape[1], w.dtype, w.device, self.configs[s].block_n)
-            if epi.residual and (s == 0 or self.devices[s - 1] != self.devices[s]):
-                raise ValueError(
-                    f"stage {s}'s residual is the input of the stage before it, on the same device: "
-                    + ("stage 0 has none" if s == 0 else f"stage {s - 1} is on {self.devices[s - 1]}")
-                )
+            if epi.residual and s == 0:
+                raise ValueError("a residual is the input of the stage before: stage 0 has none")
             if epi.residual and self.out_cols[s] != self.weights[s - 1].shape[0]:
                 raise ValueError(
                     f"stage {s}'s residual (stage {s - 1}'s input, {self.weights[s - 1].shape[0]} columns) does "
@@ -574,6 +572,7 @@ class Pipeline:
         for s, w in enumerate(self.weights):
             if any(self.epilogues):  # no ends (checked at construction)
                 y, sums = y.to(w.device), sums_to(sums, w.device)
+                prev = None if prev is None else prev.to(w.device)  # a residual from the GPU before
                 out_sums = self._out_sums(s, M, w.device)
                 y, prev = self._gemm(y, w, s, False, configs, residual=prev, sums=sums, out_sums=out_sums), y
                 sums = out_sums

@@ -287,3 +287,39 @@ def test_a_norm_pass_copies_its_rows_into_a_padded_buffer_and_a_residual_adds_in
     held = res.clone()
     assert matmul(a, b, out=held, epilogue=Epilogue(residual=True), residual=held) is held
     assert torch.equal(held, apart)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_one_block_split_the_papers_way(policy):
+    """One Llama-8B block split over two GPUs (its gate/up GEMM on GPU 0, its down GEMM on GPU 1,
+    the residual ``x`` read from GPU 0 as each tile's rows come): with the first GPU's kernel
+    delayed and the intermediate NaN-poisoned, bitwise its GEMMs one after another, the block's
+    own result within rounding (its down GEMM adds the residual by TMA, on other tiles), and a
+    graph replay bitwise the eager call."""
+    from ctapipelining.kernels.gemm import RESIDUAL_CONFIG
+    from ctapipelining.pipeline import Pipeline
+
+    torch.manual_seed(3)
+    H, inter = 4096, 14336
+
+    def w(rows, cols):
+        return (torch.randn(rows, cols, device="cuda:0") * cols**-0.5).bfloat16()
+
+    block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda:0")).bfloat16())
+    down = block.w_out.to("cuda:1")
+    pipe = Pipeline([block.w_in, down], config=[block.in_config, RESIDUAL_CONFIG], epilogues=[*block._epilogues()],
+                    policy=policy)  # fmt: skip
+    for M in (4096, 777):
+        plan = pipe.plan(M)
+        x = torch.randn(M, H, device="cuda:0").bfloat16()
+        plan.inputs[1].fill_(float("nan"))
+        out = torch.full((M, H), float("nan"), device="cuda:1", dtype=torch.bfloat16)
+        pipe._launch(plan, x, out, delay_cycles={0: 20_000_000})
+        pipe.check_errors()
+        assert torch.equal(out, pipe.sequential(x)), M
+        assert rel(out, block(x).to("cuda:1")) < 1e-2, M
+    g = pipe.capture(4096)
+    x = torch.randn(4096, H, device="cuda:0").bfloat16()
+    assert torch.equal(g(x), pipe(x))
+    g.check_errors()
