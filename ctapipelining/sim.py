@@ -44,6 +44,16 @@ What is modelled
   - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
     ``tail_slice_ns`` per slice).
 
+  - more layers than GPUs (:func:`simulate_placed`): each GPU's contiguous range of stages a
+    chain kernel whose first stage waits for the GPU before and whose last signals the GPU
+    after, in parts; micro-batching on the same placement (:func:`simulate_microbatch` with
+    ``devices``: a GPU's stages take turns chunk by chunk). Against the one deep run measured,
+    4 layers on 2 H200s at 2048-16384 rows (:func:`validate_depth`, which takes the tile time
+    and the remote write's cost from the run,
+    ``benchmarks/results/2026-12-01-h200x2-decision/depth/depth/results.json``): the interleaved
+    order over stage after stage and waiting in parts over whole row-blocks within 3.1%, the
+    chain over the best micro-batching within 4.5%, and over the floor optimistic by 3.5-5.1%.
+
   :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
   recorded run at 128-16384 rows
   (``benchmarks/results/2026-12-01-h200x2-decision/depth/shared_gpu.json``):
@@ -465,11 +475,34 @@ def simulate_chain_kernel(
     :attr:`Calibration.chain_fixed_ns` more. ``split_tail``: the last stage's partial last
     round runs as K-slices (each waits for its tile's whole input; a tile is done with its last
     slice, plus :attr:`Calibration.chain_tail_slice_ns` per slice). Returns the GPU time."""
+    return _chain_kernel(M, dims, cal, wait_parts, split_tail, interleave)[0]
+
+
+def _chain_kernel(
+    M: int,
+    dims: list[int],
+    cal: Calibration,
+    wait_parts: int = 8,
+    split_tail: bool = False,
+    interleave: bool = True,
+    inbound: tuple[np.ndarray, np.ndarray | None] | None = None,
+    start_ns: float = 0.0,
+    outbound: bool = False,
+) -> tuple[float, np.ndarray | None]:
+    """:func:`simulate_chain_kernel`, launched at ``start_ns``, as one GPU's part of a longer
+    chain: ``inbound`` = ``(ready, part_frac)`` of its first stage's input from the GPU before
+    (as :func:`_gemm_stage` takes them); ``outbound``: its last stage writes into the next GPU
+    (``remote_factor``) and signals each tile as the other stages do. Returns the kernel's end
+    and, with ``outbound``, when each last-stage tile was signalled."""
+    if outbound and split_tail:
+        raise ValueError("a chain kernel that signals the next GPU has no split tail (the pipeline splits none)")
     bm, bn = cal.block_m, cal.block_n
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
     P = min(cal.num_sms, sum(g.num_tiles for g in grids))
     t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in dims[:-1]]
+    if outbound:
+        t_tiles[-1] *= cal.remote_factor
     links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
              for s in range(S - 1)]  # fmt: skip
     producers = [np.split(np.repeat(np.arange(d.producer.num_tiles), np.diff(d.signal_ptr))[np.argsort(
@@ -477,18 +510,33 @@ def simulate_chain_kernel(
         for d in links]  # fmt: skip
     signal = [np.full(g.num_tiles, np.nan) for g in grids]  # when each tile was signalled
     owner = [np.zeros(g.num_tiles, dtype=int) for g in grids]
-    cta_free = np.zeros(P)
+    cta_free = np.full(P, float(start_ns))
     pending: dict[int, tuple[int, int]] = {}
-    heap = [(0.0, c) for c in range(P)]  # CTAs free at the same time claim in CTA order
+    heap = [(float(start_ns), c) for c in range(P)]  # CTAs free at the same time claim in CTA order
+    signals_out = S - 1 if outbound else S - 2  # the deepest stage whose tiles are signalled
 
     def visible(s, tile, q):
         """When part ``q`` of stage ``s``'s ``tile``'s input is visible: its producers' signals,
-        a signal not yet sent estimated at its CTA's free time (when it is flushed)."""
+        a signal not yet sent estimated at its CTA's free time (when it is flushed); stage 0's
+        from the GPU before."""
+        if s == 0:
+            ready = inbound[0]
+            return float(ready[tile] if ready.ndim == 1 else ready[tile, q])
         ps = producers[s - 1][int(links[s - 1].counter_of_tile[tile]) + q]
         sig = signal[s - 1][ps]
         sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps]], sig)
         return float(sig.max()) + cal.t2_ns
 
+    def part_starts(s):
+        """Where in stage ``s``'s K loop each part of its input is first read (fractions)."""
+        if s == 0:
+            frac = inbound[1]
+            return [0.0] if frac is None else list(frac)
+        d = links[s - 1]
+        return [d.part_k_start(r) / dims[s] for r in range(d.parts)]
+
+    waits = [s > 0 or inbound is not None for s in range(S)]
+    fracs = [part_starts(s) if waits[s] else [0.0] for s in range(S)]
     k_last = -(-dims[-2] // cal.block_k)
     split = deps.last_stage_tail([g.num_tiles for g in grids], P, k_last, deps.TAIL_MIN_SLICE_K) if split_tail else None
     orders = [deps.tile_order(g, cal.group_m) for g in grids]
@@ -496,7 +544,7 @@ def simulate_chain_kernel(
     tail_done: dict[int, float] = {}  # a tail tile's last slice so far
     for code in codes:
         s, q = int(code) >> deps.STAGE_SHIFT, int(code) & ((1 << deps.STAGE_SHIFT) - 1)
-        t_tile, post = t_tiles[s], (cal.t1_ns if s < S - 1 else 0.0)
+        t_tile, post = t_tiles[s], (cal.t1_ns if s <= signals_out else 0.0)
         t, c = heapq.heappop(heap)
         if split is not None and s == S - 1 and q >= split.first_pos:  # a K-slice of a tail tile
             j = q - split.first_pos
@@ -505,8 +553,8 @@ def simulate_chain_kernel(
                 ps, pt = pending.pop(c)
                 signal[ps][pt] = t
             ready = t
-            if s > 0:  # every part of its input
-                ready = max(t, max(visible(s, tile, r) for r in range(links[s - 1].parts))) + cal.t3_ns
+            if waits[s]:  # every part of its input
+                ready = max(t, max(visible(s, tile, r) for r in range(len(fracs[s])))) + cal.t3_ns
             k0, k1 = p * k_last // split.splits, (p + 1) * k_last // split.splits
             cta_free[c] = ready + (k1 - k0) / k_last * t_tile
             tail_done[tile] = max(tail_done.get(tile, 0.0), cta_free[c])
@@ -518,23 +566,79 @@ def simulate_chain_kernel(
             ps, pt = pending.pop(c)
             signal[ps][pt] = t
         begin = end = t
-        if s > 0:
-            d = links[s - 1]
+        if waits[s]:
+            f = fracs[s]
             begin = end = max(t, visible(s, tile, 0)) + cal.t3_ns
-            for r in range(1, d.parts):
-                frac = (d.part_k_start(r) - d.part_k_start(r - 1)) / dims[s]
-                end = max(end + frac * t_tile, visible(s, tile, r))
-            end -= d.part_k_start(d.parts - 1) / dims[s] * t_tile
+            for r in range(1, len(f)):
+                end = max(end + (f[r] - f[r - 1]) * t_tile, visible(s, tile, r))
+            end -= f[-1] * t_tile
         if same:
             ps, pt = pending.pop(c)
             signal[ps][pt] = begin + cal.signal_lag * t_tile
         cta_free[c] = end + t_tile + post
         owner[s][tile] = c
-        if s < S - 1:
+        if s <= signals_out:
             pending[c] = (s, tile)
         heapq.heappush(heap, (cta_free[c], c))
+    for c, (ps, pt) in pending.items():  # a CTA signals the tile it holds as it ends
+        signal[ps][pt] = cta_free[c]
     end_all = max((done + split.splits * cal.chain_tail_slice_ns for done in tail_done.values()), default=0.0)
-    return max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
+    end = max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
+    return end, (signal[-1] if outbound else None)
+
+
+def simulate_placed(
+    M: int,
+    dims: list[int],
+    devices: list[int],
+    cal: Calibration,
+    wait_parts: int = 8,
+    interleave: bool = True,
+) -> float:
+    """The static pipeline of the chain ``dims`` with stage ``s`` on GPU ``devices[s]`` (each
+    GPU a contiguous range of stages, as :class:`ctapipelining.pipeline.Pipeline` places them):
+    a GPU with one stage runs it as :func:`simulate_cta` does, one with several a chain kernel
+    (:func:`simulate_chain_kernel`, ``interleave`` as there) whose first stage waits for the GPU
+    before and whose last stage signals the GPU after, in ``wait_parts`` parts per link. Each
+    GPU's kernel starts :attr:`Calibration.launch_ns` after the previous GPU's. Returns the
+    GPU time (ns)."""
+    if len(devices) != len(dims) - 1:
+        raise ValueError(f"{len(dims) - 1} stages but {len(devices)} devices")
+    groups: list[list[int]] = []
+    for s, d in enumerate(devices):
+        if groups and devices[groups[-1][-1]] == d:
+            groups[-1].append(s)
+        elif d in devices[:s]:
+            raise ValueError(f"each GPU must hold a contiguous range of stages, got {devices}")
+        else:
+            groups.append([s])
+    bm, bn = cal.block_m, cal.block_n
+    inbound, ends = None, []
+    for g, group in enumerate(groups):
+        last = g == len(groups) - 1
+        sub = dims[group[0] : group[-1] + 2]
+        start = g * cal.launch_ns
+        if len(group) == 1:
+            ready, frac = inbound if inbound is not None else (None, None)
+            grid = deps.TileGrid(M, sub[1], bm, bn)
+            rows = _gemm_stage(grid, sub[0], cal, ready, "static", start, remote=not last, signals=not last,
+                               part_frac=frac)  # fmt: skip
+            ends.append(float(rows[:, 3].max()) + cal.launch_ns)
+            sent = rows[:, 3]
+        else:
+            end, sent = _chain_kernel(M, sub, cal, wait_parts, False, interleave, inbound, start, outbound=not last)
+            ends.append(end)
+        if not last:  # the next GPU's first stage waits for these tiles, in parts
+            grid = deps.TileGrid(M, sub[-1], bm, bn)
+            dep = deps.build_dependency(grid, deps.TileGrid(M, dims[group[-1] + 2], bm, bn), "gemm",
+                                        parts=min(wait_parts, grid.num_n))  # fmt: skip
+            filled = np.full(dep.num_counters, -np.inf)
+            np.maximum.at(filled, dep.signal_counters, np.repeat(sent, np.diff(dep.signal_ptr)))
+            ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
+            K = dims[group[-1] + 1]
+            frac = np.array([dep.part_k_start(q) / K for q in range(dep.parts)]) if dep.parts > 1 else None
+            inbound = (ready if frac is not None else ready[:, 0], frac)
+    return max(ends)
 
 
 def simulate_loopback(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:
@@ -584,6 +688,74 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
     return rows
 
 
+def placement(layers: int, gpus: int) -> list[int]:
+    """Stage ``s``'s GPU when ``layers`` stages spread over ``gpus`` GPUs in contiguous ranges as
+    even as they go (``s * gpus // layers``; as ``bench --layers`` places them)."""
+    if layers < 1 or gpus < 1:
+        raise ValueError(f"placement needs layers >= 1 and gpus >= 1, got {layers}, {gpus}")
+    return [s * min(gpus, layers) // layers for s in range(layers)]
+
+
+def validate_depth(cal: Calibration, results: Path) -> list[dict]:
+    """Predicted against measured ratios of a ``bench --layers L --gpus G`` run with more layers
+    than GPUs (:func:`simulate_placed`, :func:`simulate_microbatch` on the same placement): the
+    static chain over the floor (one GPU's share of the layers, our GEMMs back to back) and over
+    the best micro-batching, waiting for whole row-blocks and stage after stage over it. The
+    model takes two things from the run itself at each height: the tile time (so that it gives
+    the run's floor) and how much slower a GEMM writing into the other GPU runs
+    (``triton_remote_write`` over half of ``floor_triton``)."""
+    r = json.loads(Path(results).read_text())
+    layers, gpus = r.get("layers", r["gpus"]), r["gpus"]
+    if layers <= gpus:
+        raise ValueError(f"{results}: {layers} layers on {gpus} GPUs; validate_depth wants more layers than GPUs")
+    K, devices = r["k"], placement(layers, gpus)
+    share = max(devices.count(d) for d in set(devices))
+    dims = [K] * (layers + 1)
+    med = {(x["method"], x["seq"], x["chunk"]): x["median_ms"] for x in r["summaries"]}
+    rows = []
+    for M in sorted({x["seq"] for x in r["summaries"]}):
+        floor = med[("floor_triton_graph", M, None)] * 1e6
+        remote = med[("triton_remote_write", M, None)] / (med[("floor_triton", M, None)] / share)
+        one = simulate_gemm(M, K, K, cal, split_tail=True) - cal.launch_ns
+        c = replace(cal, tile_ns_per_k=cal.tile_ns_per_k * (floor / share - cal.launch_ns) / one, remote_factor=remote)
+        predicted = {
+            "cta_static_graph": simulate_placed(M, dims, devices, c),
+            "cta_static_whole_rows_graph": simulate_placed(M, dims, devices, c, wait_parts=1),
+            "cta_static_stage_major_graph": simulate_placed(M, dims, devices, c, interleave=False),
+            "floor_triton_graph": share * simulate_gemm(M, K, K, c, split_tail=True),
+            "microbatch": best_microbatch(M, dims, c, devices=devices)[0],
+        }
+        measured = {k: med.get((k, M, None)) for k in predicted}
+        measured["microbatch"] = min((v for (m, q, _), v in med.items() if m.startswith("microbatch") and q == M),
+                                     default=None)  # fmt: skip
+        for num, den in (("cta_static_graph", "floor_triton_graph"), ("cta_static_graph", "microbatch"),
+                         ("cta_static_whole_rows_graph", "cta_static_graph"),
+                         ("cta_static_stage_major_graph", "cta_static_graph")):  # fmt: skip
+            if measured[num] is None or measured[den] is None:
+                continue
+            want, got = measured[num] / measured[den], predicted[num] / predicted[den]
+            rows.append(dict(seq=M, ratio=f"{num}/{den}", predicted=round(got, 4), measured=round(want, 4),
+                             error_pct=round(100 * (got / want - 1), 2)))  # fmt: skip
+    return rows
+
+
+def figure_depth(cal: Calibration, M: int = 16384, K: int = 8192, cases=((4, 2), (8, 4), (16, 8))) -> list[dict]:
+    """Chains with more layers than GPUs (``(layers, gpus)`` per case, placed by
+    :func:`placement`): the static chain against the floor (one GPU's share of the layers, our
+    GEMMs back to back) and the best micro-batching of the same placement (predictions)."""
+    out = []
+    for layers, gpus in cases:
+        dims, devices = [K] * (layers + 1), placement(layers, gpus)
+        share = max(devices.count(d) for d in set(devices))
+        cta = simulate_placed(M, dims, devices, cal)
+        floor = share * simulate_gemm(M, K, K, cal, split_tail=True)
+        mb, chunk = best_microbatch(M, dims, cal, devices=devices)
+        out.append(dict(layers=layers, gpus=gpus, cta_ms=round(cta / 1e6, 4), floor_ms=round(floor / 1e6, 4),
+                        best_microbatch_ms=round(mb / 1e6, 4), best_chunk=chunk,
+                        cta_over_floor=round(cta / floor, 4), cta_over_microbatch=round(cta / mb, 4)))  # fmt: skip
+    return out
+
+
 def simulate_sequential(M: int, dims: list[int], cal: Calibration, eager: bool = True) -> float:
     """GEMM, copy, GEMM, ... one after another (the bench runs it eagerly)."""
     t = 0.0
@@ -594,28 +766,42 @@ def simulate_sequential(M: int, dims: list[int], cal: Calibration, eager: bool =
     return t
 
 
-def simulate_microbatch(M: int, dims: list[int], chunk: int, cal: Calibration) -> float:
-    """Chunks along M, stage ``s`` on GPU ``s``, copies on copy engines, one graph replay."""
+def simulate_microbatch(
+    M: int, dims: list[int], chunk: int, cal: Calibration, devices: list[int] | None = None
+) -> float:
+    """Chunks along M, stage ``s`` on GPU ``devices[s]`` (default ``s``), copies between GPUs on
+    copy engines, one graph replay. Stages that share a GPU take turns on it: of the GEMMs that
+    can start earliest, the earliest chunk first, as the schedule queues them (a copy within a
+    GPU is not modelled)."""
     stages = len(dims) - 1
+    devices = list(range(stages)) if devices is None else list(devices)
+    if len(devices) != stages:
+        raise ValueError(f"{stages} stages but {len(devices)} devices")
     chunks = [min(chunk, M - i) for i in range(0, M, chunk)]
-    free = [0.0] * stages
-    copy_free = [0.0] * stages
-    arrive = [0.0] * len(chunks)
-    for i, c in enumerate(chunks):
-        for s in range(stages):
-            begin = max(free[s], arrive[i] if s else 0.0) + cal.launch_ns
-            free[s] = begin + cal.cublas_ns(c, dims[s], dims[s + 1])
-            if s + 1 < stages:
-                cbeg = max(free[s], copy_free[s])
-                copy_free[s] = cbeg + cal.copy_ns(c * dims[s + 1] * 2)
-                arrive[i] = copy_free[s]
-    return free[-1]
+    free = dict.fromkeys(devices, 0.0)  # when each GPU is next free
+    copy_free = dict.fromkeys(devices, 0.0)  # each GPU's outgoing copy engine
+    waiting = {(i, 0): 0.0 for i in range(len(chunks))}  # (chunk, stage) -> when its input is there
+    end = 0.0
+    while waiting:
+        (i, s), ready = min(waiting.items(), key=lambda e: (max(free[devices[e[0][1]]], e[1]), e[0]))
+        del waiting[i, s]
+        d = devices[s]
+        begin = max(free[d], ready) + cal.launch_ns
+        free[d] = done = begin + cal.cublas_ns(chunks[i], dims[s], dims[s + 1])
+        end = max(end, done)
+        if s + 1 < stages:
+            if devices[s + 1] != d:
+                copy_free[d] = done = max(done, copy_free[d]) + cal.copy_ns(chunks[i] * dims[s + 1] * 2)
+            waiting[i, s + 1] = done
+    return end
 
 
-def best_microbatch(M: int, dims: list[int], cal: Calibration, chunks=(512, 1024, 2048, 4096, 8192)):
+def best_microbatch(
+    M: int, dims: list[int], cal: Calibration, chunks=(512, 1024, 2048, 4096, 8192), devices: list[int] | None = None
+):
     """``(ms, chunk)`` of the best chunk size."""
-    cands = [(simulate_microbatch(M, dims, c, cal), c) for c in chunks if c <= M] or [
-        (simulate_microbatch(M, dims, M, cal), M)
+    cands = [(simulate_microbatch(M, dims, c, cal, devices), c) for c in chunks if c <= M] or [
+        (simulate_microbatch(M, dims, M, cal, devices), M)
     ]
     return min(cands)
 
@@ -652,7 +838,8 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
     """Every layout of the chain ``dims`` that fits on ``gpus`` GPUs, fastest first.
 
     ``single`` (no pipelining: the chain on one GPU) wins when the chain is too small to
-    overlap; TP layouts are offered for 2-layer MLP blocks (``dims[0] == dims[2]``).
+    overlap; TP layouts are offered for 2-layer MLP blocks (``dims[0] == dims[2]``). With more
+    layers than GPUs, each GPU holds a contiguous range of them (:func:`placement`).
     """
     if gpus < 1 or len(dims) < 2 or M < 1:
         raise ValueError("plan needs M >= 1, at least one layer (two dims) and at least one GPU")
@@ -680,6 +867,13 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
             for policy in ("static", "workqueue"):
                 ms = simulate_cta(M, dims, c, policy).total_ns / 1e6
                 out.append(Layout("cta", layers, 1, f"policy {policy}, tile {bm}x{bn}", ms))
+    elif layers > gpus > 1:  # each GPU a contiguous range of layers; a GPU's layers share a chain kernel
+        devices = placement(layers, gpus)
+        share = max(devices.count(d) for d in set(devices))
+        ms, chunk = best_microbatch(M, dims, cal, devices=devices)
+        out.append(Layout("microbatch", gpus, 1, f"chunk {chunk}, up to {share} layers a GPU", ms / 1e6))
+        ms = simulate_placed(M, dims, devices, cal) / 1e6
+        out.append(Layout("cta", gpus, 1, f"policy static, up to {share} layers a GPU in a chain kernel", ms))
     if layers == 2 and dims[0] == dims[2]:
         K, N = dims[0], dims[1]
         for g in range(2, gpus + 1):
@@ -813,12 +1007,20 @@ def _calibration(args) -> Calibration:
         raise UsageError(f"cannot calibrate on {args.results}: {type(e).__name__}: {e}") from None
 
 
-def _measured(path: Path) -> None:
+def _measured(path: Path) -> bool:
+    """Check that ``path`` is a bench results file; whether it has more layers than GPUs."""
     try:
         r = json.loads(Path(path).read_text())
         r["summaries"][0]["median_ms"]
+        return r.get("layers", r["gpus"]) > r["gpus"]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise UsageError(f"--validate {path}: not a bench results file ({type(e).__name__}: {e})") from None
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"  {r['seq']:6d} {r['ratio']:46s} predicted {r['predicted']:.4f}  measured {r['measured']:.4f}  "
+              f"{r['error_pct']:+6.1f}%")  # fmt: skip
 
 
 def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
@@ -832,13 +1034,18 @@ def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
 def run(args) -> int:
     """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
     cal = _calibration(args)
-    for path in args.validate:
-        _measured(path)
+    deep = [_measured(path) for path in args.validate]
     shared = [_shared_rows(cal, path) for path in args.validate_shared]  # checked before any output
     print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
-    report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal))
-    for path in args.validate:
+    report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal),
+                  figure_depth=figure_depth(cal))  # fmt: skip
+    for path, more_layers in zip(args.validate, deep):
+        if more_layers:
+            rows = report["validation"][_rel(path)] = validate_depth(cal, path)
+            print(f"\nmore layers than GPUs, against {_rel(path)} (ratios; the error of the predicted one):")
+            _print_ratios(rows)
+            continue
         rows = validate(cal, path)
         report["validation"][_rel(path)] = rows
         if not rows:
@@ -857,12 +1064,14 @@ def run(args) -> int:
     for path, rows in zip(args.validate_shared, shared):
         report["validation"][_rel(path)] = rows
         print(f"\nstages sharing one GPU, against {_rel(path)} (ratios; the error of the predicted one):")
-        for r in rows:
-            print(f"  {r['seq']:6d} {r['ratio']:24s} predicted {r['predicted']:.4f}  measured {r['measured']:.4f}  "
-                  f"{r['error_pct']:+6.1f}%")  # fmt: skip
+        _print_ratios(rows)
     print("\nFigure 4 (N-layer chain on N GPUs, M=16384): reduction vs best micro-batching")
     for f in report["figure4"]:
         print(f"  {f['gpus']} GPUs: model {f['reduction_vs_best_pct']:+.1f}%   paper {f['paper_reduction_pct']}%")
+    print("\nMore layers than GPUs (M=16384, each GPU's layers in one chain kernel): static chain over")
+    for f in report["figure_depth"]:
+        print(f"  {f['layers']:2d} layers on {f['gpus']} GPUs: the floor {f['cta_over_floor']:.3f}, "
+              f"the best micro-batching {f['cta_over_microbatch']:.3f} (chunk {f['best_chunk']})")  # fmt: skip
     print("\nFigure 7 (2-layer MLP, M=16384), ms total (compute + all-reduce):")
     for f in report["figure7"]:
         print("  " + "  ".join(f"{k}: {f[k]['total_ns']:.3f} ({f[k]['compute_ns']:.3f}+{f[k]['comm_ns']:.3f})"
