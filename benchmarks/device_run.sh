@@ -67,7 +67,10 @@ for step in $STEPS; do
       grep -E "$SUMMARY|^ +[0-9]+ (placed|repl)" "$OUT/decision.log" | tail -60 ;;
     depth) timeout 400 $CLI bench --gpus 2 --layers 4 --seq 2048,8192,16384 --chunks 512,1024,2048 \
         --reps "${BENCH_REPS:-30}" --hooks-seq 0 --out "$OUT/depth" > "$OUT/depth.log" 2>&1
-      grep -E "$SUMMARY|^ +[0-9]+ (placed|repl)" "$OUT/depth.log" | tail -40 ;;
+      grep -E "$SUMMARY|^ +[0-9]+ (placed|repl)" "$OUT/depth.log" | tail -40
+      # the model's ratios against this run (sim.validate_depth)
+      $CLI sim --validate "$OUT/depth/results.json" --out "$OUT/depth-sim" > "$OUT/depth-sim.log" 2>&1
+      grep -A13 "more layers than GPUs, against" "$OUT/depth-sim.log" ;;
     order) for o in fixed shuffled; do
         timeout 150 $CLI bench --seq 16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
           --hooks-seq 0 --order $o --out "$OUT/order-$o" > "$OUT/order-$o.log" 2>&1
