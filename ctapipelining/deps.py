@@ -407,6 +407,7 @@ def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: 
 
 
 STAGE_SHIFT = 24  # a chain order's code: stage << STAGE_SHIFT | the stage's own position
+CHAIN_MAX_STAGES = 4  # stages one chain kernel runs (kernels/chain.py MAX_STAGES); more run in further kernels
 
 
 def chain_order(

@@ -75,7 +75,9 @@ _enabled: set[tuple[int, int]] = set()  # pairs enabled in this process (it last
 
 
 def enable_peer_access(devices: list[int]) -> None:
-    """Let each device write into the memory of the next one (a chain's links).
+    """Let each device of ``devices`` read and write the memory of the next one in the list (one
+    direction: a chain's links write forward; a stage that reads a residual on the GPU before
+    it passes the pair the other way round).
 
     Pairs already enabled are skipped without a CUDA call, so a GEMM into a peer's memory can
     be captured in a CUDA graph once it has run outside one (``cudaDeviceEnablePeerAccess`` is

@@ -413,6 +413,9 @@ class Pipeline:
                         f"each GPU must hold a contiguous range of stages, got {[str(d) for d in self.devices]}"
                     )
             fabric.enable_peer_access([d.index for d in self.devices])
+            for s, epi in enumerate(self.epilogues):  # a residual read on the GPU before: the other way
+                if epi is not None and epi.residual and self.devices[s] != self.devices[s - 1]:
+                    fabric.enable_peer_access([self.devices[s].index, self.devices[s - 1].index])
             # a stream per stage; outside loopback one per device, so that the chain kernels of a
             # GPU with more than MAX_STAGES stages run one after the other, each on the whole GPU
             own = {d: torch.cuda.Stream(d) for d in self.distinct_devices}

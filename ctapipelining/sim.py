@@ -52,7 +52,8 @@ What is modelled
     and the remote write's cost from the run,
     ``benchmarks/results/2026-12-01-h200x2-decision/depth/depth/results.json``): the interleaved
     order over stage after stage and waiting in parts over whole row-blocks within 3.1%, the
-    chain over the best micro-batching within 4.5%, and over the floor optimistic by 3.5-5.1%.
+    chain over the best cuBLAS micro-batching within 2.0%, and over the floor optimistic by
+    3.5-5.1%.
 
   :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
   recorded run at 128-16384 rows
@@ -488,12 +489,14 @@ def _chain_kernel(
     inbound: tuple[np.ndarray, np.ndarray | None] | None = None,
     start_ns: float = 0.0,
     outbound: bool = False,
+    remote: bool = True,
 ) -> tuple[float, np.ndarray | None]:
-    """:func:`simulate_chain_kernel`, launched at ``start_ns``, as one GPU's part of a longer
-    chain: ``inbound`` = ``(ready, part_frac)`` of its first stage's input from the GPU before
-    (as :func:`_gemm_stage` takes them); ``outbound``: its last stage writes into the next GPU
-    (``remote_factor``) and signals each tile as the other stages do. Returns the kernel's end
-    and, with ``outbound``, when each last-stage tile was signalled."""
+    """:func:`simulate_chain_kernel`, launched at ``start_ns``, as one kernel of a longer
+    chain: ``inbound`` = ``(ready, part_frac)`` of its first stage's input from the kernel
+    before (as :func:`_gemm_stage` takes them); ``outbound``: its last stage signals each tile
+    for the kernel after, as the other stages do, writing into the next GPU (``remote``:
+    ``remote_factor``) or its own. Returns the kernel's end and, with ``outbound``, when each
+    last-stage tile was signalled."""
     if outbound and split_tail:
         raise ValueError("a chain kernel that signals the next GPU has no split tail (the pipeline splits none)")
     bm, bn = cal.block_m, cal.block_n
@@ -501,7 +504,7 @@ def _chain_kernel(
     S = len(grids)
     P = min(cal.num_sms, sum(g.num_tiles for g in grids))
     t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in dims[:-1]]
-    if outbound:
+    if outbound and remote:
         t_tiles[-1] *= cal.remote_factor
     links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
              for s in range(S - 1)]  # fmt: skip
@@ -597,38 +600,41 @@ def simulate_placed(
 ) -> float:
     """The static pipeline of the chain ``dims`` with stage ``s`` on GPU ``devices[s]`` (each
     GPU a contiguous range of stages, as :class:`ctapipelining.pipeline.Pipeline` places them):
-    a GPU with one stage runs it as :func:`simulate_cta` does, one with several a chain kernel
-    (:func:`simulate_chain_kernel`, ``interleave`` as there) whose first stage waits for the GPU
-    before and whose last stage signals the GPU after, in ``wait_parts`` parts per link. Each
-    GPU's kernel starts :attr:`Calibration.launch_ns` after the previous GPU's. Returns the
-    GPU time (ns)."""
+    a GPU's stages run as chain kernels of up to :data:`ctapipelining.deps.CHAIN_MAX_STAGES`
+    stages one after another (:func:`simulate_chain_kernel`, ``interleave`` as there), a single
+    leftover stage as :func:`simulate_cta`'s stages run; each kernel's first stage waits for the
+    kernel before it and its last stage signals the kernel after it, every link in
+    ``wait_parts`` parts. The first kernel on each GPU starts :attr:`Calibration.launch_ns`
+    after the previous GPU's, a later one on a GPU when the one before it there ends. Returns
+    the GPU time (ns)."""
     if len(devices) != len(dims) - 1:
         raise ValueError(f"{len(dims) - 1} stages but {len(devices)} devices")
-    groups: list[list[int]] = []
+    groups: list[list[int]] = []  # the stages of each kernel, in chain order
     for s, d in enumerate(devices):
-        if groups and devices[groups[-1][-1]] == d:
+        if groups and devices[groups[-1][-1]] == d and len(groups[-1]) < deps.CHAIN_MAX_STAGES:
             groups[-1].append(s)
-        elif d in devices[:s]:
+        elif d in devices[:s] and devices[s - 1] != d:
             raise ValueError(f"each GPU must hold a contiguous range of stages, got {devices}")
         else:
             groups.append([s])
     bm, bn = cal.block_m, cal.block_n
-    inbound, ends = None, []
+    inbound, ends, gpu_end = None, [], {}
     for g, group in enumerate(groups):
         last = g == len(groups) - 1
-        sub = dims[group[0] : group[-1] + 2]
-        start = g * cal.launch_ns
+        sub, dev = dims[group[0] : group[-1] + 2], devices[group[0]]
+        remote = not last and devices[group[-1] + 1] != dev
+        start = gpu_end.get(dev, len(gpu_end) * cal.launch_ns)
         if len(group) == 1:
             ready, frac = inbound if inbound is not None else (None, None)
             grid = deps.TileGrid(M, sub[1], bm, bn)
-            rows = _gemm_stage(grid, sub[0], cal, ready, "static", start, remote=not last, signals=not last,
+            rows = _gemm_stage(grid, sub[0], cal, ready, "static", start, remote=remote, signals=not last,
                                part_frac=frac)  # fmt: skip
-            ends.append(float(rows[:, 3].max()) + cal.launch_ns)
-            sent = rows[:, 3]
+            end, sent = float(rows[:, 3].max()) + cal.launch_ns, rows[:, 3]
         else:
-            end, sent = _chain_kernel(M, sub, cal, wait_parts, False, interleave, inbound, start, outbound=not last)
-            ends.append(end)
-        if not last:  # the next GPU's first stage waits for these tiles, in parts
+            end, sent = _chain_kernel(M, sub, cal, wait_parts, False, interleave, inbound, start, not last, remote)
+        ends.append(end)
+        gpu_end[dev] = end
+        if not last:  # the next kernel's first stage waits for these tiles, in parts
             grid = deps.TileGrid(M, sub[-1], bm, bn)
             dep = deps.build_dependency(grid, deps.TileGrid(M, dims[group[-1] + 2], bm, bn), "gemm",
                                         parts=min(wait_parts, grid.num_n))  # fmt: skip
@@ -691,8 +697,8 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
 def placement(layers: int, gpus: int) -> list[int]:
     """Stage ``s``'s GPU when ``layers`` stages spread over ``gpus`` GPUs in contiguous ranges as
     even as they go (``s * gpus // layers``; as ``bench --layers`` places them)."""
-    if layers < 1 or gpus < 1:
-        raise ValueError(f"placement needs layers >= 1 and gpus >= 1, got {layers}, {gpus}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (layers, gpus)):
+        raise ValueError(f"placement needs ints layers >= 1 and gpus >= 1, got {layers!r}, {gpus!r}")
     return [s * min(gpus, layers) // layers for s in range(layers)]
 
 
@@ -700,10 +706,12 @@ def validate_depth(cal: Calibration, results: Path) -> list[dict]:
     """Predicted against measured ratios of a ``bench --layers L --gpus G`` run with more layers
     than GPUs (:func:`simulate_placed`, :func:`simulate_microbatch` on the same placement): the
     static chain over the floor (one GPU's share of the layers, our GEMMs back to back) and over
-    the best micro-batching, waiting for whole row-blocks and stage after stage over it. The
-    model takes two things from the run itself at each height: the tile time (so that it gives
-    the run's floor) and how much slower a GEMM writing into the other GPU runs
-    (``triton_remote_write`` over half of ``floor_triton``)."""
+    the best cuBLAS micro-batching, and the chain waiting for whole row-blocks and stage after
+    stage over it. Every link waits in 8 parts (``PIPELINE_CONFIG``'s, as the code of the
+    recorded run did; a table per height now lets a link inside a chain kernel wait for whole
+    rows). The model takes two things from the run itself at each height: the tile time (so
+    that it gives the run's floor) and how much slower a GEMM writing into the other GPU runs
+    (``triton_remote_write`` over one GEMM of ``floor_triton``)."""
     r = json.loads(Path(results).read_text())
     layers, gpus = r.get("layers", r["gpus"]), r["gpus"]
     if layers <= gpus:
@@ -726,8 +734,8 @@ def validate_depth(cal: Calibration, results: Path) -> list[dict]:
             "microbatch": best_microbatch(M, dims, c, devices=devices)[0],
         }
         measured = {k: med.get((k, M, None)) for k in predicted}
-        measured["microbatch"] = min((v for (m, q, _), v in med.items() if m.startswith("microbatch") and q == M),
-                                     default=None)  # fmt: skip
+        # cuBLAS's micro-batching, as the model's (not the run's micro-batching of our GEMM)
+        measured["microbatch"] = min((v for (m, q, _), v in med.items() if m == "microbatch" and q == M), default=None)
         for num, den in (("cta_static_graph", "floor_triton_graph"), ("cta_static_graph", "microbatch"),
                          ("cta_static_whole_rows_graph", "cta_static_graph"),
                          ("cta_static_stage_major_graph", "cta_static_graph")):  # fmt: skip
@@ -770,9 +778,10 @@ def simulate_microbatch(
     M: int, dims: list[int], chunk: int, cal: Calibration, devices: list[int] | None = None
 ) -> float:
     """Chunks along M, stage ``s`` on GPU ``devices[s]`` (default ``s``), copies between GPUs on
-    copy engines, one graph replay. Stages that share a GPU take turns on it: of the GEMMs that
-    can start earliest, the earliest chunk first, as the schedule queues them (a copy within a
-    GPU is not modelled)."""
+    copy engines, one graph replay. Stages that share a GPU take turns on it (of the GEMMs that
+    can start earliest, the earliest chunk first): an approximation of
+    :class:`ctapipelining.baselines.MicroBatch`, whose stages run on streams of their own and
+    so share the GPU's SMs at once, with copies within a GPU too (not modelled)."""
     stages = len(dims) - 1
     devices = list(range(stages)) if devices is None else list(devices)
     if len(devices) != stages:
@@ -871,7 +880,10 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
         devices = placement(layers, gpus)
         share = max(devices.count(d) for d in set(devices))
         ms, chunk = best_microbatch(M, dims, cal, devices=devices)
-        out.append(Layout("microbatch", gpus, 1, f"chunk {chunk}, up to {share} layers a GPU", ms / 1e6))
+        if chunk >= M:  # one chunk: the GPUs one after another, nothing overlaps
+            out.append(Layout("sequential", gpus, 1, f"up to {share} layers a GPU, copies between", ms / 1e6))
+        else:
+            out.append(Layout("microbatch", gpus, 1, f"chunk {chunk}, up to {share} layers a GPU", ms / 1e6))
         ms = simulate_placed(M, dims, devices, cal) / 1e6
         out.append(Layout("cta", gpus, 1, f"policy static, up to {share} layers a GPU in a chain kernel", ms))
     if layers == 2 and dims[0] == dims[2]:
@@ -1023,6 +1035,14 @@ def _print_ratios(rows: list[dict]) -> None:
               f"{r['error_pct']:+6.1f}%")  # fmt: skip
 
 
+def _depth_rows(cal: Calibration, path: Path) -> list[dict]:
+    try:
+        return validate_depth(cal, path)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        what = f"{type(e).__name__}: {e}"
+        raise UsageError(f"--validate {path}: not a bench run of more layers than GPUs ({what})") from None
+
+
 def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
     try:
         return validate_shared(cal, path)
@@ -1034,15 +1054,16 @@ def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
 def run(args) -> int:
     """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
     cal = _calibration(args)
-    deep = [_measured(path) for path in args.validate]
-    shared = [_shared_rows(cal, path) for path in args.validate_shared]  # checked before any output
+    # checked before any output
+    deep = [_depth_rows(cal, path) if _measured(path) else None for path in args.validate]
+    shared = [_shared_rows(cal, path) for path in args.validate_shared]
     print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal),
                   figure_depth=figure_depth(cal))  # fmt: skip
-    for path, more_layers in zip(args.validate, deep):
-        if more_layers:
-            rows = report["validation"][_rel(path)] = validate_depth(cal, path)
+    for path, depth in zip(args.validate, deep):
+        if depth is not None:
+            rows = report["validation"][_rel(path)] = depth
             print(f"\nmore layers than GPUs, against {_rel(path)} (ratios; the error of the predicted one):")
             _print_ratios(rows)
             continue

@@ -363,6 +363,7 @@ def test_the_kernel_decodes_the_order_as_deps_encodes_it():
     from ctapipelining.kernels import chain as kernel
 
     assert kernel.STAGE_SHIFT.value == deps.STAGE_SHIFT
+    assert kernel.MAX_STAGES == deps.CHAIN_MAX_STAGES  # the simulator splits a GPU's stages as the pipeline does
     assert kernel.POSITION_MASK.value == (1 << deps.STAGE_SHIFT) - 1
 
 

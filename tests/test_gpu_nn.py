@@ -323,3 +323,34 @@ def test_one_block_split_the_papers_way(policy):
     x = torch.randn(4096, H, device="cuda:0").bfloat16()
     assert torch.equal(g(x), pipe(x))
     g.check_errors()
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_a_residual_written_during_the_call_on_the_gpu_before(policy):
+    """Three stages, the first two on GPU 0 (one chain kernel), the third on GPU 1 adding the
+    second stage's input (written by the first stage during the call) read from GPU 0, its
+    input waited for in 8 parts: with the first GPU's kernel delayed and every intermediate
+    NaN-poisoned, bitwise the stages one after another, at a height whose tiles do not divide."""
+    import dataclasses
+
+    from ctapipelining.epilogue import Epilogue
+    from ctapipelining.kernels.gemm import PIPELINE_CONFIG, RESIDUAL_CONFIG
+    from ctapipelining.pipeline import Pipeline
+
+    torch.manual_seed(4)
+    H = 4096
+    ws = [(torch.randn(H, H, device=f"cuda:{d}") * H**-0.5).bfloat16() for d in (0, 0, 1)]
+    configs = [PIPELINE_CONFIG, PIPELINE_CONFIG, dataclasses.replace(RESIDUAL_CONFIG, wait_parts=8)]
+    pipe = Pipeline(ws, config=configs, epilogues=[None, None, Epilogue(residual=True)], policy=policy)
+    assert pipe.groups == [[0, 1], [2]]
+    for M in (4096, 1000):
+        plan = pipe.plan(M)
+        x = torch.randn(M, H, device="cuda:0").bfloat16()
+        for t in plan.inputs[1:]:
+            t.fill_(float("nan"))
+        out = torch.full((M, H), float("nan"), device="cuda:1", dtype=torch.bfloat16)
+        pipe._launch(plan, x, out, delay_cycles={0: 20_000_000})
+        pipe.check_errors()
+        want = pipe.sequential(x)
+        assert not want.isnan().any() and torch.equal(out, want), M

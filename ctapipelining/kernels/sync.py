@@ -50,6 +50,16 @@ Consumer (stage ``s + 1`` on GPU ``c``), before reading its input tile:
 3. on a failed vote the CTA records (stage, tile, what it waited on, value seen, value needed)
    in the stage's error word and leaves its loop, so a protocol bug never hangs the GPU.
 
+A residual (a fused epilogue's, :mod:`ctapipelining.kernels.epilogue`) is the input of the
+stage before, read by ordinary loads in the consumer's epilogue, possibly from the GPU before
+(a peer pointer). Its rows ``r`` were written (and released at system scope) before that
+stage's tiles of rows ``r`` acquired them, each of those tiles reads all of its input rows (all
+its parts), and the consumer acquired at least one of those tiles' signals before its
+epilogue: release-acquire at system scope is cumulative and causality is transitive, so the
+residual's rows are visible to it, whichever policy, parts or split tail (a split tail's slices
+each wait for every part). The call's own ``x`` was written before any kernel of the call was
+queued (every stage's stream waits for the caller's streams).
+
 Counters, epochs, ring slots, head and tail are int64 and compared on their signed
 difference, so no number of calls (graph replays advance the epochs where the host does not
 see them) wraps them: at 2^63 tile signals that is millennia of back-to-back calls.
