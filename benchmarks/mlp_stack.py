@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 from ctapipelining.baselines import MicroBatch, TensorParallelBlocks
-from ctapipelining.kernels.gemm import RESIDUAL_CONFIG
 from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
@@ -116,11 +115,9 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     want = stack(x)
     row = {"bitwise": torch.equal(want, stack.sequential(x))}
     y1 = torch.empty_like(want)  # the captured stack's output (a graph's buffers stay put)
-    first = placed[0]  # split: its down GEMM on the second GPU, its residual read from the first
-    split = Pipeline(
-        [first.w_in, first.w_out.to("cuda:1")], config=[first.in_config, RESIDUAL_CONFIG],
-        epilogues=[*first._epilogues()],
-    )  # fmt: skip
+    (w_in, w_out), configs, epilogues = placed[0].pipeline_stages()
+    # split: its down GEMM on the second GPU, its residual read from the first
+    split = Pipeline([w_in, w_out.to("cuda:1")], config=configs, epilogues=epilogues)
     row["split_bitwise"] = torch.equal(split(x), split.sequential(x))
     y_split = torch.empty_like(want)
     lines = {f"microbatch/{c}": MicroBatch(placed, M, c) for c in CHUNKS if c < M}

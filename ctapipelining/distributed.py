@@ -15,7 +15,8 @@ stage, each on an equal share of its GPU's SMs, so that every link of a chain on
 through the cross-rank code path; the tests use it).
 
 Memory (:class:`~ctapipelining.fabric.Heap`): what a producer writes on another segment's
-rank (that segment's input rows, its scoreboard, its ring's slots and tail, a handshake flag)
+rank (that segment's input rows, its scoreboard, its ring's slots and tail, a handshake flag,
+and the partial sums of the rows where that segment's first stage normalises its input)
 lives in one heap per rank and plan height, the same size on every rank (symmetric memory on
 GPUs, addressed through peer pointers: no multicast; shared-memory files for CPU ranks under
 the interpreter). Counters and rings are an ordinary part of the heap, not the symmetric
@@ -37,6 +38,10 @@ failed, every rank resets its state (epochs start again in step) and raises the 
 good only then. Host waits for this rank's GPU are bounded (``host_timeout_s``); a wait for a
 peer rank inside a collective is bounded by the process group's own timeout.
 
+Fused epilogues (``epilogues``: a transformer block's norm, activation, bias, residual) run as
+in a one-process pipeline; a residual is read on its own rank, so a stage that adds one shares
+a segment with the stage before it (a block's GEMMs stay on one rank).
+
 Plan building, eviction and the error check are collective: every rank must make the same calls
 (the same row counts, in the same order); building a plan checks that the ranks agree on its
 height, and each call's gate checks its rows.
@@ -55,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from . import deps, fabric
+from .epilogue import Epilogue
 from .gemm import check_out, check_weight, num_sms, overlaps
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
@@ -71,17 +77,34 @@ class Placement:
     """Which rank runs which stages, and in which launches (segments).
 
     ``shapes[s]``: stage ``s``'s weight ``(K_s, N_s)``; ``rank_of[s]``: its rank;
-    ``segments[i]``: the stages segment ``i`` runs (consecutive, one rank), in chain order."""
+    ``segments[i]``: the stages segment ``i`` runs (consecutive, one rank), in chain order.
+    With fused epilogues (:func:`stage_spec`): ``out_cols[s]``, its output columns (half of
+    ``N_s`` with a gated epilogue), ``configs[s]``, its tiles, ``norms[s]``, the norm of its
+    input (``"rms"``, ``"layer"`` or None), ``residuals[s]``, whether it adds one; empty:
+    ``N_s``, :func:`heap_layout`'s configuration, no norms, no residuals."""
 
     shapes: tuple[tuple[int, int], ...]
     rank_of: tuple[int, ...]
     segments: tuple[tuple[int, ...], ...]
+    out_cols: tuple[int, ...] = ()
+    configs: tuple[GemmConfig, ...] = ()
+    norms: tuple[str | None, ...] = ()
+    residuals: tuple[bool, ...] = ()
+
+    def cols(self, s: int) -> int:
+        """Stage ``s``'s output columns."""
+        return self.out_cols[s] if self.out_cols else self.shapes[s][1]
+
+    def norm(self, s: int) -> str | None:
+        """The norm of stage ``s``'s input (None: none, or past the chain's end)."""
+        return self.norms[s] if self.norms and s < len(self.norms) else None
 
     @classmethod
-    def of(cls, per_rank: list[list[tuple[int, int]]], loopback: bool = False) -> Placement:
-        """The chain made of each rank's stages (``per_rank[r]``: rank ``r``'s weight shapes, in
-        order) put end to end; one segment per rank (``loopback``: per stage). Raises a clear
-        error for a rank without stages or shapes that do not chain."""
+    def of(cls, per_rank: list[list[tuple]], loopback: bool = False) -> Placement:
+        """The chain made of each rank's stages (``per_rank[r]``: rank ``r``'s weight shapes
+        ``(K, N)``, or :func:`stage_spec` tuples, in order)
+        put end to end; one segment per rank (``loopback``: per stage). Raises a clear error for
+        a rank without stages or shapes that do not chain."""
         world = len(per_rank)
         empty = [r for r, st in enumerate(per_rank) if not st]
         if empty:
@@ -89,21 +112,27 @@ class Placement:
                 f"world size {world} does not match the placement: rank(s) {empty} hold no stage (every rank of the "
                 "group runs at least one stage of the chain)"
             )
-        shapes, rank_of, segments = [], [], []
+        shapes, rank_of, segments, specs = [], [], [], []
         for r, stages in enumerate(per_rank):
             first = len(shapes)
-            for k, (K, N) in enumerate(stages):
-                if shapes and K != shapes[-1][1]:
+            for k, (K, N, *spec) in enumerate(stages):
+                cols = spec[0] if spec else N
+                if shapes and K != (specs[-1][0] if specs else shapes[-1][1]):
                     where = f"rank {r}'s weight {k}" if k else f"rank {r}'s first weight"
                     raise ValueError(
                         f"{where} is [{K}, {N}] but the stage before it (on rank {rank_of[-1]}) outputs "
-                        f"{shapes[-1][1]} columns"
+                        f"{specs[-1][0] if specs else shapes[-1][1]} columns"
                     )
                 shapes.append((int(K), int(N)))
                 rank_of.append(r)
+                if spec:
+                    specs.append((int(cols), *spec[1:]))
             mine = tuple(range(first, len(shapes)))
             segments.extend((s,) for s in mine) if loopback else segments.append(mine)
-        return cls(tuple(shapes), tuple(rank_of), tuple(segments))
+        if specs and len(specs) != len(shapes):
+            raise ValueError("every rank describes its stages the same way (shapes, or stage_spec tuples)")
+        out_cols, configs, norms, residuals = (tuple(col) for col in zip(*specs)) if specs else ((),) * 4
+        return cls(tuple(shapes), tuple(rank_of), tuple(segments), out_cols, configs, norms, residuals)
 
     @property
     def num_stages(self) -> int:
@@ -144,8 +173,21 @@ class HeapLayout:
     nbytes: int
 
 
+def stage_spec(w: torch.Tensor, config: GemmConfig, epilogue) -> tuple:
+    """What every rank must know of a stage to lay out the heap and link to it: ``(K, N, output
+    columns, configuration, the norm of its input, whether it adds a residual)``."""
+    norm = None
+    if epilogue is not None and epilogue.norm_eps is not None:
+        norm = "layer" if epilogue.layer_norm_eps is not None else "rms"
+    cols = w.shape[1] if epilogue is None else epilogue.out_cols(w.shape[1])
+    return (int(w.shape[0]), int(w.shape[1]), int(cols), config, norm, bool(epilogue is not None and epilogue.residual))
+
+
 def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torch.dtype, queue: bool) -> HeapLayout:
-    """Lay out a plan of ``rows`` rows (every rank computes the same layout for every rank)."""
+    """Lay out a plan of ``rows`` rows (every rank computes the same layout for every rank), in
+    each stage's configuration (``placement.configs``; else ``config`` for every stage). A link
+    into a stage that normalises its input also holds the partial sums of its rows that the
+    producer leaves, per producer tile (``"sumsq"``, and ``"sums"`` for a LayerNorm)."""
     used = [0] * (max(placement.rank_of) + 1)
     regions, links = {}, {}
 
@@ -156,16 +198,25 @@ def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torc
         regions[(name, s)] = Region(rank, used[rank], tuple(shape), dt)
         used[rank] += -(-size // ALIGN) * ALIGN
 
-    grids = [deps.TileGrid(rows, N, config.block_m, config.block_n) for _, N in placement.shapes]
+    configs = placement.configs or (config,) * placement.num_stages
+    # each stage's output tiles (half as wide as its GEMM's with a gated epilogue), as Pipeline's
+    grids = [
+        deps.TileGrid(rows, placement.cols(s), cfg.block_m, cfg.block_n * placement.cols(s) // N)
+        for s, ((_, N), cfg) in enumerate(zip(placement.shapes, configs))
+    ]
     for s in placement.cross_links():
         K = placement.shapes[s][0]
-        dep = links[s] = _link_dependency(grids[s - 1], grids[s], K, queue, config)
+        dep = links[s] = _link_dependency(grids[s - 1], grids[s], K, queue, configs[s])
         consumer, producer = placement.rank_of[s], placement.rank_of[s - 1]
         for name, shape in (("counters", (dep.num_counters,)), ("slots", (dep.consumer.num_tiles,)),
                             ("tail", (1,)), ("started", (1,)), ("rows", (1,))):  # fmt: skip
             put(name, s, consumer, shape, torch.int64)
         put("consumed", s, producer, (1,), torch.int64)
         put("input", s, consumer, (rows, K), dtype)
+        if placement.norm(s) is not None:  # one partial sum per row and producer tile (its GEMM's)
+            parts = -(-placement.shapes[s - 1][1] // configs[s - 1].block_n)
+            for name in ("sumsq", "sums") if placement.norm(s) == "layer" else ("sumsq",):
+                put(name, s, consumer, (rows, parts), torch.float32)
     return HeapLayout(rows, regions, links, max(max(used), ALIGN))
 
 
@@ -206,8 +257,17 @@ class DistributedPipeline:
         last; every rank holds at least one.
     group : the process group (default: the world). GPU ranks need one host and peer access
         between consecutive ranks' GPUs.
-    policy, config, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
+    policy, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
         :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
+    config : this rank's stages' tiles (:class:`GemmConfig`), or a list of one per stage
+        (default :data:`PIPELINE_CONFIG`); every stage of the chain shares ``block_m``.
+    epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage of this
+        rank, as for :class:`~ctapipelining.pipeline.Pipeline`: a stage that normalises its
+        input takes its rows' partial sums from the stage before, on this rank or, through the
+        heap, on the rank before; a residual is read on this rank, so a stage with one and the
+        stage before it run in one segment (keep each transformer block's GEMMs on one rank,
+        and no ``loopback``). ``ctapipelining.nn``'s blocks give theirs
+        (:meth:`~ctapipelining.nn.FusedMLP.pipeline_stages`).
     start_timeout_s : how long a segment's gate waits for a peer rank to start a call (or to
         finish the one before) before it reports; default ``max(2.5, 2.5 * timeout_s)`` seconds
         (``host_timeout_s / 4`` when that is given). It bounds how far apart the ranks may start
@@ -236,7 +296,7 @@ class DistributedPipeline:
         group=None,
         *,
         policy: str = "static",
-        config: GemmConfig | None = None,
+        config: GemmConfig | list[GemmConfig] | None = None,
         timeout_s: float = 1.0,
         start_timeout_s: float | None = None,
         host_timeout_s: float | None = None,
@@ -244,6 +304,7 @@ class DistributedPipeline:
         row_buckets: int = ROW_BUCKETS,
         sm_budget: int | None = None,
         loopback: bool = False,
+        epilogues: list[Epilogue | None] | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedPipeline needs torch.distributed: call init_process_group first (torchrun)")
@@ -260,13 +321,13 @@ class DistributedPipeline:
                     f"cuda:{current}: call torch.cuda.set_device({first_weight.device.index}) first"
                 )
         try:
-            self._check_local(weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans,
-                              row_buckets, sm_budget, loopback)  # fmt: skip
+            self._check_local(weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s,
+                              max_plans, row_buckets, sm_budget, loopback)  # fmt: skip
         except (ValueError, TypeError, fabric.SymmetricMemoryError) as e:
             local_error = f"{type(e).__name__}: {e}"
         device = weights[0].device if not local_error and weights else None
         mine = {
-            "shapes": [tuple(w.shape) for w in weights] if not local_error else [],
+            "stages": [] if local_error else [stage_spec(*spec) for spec in zip(weights, self.configs, self.epilogues)],
             "dtype": str(weights[0].dtype) if not local_error and weights else None,
             "device": None if device is None else device.type,
             "uuid": str(torch.cuda.get_device_properties(device).uuid) if device is not None and device.type == "cuda"
@@ -278,45 +339,56 @@ class DistributedPipeline:
         every = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         _raise_any(every)
-        self.placement = Placement.of([e["shapes"] for e in every], loopback)
+        self.placement = Placement.of([e["stages"] for e in every], loopback)
         _check_ranks(every)
+        _check_stages(self.placement)
         self.device = device
         self.on_gpu = device.type == "cuda"
         self.weights = weights
         self.loopback = loopback
         self.is_first, self.is_last = self.rank == self.placement.rank_of[0], self.rank == self.placement.rank_of[-1]
         self._segment_ids = self.placement.segments_of(self.rank)
-        share = None
+        share, error = None, None
         if self.on_gpu:
             sms = min(num_sms(device), sm_budget or num_sms(device))
             share = sms // len(self._segment_ids)
-            peer = _peer_error(every, self.rank, device)
+            error = _peer_error(every, self.rank, device)
             if share < 1:
-                peer = f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments"
-            errors = [None] * self.world
-            dist.all_gather_object(errors, {"error": peer}, group=self.group)
-            _raise_any(errors)
+                error = f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments"
         # the segments this rank runs, each a Pipeline over its stages on an equal share of the SMs
+        # (what one refuses, such as an epilogue its stages cannot run, is raised on every rank)
         first_local = self.placement.rank_of.index(self.rank)
         self.segments: list[Pipeline] = []
-        for i in self._segment_ids:
-            stages = self.placement.segments[i]
-            self.segments.append(
-                Pipeline(
-                    [weights[s - first_local] for s in stages],
-                    policy=self.policy,
-                    config=self.config,
-                    timeout_s=timeout_s,
-                    host_timeout_s=self.host_timeout_s,
-                    max_plans=1 << 30,
-                    row_buckets=0,
-                    sm_budget=share,
-                    loopback=None if self.on_gpu else True,
-                    segment=Segment(stages[0], functools.partial(self._segment_links, stages), f"rank {self.rank}"),
-                )  # fmt: skip
-            )
+        try:
+            for i in [] if error else self._segment_ids:
+                stages = self.placement.segments[i]
+                self.segments.append(
+                    Pipeline(
+                        [weights[s - first_local] for s in stages],
+                        policy=self.policy,
+                        config=[self.configs[s - first_local] for s in stages],
+                        epilogues=[self.epilogues[s - first_local] for s in stages],
+                        timeout_s=timeout_s,
+                        host_timeout_s=self.host_timeout_s,
+                        max_plans=1 << 30,
+                        row_buckets=0,
+                        sm_budget=share,
+                        loopback=None if self.on_gpu else True,
+                        segment=Segment(
+                            stages[0],
+                            functools.partial(self._segment_links, stages),
+                            f"rank {self.rank}",
+                            self.placement.norm(stages[-1] + 1),
+                        ),
+                    )  # fmt: skip
+                )
+        except (ValueError, TypeError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        errors = [None] * self.world
+        dist.all_gather_object(errors, {"error": error}, group=self.group)
+        _raise_any(errors)
         self.num_stages = self.placement.num_stages
-        self.out_features = self.placement.shapes[-1][1]
+        self.out_features = self.placement.cols(self.num_stages - 1)
         self.in_features = self.placement.shapes[0][0]
         self._plans: collections.OrderedDict[int, DistributedPlan] = collections.OrderedDict()
         self._building: DistributedPlan | None = None
@@ -325,8 +397,8 @@ class DistributedPipeline:
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
 
     def _check_local(
-        self, weights, policy, config, timeout_s, start_timeout_s, host_timeout_s, max_plans, row_buckets, sm_budget,
-        loopback,
+        self, weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s, max_plans, row_buckets,
+        sm_budget, loopback,
     ) -> None:  # fmt: skip
         """What this rank can check alone (raises ValueError / TypeError); sets the settings."""
         if not isinstance(weights, list) or not weights:
@@ -338,12 +410,29 @@ class DistributedPipeline:
             raise ValueError(f"rank {self.rank}'s weights are on {sorted(map(str, devices))}: a rank runs on one GPU")
         if weights[0].is_cuda:
             fabric.symmetric_memory()
-        self.config = config or PIPELINE_CONFIG
+        n = len(weights)
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * n
+        if len(configs) != n or not all(c is None or isinstance(c, GemmConfig) for c in configs):
+            raise ValueError(f"config must be a GemmConfig or a list of one per stage of this rank ({n}): {config!r}")
+        self.configs = [c or PIPELINE_CONFIG for c in configs]
+        if len({c.block_m for c in self.configs}) > 1:
+            raise ValueError(f"the stages' configurations must share block_m, got {[c.block_m for c in self.configs]}")
+        self.block_m = self.configs[0].block_m
+        epilogues = [None] * n if epilogues is None else list(epilogues)
+        if len(epilogues) != n or not all(e is None or isinstance(e, Epilogue) for e in epilogues):
+            raise ValueError(f"epilogues must be a list of one Epilogue or None per stage of this rank ({n})")
+        for k, (w, e, c) in enumerate(zip(weights, epilogues, self.configs)):
+            if e is not None:
+                e.check(w.shape[1], w.dtype, w.device, c.block_n)
+            before = None if not k else stage_spec(weights[k - 1], self.configs[k - 1], epilogues[k - 1])[2]
+            if k and w.shape[0] != before:
+                raise ValueError(f"rank {self.rank}'s weight {k} is {tuple(w.shape)}; the one before outputs {before}")
+        self.epilogues = epilogues
         self.policy = deps.get_policy(policy)
         if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
-        deps.bucket_rows(1, self.config.block_m, row_buckets)  # validates row_buckets
+        deps.bucket_rows(1, self.block_m, row_buckets)  # validates row_buckets
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
@@ -371,7 +460,7 @@ class DistributedPipeline:
             )
         self.host_timeout_s, self.start_timeout_ns = float(host), int(start * 1e9)
         # what every rank must share (the timeouts are each rank's own bounds)
-        self._settings = (repr(self.config), self.policy.name, loopback, row_buckets, max_plans, sm_budget)
+        self._settings = (self.policy.name, loopback, row_buckets, max_plans, sm_budget)
 
     def __repr__(self) -> str:
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
@@ -383,7 +472,7 @@ class DistributedPipeline:
     # -- plans -------------------------------------------------------------------------------
     def rows_for(self, M: int) -> int:
         """The height of the plan that serves calls on ``M`` rows (see ``row_buckets``)."""
-        return deps.bucket_rows(M, self.config.block_m, self.row_buckets)
+        return deps.bucket_rows(M, self.block_m, self.row_buckets)
 
     def plan(self, M: int) -> DistributedPlan:
         """The plan for calls on ``M`` rows (collective when it is built or another is freed:
@@ -410,7 +499,7 @@ class DistributedPipeline:
                 "pass the same rows"
             )
         w = self.weights[0]
-        layout = heap_layout(self.placement, B, self.config, w.dtype, self.policy.uses_queue)
+        layout = heap_layout(self.placement, B, PIPELINE_CONFIG, w.dtype, self.policy.uses_queue)
         if self.on_gpu:
             heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group, self._meet)
         else:
@@ -450,6 +539,7 @@ class DistributedPipeline:
                 head=torch.zeros(1, dtype=torch.int64, device=dev) if here_c else None,
                 tail=view("tail", s),
                 lists=SignalLists.create(dep, dev) if here_p else None,
+                sums=_sums_views(view, s, self.placement.norm(s)),
             )
         self._building = dp
         try:
@@ -657,15 +747,27 @@ class DistributedPipeline:
             raise ValueError(f"the ranks asked for different row counts ({heights} by rank)")
         B = self.rows_for(M)
         stages = [s for i in self._segment_ids for s in self.placement.segments[i]]
+        first, last = stages[0], stages[-1]
+        sums = None  # the partial sums of the rows passed on, for a norm of the next stage
         if self.is_first:
             h = torch.cat([x, x.new_zeros(B - M, x.shape[1])]) if B > M else x
         else:
-            h = torch.empty(B, self.placement.shapes[stages[0]][0], dtype=self.weights[0].dtype, device=self.device)
+            h = torch.empty(B, self.placement.shapes[first][0], dtype=self.weights[0].dtype, device=self.device)
             dist.recv(h, group_src=self.rank - 1, group=self.group)
+            if self.placement.norm(first) is not None:
+                parts = -(-self.placement.shapes[first - 1][1] // self.placement.configs[first - 1].block_n)
+                f32 = dict(dtype=torch.float32, device=self.device)
+                sums = [torch.empty(B, parts, **f32) for _ in range(2 if self.placement.norm(first) == "layer" else 1)]
+                for t in sums:
+                    dist.recv(t, group_src=self.rank - 1, group=self.group)
+                sums = tuple(sums) if len(sums) == 2 else sums[0]
         for seg in self.segments:
-            h = seg.sequential(h)
+            h, sums = seg._sequential(h, sums)
         if not self.is_last:
             dist.send(h.contiguous(), group_dst=self.rank + 1, group=self.group)
+            if self.placement.norm(last + 1) is not None:
+                for t in sums if isinstance(sums, tuple) else (sums,):
+                    dist.send(t.contiguous(), group_dst=self.rank + 1, group=self.group)
             return None
         return h[:M]
 
@@ -793,13 +895,39 @@ def _check_ranks(every: list[dict]) -> None:
             raise ValueError(f"rank {r} runs on {e['device']}, rank 0 on {first['device']}")
         if e["settings"] != first["settings"]:
             raise ValueError(
-                f"rank {r} was built with (config, policy, loopback, row_buckets, max_plans, sm_budget) = "
+                f"rank {r} was built with (policy, loopback, row_buckets, max_plans, sm_budget) = "
                 f"{e['settings']}, rank 0 with {first['settings']}: every rank must pass the same"
             )
         if e["host"] != first["host"]:
             raise ValueError(
                 f"rank {r} runs on host {e['host']}, rank 0 on {first['host']}: CTA-pipelining spans the GPUs of one "
                 "NVLink domain (one host); between hosts, use ordinary pipeline parallelism"
+            )
+
+
+def _sums_views(view, s: int, norm: str | None):
+    """The heap's partial sums of stage ``s``'s input rows (as :attr:`Link.sums` holds them)."""
+    if norm is None:
+        return None
+    return (view("sumsq", s), view("sums", s)) if norm == "layer" else view("sumsq", s)
+
+
+def _check_stages(placement: Placement) -> None:
+    """What the ranks' stages must agree on, checked on every rank alike: one ``block_m`` (the
+    links count row-blocks), and no residual read across segments."""
+    heights = {c.block_m for c in placement.configs}
+    if len(heights) > 1:
+        raise ValueError(
+            f"the stages' configurations must share block_m across ranks, got {[c.block_m for c in placement.configs]}"
+        )
+    for s in [0, *placement.cross_links()]:
+        if placement.residuals and placement.residuals[s]:
+            raise ValueError(
+                "stage 0 adds a residual, the input of the stage before it: it has none"
+                if s == 0
+                else f"stage {s} (rank {placement.rank_of[s]}) adds a residual, the input of the stage before it, "
+                f"which runs in another segment (rank {placement.rank_of[s - 1]}): keep a block's GEMMs on one "
+                "rank, without loopback"
             )
 
 

@@ -219,6 +219,18 @@ class FusedMLP(torch.nn.Module):
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
 
+    def pipeline_stages(self) -> tuple[list[torch.Tensor], list[GemmConfig], list[Epilogue]]:
+        """The block as two stages of a pipeline (:class:`~ctapipelining.pipeline.Pipeline`,
+        :class:`~ctapipelining.distributed.DistributedPipeline`): its laid-out weights, their
+        configurations and epilogues. The second GEMM loads its residual in its epilogue there
+        (the first stage's input), so where its configuration leaves no shared memory for the
+        residual's tile (the default :data:`DOWN_CONFIG`'s) it runs in
+        :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`. The weights are the block's own:
+        :meth:`refresh` updates them in place."""
+        self._follow_source()
+        out_config = self.out_config if fits_loaded_residual(self.out_config) else RESIDUAL_CONFIG
+        return [self.w_in, self.w_out], [self.in_config, out_config], list(self._epilogues())
+
     def refresh(self) -> None:
         """Lay the weights out again from the module this block was built from (a call does it by
         itself after an in-place change PyTorch counts; this is for one it does not, such as
@@ -520,14 +532,9 @@ class MLPStack(torch.nn.Module):
             (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
         )
         if self._built is None or self._built[0] != key:
-            epilogues = [e for b in self.blocks for e in b._epilogues()]
-            # each block's, but a down GEMM whose tiles leave no room for the residual tile a stage
-            # loads (the default DOWN_CONFIG's) runs in RESIDUAL_CONFIG
-            configs = self.config or [
-                c
-                for b in self.blocks
-                for c in (b.in_config, b.out_config if fits_loaded_residual(b.out_config) else RESIDUAL_CONFIG)
-            ]
+            stages = [b.pipeline_stages() for b in self.blocks]  # each block's configurations, epilogues
+            epilogues = [e for _, _, epis in stages for e in epis]
+            configs = self.config or [c for _, cfgs, _ in stages for c in cfgs]
             self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
         return self._built[1]
 

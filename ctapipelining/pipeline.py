@@ -326,8 +326,6 @@ class Pipeline:
             raise ValueError(f"epilogues must be a list of one Epilogue or None per stage ({len(weights)})")
         if any(epilogues) and (ends or prefill_rows or drain_rows):
             raise ValueError("epilogues and prefill or drain rows do not go together: pass one or the other")
-        if any(epilogues) and segment is not None:
-            raise ValueError("a segment of a distributed chain runs no epilogues")
         # chosen per plan height (plan_configs), where nothing else fixes the tiles
         self._per_height = config is None and not (ends or prefill_rows or drain_rows or any(epilogues) or segment)
         self.epilogues = epilogues
@@ -451,7 +449,10 @@ class Pipeline:
                 continue
             epi.check(w.shape[1], w.dtype, w.device, self.configs[s].block_n)
             if epi.residual and s == 0:
-                raise ValueError("a residual is the input of the stage before: stage 0 has none")
+                raise ValueError(
+                    "a residual is the input of the stage before: stage 0 has none"
+                    + (" in this segment (keep a block's GEMMs in one segment)" if self._inbound else "")
+                )
             if epi.residual and self.out_cols[s] != self.weights[s - 1].shape[0]:
                 raise ValueError(
                     f"stage {s}'s residual (stage {s - 1}'s input, {self.weights[s - 1].shape[0]} columns) does "
@@ -464,8 +465,9 @@ class Pipeline:
                 )
 
     def _norm_sums(self, s: int) -> bool:
-        """Whether stage ``s`` normalises its input with the partial sums stage ``s - 1`` leaves."""
-        return s > 0 and self.epilogues[s] is not None and self.epilogues[s].norm_eps is not None
+        """Whether stage ``s`` normalises its input with the partial sums the stage before leaves
+        (stage ``s - 1``, or for a segment's stage 0 the previous segment's last)."""
+        return (s > 0 or self._inbound) and self.epilogues[s] is not None and self.epilogues[s].norm_eps is not None
 
     def _sums_parts(self, s: int) -> int:
         """The partial sums of squares per row that stage ``s - 1`` leaves for stage ``s``."""
@@ -565,15 +567,23 @@ class Pipeline:
         """The same GEMMs one after another, each with its stage's configuration in the plan for
         ``x``'s rows, no pipelining: what a call must equal bitwise (a reference for tests and
         benchmarks)."""
+        return self._sequential(x)[0]
+
+    def _sequential(self, x: torch.Tensor, sums=None) -> tuple[torch.Tensor, object]:
+        """:meth:`sequential`, and for a segment: ``sums``, the partial sums of ``x``'s rows that
+        the previous segment's last stage leaves (for stage 0's norm); returns the result and
+        the partial sums the last stage leaves for the next segment's norm (or None)."""
         self.check_input(x)
         rows, M = x.shape[0], self.rows_for(x.shape[0])
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
             x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
         R, D = self.ends_for(M)
         configs = self.plan_configs(M)
-        y, prev, sums = x, None, None
+        y, prev = x, None
+        # with epilogues, or partial sums to leave for the next segment's norm: no ends (checked)
+        fused = any(self.epilogues) or (self.segment is not None and self.segment.out_norm is not None)
         for s, w in enumerate(self.weights):
-            if any(self.epilogues):  # no ends (checked at construction)
+            if fused:
                 y, sums = y.to(w.device), sums_to(sums, w.device)
                 prev = None if prev is None else prev.to(w.device)  # a residual from the GPU before
                 out_sums = self._out_sums(s, M, w.device)
@@ -585,17 +595,21 @@ class Pipeline:
             cuts = sorted({0, M} | ({R, M - D} if s == 0 else {M - D} if s == 1 else set()))
             y = y.to(w.device)
             y = torch.cat([self._gemm(y[a:b], w, s, a == M - D, configs) for a, b in zip(cuts, cuts[1:])])
-        return y[:rows]
+        return y[:rows], (sums if fused else None)
 
     def _out_sums(self, s: int, M: int, device: torch.device | None = None):
         """The rows' partial sums stage ``s`` leaves for stage ``s + 1``'s norm (on ``device``,
         default stage ``s + 1``'s): the sums of squares for an RMSNorm, ``(sums of squares,
         sums)`` for a LayerNorm; or None."""
-        if s + 1 >= len(self.weights) or not self._norm_sums(s + 1):
+        if s + 1 < len(self.weights):
+            norm = self._norm_sums(s + 1) and ("layer" if self.epilogues[s + 1].layer_norm_eps is not None else "rms")
+        else:  # the next segment's first stage's (its plan's link carries them; see _build_plan)
+            norm = self.segment.out_norm if self.segment is not None else None
+        if not norm:
             return None
-        device = device or self.devices[s + 1]
+        device = device or self.devices[min(s + 1, len(self.weights) - 1)]
         sums = [torch.zeros(M, self._sums_parts(s + 1), dtype=torch.float32, device=device) for _ in "ab"]
-        return tuple(sums) if self.epilogues[s + 1].layer_norm_eps is not None else sums[0]
+        return tuple(sums) if norm == "layer" else sums[0]
 
     def _gemm(
         self, a: torch.Tensor, w: torch.Tensor, s: int, drain: bool, configs: list[GemmConfig],
@@ -785,14 +799,15 @@ class Pipeline:
             drain_h=torch.empty(D, ws[0].shape[1], dtype=ws[0].dtype, device=devs[0]) if D else None,
             err_host=[torch.zeros(len(ERR_FIELDS), dtype=torch.int64, pin_memory=self.on_gpu) for _ in devs],
             inbound=inbound,
-            sums=[None] + [self._out_sums(s - 1, P) for s in range(1, n)],
+            # stage 0's from the previous segment (its link), the others' from the stage before
+            sums=[inbound.sums if inbound is not None else None] + [self._out_sums(s - 1, P) for s in range(1, n)],
             configs=configs,
         )
 
         def epilogue_of(s: int, lo: int = 0) -> tuple[dict, tuple]:
             """Stage ``s``'s epilogue as launch arguments, and its residual operand (or nothing)."""
             res = () if epis[s] is None or not epis[s].residual else (("x", lo, P) if s == 1 else inputs[s - 1][lo:P],)
-            out_sums = plan.sums[s + 1] if s + 1 < n else None
+            out_sums = plan.sums[s + 1] if s + 1 < n else (outbound.sums if outbound is not None else None)
             return dict(epilogue=epis[s], norm_sums=plan.sums[s], out_sums=out_sums), res
 
         def bind(stream, rows, w, s_cfg, a, c, stage=None, **hooks):

@@ -64,6 +64,10 @@ class Link:
     tail: torch.Tensor
     lists: SignalLists
     local_lists: SignalLists | None = None
+    # where stage s - 1 leaves its rows' partial sums for stage s's norm (consumer memory): the
+    # sums of squares, or (sums of squares, sums) for a LayerNorm; None: stage s has no norm.
+    # Set for a link between segments (their heap); inside a pipeline, Plan.sums holds them
+    sums: object = None
 
     @classmethod
     def create(cls, dep: deps.Dependency, producer: torch.device, consumer: torch.device) -> Link:
@@ -204,11 +208,16 @@ class Segment:
     filled by the previous segment; None for the chain's first stage) and the link out of its
     last (the next segment's scoreboard and ring, as addressed from here; None for the chain's
     last stage); both with :func:`link_dependency`, waited on and signalled under the
-    pipeline's policy. ``where`` names the place in errors (e.g. ``"rank 1"``)."""
+    pipeline's policy; a link into a stage that normalises its input also carries the partial
+    sums its producer leaves (:attr:`Link.sums`). ``where`` names the place in errors (e.g.
+    ``"rank 1"``). ``out_norm``: the norm of the next segment's first stage (``"rms"``,
+    ``"layer"``; None: none or no next segment), whose rows' partial sums this segment's last
+    stage leaves."""
 
     first_stage: int
     links: Callable[[int], tuple[Link | None, Link | None]]
     where: str = ""
+    out_norm: str | None = None
 
 
 @dataclass(eq=False)

@@ -339,3 +339,177 @@ def test_a_segment_is_called_through_its_pipeline_and_sequential_refuses_bad_inp
     with pytest.raises(RuntimeError, match="run the stages one after another failed: rank 0: ValueError"):
         pipe.sequential(rows=40)  # rank 0 gives x: refused on every rank, nobody left in a recv
     assert torch.equal(pipe(x), pipe.sequential(x))
+
+
+# -- fused MLP blocks, a block per rank ---------------------------------------------------------
+SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)  # a gated tile holds 16 columns
+DOWN = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)
+HID, INTER = 48, 80
+
+
+def _blocks(kind: str):
+    """Two small fused blocks (fp16: the interpreter), different weights."""
+    from ctapipelining.nn import GPTMLP, LlamaMLP
+
+    g = torch.Generator().manual_seed(11)
+
+    def w(*shape, scale=None):
+        return (torch.randn(*shape, generator=g) * (scale or shape[-1] ** -0.5)).half()
+
+    def one():
+        norm = (1 + 0.2 * torch.randn(HID, generator=g)).half()
+        if kind == "llama":
+            return LlamaMLP(w(INTER, HID), w(INTER, HID), w(HID, INTER), norm, gate_up_config=SMALL, down_config=DOWN)
+        return GPTMLP(w(INTER, HID), w(INTER, scale=0.1), w(HID, INTER), w(HID, scale=0.1), norm, w(HID, scale=0.1),
+                      up_config=SMALL, down_config=DOWN)  # fmt: skip
+
+    return [one(), one()]
+
+
+def test_placement_and_heap_of_fused_stages():
+    """A gated stage chains by its halved columns and its tiles are half as wide in the link's
+    dependency; a stage that normalises its input has its producer's partial sums in the heap:
+    sums of squares for an RMSNorm, and sums beside them for a LayerNorm, one per row and
+    producer tile."""
+    from ctapipelining.distributed import stage_spec
+    from ctapipelining.epilogue import Epilogue, silu
+
+    rms, layer = Epilogue(rms_eps=1e-5), Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(64))
+    gated = Epilogue(silu, gated=True)
+    w = lambda k, n: torch.zeros(k, n).half()  # noqa: E731
+    ranks = [[stage_spec(w(32, 64), SMALL, gated), stage_spec(w(32, 48), SMALL, None)],
+             [stage_spec(w(48, 64), SMALL, rms)], [stage_spec(w(64, 16), SMALL, layer)]]  # fmt: skip
+    p = Placement.of(ranks)
+    assert p.cols(0) == 32 and p.norms == (None, None, "rms", "layer") and p.residuals == (False,) * 4
+    lay = heap_layout(p, 40, CFG, torch.float16, False)
+    assert lay.regions[("sumsq", 2)].shape == (40, 2) and ("sums", 2) not in lay.regions  # 48 wide: 2 tiles of 32
+    assert lay.regions[("sumsq", 3)].shape == lay.regions[("sums", 3)].shape == (40, 2)
+    assert lay.regions[("sumsq", 3)].dtype == torch.float32 and lay.regions[("sumsq", 3)].rank == 2
+    with pytest.raises(ValueError, match="outputs 32 columns"):
+        Placement.of([[stage_spec(w(32, 64), SMALL, gated)], [stage_spec(w(64, 16), SMALL, None)]])
+    inner = Placement.of([[stage_spec(w(32, 64), SMALL, gated)], [stage_spec(w(32, 16), SMALL, None)]])
+    dep = heap_layout(inner, 40, CFG, torch.float16, False).deps[1]
+    assert dep.producer.block_n == 16 and dep.producer.num_n == 2  # the gated GEMM's stored tiles
+
+
+@pytest.mark.interpreter
+def test_blocks_on_one_rank_and_what_cannot_be_split(world1):
+    """A rank with two Llama blocks runs them as one segment, bitwise the one-process stack; a
+    block split over segments (loopback: a segment per stage) is refused, since the down GEMM's
+    residual would be another segment's input; per-stage configurations are checked."""
+    from ctapipelining.nn import LlamaStack
+
+    blocks = _blocks("llama")
+    ws, cfgs, epis = (sum(parts, []) for parts in zip(*(b.pipeline_stages() for b in blocks)))
+    pipe = DistributedPipeline(ws, config=cfgs, epilogues=epis, timeout_s=0.1)
+    x = torch.randn(40, HID).half()
+    y = pipe(x, check=True)
+    assert torch.equal(y, pipe.sequential(x)) and torch.equal(y, LlamaStack(blocks)(x))
+    with pytest.raises(ValueError, match="keep a block's GEMMs on one rank"):
+        DistributedPipeline(ws, config=cfgs, epilogues=epis, loopback=True)
+    with pytest.raises(ValueError, match="a list of one per stage"):
+        DistributedPipeline(ws, config=cfgs[:3], epilogues=epis)
+    with pytest.raises(ValueError, match="one Epilogue or None per stage"):
+        DistributedPipeline(ws, config=cfgs, epilogues=epis[:3])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_norms_across_segments_take_the_sums_through_the_heap(world1, policy):
+    """A segment per stage (world size 1, loopback): stage 1's RMSNorm and stage 2's LayerNorm
+    take their rows' partial sums from the stage before through the heap, and a gated SiLU halves
+    stage 1's columns; with the heap's sums NaN-poisoned first, bitwise the one-process pipeline
+    and the stages one after another."""
+    from ctapipelining.epilogue import Epilogue, silu
+
+    ws = _weights([32, 48, 64], seed=3) + _weights([32, 16], seed=4)
+    epis = [None, Epilogue(silu, gated=True, rms_eps=1e-5),
+            Epilogue(layer_norm_eps=1e-5, col_sum=ws[2].float().sum(0).contiguous())]  # fmt: skip
+    pipe = DistributedPipeline(ws, config=SMALL, epilogues=epis, loopback=True, policy=policy, timeout_s=0.1)
+    assert len(pipe.segments) == 3
+    x = torch.randn(37, 32).half()
+    plan = pipe.plan(37)
+    for link in plan.links.values():
+        for u in link.sums if isinstance(link.sums, tuple) else (link.sums,):
+            u.fill_(float("nan"))
+    y = pipe(x, check=True)
+    one = Pipeline(ws, config=SMALL, epilogues=epis, policy=policy, row_buckets=0)
+    assert torch.equal(y, one(x)) and torch.equal(y, pipe.sequential(x)) and not y.isnan().any()
+    assert isinstance(plan.links[2].sums, tuple) and plan.links[1].sums.shape == (48, 2)
+
+
+def _block_per_rank(rank, store, result, kind):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        from ctapipelining.nn import GPTStack, LlamaStack
+
+        blocks = _blocks(kind)
+        ws, cfgs, epis = blocks[rank].pipeline_stages()
+        x = torch.randn(37, HID, generator=torch.Generator().manual_seed(2)).half()
+        lines = []
+        for policy in ("static", "workqueue"):
+            pipe = DistributedPipeline(ws, config=cfgs, epilogues=epis, policy=policy, timeout_s=0.1)
+            pipe.plan(37)
+            plan = pipe.plan(37)
+            for seg_plan in plan.plans:  # every intermediate and sums buffer poisoned, the heap's too
+                for t in seg_plan.inputs[1:] + [s for s in seg_plan.sums if s is not None]:
+                    for u in t if isinstance(t, tuple) else (t,):
+                        u.fill_(float("nan"))
+            for link in plan.links.values():
+                for u in link.sums if isinstance(link.sums, tuple) else (link.sums,):
+                    if u is not None and rank == 1:
+                        u.fill_(float("nan"))
+            dist.barrier()
+            if rank == 0:  # the producer's rank first (the interpreter's waits poll briefly)
+                pipe(x)
+            dist.barrier()
+            y = pipe(rows=37) if rank == 1 else None
+            dist.barrier()
+            pipe.check_errors()
+            ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 37)
+            if rank == 1:
+                stack = (LlamaStack if kind == "llama" else GPTStack)(blocks)
+                lines.append((torch.equal(y, ref), torch.equal(y, stack(x)), bool(y.isnan().any())))
+                # the sums block 0's down GEMM left in this rank's heap: per row and 16 columns of
+                # its output (block 1's input), a LayerNorm's centred on each part's mean
+                h = plan.plans[0].inputs[0] if plan.plans[0].inputs[0] is not None else plan.inputs[0]
+                parts = h[:37].float().view(37, -1, 16)
+                sums = plan.links[2].sums
+                if kind == "llama":
+                    lines.append(torch.allclose(sums[:37], parts.pow(2).sum(-1), rtol=1e-4))
+                else:
+                    centred = (parts - parts.mean(-1, keepdim=True)).pow(2).sum(-1)
+                    lines.append(torch.allclose(sums[0][:37], centred, rtol=1e-3, atol=1e-3)
+                                 and torch.allclose(sums[1][:37], parts.sum(-1), rtol=1e-4, atol=1e-4))  # fmt: skip
+                # and its reference takes them as sent: scaled, its result changes
+                seg, got = pipe.segments[0], tuple(t[:37] for t in sums) if kind == "gpt" else sums[:37]
+                scaled = tuple(4 * t for t in got) if kind == "gpt" else 4 * got
+                again = seg._sequential(h[:37], got)[0]
+                lines.append(torch.equal(again, y) and not torch.equal(seg._sequential(h[:37], scaled)[0], again))
+            # block 1's norm reads those sums: scaled, its output changes
+            pipe.plan(37)
+            if rank == 0:
+                pipe(x)
+            dist.barrier()
+            if rank == 1:
+                for u in plan.links[2].sums if isinstance(plan.links[2].sums, tuple) else (plan.links[2].sums,):
+                    u.mul_(4)
+                lines.append(not torch.equal(pipe(rows=37, check=False), ref))
+            dist.barrier()
+            pipe.check_errors()
+        result[rank] = lines
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_block_per_rank_in_two_processes(tmp_path, kind):
+    """Two fused blocks, one per rank: block 1's norm takes its rows' partial sums (a LayerNorm's
+    sums too) that block 0's down GEMM writes into rank 1's heap with its tiles. With every
+    buffer NaN-poisoned first, both policies bitwise the stages one after another (the sums sent
+    along) and the one-process stack."""
+    result = mp.Manager().dict()
+    mp.spawn(_block_per_rank, args=(str(tmp_path / "store"), result, kind), nprocs=2, join=True)
+    assert result[1] == [(True, True, False), True, True, True] * 2

@@ -54,6 +54,28 @@ def test_through_symmetric_memory_equals_the_one_process_pipeline(world1, policy
     assert all(launch.gemm._compiled for p in fresh.plans for launch in p.launches)
 
 
+@pytest.mark.parametrize("policy", ["static", "workqueue"])
+def test_norms_across_segments_through_symmetric_memory(world1, policy):
+    """A segment per stage: stage 1's RMSNorm (a gated SiLU after it) and stage 2's LayerNorm take
+    their rows' partial sums from the stage before through symmetric memory, NaN-poisoned
+    first: bitwise the one-process pipeline and the stages one after another."""
+    from ctapipelining.epilogue import Epilogue, silu
+
+    ws = weights([1024, 2048, 4096]) + weights([2048, 1024], seed=1)
+    epis = [None, Epilogue(silu, gated=True, rms_eps=1e-5),
+            Epilogue(layer_norm_eps=1e-5, col_sum=ws[2].float().sum(0).contiguous())]  # fmt: skip
+    pipe = DistributedPipeline(ws, policy=policy, epilogues=epis, loopback=True, timeout_s=0.5)
+    ref = Pipeline(ws, policy=policy, epilogues=epis, loopback=True, timeout_s=0.5, config=PIPELINE_CONFIG)
+    for M in (3000, 777):
+        plan = pipe.plan(M)
+        for link in plan.links.values():
+            for u in link.sums if isinstance(link.sums, tuple) else (link.sums,):
+                u.fill_(float("nan"))
+        x = torch.randn(M, 1024, device="cuda:0").bfloat16()
+        y = pipe(x, check=True)
+        assert not y.isnan().any() and torch.equal(y, ref(x)) and torch.equal(y, pipe.sequential(x)), M
+
+
 def test_a_producer_waits_until_its_consumer_has_read_the_call_before(world1):
     """The consumer of call 1 is held back (a sleep on its stream) while the producer is asked
     for calls 1 and 2 back to back on another stream: the producer's gate holds call 2 until the

@@ -297,7 +297,6 @@ def test_one_block_split_the_papers_way(policy):
     delayed and the intermediate NaN-poisoned, bitwise its GEMMs one after another, the block's
     own result within rounding (its down GEMM adds the residual by TMA, on other tiles), and a
     graph replay bitwise the eager call."""
-    from ctapipelining.kernels.gemm import RESIDUAL_CONFIG
     from ctapipelining.pipeline import Pipeline
 
     torch.manual_seed(3)
@@ -307,9 +306,8 @@ def test_one_block_split_the_papers_way(policy):
         return (torch.randn(rows, cols, device="cuda:0") * cols**-0.5).bfloat16()
 
     block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda:0")).bfloat16())
-    down = block.w_out.to("cuda:1")
-    pipe = Pipeline([block.w_in, down], config=[block.in_config, RESIDUAL_CONFIG], epilogues=[*block._epilogues()],
-                    policy=policy)  # fmt: skip
+    (w_in, w_out), configs, epilogues = block.pipeline_stages()
+    pipe = Pipeline([w_in, w_out.to("cuda:1")], config=configs, epilogues=epilogues, policy=policy)
     for M in (4096, 777):
         plan = pipe.plan(M)
         x = torch.randn(M, H, device="cuda:0").bfloat16()

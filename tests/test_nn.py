@@ -495,8 +495,10 @@ def test_pipeline_epilogues_are_checked_before_anything_runs():
         Pipeline(w[:2], config=[SMALL])
     with pytest.raises(ValueError, match="does not match its"):  # a residual of another width
         Pipeline([w[0], torch.randn(H, 2 * H).half()], config=SMALL, epilogues=[None, Epilogue(residual=True)])
-    with pytest.raises(ValueError, match="segment"):
-        Pipeline(w[:2], config=SMALL, epilogues=[Epilogue(gelu), None], segment=Segment(1, lambda M: (None, None)))
+    with pytest.raises(ValueError, match="keep a block's GEMMs in one segment"):  # its input is another rank's
+        Pipeline(
+            w[:2], config=SMALL, epilogues=[Epilogue(residual=True), None], segment=Segment(1, lambda M: (None, None))
+        )
     with pytest.raises(ValueError, match="add_residual needs a plain GEMM on the GPU"):  # the interpreter loads it
         GemmLaunch(32, H, H, SMALL, 2, torch.device("cpu"), epilogue=Epilogue(residual=True), add_residual=True)
     with pytest.raises(ValueError, match="norm_sums feed a norm epilogue"):
