@@ -108,7 +108,11 @@ for step in $STEPS; do
       for lb in "" "--loopback"; do name="torchrun${lb:+-loopback}"
         timeout 180 torchrun --nproc-per-node "$NG" examples/torchrun_chain.py --rows "${DIST_ROWS:-4096}" \
           --stages-per-rank "$SPR" $lb --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-        echo "$name rc=$?"; grep -E "^\{|Error" "$OUT/$name.log" | tail -3; done ;;
+        echo "$name rc=$?"; grep -E "^\{|Error" "$OUT/$name.log" | tail -3; done
+      # fused Llama-70B blocks, a block per rank (with one GPU: two blocks on one rank, no links)
+      timeout 240 torchrun --nproc-per-node "$NG" examples/torchrun_chain.py --rows "${DIST_ROWS:-4096}" \
+        --stages-per-rank "$SPR" --blocks --out "$OUT/torchrun-blocks.json" > "$OUT/torchrun-blocks.log" 2>&1
+      echo "torchrun-blocks rc=$?"; grep -E "^\{|Error" "$OUT/torchrun-blocks.log" | tail -3 ;;
     configs) k="${CONFIGS_KIND:-plain}"
       timeout 400 python3 benchmarks/configs.py "$OUT/configs-$k" "${CONFIGS_REPS:-20}" "${CONFIGS_ROWS:-}" "$k" \
         > "$OUT/configs-$k.log" 2>&1; echo "configs rc=$?"; tail -14 "$OUT/configs-$k.log" ;;

@@ -9,7 +9,10 @@ three calls ``--late`` seconds after the others (longer than the kernels' timeou
 must be right and nothing may time out. Last it times both
 pipelines graph-replayed, taking turns, and prints the median of each and their paired ratio.
 With one GPU, ``--loopback`` puts a segment per stage on it, so the links go through symmetric
-memory.
+memory. ``--blocks``: each rank holds ``--stages-per-rank`` fused Llama MLP blocks (hidden
+``dim``, intermediate ``--inter``; :meth:`ctapipelining.nn.FusedMLP.pipeline_stages`) instead of
+bare layers, against the one-process :class:`~ctapipelining.nn.LlamaStack` (not with
+``--loopback``: a block's two GEMMs stay in one segment).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=8192, help="every layer is dim x dim (default 8192)")
     p.add_argument("--stages-per-rank", type=int, default=1, help="layers per rank (default 1)")
     p.add_argument("--loopback", action="store_true", help="a segment per stage (links through the heap on one GPU)")
+    p.add_argument("--blocks", action="store_true", help="fused Llama MLP blocks instead of bare layers")
+    p.add_argument("--inter", type=int, default=28672, help="the blocks' intermediate size (default 28672)")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays of each (default 30)")
     p.add_argument(
         "--late", type=float, default=2.0,
@@ -51,9 +56,31 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     n = world * args.stages_per_rank
     g = torch.Generator().manual_seed(0)  # every rank draws the same chain and keeps its own layers
-    layers = [(torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5).bfloat16() for _ in range(n)]
-    mine = [w.to(device) for w in layers[rank * args.stages_per_rank : (rank + 1) * args.stages_per_rank]]
-    pipe = DistributedPipeline(mine, loopback=args.loopback)
+    gpu_of = lambda s: f"cuda:{s // args.stages_per_rank}"  # noqa: E731 (stage s's GPU, as one process sees them)
+    if args.blocks:
+        from ctapipelining.nn import LlamaMLP
+
+        def w(rows, cols):
+            return (torch.randn(rows, cols, generator=g) * cols**-0.5).bfloat16()
+
+        H, inter = args.dim, args.inter
+        blocks = [
+            LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, generator=g)).bfloat16())
+            for _ in range(n)
+        ]
+
+        def stages(bs, devices):
+            """The blocks' stages (weights, configurations, epilogues), each block moved to its device."""
+            parts = [b.to(d).pipeline_stages() for b, d in zip(bs, devices)]
+            return [sum((part[i] for part in parts), []) for i in range(3)]
+
+        first = rank * args.stages_per_rank
+        ws, configs, epilogues = stages(blocks[first : first + args.stages_per_rank], [device] * args.stages_per_rank)
+        pipe = DistributedPipeline(ws, config=configs, epilogues=epilogues, loopback=args.loopback)
+    else:
+        layers = [(torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5).bfloat16() for _ in range(n)]
+        mine = [w.to(device) for w in layers[rank * args.stages_per_rank : (rank + 1) * args.stages_per_rank]]
+        pipe = DistributedPipeline(mine, loopback=args.loopback)
     x = torch.randn(args.rows, args.dim, generator=g).bfloat16().to(device) if rank == 0 else None
     rows = None if rank == 0 else args.rows
 
@@ -65,8 +92,12 @@ def main() -> None:
         dist.send(y, dst=0)
     single = None
     if rank == 0:
-        placed = [w.to(f"cuda:{s // args.stages_per_rank}") for s, w in enumerate(layers)]
-        single = Pipeline(placed, loopback=args.loopback, config=PIPELINE_CONFIG)  # the distributed default
+        if args.blocks:  # the blocks' own configurations, on the GPUs of their ranks
+            placed, configs, epilogues = stages(blocks, [gpu_of(b) for b in range(n)])
+            single = Pipeline(placed, config=configs, epilogues=epilogues, loopback=args.loopback)
+        else:
+            placed = [w.to(gpu_of(s)) for s, w in enumerate(layers)]
+            single = Pipeline(placed, loopback=args.loopback, config=PIPELINE_CONFIG)  # the distributed default
         y_last = y if world == 1 else torch.empty(args.rows, args.dim, dtype=torch.bfloat16, device=device)
         if world > 1:
             dist.recv(y_last, src=world - 1)
@@ -116,6 +147,7 @@ def main() -> None:
         med, lo, hi = median_ci(ratios)
         result = {
             "world": world, "rows": args.rows, "dim": args.dim, "stages": n, "loopback": args.loopback,
+            "blocks": {"intermediate": args.inter} if args.blocks else None,
             "bitwise_equal_sequential": same_sequential if world == 1 else "on the last rank",
             "bitwise_equal_one_process": same_single,
             "late_first_rank": None if late_right is None else {"seconds": args.late, "calls": 3, "no_timeout": True},
