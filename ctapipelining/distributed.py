@@ -162,8 +162,9 @@ class HeapLayout:
     """The heap regions of a plan of ``rows`` rows on every rank, and the links' dependency
     arrays. ``regions[(name, s)]`` for each stage ``s`` fed by another segment: in the
     consumer's heap ``"input"`` ``[rows, K_s]``, ``"counters"``, ``"slots"``, ``"tail"``,
-    ``"started"`` (the previous segment has started call n) and ``"rows"`` (that call's rows);
-    in the producer's heap
+    ``"started"`` (the previous segment has started call n) and ``"rows"`` (that call's rows),
+    and where stage ``s`` normalises its input ``"sumsq"`` (and for a LayerNorm ``"sums"``)
+    ``[rows, producer tiles]`` float32, its rows' partial sums; in the producer's heap
     ``"consumed"`` (the consumer has finished call n). ``nbytes``: the heap size, the largest
     rank's (a symmetric heap is the same size everywhere)."""
 
@@ -183,9 +184,12 @@ def stage_spec(w: torch.Tensor, config: GemmConfig, epilogue) -> tuple:
     return (int(w.shape[0]), int(w.shape[1]), int(cols), config, norm, bool(epilogue is not None and epilogue.residual))
 
 
-def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torch.dtype, queue: bool) -> HeapLayout:
+def heap_layout(
+    placement: Placement, rows: int, config: GemmConfig | None, dtype: torch.dtype, queue: bool
+) -> HeapLayout:
     """Lay out a plan of ``rows`` rows (every rank computes the same layout for every rank), in
-    each stage's configuration (``placement.configs``; else ``config`` for every stage). A link
+    each stage's configuration (``placement.configs``; for a placement without them, ``config``
+    for every stage). A link
     into a stage that normalises its input also holds the partial sums of its rows that the
     producer leaves, per producer tile (``"sumsq"``, and ``"sums"`` for a LayerNorm)."""
     used = [0] * (max(placement.rank_of) + 1)
@@ -199,6 +203,8 @@ def heap_layout(placement: Placement, rows: int, config: GemmConfig, dtype: torc
         used[rank] += -(-size // ALIGN) * ALIGN
 
     configs = placement.configs or (config,) * placement.num_stages
+    if any(c is None for c in configs):
+        raise ValueError("heap_layout needs the stages' configurations: in the placement, or one config for all")
     # each stage's output tiles (half as wide as its GEMM's with a gated epilogue), as Pipeline's
     grids = [
         deps.TileGrid(rows, placement.cols(s), cfg.block_m, cfg.block_n * placement.cols(s) // N)
@@ -349,17 +355,17 @@ class DistributedPipeline:
         self.is_first, self.is_last = self.rank == self.placement.rank_of[0], self.rank == self.placement.rank_of[-1]
         self._segment_ids = self.placement.segments_of(self.rank)
         share, error = None, None
-        if self.on_gpu:
-            sms = min(num_sms(device), sm_budget or num_sms(device))
-            share = sms // len(self._segment_ids)
-            error = _peer_error(every, self.rank, device)
-            if share < 1:
-                error = f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments"
         # the segments this rank runs, each a Pipeline over its stages on an equal share of the SMs
         # (what one refuses, such as an epilogue its stages cannot run, is raised on every rank)
         first_local = self.placement.rank_of.index(self.rank)
         self.segments: list[Pipeline] = []
         try:
+            if self.on_gpu:
+                sms = min(num_sms(device), sm_budget or num_sms(device))
+                share = sms // len(self._segment_ids)
+                error = _peer_error(every, self.rank, device)
+                if share < 1:
+                    error = f"sm_budget={sm_budget} leaves no SM to one of rank {self.rank}'s segments"
             for i in [] if error else self._segment_ids:
                 stages = self.placement.segments[i]
                 self.segments.append(
@@ -499,7 +505,7 @@ class DistributedPipeline:
                 "pass the same rows"
             )
         w = self.weights[0]
-        layout = heap_layout(self.placement, B, PIPELINE_CONFIG, w.dtype, self.policy.uses_queue)
+        layout = heap_layout(self.placement, B, None, w.dtype, self.policy.uses_queue)  # its stages' own
         if self.on_gpu:
             heap = fabric.symmetric_heap(layout.nbytes, self.device, self.group, self._meet)
         else:

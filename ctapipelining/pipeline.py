@@ -230,7 +230,8 @@ class Pipeline:
         on another GPU, each tile's rows across NVLink once its own input rows have come (they
         came to that GPU first); the norm of a later stage's input takes the rows' sums of squares (and sums,
         for a LayerNorm) that the stage before stores with its tiles (no pass over memory), the
-        first stage's a pass over ``x``. With a split tail, the CTA that sums a tail tile's
+        first stage's a pass over ``x`` (a segment's first stage: the sums the previous segment
+        leaves through its link). With a split tail, the CTA that sums a tail tile's
         K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
         stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
@@ -444,24 +445,25 @@ class Pipeline:
 
     def _check_epilogues(self) -> None:
         """Each stage's epilogue fits its GEMM and its place in the chain (docstring)."""
+        first = self.segment.first_stage if self.segment is not None else 0  # stages as the chain numbers them
         for s, (epi, w) in enumerate(zip(self.epilogues, self.weights)):
             if epi is None:
                 continue
             epi.check(w.shape[1], w.dtype, w.device, self.configs[s].block_n)
             if epi.residual and s == 0:
                 raise ValueError(
-                    "a residual is the input of the stage before: stage 0 has none"
+                    f"a residual is the input of the stage before: stage {first} has none"
                     + (" in this segment (keep a block's GEMMs in one segment)" if self._inbound else "")
                 )
             if epi.residual and self.out_cols[s] != self.weights[s - 1].shape[0]:
                 raise ValueError(
-                    f"stage {s}'s residual (stage {s - 1}'s input, {self.weights[s - 1].shape[0]} columns) does "
-                    f"not match its {self.out_cols[s]} output columns"
+                    f"stage {first + s}'s residual (stage {first + s - 1}'s input, {self.weights[s - 1].shape[0]} "
+                    f"columns) does not match its {self.out_cols[s]} output columns"
                 )
             if epi.residual and w.device.type == "cuda" and not fits_loaded_residual(self.configs[s]):
                 raise ValueError(
-                    f"stage {s} loads its residual tile in its epilogue, and {self.configs[s]} leaves no shared memory "
-                    "for it: use kernels.gemm.RESIDUAL_CONFIG's tiles"
+                    f"stage {first + s} loads its residual tile in its epilogue, and {self.configs[s]} leaves no "
+                    "shared memory for it: use kernels.gemm.RESIDUAL_CONFIG's tiles"
                 )
 
     def _norm_sums(self, s: int) -> bool:

@@ -436,6 +436,14 @@ def test_norms_across_segments_take_the_sums_through_the_heap(world1, policy):
     one = Pipeline(ws, config=SMALL, epilogues=epis, policy=policy, row_buckets=0)
     assert torch.equal(y, one(x)) and torch.equal(y, pipe.sequential(x)) and not y.isnan().any()
     assert isinstance(plan.links[2].sums, tuple) and plan.links[1].sums.shape == (48, 2)
+    # stage 2's LayerNorm reads them: scaled between its producer's segment and its own, the output moves
+    out = torch.empty_like(y)
+    pipe._run(plan, x, out, 37, only=[0, 1])
+    for u in plan.links[2].sums:
+        u.mul_(4)
+    pipe._run(plan, x, out, 37, only=[2])
+    pipe.check_errors()
+    assert not torch.equal(out, y)
 
 
 def _block_per_rank(rank, store, result, kind):
@@ -448,6 +456,19 @@ def _block_per_rank(rank, store, result, kind):
         ws, cfgs, epis = blocks[rank].pipeline_stages()
         x = torch.randn(37, HID, generator=torch.Generator().manual_seed(2)).half()
         lines = []
+        if kind == "llama":  # a refusal only rank 1's segment finds is raised on both ranks
+            from ctapipelining.epilogue import Epilogue
+
+            bad = (
+                [torch.zeros(HID, HID).half()]
+                if rank == 0
+                else [torch.zeros(HID, 32).half(), torch.zeros(32, 16).half()]
+            )
+            try:
+                DistributedPipeline(bad, config=DOWN, epilogues=None if rank == 0 else [None, Epilogue(residual=True)])
+                lines.append("built")
+            except ValueError as e:
+                lines.append("refused" if "rank 1: ValueError: stage 2's residual" in str(e) else str(e))
         for policy in ("static", "workqueue"):
             pipe = DistributedPipeline(ws, config=cfgs, epilogues=epis, policy=policy, timeout_s=0.1)
             pipe.plan(37)
@@ -467,8 +488,16 @@ def _block_per_rank(rank, store, result, kind):
             y = pipe(rows=37) if rank == 1 else None
             dist.barrier()
             pipe.check_errors()
+            received = []  # what rank 1's segment gets from rank 0 for its norm in the reference
+            if rank == 1:
+                inner = pipe.segments[0]._sequential
+                pipe.segments[0]._sequential = lambda h, sums, got=received, run=inner: got.append(sums) or run(h, sums)
             ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 37)
             if rank == 1:
+                del pipe.segments[0]._sequential
+                sent = received[0] if kind == "gpt" else (received[0],)
+                heap = plan.links[2].sums if kind == "gpt" else (plan.links[2].sums,)
+                lines.append(all(torch.equal(a[:37], b[:37]) for a, b in zip(sent, heap)))
                 stack = (LlamaStack if kind == "llama" else GPTStack)(blocks)
                 lines.append((torch.equal(y, ref), torch.equal(y, stack(x)), bool(y.isnan().any())))
                 # the sums block 0's down GEMM left in this rank's heap: per row and 16 columns of
@@ -512,4 +541,8 @@ def test_a_block_per_rank_in_two_processes(tmp_path, kind):
     along) and the one-process stack."""
     result = mp.Manager().dict()
     mp.spawn(_block_per_rank, args=(str(tmp_path / "store"), result, kind), nprocs=2, join=True)
-    assert result[1] == [(True, True, False), True, True, True] * 2
+    lines = result[1]
+    if kind == "llama":
+        assert result[0][0] == lines[0] == "refused", (result[0][0], lines[0])
+        lines = lines[1:]
+    assert lines == [True, (True, True, False), True, True, True] * 2

@@ -58,7 +58,10 @@ its parts), and the consumer acquired at least one of those tiles' signals befor
 epilogue: release-acquire at system scope is cumulative and causality is transitive, so the
 residual's rows are visible to it, whichever policy, parts or split tail (a split tail's slices
 each wait for every part). The call's own ``x`` was written before any kernel of the call was
-queued (every stage's stream waits for the caller's streams).
+queued (every stage's stream waits for the caller's streams). The rows' partial sums a norm
+of the next stage reads are ordinary stores of the producer's epilogue, made before the tile's
+``bar.sync`` and release like the tile's own, and read in the consumer's epilogue, after its
+vote: the same argument as the tile's data.
 
 Counters, epochs, ring slots, head and tail are int64 and compared on their signed
 difference, so no number of calls (graph replays advance the epochs where the host does not
