@@ -490,20 +490,22 @@ def _chain_kernel(
     start_ns: float = 0.0,
     outbound: bool = False,
     remote: bool = True,
+    ks: list[int] | None = None,
 ) -> tuple[float, np.ndarray | None]:
     """:func:`simulate_chain_kernel`, launched at ``start_ns``, as one kernel of a longer
     chain: ``inbound`` = ``(ready, part_frac)`` of its first stage's input from the kernel
     before (as :func:`_gemm_stage` takes them); ``outbound``: its last stage signals each tile
     for the kernel after, as the other stages do, writing into the next GPU (``remote``:
-    ``remote_factor``) or its own. Returns the kernel's end and, with ``outbound``, when each
-    last-stage tile was signalled."""
+    ``remote_factor``) or its own. ``ks``: the K each stage's tiles compute over (default
+    ``dims[:-1]``; less after a gated stage, whose output is half its GEMM's columns). Returns
+    the kernel's end and, with ``outbound``, when each last-stage tile was signalled."""
     if outbound and split_tail:
         raise ValueError("a chain kernel that signals the next GPU has no split tail (the pipeline splits none)")
     bm, bn = cal.block_m, cal.block_n
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
     P = min(cal.num_sms, sum(g.num_tiles for g in grids))
-    t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in dims[:-1]]
+    t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in (ks or dims[:-1])]
     if outbound and remote:
         t_tiles[-1] *= cal.remote_factor
     links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
@@ -590,6 +592,15 @@ def _chain_kernel(
     return end, (signal[-1] if outbound else None)
 
 
+def _work_k(dims: list[int], gated: list[bool] | None) -> list[int]:
+    """The K each stage of the chain ``dims`` computes over: half of ``dims[s]`` after a gated
+    stage (``gated[s - 1]``)."""
+    gated = list(gated) if gated is not None else [False] * (len(dims) - 1)
+    if len(gated) != len(dims) - 1:
+        raise ValueError(f"{len(dims) - 1} stages but {len(gated)} gated flags")
+    return [dims[0]] + [n // 2 if g else n for n, g in zip(dims[1:-1], gated)]
+
+
 def simulate_placed(
     M: int,
     dims: list[int],
@@ -597,6 +608,7 @@ def simulate_placed(
     cal: Calibration,
     wait_parts: int = 8,
     interleave: bool = True,
+    gated: list[bool] | None = None,
 ) -> float:
     """The static pipeline of the chain ``dims`` with stage ``s`` on GPU ``devices[s]`` (each
     GPU a contiguous range of stages, as :class:`ctapipelining.pipeline.Pipeline` places them):
@@ -605,10 +617,13 @@ def simulate_placed(
     leftover stage as :func:`simulate_cta`'s stages run; each kernel's first stage waits for the
     kernel before it and its last stage signals the kernel after it, every link in
     ``wait_parts`` parts. The first kernel on each GPU starts :attr:`Calibration.launch_ns`
-    after the previous GPU's, a later one on a GPU when the one before it there ends. Returns
-    the GPU time (ns)."""
+    after the previous GPU's, a later one on a GPU when the one before it there ends.
+    ``gated[s]``: stage ``s``'s epilogue halves its output (a Llama block's gate/up GEMM: ``dims``
+    holds the GEMM's columns, and the next stage computes over half of them). Returns the GPU
+    time (ns)."""
     if len(devices) != len(dims) - 1:
         raise ValueError(f"{len(dims) - 1} stages but {len(devices)} devices")
+    ks = _work_k(dims, gated)
     groups: list[list[int]] = []  # the stages of each kernel, in chain order
     for s, d in enumerate(devices):
         if groups and devices[groups[-1][-1]] == d and len(groups[-1]) < deps.CHAIN_MAX_STAGES:
@@ -627,11 +642,12 @@ def simulate_placed(
         if len(group) == 1:
             ready, frac = inbound if inbound is not None else (None, None)
             grid = deps.TileGrid(M, sub[1], bm, bn)
-            rows = _gemm_stage(grid, sub[0], cal, ready, "static", start, remote=remote, signals=not last,
+            rows = _gemm_stage(grid, ks[group[0]], cal, ready, "static", start, remote=remote, signals=not last,
                                part_frac=frac)  # fmt: skip
             end, sent = float(rows[:, 3].max()) + cal.launch_ns, rows[:, 3]
         else:
-            end, sent = _chain_kernel(M, sub, cal, wait_parts, False, interleave, inbound, start, not last, remote)
+            end, sent = _chain_kernel(M, sub, cal, wait_parts, False, interleave, inbound, start, not last, remote,
+                                      ks[group[0] : group[-1] + 1])  # fmt: skip
         ends.append(end)
         gpu_end[dev] = end
         if not last:  # the next kernel's first stage waits for these tiles, in parts
@@ -700,6 +716,26 @@ def placement(layers: int, gpus: int) -> list[int]:
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (layers, gpus)):
         raise ValueError(f"placement needs ints layers >= 1 and gpus >= 1, got {layers!r}, {gpus!r}")
     return [s * min(gpus, layers) // layers for s in range(layers)]
+
+
+def figure_blocks(cal: Calibration, hidden: int = 8192, inter: int = 28672, rows=(4096, 8192)) -> list[dict]:
+    """Llama MLP blocks on two GPUs (predictions; the blocks' epilogues are not modelled, and
+    their GEMMs run the calibrated tiles): two blocks, a block per GPU, against the floor (one
+    block on one GPU, its GEMMs one after another) and the best micro-batching of the same
+    placement; and one block split the paper's way (its gate/up GEMM on the first GPU, its down
+    GEMM on the second) against the same floor."""
+    H, inter_cols = hidden, 2 * inter  # the gate/up GEMM's columns: gate and up, interleaved
+    out = []
+    for M in rows:
+        floor = simulate_gemm(M, H, inter_cols, cal, split_tail=True) + simulate_gemm(M, inter, H, cal, split_tail=True)
+        stack_dims, stack_gated = [H, inter_cols, H, inter_cols, H], [True, False] * 2
+        stack = simulate_placed(M, stack_dims, [0, 0, 1, 1], cal, gated=stack_gated)
+        mb, chunk = best_microbatch(M, stack_dims, cal, devices=[0, 0, 1, 1], gated=stack_gated)
+        split = simulate_placed(M, [H, inter_cols, H], [0, 1], cal, gated=[True, False])
+        out.append(dict(hidden=H, intermediate=inter, rows=M, floor_ms=round(floor / 1e6, 4),
+                        stack_over_floor=round(stack / floor, 4), stack_over_microbatch=round(stack / mb, 4),
+                        best_chunk=chunk, split_over_floor=round(split / floor, 4)))  # fmt: skip
+    return out
 
 
 def validate_depth(cal: Calibration, results: Path) -> list[dict]:
@@ -775,14 +811,17 @@ def simulate_sequential(M: int, dims: list[int], cal: Calibration, eager: bool =
 
 
 def simulate_microbatch(
-    M: int, dims: list[int], chunk: int, cal: Calibration, devices: list[int] | None = None
-) -> float:
+    M: int, dims: list[int], chunk: int, cal: Calibration, devices: list[int] | None = None,
+    gated: list[bool] | None = None,
+) -> float:  # fmt: skip
     """Chunks along M, stage ``s`` on GPU ``devices[s]`` (default ``s``), copies between GPUs on
     copy engines, one graph replay. Stages that share a GPU take turns on it (of the GEMMs that
     can start earliest, the earliest chunk first): an approximation of
     :class:`ctapipelining.baselines.MicroBatch`, whose stages run on streams of their own and
-    so share the GPU's SMs at once, with copies within a GPU too (not modelled)."""
+    so share the GPU's SMs at once, with copies within a GPU too (not modelled). ``gated`` as
+    for :func:`simulate_placed`."""
     stages = len(dims) - 1
+    ks = _work_k(dims, gated)
     devices = list(range(stages)) if devices is None else list(devices)
     if len(devices) != stages:
         raise ValueError(f"{stages} stages but {len(devices)} devices")
@@ -796,21 +835,22 @@ def simulate_microbatch(
         del waiting[i, s]
         d = devices[s]
         begin = max(free[d], ready) + cal.launch_ns
-        free[d] = done = begin + cal.cublas_ns(chunks[i], dims[s], dims[s + 1])
+        free[d] = done = begin + cal.cublas_ns(chunks[i], ks[s], dims[s + 1])
         end = max(end, done)
         if s + 1 < stages:
             if devices[s + 1] != d:
-                copy_free[d] = done = max(done, copy_free[d]) + cal.copy_ns(chunks[i] * dims[s + 1] * 2)
+                copy_free[d] = done = max(done, copy_free[d]) + cal.copy_ns(chunks[i] * ks[s + 1] * 2)
             waiting[i, s + 1] = done
     return end
 
 
 def best_microbatch(
-    M: int, dims: list[int], cal: Calibration, chunks=(512, 1024, 2048, 4096, 8192), devices: list[int] | None = None
-):
+    M: int, dims: list[int], cal: Calibration, chunks=(512, 1024, 2048, 4096, 8192), devices: list[int] | None = None,
+    gated: list[bool] | None = None,
+):  # fmt: skip
     """``(ms, chunk)`` of the best chunk size."""
-    cands = [(simulate_microbatch(M, dims, c, cal, devices), c) for c in chunks if c <= M] or [
-        (simulate_microbatch(M, dims, M, cal, devices), M)
+    cands = [(simulate_microbatch(M, dims, c, cal, devices, gated), c) for c in chunks if c <= M] or [
+        (simulate_microbatch(M, dims, M, cal, devices, gated), M)
     ]
     return min(cands)
 
@@ -1060,7 +1100,7 @@ def run(args) -> int:
     print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal),
-                  figure_depth=figure_depth(cal))  # fmt: skip
+                  figure_depth=figure_depth(cal), figure_blocks=figure_blocks(cal))  # fmt: skip
     for path, depth in zip(args.validate, deep):
         if depth is not None:
             rows = report["validation"][_rel(path)] = depth
@@ -1093,6 +1133,11 @@ def run(args) -> int:
     for f in report["figure_depth"]:
         print(f"  {f['layers']:2d} layers on {f['gpus']} GPUs: the floor {f['cta_over_floor']:.3f}, "
               f"the best micro-batching {f['cta_over_microbatch']:.3f} (chunk {f['best_chunk']})")  # fmt: skip
+    print("\nLlama-70B MLP blocks on 2 GPUs (epilogues not modelled):")
+    for f in report["figure_blocks"]:
+        print(f"  M={f['rows']}: two blocks, one per GPU, over one block on one GPU {f['stack_over_floor']:.3f}, "
+              f"over the best micro-batching {f['stack_over_microbatch']:.3f}; one block split (gate/up | down) "
+              f"over one GPU {f['split_over_floor']:.3f}")  # fmt: skip
     print("\nFigure 7 (2-layer MLP, M=16384), ms total (compute + all-reduce):")
     for f in report["figure7"]:
         print("  " + "  ".join(f"{k}: {f[k]['total_ns']:.3f} ({f[k]['compute_ns']:.3f}+{f[k]['comm_ns']:.3f})"

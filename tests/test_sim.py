@@ -384,3 +384,21 @@ def test_planner_lays_more_layers_than_gpus_out_in_ranges():
     assert "2 layers a GPU" in kinds["cta"].detail
     assert kinds["cta"].predicted_ms == pytest.approx(sim.simulate_placed(16384, [8192] * 5, [0, 0, 1, 1], CAL) / 1e6)
     assert kinds["single"].predicted_ms > 1.8 * kinds["cta"].predicted_ms
+
+
+def test_blocks_model_halves_the_work_after_a_gated_stage():
+    """A Llama block's gate/up GEMM is gated: the down GEMM computes over half its columns, and
+    micro-batching copies half of them. Split the paper's way (gate/up on one GPU, down on the
+    other) a block takes at least the gate/up GEMM's two thirds of its work, and less than the
+    whole block on one GPU; two blocks, a block per GPU, take longer than one block on one GPU."""
+    H, inter = 8192, 28672
+    assert sim._work_k([H, 2 * inter, H], [True, False]) == [H, inter]
+    with pytest.raises(ValueError, match="gated flags"):
+        sim._work_k([H, 2 * inter, H], [True])
+    plain = sim.simulate_microbatch(4096, [H, 2 * inter, H], 512, CAL, devices=[0, 1])
+    assert sim.simulate_microbatch(4096, [H, 2 * inter, H], 512, CAL, devices=[0, 1], gated=[True, False]) < plain
+    one = sim.simulate_placed(4096, [H, 2 * inter, H], [0, 1], CAL, gated=[True, False])
+    two_k = sim.simulate_placed(4096, [H, 2 * inter, H], [0, 1], CAL)  # the down GEMM over twice the K
+    assert one < two_k
+    for row in sim.figure_blocks(CAL):
+        assert 2 / 3 < row["split_over_floor"] < 0.8 and row["stack_over_floor"] > 1.0, row
