@@ -74,7 +74,8 @@ COMMANDS = {
     "demo": "run a 2-stage GEMM chain: on the GPU(s) if present (one is enough), else on the CPU",
     "bench": "time every method in one run (2+ GPUs), or re-plot recorded results",
     "trace": "one traced call on 2 GPUs: timeline PNG and the protocol's costs T1, T2, T3",
-    "sim": "the calibrated model: validation, Figures 4 and 7 at 2/4/8 GPUs (CPU)",
+    "sim": "the calibrated model: validation, Figures 4 and 7 at 2/4/8 GPUs, more layers than GPUs, Llama blocks "
+    "on 2 GPUs (CPU)",
     "plan": "the fastest layout (stages x TP, policy, or no pipelining) of a chain, by the model (CPU)",
 }
 

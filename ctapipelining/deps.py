@@ -4,7 +4,7 @@ kernels, the CPU reference executor (:mod:`ctapipelining.refexec`) and the simul
 
 The protocol
 ------------
-A chain of *stages* runs concurrently, one per device. Stage ``s`` writes an output matrix
+A chain of *stages* runs concurrently, placed on devices (several may share one). Stage ``s`` writes an output matrix
 ``[M, N_s]`` tile by tile (``BLOCK_M x BLOCK_N`` per tile) straight into the memory of stage
 ``s + 1``. Between two consecutive stages we build:
 

@@ -1,8 +1,9 @@
 """Host wrapper of the persistent GEMM (:mod:`ctapipelining.kernels.gemm`).
 
-:func:`matmul` is the plain GEMM (both hooks off). :func:`launch_gemm` is what a pipeline
-stage calls, with a :class:`WaitHook` (its own scoreboard) and/or a :class:`SignalHook` (the
-next stage's). Inputs are checked here, before anything is launched.
+:func:`matmul` is the plain GEMM (both hooks off). A pipeline stage is a :class:`GemmLaunch`
+bound at plan time, with a :class:`WaitHook` (its own scoreboard) and/or a :class:`SignalHook`
+(the next stage's); :func:`launch_gemm` builds and runs one in a call (tests). Inputs are
+checked here, before anything is launched.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Each block is two GEMMs (:func:`ctapipelining.gemm.matmul` with an
 :class:`~ctapipelining.epilogue.Epilogue`) and one pass over ``x`` for the norm's row
-statistics; nothing else touches memory: ``x`` is read by the first GEMM (and as the residual by
-the second), the intermediate ``h`` is written once and read once. The norm's weight (and bias)
+statistics; nothing else touches memory: ``x`` is read by the norm's pass (which also copies it
+into the output) and by the first GEMM, the second GEMM adds its tiles onto that copy (the
+residual, read once), and the intermediate ``h`` is written once and read once. The norm's weight (and bias)
 is folded into the first GEMM's weight (and bias), and its epilogue applies the statistics.
 
 - :class:`LlamaMLP`: ``y = x + W_down(silu(rmsnorm(x) @ W_gate) * (rmsnorm(x) @ W_up))``, no

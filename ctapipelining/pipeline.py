@@ -45,8 +45,8 @@ good only then. No error is lost: error words are sticky until read. Host waits 
 too: a device that does not finish within ``host_timeout_s`` raises :class:`PipelineHung`,
 after which the pipeline refuses further calls.
 
-Stages may share a GPU (on one GPU, every stage). Consecutive stages on one GPU run at the same
-time in one chain kernel (:mod:`ctapipelining.kernels.chain`; at most
+Stages may share a GPU (on one GPU, every stage). Consecutive stages on one GPU with the same
+configuration run at the same time in one chain kernel (:mod:`ctapipelining.kernels.chain`; at most
 :data:`~ctapipelining.kernels.chain.MAX_STAGES` each, further ones in further chain kernels one
 after the other on the GPU's one stream): its CTAs claim tiles in one combined order, so a
 consumer tile fills the SMs its producer leaves idle, and the links between those stages wait on

@@ -7,9 +7,10 @@ What is modelled
   peer GPU is slower by ``remote_factor`` and pays ``t1_ns`` per tile to signal; with
   ``signal_lag`` > 0 a tile is signalled that fraction into the CTA's next tile, the CTA's last
   tile at once (the kernels signal a quarter in: :data:`SIGNAL_LAG`). Split tails
-  (``GemmConfig.split_tail``) only in :func:`simulate_gemm` (``split_tail=True``), not in the
-  stages of :func:`simulate_cta`. Not modelled: per-CTA variation of the tile time
-  (static consumers fall a round behind mid-run without moving the chain's end,
+  (``GemmConfig.split_tail``) in :func:`simulate_gemm` and :func:`simulate_chain_kernel`
+  (``split_tail=True``), not in the stages of :func:`simulate_cta` or :func:`simulate_placed`.
+  Not modelled: per-CTA variation of the tile time (static consumers fall a round behind mid-run
+  without moving the chain's end,
   ``benchmarks/results/2026-11-30-h200x2-tails/``),
   the consumer's tiles running faster than a plain GEMM's (its GPU clocks higher), and the two
   GPUs' power limits (a producer writing into the peer clocks down ~5%,
@@ -44,17 +45,6 @@ What is modelled
   - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
     ``tail_slice_ns`` per slice).
 
-  - more layers than GPUs (:func:`simulate_placed`): each GPU's contiguous range of stages a
-    chain kernel whose first stage waits for the GPU before and whose last signals the GPU
-    after, in parts; micro-batching on the same placement (:func:`simulate_microbatch` with
-    ``devices``: a GPU's stages take turns chunk by chunk). Against the one deep run measured,
-    4 layers on 2 H200s at 2048-16384 rows (:func:`validate_depth`, which takes the tile time
-    and the remote write's cost from the run,
-    ``benchmarks/results/2026-12-01-h200x2-decision/depth/depth/results.json``): the interleaved
-    order over stage after stage and waiting in parts over whole row-blocks within 3.1%, the
-    chain over the best cuBLAS micro-batching within 2.0%, and over the floor optimistic by
-    3.5-5.1%.
-
   :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
   recorded run at 128-16384 rows
   (``benchmarks/results/2026-12-01-h200x2-decision/depth/shared_gpu.json``):
@@ -66,6 +56,20 @@ What is modelled
   ``run6-table/`` and ``run11-parts/``, two machines), on 128 x 256 tiles from 640 rows on: the
   chain against the GEMMs one after another and against the loopback within 3%, and the chain
   with a split last round against without it within 1.3% (fitted on ``run6-table/`` at 640 rows).
+* **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
+  contiguous ranges): each GPU's stages as chain kernels of up to
+  :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
+  kernel before and the last signalling the kernel after, in parts; micro-batching on the same
+  placement (:func:`simulate_microbatch` with ``devices``: a GPU's stages take turns chunk by
+  chunk). ``gated``: a stage whose epilogue halves its output (a Llama block's gate/up GEMM),
+  so the next computes over half of its columns. Against the one deep run measured, 4 layers on
+  2 H200s at 2048-16384 rows (:func:`validate_depth`, which takes the tile time and the remote
+  write's cost from the run,
+  ``benchmarks/results/2026-12-01-h200x2-decision/depth/depth/results.json``): the interleaved
+  order over stage after stage and waiting in parts over whole row-blocks within 3.1%, the chain
+  over the best cuBLAS micro-batching within 2.0%, and over the floor optimistic by 3.5-5.1%.
+  :func:`figure_depth` and :func:`figure_blocks` (Llama blocks on two GPUs: a block per GPU,
+  and one block split the paper's way) are predictions.
 
 Methods: sequential, micro-batching (one chunk size, or the best of a sweep), tensor
 parallelism, CTA-pipelining (both policies) and CTA-pipelining combined with TP (stages x
