@@ -46,6 +46,20 @@ def test_no_wrap_past_int32_or_far_beyond(policy, start):
         assert int(plan.epochs[1]) == start + call
 
 
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+@pytest.mark.parametrize("start", [2**31 - 2, 2**40])
+def test_a_lone_consumer_past_int32_still_waits(policy, start):
+    """From just below 2^31 calls on and from 2^40, a consumer launched without its producer
+    times out: its wait target (epoch x need, the ring position) did not wrap to something an
+    earlier call's counters already reach."""
+    pipe = Pipeline(chain(16, 48, 32), policy=policy, config=SMALL, timeout_s=0.05)
+    plan = pipe.plan(40)
+    preset_epoch(plan, start)
+    pipe._launch(plan, torch.randn(40, 16).half(), torch.empty(40, 32).half(), only=[1])
+    with pytest.raises(PipelineTimeout):
+        pipe.check_errors()
+
+
 def test_bad_out_is_refused_before_any_state_changes():
     ws = chain(16, 32, 16)
     pipe = Pipeline(ws, config=SMALL)

@@ -142,3 +142,48 @@ def test_parts_need_the_static_policy():
     with pytest.raises(ValueError, match="workqueue consumer runs whole tiles"):
         refexec.Executor(parted(2), "workqueue")
     assert parted(3).links[0].parts == 3 and parted(9).links[0].parts == 5  # 40 columns in blocks of 8
+
+
+# -- the executor's own checks fire (each one a bug it must not let through) --------------------
+def test_a_tile_run_twice_is_caught(monkeypatch):
+    """Every CTA but the first also runs the order's first tile: caught as it runs again."""
+    static = deps.POLICIES["static"]
+    order_of = type(static).tiles_of_cta
+    monkeypatch.setattr(
+        type(static), "tiles_of_cta",
+        lambda self, order, pid, n: np.concatenate([order_of(self, order, pid, n), order[:1]]) if pid else
+        order_of(self, order, pid, n),
+    )  # fmt: skip
+    with pytest.raises(refexec.ProtocolViolation, match="ran twice in epoch"):
+        refexec.run_chain(two_gemms(), "static", "random", seed=0)
+
+
+def test_a_tile_that_never_runs_is_caught(monkeypatch):
+    """The first CTA skips its last tile of the last stage (no stage waits for it): caught
+    when the run ends."""
+    static = deps.POLICIES["static"]
+    order_of = type(static).tiles_of_cta
+    last = len(two_gemms().stages) - 1
+
+    def skip_one(self, order, pid, n):
+        tiles = order_of(self, order, pid, n)
+        return tiles[:-1] if pid == 0 and len(order) == two_gemms().grids[last].num_tiles else tiles
+
+    monkeypatch.setattr(type(static), "tiles_of_cta", skip_one)
+    with pytest.raises(refexec.ProtocolViolation, match=f"stage {last}: tiles .* never ran"):
+        refexec.run_chain(two_gemms(), "static", "random", seed=0)
+
+
+def test_counters_off_their_epoch_target_are_caught():
+    """After a clean run, a counter one signal over (or a ring tail one slot over) fails the
+    executor's end-of-run check."""
+    for policy in ("static", "workqueue"):
+        ex = refexec.Executor(two_gemms(), policy, "random", seed=1)
+        ch = ex.chain
+        rng = np.random.default_rng(1)
+        ex.run(rng.standard_normal((ch.M, ch.K0)).astype(np.float32), ch.make_weights(rng))
+        ex._check_counters()  # clean
+        (ex.state[0].counters.__setitem__(0, ex.state[0].counters[0] + 1) if policy == "static"
+         else setattr(ex.state[0], "tail", ex.state[0].tail + 1))  # fmt: skip
+        with pytest.raises(refexec.ProtocolViolation, match="counters|tail"):
+            ex._check_counters()

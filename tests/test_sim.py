@@ -133,8 +133,18 @@ def test_planner_ranks_layouts_and_knows_when_not_to_pipeline():
 
 
 def test_figures_shapes():
+    """Figure 4's line per GPU count: the faster policy's chain, the best chunk's
+    micro-batching, the reduction between them (the paper's headline number, beside its own)."""
     f4 = sim.figure4(CAL, M=2048, K=2048, gpus=(2, 4))
     assert [f["gpus"] for f in f4] == [2, 4] and f4[0]["paper_reduction_pct"] == 31.8
+    for f in f4:
+        dims = [2048] * (f["gpus"] + 1)
+        cta = min(sim.simulate_cta(2048, dims, CAL, p).total_ns for p in ("static", "workqueue")) / 1e6
+        best = min(sim.simulate_microbatch(2048, dims, c, CAL) for c in (512, 1024, 2048)) / 1e6
+        assert f["cta_ms"] == pytest.approx(cta, abs=1e-4) and min(f["microbatch_ms"].values()) == pytest.approx(
+            best, abs=1e-4
+        )
+        assert f["reduction_vs_best_pct"] == pytest.approx(100 * (1 - cta / best), abs=0.01)
     f7 = sim.figure7(CAL, M=2048, K=2048, gpus=(4,))
     assert f7[0]["hybrid"]["comm_ns"] == pytest.approx(f7[0]["tp_half"]["comm_ns"])
 
