@@ -41,9 +41,22 @@ def test_wrong_clock_offset_shows_up():
 
 
 def test_timeline_png(tmp_path):
+    """The PNG shows the tiles: computing (blue) covers most of the drawn bars, waiting (grey)
+    some; with the stages' compute times swapped between runs, the blue area follows."""
+    import matplotlib.image as mpimg
+
+    def blue_and_grey(stamps):
+        img = mpimg.imread(trace.plot_timeline(stamps, [0.0, 5_000.0], tmp_path / "t.png"))[..., :3]
+        blue = np.isclose(img, (0x1F / 255, 0x77 / 255, 0xB4 / 255), atol=0.02).all(-1)  # tab:blue
+        grey = np.isclose(img, (0.8, 0.8, 0.8), atol=0.02).all(-1)
+        return int(blue.sum()), int(grey.sum())
+
     prod, cons, _ = synthetic()
-    p = trace.plot_timeline([prod, cons], [0.0, 5_000.0], tmp_path / "t.png")
-    assert p.stat().st_size > 5_000
+    blue, grey = blue_and_grey([prod, cons])
+    assert blue > 1000 and grey > 0
+    short = prod.copy()
+    short[:, trace.STORED] = short[:, trace.START] + 20_000  # the producer computes a quarter as long
+    assert blue_and_grey([short, cons])[0] < 0.8 * blue
 
 
 def test_trace_needs_a_gpu(capsys, tmp_path):
