@@ -5,7 +5,9 @@
 # the whole call ends within 10 minutes:
 #   env    date, commit, versions, nvidia-smi, topology                          -> env.txt
 #   demo   ctapipelining demo                                                    -> demo.log
-#   tests  the GPU tests (markers gpu, gpu2; TESTS: files, default all) -> gpu-tests.log
+#   tests  the GPU tests (markers gpu, gpu2, or TESTS_MARK, e.g. "gpu2" alone on 2 GPUs, where the
+#          whole suite may need more than one call's 10 minutes; TESTS: files, default all;
+#          TESTS_TIMEOUT, default 560 s) -> gpu-tests.log
 #   bench  ctapipelining bench at 2048, 8192, 16384 rows, BENCH_REPS repetitions (default 30);
 #          BENCH_ENDS=R,D: the ends line with these prefill and drain rows     -> bench.log, bench/
 #   decision (2 GPUs: issue 19's first part) the bench at 2048, 4096, 8192, 16384 rows: every method
@@ -32,7 +34,8 @@
 #          another; with 2 GPUs also two Llama-70B blocks, one per GPU, against one block on one GPU,
 #          micro-batching and tensor parallelism; MLP_REPS (default 20), STACK_ONLY (shapes) -> mlp_stack.log, mlp_stack.json
 #   dist   the one-process-per-GPU tests (tests/test_gpu_distributed.py), then examples/torchrun_chain.py
-#          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback -> dist-tests.log, torchrun*.json
+#          under torchrun on every GPU (one GPU: two stages on it), with and without --loopback, and
+#          with fused Llama blocks (--blocks) -> dist-tests.log, torchrun*.json
 #   configs benchmarks/configs.py: each tile configuration per row count, CONFIGS_KIND plain (the plain GEMM
 #          against cuBLAS) or chain (two stages in one chain kernel against the floor), CONFIGS_ROWS
 #          (default the script's), CONFIGS_REPS (default 20)                    -> configs-KIND.log, configs-KIND/
@@ -57,7 +60,8 @@ for step in $STEPS; do
       } > "$OUT/env.txt" 2>&1
       cat "$OUT/env.txt" ;;
     demo) timeout 180 $CLI demo > "$OUT/demo.log" 2>&1; tail -12 "$OUT/demo.log" ;;
-    tests) timeout 400 python3 -m pytest -q -m "gpu or gpu2" ${TESTS:-tests} -rs -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+    tests) timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -m "${TESTS_MARK:-gpu or gpu2}" ${TESTS:-tests} -rs \
+        -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
     bench) timeout 300 $CLI bench --seq 2048,8192,16384 --chunks 512,1024,2048 --reps "${BENCH_REPS:-30}" \
         --hooks-seq 0 ${BENCH_ENDS:+--ends $BENCH_ENDS} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
