@@ -366,6 +366,46 @@ def _blocks(kind: str):
     return [one(), one()]
 
 
+@pytest.mark.parametrize("queue", [False, True])
+@pytest.mark.parametrize("rows", [16, 40, 100])
+def test_heap_layout_of_fused_stages_fits_and_matches_the_producers(rows, queue):
+    """Gated stages, RMSNorms and LayerNorms over four ranks, a segment per stage: every region
+    (the sums included) inside the heap, aligned, on the consumer's rank, none overlapping; each
+    link's dependency on the producer's stored tiles; the sums one per row and producer tile."""
+    from ctapipelining.distributed import stage_spec
+    from ctapipelining.epilogue import Epilogue, silu
+
+    w = lambda k, n: torch.zeros(k, n).half()  # noqa: E731
+    rms, gated = Epilogue(rms_eps=1e-5), Epilogue(silu, gated=True, rms_eps=1e-5)
+    layer = lambda n: Epilogue(layer_norm_eps=1e-5, col_sum=torch.zeros(n))  # noqa: E731
+    ranks = [
+        [stage_spec(w(32, 96), SMALL, gated)],
+        [stage_spec(w(48, 64), SMALL, layer(64))],
+        [stage_spec(w(64, 32), SMALL, rms), stage_spec(w(32, 16), SMALL, None)],
+        [stage_spec(w(16, 48), SMALL, layer(48))],
+    ]
+    p = Placement.of(ranks, loopback=True)
+    lay = heap_layout(p, rows, None, torch.float16, queue)
+    spans = {}
+    for (name, s), r in lay.regions.items():
+        size = r.dtype.itemsize * int(torch.tensor(r.shape).prod())
+        assert r.offset % ALIGN == 0 and r.offset + size <= lay.nbytes
+        spans.setdefault(r.rank, []).append((r.offset, r.offset + size))
+        assert r.rank == (p.rank_of[s - 1] if name == "consumed" else p.rank_of[s]), (name, s)
+    for ranges in spans.values():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    for s in p.cross_links():
+        dep, (_, N) = lay.deps[s], p.shapes[s - 1]
+        assert dep.producer.N == p.cols(s - 1) and dep.producer.block_n == SMALL.block_n * p.cols(s - 1) // N
+        parts = -(-N // SMALL.block_n)
+        names = {"rms": ["sumsq"], "layer": ["sumsq", "sums"], None: []}[p.norm(s)]
+        assert [n for n in ("sumsq", "sums") if (n, s) in lay.regions] == names, s
+        assert all(lay.regions[(n, s)].shape == (rows, parts) for n in names)
+    with pytest.raises(ValueError, match="configurations"):
+        heap_layout(Placement.of([[(32, 48)], [(48, 16)]]), rows, None, torch.float16, queue)
+
+
 def test_placement_and_heap_of_fused_stages():
     """A gated stage chains by its halved columns and its tiles are half as wide in the link's
     dependency; a stage that normalises its input has its producer's partial sums in the heap:
