@@ -21,7 +21,10 @@ With two or more GPUs, also two Llama-70B blocks at M = 4096 and 8192 with one b
 (``two_gpus`` in the JSON), every line graph-replayed:
 
 * ``stack``: the stack as one pipeline over cuda:0 and cuda:1 (block 0's second GEMM feeding
-  block 1's first GEMM on the other GPU, row-block by row-block);
+  block 1's first GEMM on the other GPU, row-block by row-block), each GEMM in its block's
+  configuration (a GPU's two GEMMs one kernel after the other);
+* ``stack_chain``: the same with every GEMM in ``nn.STACK_CONFIG``, so that a GPU's two GEMMs
+  share one chain kernel (the model puts this well ahead of ``stack``: ``sim.figure_blocks``);
 * ``floor``: one fused block on one GPU (half the stack's work);
 * ``microbatch/C``: the same fused blocks micro-batched over the two GPUs in chunks of C rows
   (:class:`ctapipelining.baselines.MicroBatch`; the fused block runs within 1.0x of
@@ -110,11 +113,11 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
     weights = [block_weights(H, inter) for _ in range(2)]
     placed = [LlamaMLP(*(w.to(f"cuda:{d}") for w in ws), 1e-5) for d, ws in enumerate(weights)]
-    stack = LlamaStack(placed)
+    stack, chain = LlamaStack(placed), LlamaStack(placed, config=STACK_CONFIG)
     x = torch.randn(M, H, device="cuda:0").bfloat16()
     want = stack(x)
-    row = {"bitwise": torch.equal(want, stack.sequential(x))}
-    y1 = torch.empty_like(want)  # the captured stack's output (a graph's buffers stay put)
+    row = {"bitwise": torch.equal(want, stack.sequential(x)) and torch.equal(chain(x), chain.sequential(x))}
+    y1, y2 = torch.empty_like(want), torch.empty_like(want)  # the captured stacks' outputs (a graph's buffers stay put)
     (w_in, w_out), configs, epilogues = placed[0].pipeline_stages()
     # split: its down GEMM on the second GPU, its residual read from the first
     split = Pipeline([w_in, w_out.to("cuda:1")], config=configs, epilogues=epilogues)
@@ -134,12 +137,14 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     with torch.no_grad():
         methods = [
             Method("stack", capture(lambda: stack.pipeline(x, out=y1), [0, 1]).replay),
+            Method("stack_chain", capture(lambda: chain.pipeline(x, out=y2), [0, 1]).replay),
             Method("floor", capture(lambda: placed[0](x), [0]).replay),
             Method("split", capture(lambda: split(x, out=y_split), [0, 1]).replay),
             *(Method(name, line) for name, line in lines.items()),
         ]
         times = time_interleaved(methods, [0, 1], REPS, 3)
     stack.pipeline.check_errors()
+    chain.pipeline.check_errors()
     split.check_errors()
     med = row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
     best = min((k for k in med if k.startswith("microbatch/")), key=med.get)
@@ -147,6 +152,8 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     for num, den in (
         ("stack", "floor"),
         ("stack", best),
+        ("stack_chain", "floor"),
+        ("stack_chain", best),
         ("stack", "tp"),
         ("stack", "tp_overlap"),
         ("tp_overlap", "tp"),

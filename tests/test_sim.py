@@ -412,3 +412,19 @@ def test_blocks_model_halves_the_work_after_a_gated_stage():
     assert one < two_k
     for row in sim.figure_blocks(CAL):
         assert 2 / 3 < row["split_over_floor"] < 0.8 and row["stack_over_floor"] > 1.0, row
+        # a GPU's GEMMs one kernel after the other: the second GPU waits for the first's gate/up GEMM
+        assert row["stack_kernels_apart_over_floor"] > 1 + 0.6 * (row["stack_over_floor"] - 1) + 0.5, row
+
+
+def test_placed_model_runs_kernels_apart_one_after_another():
+    """``chain=False``: a GPU's stages as kernels of their own in turn. On one GPU that is our
+    GEMMs one after another (without split tails); across two, the second GPU's kernel waits on
+    the first GPU's second stage, which starts only after its first."""
+    M, dims = 4096, [8192] * 3
+    apart = sim.simulate_placed(M, dims, [0, 0], CAL, chain=False)
+    t = sum(sim.simulate_gemm(M, 8192, 8192, CAL) for _ in range(2))
+    assert apart == pytest.approx(t, rel=0.01)
+    four = [8192] * 5
+    assert sim.simulate_placed(M, four, [0, 0, 1, 1], CAL, chain=False) > 1.2 * sim.simulate_placed(
+        M, four, [0, 0, 1, 1], CAL
+    )
