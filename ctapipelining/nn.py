@@ -477,7 +477,9 @@ class MLPStack(torch.nn.Module):
     and 1.35-1.41x with one chain kernel in :data:`STACK_CONFIG`
     (``benchmarks/results/2026-12-01-h200-stack/run7/``): on one GPU a stack has nothing to
     gain; its place is blocks on several GPUs, each block's second GEMM feeding the next GPU's
-    first GEMM row-block by row-block. Other keyword arguments go to the
+    first GEMM row-block by row-block. There, by the model (``ctapipelining.sim.figure_blocks``;
+    not measured), only one configuration (:data:`STACK_CONFIG`) pipelines: in the default a
+    GPU's second GEMM starts once its first has ended. Other keyword arguments go to the
     :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``, ``row_buckets``, ...).
     The blocks' weights are the pipeline's: :meth:`refresh` (each block's) updates them in
     place.
