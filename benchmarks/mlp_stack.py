@@ -11,9 +11,6 @@ contains it. Lines, graph-replayed, timed by the bench's harness (shuffled turns
 * ``stack``: the stack as one pipeline, each GEMM in its block's configuration (four kernels
   one after another on the GPU's stream);
 * ``stack_chain``: the stack with its four GEMMs in one chain kernel (``nn.STACK_CONFIG``);
-* ``stack_chain_wide``: the same on 128 x 256 tiles in four stages of 32 columns of K
-  (:data:`WIDE`, which also leaves room for the residual's tile): whether wider tiles make the
-  chain kernel of a block's GEMMs faster than ``nn.STACK_CONFIG``'s 128 x 128;
 * ``blocks``: the two :class:`ctapipelining.nn.LlamaMLP` blocks called one after another;
 * ``cublas_gemms``: the four GEMMs alone in cuBLAS (each reading the block's real input).
 
@@ -26,9 +23,8 @@ With two or more GPUs, also two Llama-70B blocks at M = 4096 and 8192 with one b
 * ``stack``: the stack as one pipeline over cuda:0 and cuda:1 (block 0's second GEMM feeding
   block 1's first GEMM on the other GPU, row-block by row-block), each GEMM in its block's
   configuration (a GPU's two GEMMs one kernel after the other);
-* ``stack_chain``, ``stack_chain_wide``: the same with every GEMM in ``nn.STACK_CONFIG`` (or
-  :data:`WIDE`), so that a GPU's two GEMMs share one chain kernel (the model puts this well
-  ahead of ``stack``: ``sim.figure_blocks``);
+* ``stack_chain``: the same with every GEMM in ``nn.STACK_CONFIG``, so that a GPU's two GEMMs
+  share one chain kernel (the model puts this well ahead of ``stack``: ``sim.figure_blocks``);
 * ``floor``: one fused block on one GPU (half the stack's work);
 * ``microbatch/C``: the same fused blocks micro-batched over the two GPUs in chunks of C rows
   (:class:`ctapipelining.baselines.MicroBatch`; the fused block runs within 1.0x of
@@ -43,7 +39,6 @@ With two or more GPUs, also two Llama-70B blocks at M = 4096 and 8192 with one b
 Prints and writes OUT_DIR/mlp_stack.json: medians and paired ratios with 95% CIs.
 """
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -52,7 +47,6 @@ from pathlib import Path
 import torch
 
 from ctapipelining.baselines import MicroBatch, TensorParallelBlocks
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG, fits_loaded_residual
 from ctapipelining.nn import STACK_CONFIG, LlamaMLP, LlamaStack
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
@@ -63,8 +57,6 @@ ONLY = sys.argv[3] if len(sys.argv) > 3 else ""
 SHAPES = [(4096, 14336, 1024), (4096, 14336, 4096), (8192, 28672, 4096)]
 SHAPES_2GPU = [(8192, 28672, 4096), (8192, 28672, 8192)]
 CHUNKS = (512, 1024, 2048)
-WIDE = dataclasses.replace(PIPELINE_CONFIG, block_k=32, num_stages=4)  # 128 x 256 tiles beside a residual tile
-assert fits_loaded_residual(WIDE)
 
 
 def ci(ratios):
@@ -81,30 +73,12 @@ def block_weights(H: int, inter: int) -> tuple:
     return w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16()
 
 
-def stacks_that_run(blocks: list, x: torch.Tensor, row: dict) -> dict:
-    """The stack in the blocks' configurations, in ``nn.STACK_CONFIG`` and in :data:`WIDE`, each
-    checked bitwise against its GEMMs one after another (``row["bitwise"]``); one that does not
-    compile or run is left out, its error in ``row["refused"]``."""
-    built, row["bitwise"], row["refused"] = {}, True, {}
-    for name, config in (("stack", None), ("stack_chain", STACK_CONFIG), ("stack_chain_wide", WIDE)):
-        try:
-            stack = LlamaStack(blocks, config=config)
-            row["bitwise"] &= torch.equal(stack(x), stack.sequential(x))
-            built[name] = stack
-        except Exception as e:  # noqa: BLE001 (e.g. a configuration that does not compile: reported)
-            if name == "stack":
-                raise
-            row["refused"][name] = f"{type(e).__name__}: {e}"[:300]
-    return built
-
-
 def one_shape(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
     blocks = [LlamaMLP(*block_weights(H, inter), 1e-5) for _ in range(2)]
     x = torch.randn(M, H, device="cuda").bfloat16()
-    row = {}
-    stacks = stacks_that_run(blocks, x, row)
-    stack = stacks["stack"]
+    stack, chain = LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)
+    row = {"bitwise": all(torch.equal(s(x), s.sequential(x)) for s in (stack, chain))}
     h0 = blocks[0].first_gemm(x)
     x1 = blocks[0](x)
     h1 = blocks[1].first_gemm(x1)
@@ -118,19 +92,18 @@ def one_shape(H: int, inter: int, M: int) -> dict:
 
     with torch.no_grad():
         methods = [
-            *(Method(name, capture(lambda s=s: s(x), [0]).replay) for name, s in stacks.items()),
+            Method("stack", capture(lambda: stack(x), [0]).replay),
             Method("stack_eager", lambda: stack(x)),
+            Method("stack_chain", capture(lambda: chain(x), [0]).replay),
             Method("blocks", capture(lambda: blocks[1](blocks[0](x)), [0]).replay),
             Method("cublas_gemms", capture(gemms, [0]).replay),
         ]
         times = time_interleaved(methods, [0], REPS, 3)
-    for s in stacks.values():
-        s.pipeline.check_errors()
+    stack.pipeline.check_errors()
     row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
-    for num, den in (("stack", "blocks"), ("stack_chain", "blocks"), ("stack_chain_wide", "blocks"),
-                     ("stack", "cublas_gemms"), ("blocks", "cublas_gemms"), ("stack_eager", "stack")):  # fmt: skip
-        if num in times:
-            row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
+    for num, den in (("stack", "blocks"), ("stack_chain", "blocks"),  ("stack", "cublas_gemms"),
+                     ("blocks", "cublas_gemms"), ("stack_eager", "stack")):  # fmt: skip
+        row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
 
 
@@ -140,11 +113,11 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
     torch.manual_seed(0)
     weights = [block_weights(H, inter) for _ in range(2)]
     placed = [LlamaMLP(*(w.to(f"cuda:{d}") for w in ws), 1e-5) for d, ws in enumerate(weights)]
+    stack, chain = LlamaStack(placed), LlamaStack(placed, config=STACK_CONFIG)
     x = torch.randn(M, H, device="cuda:0").bfloat16()
-    row = {}
-    stacks = stacks_that_run(placed, x, row)
-    want = stacks["stack"](x)
-    outs = {name: torch.empty_like(want) for name in stacks}  # the captured stacks' outputs (a graph's stay put)
+    want = stack(x)
+    row = {"bitwise": torch.equal(want, stack.sequential(x)) and torch.equal(chain(x), chain.sequential(x))}
+    y1, y2 = torch.empty_like(want), torch.empty_like(want)  # the captured stacks' outputs (a graph's buffers stay put)
     (w_in, w_out), configs, epilogues = placed[0].pipeline_stages()
     # split: its down GEMM on the second GPU, its residual read from the first
     split = Pipeline([w_in, w_out.to("cuda:1")], config=configs, epilogues=epilogues)
@@ -163,17 +136,15 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
         row["graphed"][name] = line.graphed or line.graph_error[:120]
     with torch.no_grad():
         methods = [
-            *(
-                Method(n, capture(lambda s=s, y=outs[n]: s.pipeline(x, out=y), [0, 1]).replay)
-                for n, s in stacks.items()
-            ),
+            Method("stack", capture(lambda: stack.pipeline(x, out=y1), [0, 1]).replay),
+            Method("stack_chain", capture(lambda: chain.pipeline(x, out=y2), [0, 1]).replay),
             Method("floor", capture(lambda: placed[0](x), [0]).replay),
             Method("split", capture(lambda: split(x, out=y_split), [0, 1]).replay),
             *(Method(name, line) for name, line in lines.items()),
         ]
         times = time_interleaved(methods, [0, 1], REPS, 3)
-    for s in stacks.values():
-        s.pipeline.check_errors()
+    stack.pipeline.check_errors()
+    chain.pipeline.check_errors()
     split.check_errors()
     med = row["median_ms"] = {k: statistics.median(v) for k, v in times.items()}
     best = min((k for k in med if k.startswith("microbatch/")), key=med.get)
@@ -183,15 +154,12 @@ def two_gpus(H: int, inter: int, M: int) -> dict:
         ("stack", best),
         ("stack_chain", "floor"),
         ("stack_chain", best),
-        ("stack_chain_wide", "floor"),
-        ("stack_chain_wide", best),
         ("stack", "tp"),
         ("stack", "tp_overlap"),
         ("tp_overlap", "tp"),
         ("split", "floor"),
     ):
-        if num in times:  # (a stack line left out: row["refused"])
-            row[f"{num}/{den.split('/')[0]}"] = ci([p / q for p, q in zip(times[num], times[den])])
+        row[f"{num}/{den.split('/')[0]}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
 
 
