@@ -56,7 +56,9 @@ GATE_UP_CONFIG = EPILOGUE_CONFIG
 DOWN_CONFIG = EPILOGUE_CONFIG
 # a stack's GEMMs in one configuration, so that the stages on one GPU share a chain kernel: the down
 # GEMM's tiles (its residual), the pipeline's tile order and waits in parts (LlamaStack: measured slower
-# than each GEMM in its block's configuration)
+# than each GEMM in its block's configuration). Wider tiles that leave room for the residual's
+# (128 x 256 with K in steps of 32, 4 stages) spill registers in such a chain kernel
+# (kernels.compile_check.compile_chain, sm_90)
 STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 # a GPT block's first GEMM stores full tiles (no gating): its bias and column sums fit beside three stages
 UP_CONFIG = EPILOGUE_CONFIG
