@@ -225,6 +225,13 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
                  "accumulate", "gpt_stack_chain"):  # fmt: skip
         assert got[name]["smem"] <= SMEM_LIMIT, (name, got[name]["smem"])
     assert got["bias_residual_3_stages"]["smem"] > SMEM_LIMIT
+    # the linked stages of a split block and of blocks on ranks: within shared memory, each wait a
+    # CTA-wide vote, every acquire fenced before the TMA loads after it, signals at system scope
+    for name in ("residual_waits_in_parts", "gated_rms_sums_waits", "residual_sums_signals"):
+        k = got[name]
+        assert k["smem"] <= SMEM_LIMIT and k["wgmma"] > 0 and k["tma_load"] > 0 and k["unfenced_loads"] == 0, name
+    assert got["residual_waits_in_parts"]["vote"] >= 1 and got["gated_rms_sums_waits"]["vote"] >= 1
+    assert got["residual_sums_signals"]["atom_sys"] > 0 and got["residual_sums_signals"]["ld_acquire_sys"] == 0
     # the host's rule for tiles that leave room for a loaded residual agrees with the compiler
     from ctapipelining.kernels.gemm import EPILOGUE_CONFIG, fits_loaded_residual
 

@@ -375,6 +375,19 @@ def compile_epilogues() -> dict:
         ),
         # a chain whose last stage's epilogue holds a jit function (bias, GELU, residual)
         "chain_activation_last": _summary(stack_chain(None, "bias_residual")),
+        # kernels of their own whose stages link to another GPU or rank: a down GEMM that waits in
+        # parts for its input from the GPU before and loads its residual (a block split over two
+        # GPUs), a rank's first gate/up GEMM whose norm reads its link's sums, and a rank's last
+        # down GEMM that signals the next rank and leaves the sums there
+        "residual_waits_in_parts": _summary(
+            compile_variant(True, False, False, (128, 128, 64), epilogue="residual_sums", num_stages=4, wait_parts=8)
+        ),
+        "gated_rms_sums_waits": _summary(
+            compile_variant(True, False, False, epilogue="gated_rms_sums", num_stages=3, wait_parts=8)
+        ),
+        "residual_sums_signals": _summary(
+            compile_variant(False, True, False, (128, 128, 64), epilogue="residual_sums", num_stages=4)
+        ),
     }
 
 
