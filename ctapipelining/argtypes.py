@@ -65,6 +65,17 @@ def positive_ints(s: str) -> list[int]:
     return v
 
 
+def stage_indices(s: str) -> list[int]:
+    """Comma-separated stage numbers (from 0): ``0,2``."""
+    try:
+        v = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated stage numbers, got {s!r}") from None
+    if not v or min(v) < 0:
+        raise argparse.ArgumentTypeError(f"expected stage numbers >= 0, got {s!r}")
+    return v
+
+
 def chain_dims(s: str) -> list[int]:
     """A chain's widths ``K0,N0,N1,...``: at least two (one layer)."""
     v = positive_ints(s)

@@ -105,7 +105,7 @@ from pathlib import Path
 import numpy as np
 
 from . import deps
-from .argtypes import UsageError, chain_dims, existing_file, existing_path, positive_int
+from .argtypes import UsageError, chain_dims, existing_file, existing_path, positive_int, stage_indices
 from .trace import plot_timeline
 
 # the checkout this module lies in: file names in a calibration's source are relative to it
@@ -893,27 +893,40 @@ class Layout:
     predicted_ms: float
 
 
-def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> list[Layout]:
+def plan(
+    M: int, dims: list[int], gpus: int, cal: Calibration | None = None, gated: list[bool] | None = None
+) -> list[Layout]:
     """Every layout of the chain ``dims`` that fits on ``gpus`` GPUs, fastest first.
 
     ``single`` (no pipelining: the chain on one GPU) wins when the chain is too small to
-    overlap; TP layouts are offered for 2-layer MLP blocks (``dims[0] == dims[2]``). With more
-    layers than GPUs, each GPU holds a contiguous range of them (:func:`placement`).
+    overlap; TP layouts are offered for 2-layer MLP blocks (``dims[0] == dims[2]``, no gated
+    stage). With more layers than GPUs, each GPU holds a contiguous range of them
+    (:func:`placement`). ``gated`` as for :func:`simulate_placed` (a Llama block: ``dims`` =
+    ``[H, 2 I, H]``, ``gated = [True, False]``; one stage per GPU is the block split the paper's
+    way).
     """
     if gpus < 1 or len(dims) < 2 or M < 1:
         raise ValueError("plan needs M >= 1, at least one layer (two dims) and at least one GPU")
     cal = cal or Calibration.default()
     layers = len(dims) - 1
+    ks = _work_k(dims, gated)
+    gated_any = bool(gated) and any(gated)
     out = [
         Layout(
             "single",
             1,
             1,
             "all layers on one GPU",
-            sum(simulate_gemm(M, dims[s], dims[s + 1], cal) for s in range(layers)) / 1e6,
+            sum(simulate_gemm(M, ks[s], dims[s + 1], cal) for s in range(layers)) / 1e6,
         )
     ]  # noqa: E501
-    if gpus >= layers > 1:
+    if gpus >= layers > 1 and gated_any:  # one stage per GPU (the placed model knows gated stages)
+        ms, chunk = best_microbatch(M, dims, cal, gated=gated)
+        kind = "sequential" if chunk >= M else "microbatch"
+        out.append(Layout(kind, layers, 1, "one GEMM per GPU" + ("" if chunk >= M else f", chunk {chunk}"), ms / 1e6))
+        ms = simulate_placed(M, dims, list(range(layers)), cal, gated=gated) / 1e6
+        out.append(Layout("cta", layers, 1, "policy static, one GEMM per GPU", ms))
+    elif gpus >= layers > 1:
         ms, chunk = best_microbatch(M, dims, cal)
         if chunk >= M:  # one chunk: the layers one after another, nothing overlaps
             out.append(Layout("sequential", layers, 1, "one GEMM per GPU, copies between", ms / 1e6))
@@ -929,14 +942,14 @@ def plan(M: int, dims: list[int], gpus: int, cal: Calibration | None = None) -> 
     elif layers > gpus > 1:  # each GPU a contiguous range of layers; a GPU's layers share a chain kernel
         devices = placement(layers, gpus)
         share = max(devices.count(d) for d in set(devices))
-        ms, chunk = best_microbatch(M, dims, cal, devices=devices)
+        ms, chunk = best_microbatch(M, dims, cal, devices=devices, gated=gated)
         if chunk >= M:  # one chunk: the GPUs one after another, nothing overlaps
             out.append(Layout("sequential", gpus, 1, f"up to {share} layers a GPU, copies between", ms / 1e6))
         else:
             out.append(Layout("microbatch", gpus, 1, f"chunk {chunk}, up to {share} layers a GPU", ms / 1e6))
-        ms = simulate_placed(M, dims, devices, cal) / 1e6
+        ms = simulate_placed(M, dims, devices, cal, gated=gated) / 1e6
         out.append(Layout("cta", gpus, 1, f"policy static, up to {share} layers a GPU in a chain kernel", ms))
-    if layers == 2 and dims[0] == dims[2]:
+    if layers == 2 and dims[0] == dims[2] and not gated_any:
         K, N = dims[0], dims[1]
         for g in range(2, gpus + 1):
             if N % g == 0:
@@ -1166,7 +1179,12 @@ def run(args) -> int:
 def run_plan(args) -> int:
     """``ctapipelining plan``: the fastest layout of a chain on a number of GPUs."""
     cal = _calibration(args)
-    layouts = plan(args.m, args.dims, args.gpus, cal)
+    stages = len(args.dims) - 1
+    bad = [s for s in args.gated if s >= stages]
+    if bad:
+        raise UsageError(f"--gated {bad}: the chain {args.dims} has stages 0 to {stages - 1}")
+    gated = [s in args.gated for s in range(stages)]
+    layouts = plan(args.m, args.dims, args.gpus, cal, gated=gated)
     print(f"chain X[{args.m},{args.dims[0]}] through {len(args.dims) - 1} layers {args.dims} on {args.gpus} GPUs "
           f"(model calibrated on {cal.label})")  # fmt: skip
     for i, lay in enumerate(layouts):
@@ -1190,6 +1208,11 @@ def add_arguments(p, plan_args: bool = False) -> None:
         p.add_argument("--m", type=positive_int, required=True, help="rows of X")
         p.add_argument("--dims", type=chain_dims, required=True, help="K0,N0,N1,...: the chain's widths")
         p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to lay the chain out on")
+        p.add_argument(
+            "--gated", type=stage_indices, default=[], metavar="S,...",
+            help="stages whose output is gated (half their columns: a Llama block's gate/up GEMM, "
+            "e.g. --dims 8192,57344,8192 --gated 0)",
+        )  # fmt: skip
     else:
         p.add_argument(
             "--validate", type=existing_file, nargs="*", default=[], metavar="RESULTS",

@@ -58,6 +58,8 @@ def test_every_option_has_help_and_shows_its_default(name):
         (["sim", "--k", "many"], "argument --k: expected an integer, got 'many'"),
         (["trace", "--seq", "0"], "argument --seq: must be >= 1, got 0"),
         (["demo", "--m", "0"], "argument --m: must be >= 1, got 0"),
+        (["plan", "--m", "64", "--dims", "64,64", "--gpus", "2", "--gated", "-1"], "stage numbers >= 0"),
+        (["plan", "--m", "64", "--dims", "64,64", "--gpus", "2", "--gated", "1"], "has stages 0 to 0"),
         ([], "the following arguments are required: COMMAND"),
     ],
 )
@@ -93,6 +95,13 @@ def test_plan_names_the_machine_its_model_was_calibrated_on(capsys):
     out = capsys.readouterr().out
     assert "model calibrated on 2x NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0), runs in " in out
     assert out.splitlines()[1].startswith(" ->") and "cta+tp" in out
+
+
+def test_plan_of_a_llama_block(capsys):
+    """A gated gate/up stage: the block split over two GPUs is a layout, TP is not."""
+    assert cli.main(["plan", "--m", "4096", "--dims", "8192,57344,8192", "--gated", "0", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "one GEMM per GPU" in out and " tp " not in out
 
 
 @pytest.mark.skipif(not FINAL.is_dir(), reason="benchmarks/results not here")

@@ -428,3 +428,18 @@ def test_placed_model_runs_kernels_apart_one_after_another():
     assert sim.simulate_placed(M, four, [0, 0, 1, 1], CAL, chain=False) > 1.2 * sim.simulate_placed(
         M, four, [0, 0, 1, 1], CAL
     )
+
+
+def test_planner_lays_out_gated_blocks():
+    """A Llama block (gate/up gated) on two GPUs: the chain one GEMM per GPU (the split block, as
+    :func:`sim.figure_blocks` has it), micro-batching one GEMM per GPU, and the block on one GPU
+    (its down GEMM over half the gate/up columns); no TP layout (the TP model has no gated stage).
+    The CLI takes the gated stages by number and refuses one past the chain."""
+    H, inter, M = 8192, 28672, 4096
+    layouts = {lay.method: lay for lay in sim.plan(M, [H, 2 * inter, H], 2, CAL, gated=[True, False])}
+    assert set(layouts) == {"single", "microbatch", "cta"}
+    split = sim.simulate_placed(M, [H, 2 * inter, H], [0, 1], CAL, gated=[True, False]) / 1e6
+    assert layouts["cta"].predicted_ms == pytest.approx(split)
+    one = (sim.simulate_gemm(M, H, 2 * inter, CAL) + sim.simulate_gemm(M, inter, H, CAL)) / 1e6
+    assert layouts["single"].predicted_ms == pytest.approx(one)
+    assert "tp" in {lay.method for lay in sim.plan(M, [H, 2 * inter, H], 2, CAL)}  # ungated: TP offered
