@@ -81,7 +81,13 @@ def test_predictions_within_10_percent_of_measured(run, old_cal):
 
 @pytest.mark.parametrize("M", [512, 2048, 8192])
 def test_single_stage_is_one_kernel(M):
-    assert sim.simulate_cta(M, [4096, 4096], CAL).total_ns == pytest.approx(sim.simulate_gemm(M, 4096, 4096, CAL))
+    """One stage is one persistent GEMM: its rounds of tiles (the last one partial) at the
+    calibrated tile time, and a launch."""
+    tiles = -(-M // CAL.block_m) * -(-4096 // CAL.block_n)
+    rounds = -(-tiles // CAL.num_sms)
+    want = rounds * CAL.tile_ns(4096) + CAL.launch_ns
+    assert sim.simulate_cta(M, [4096, 4096], CAL).total_ns == pytest.approx(want)
+    assert sim.simulate_gemm(M, 4096, 4096, CAL) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("policy", ["static", "workqueue"])
