@@ -54,26 +54,26 @@ def non_negative_float(s: str) -> float:
     return v
 
 
-def positive_ints(s: str) -> list[int]:
-    """Comma-separated positive integers: ``1024,2048``."""
+def _ints(s: str, least: int, what: str, bounded: str) -> list[int]:
+    """Comma-separated integers ``what``, at least one, each ``>= least`` (``bounded`` names
+    them so in the error)."""
     try:
         v = [int(x) for x in s.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not v or min(v) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}") from None
+    if not v or min(v) < least:
+        raise argparse.ArgumentTypeError(f"expected {bounded}, got {s!r}")
     return v
+
+
+def positive_ints(s: str) -> list[int]:
+    """Comma-separated positive integers: ``1024,2048``."""
+    return _ints(s, 1, "integers", "positive integers")
 
 
 def stage_indices(s: str) -> list[int]:
     """Comma-separated stage numbers (from 0): ``0,2``."""
-    try:
-        v = [int(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated stage numbers, got {s!r}") from None
-    if not v or min(v) < 0:
-        raise argparse.ArgumentTypeError(f"expected stage numbers >= 0, got {s!r}")
-    return v
+    return _ints(s, 0, "stage numbers", "stage numbers >= 0")
 
 
 def chain_dims(s: str) -> list[int]:

@@ -177,11 +177,10 @@ class HeapLayout:
 def stage_spec(w: torch.Tensor, config: GemmConfig, epilogue) -> tuple:
     """What every rank must know of a stage to lay out the heap and link to it: ``(K, N, output
     columns, configuration, the norm of its input, whether it adds a residual)``."""
-    norm = None
-    if epilogue is not None and epilogue.norm_eps is not None:
-        norm = "layer" if epilogue.layer_norm_eps is not None else "rms"
-    cols = w.shape[1] if epilogue is None else epilogue.out_cols(w.shape[1])
-    return (int(w.shape[0]), int(w.shape[1]), int(cols), config, norm, bool(epilogue is not None and epilogue.residual))
+    if epilogue is None:
+        return (int(w.shape[0]), int(w.shape[1]), int(w.shape[1]), config, None, False)
+    cols = epilogue.out_cols(w.shape[1])
+    return (int(w.shape[0]), int(w.shape[1]), int(cols), config, epilogue.norm_kind, epilogue.residual)
 
 
 def heap_layout(
@@ -421,18 +420,13 @@ class DistributedPipeline:
         if len(configs) != n or not all(c is None or isinstance(c, GemmConfig) for c in configs):
             raise ValueError(f"config must be a GemmConfig or a list of one per stage of this rank ({n}): {config!r}")
         self.configs = [c or PIPELINE_CONFIG for c in configs]
-        if len({c.block_m for c in self.configs}) > 1:
-            raise ValueError(f"the stages' configurations must share block_m, got {[c.block_m for c in self.configs]}")
-        self.block_m = self.configs[0].block_m
+        self.block_m = self.configs[0].block_m  # every stage's, on every rank (_check_stages)
         epilogues = [None] * n if epilogues is None else list(epilogues)
         if len(epilogues) != n or not all(e is None or isinstance(e, Epilogue) for e in epilogues):
             raise ValueError(f"epilogues must be a list of one Epilogue or None per stage of this rank ({n})")
-        for k, (w, e, c) in enumerate(zip(weights, epilogues, self.configs)):
+        for w, e, c in zip(weights, epilogues, self.configs):  # (the stages chain: Placement.of, every rank)
             if e is not None:
                 e.check(w.shape[1], w.dtype, w.device, c.block_n)
-            before = None if not k else stage_spec(weights[k - 1], self.configs[k - 1], epilogues[k - 1])[2]
-            if k and w.shape[0] != before:
-                raise ValueError(f"rank {self.rank}'s weight {k} is {tuple(w.shape)}; the one before outputs {before}")
         self.epilogues = epilogues
         self.policy = deps.get_policy(policy)
         if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:

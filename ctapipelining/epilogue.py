@@ -80,6 +80,14 @@ class Epilogue:
         """The norm's epsilon (None: no norm)."""
         return self.rms_eps if self.rms_eps is not None else self.layer_norm_eps
 
+    @property
+    def norm_kind(self) -> str | None:
+        """``"rms"``, ``"layer"`` or None: which partial sums of its input rows the norm reads
+        (the sums of squares; also the sums)."""
+        if self.norm_eps is None:
+            return None
+        return "rms" if self.rms_eps is not None else "layer"
+
     def out_cols(self, N: int) -> int:
         """C's columns for a GEMM with ``N`` columns of B."""
         return N // 2 if self.gated else N

@@ -604,7 +604,7 @@ class Pipeline:
         default stage ``s + 1``'s): the sums of squares for an RMSNorm, ``(sums of squares,
         sums)`` for a LayerNorm; or None."""
         if s + 1 < len(self.weights):
-            norm = self._norm_sums(s + 1) and ("layer" if self.epilogues[s + 1].layer_norm_eps is not None else "rms")
+            norm = self._norm_sums(s + 1) and self.epilogues[s + 1].norm_kind
         else:  # the next segment's first stage's (its plan's link carries them; see _build_plan)
             norm = self.segment.out_norm if self.segment is not None else None
         if not norm:

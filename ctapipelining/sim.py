@@ -382,6 +382,22 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     return rows
 
 
+def _link_ready(
+    producer: deps.TileGrid, consumer: deps.TileGrid, sent: np.ndarray, K: int, wait_parts: int, cal: Calibration
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """When each consumer tile's input is visible across a link (``(ready, part_frac)`` as
+    :func:`_gemm_stage` takes them), the producer's tiles signalled at ``sent``: a counter fills
+    when the last producer tile that signals it is done, and is seen ``t2_ns`` later; in up to
+    ``wait_parts`` parts of the consumer's ``K``."""
+    dep = deps.build_dependency(producer, consumer, "gemm", parts=min(wait_parts, producer.num_n))
+    filled = np.full(dep.num_counters, -np.inf)
+    np.maximum.at(filled, dep.signal_counters, np.repeat(sent, np.diff(dep.signal_ptr)))
+    ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
+    if dep.parts == 1:
+        return ready[:, 0], None
+    return ready, np.array([dep.part_k_start(q) / K for q in range(dep.parts)])
+
+
 def simulate_cta(
     M: int,
     dims: list[int],
@@ -424,14 +440,7 @@ def simulate_cta(
         traces.append(rows)
         ends.append(float(rows[:, 3].max()))
         if not last:
-            dep = deps.build_dependency(grid, grids[s + 1], "gemm", parts=min(wait_parts, grid.num_n))
-            # each counter fills when the last producer tile that signals it is done
-            filled = np.full(dep.num_counters, -np.inf)
-            np.maximum.at(filled, dep.signal_counters, np.repeat(rows[:, 3], np.diff(dep.signal_ptr)))
-            ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
-            frac = np.array([dep.part_k_start(q) / dims[s + 1] for q in range(dep.parts)]) if dep.parts > 1 else None
-            if frac is None:
-                ready = ready[:, 0]
+            ready, frac = _link_ready(grid, grids[s + 1], rows[:, 3], dims[s + 1], wait_parts, cal)
     for s in range(2 if D else 0):  # the drain, on stage 0's GPU after its producer
         grid = deps.TileGrid(D, dims[s + 1], bm, cal.block_n)
         rows = _gemm_stage(grid, dims[s], cal, None, "static", ends[0] + cal.launch_ns, remote=s == 1, signals=False)
@@ -658,15 +667,8 @@ def simulate_placed(
         ends.append(end)
         gpu_end[dev] = end
         if not last:  # the next kernel's first stage waits for these tiles, in parts
-            grid = deps.TileGrid(M, sub[-1], bm, bn)
-            dep = deps.build_dependency(grid, deps.TileGrid(M, dims[group[-1] + 2], bm, bn), "gemm",
-                                        parts=min(wait_parts, grid.num_n))  # fmt: skip
-            filled = np.full(dep.num_counters, -np.inf)
-            np.maximum.at(filled, dep.signal_counters, np.repeat(sent, np.diff(dep.signal_ptr)))
-            ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
-            K = dims[group[-1] + 1]
-            frac = np.array([dep.part_k_start(q) / K for q in range(dep.parts)]) if dep.parts > 1 else None
-            inbound = (ready if frac is not None else ready[:, 0], frac)
+            grid, consumer = deps.TileGrid(M, sub[-1], bm, bn), deps.TileGrid(M, dims[group[-1] + 2], bm, bn)
+            inbound = _link_ready(grid, consumer, sent, dims[group[-1] + 1], wait_parts, cal)
     return max(ends)
 
 
@@ -682,6 +684,12 @@ def traced_tile_ns(trace: Path | str) -> float:
     ``s1``, ... of :meth:`ctapipelining.pipeline.Pipeline.traces` rows)."""
     s0 = np.load(trace)["s0"]
     return float(np.median(s0[:, 2] - s0[:, 1]))
+
+
+def _ratio_row(M: int, ratio: str, predicted: float, measured: float) -> dict:
+    """One validation row of a ratio between methods: predicted, measured, the error (%)."""
+    return dict(seq=M, ratio=ratio, predicted=round(predicted, 4), measured=round(measured, 4),
+                error_pct=round(100 * (predicted / measured - 1), 2))  # fmt: skip
 
 
 def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: float | None = None) -> list[dict]:
@@ -712,8 +720,7 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
         for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
             predicted = p[num] / p[den]
-            rows.append(dict(seq=M, ratio=f"{num}/{den}", predicted=round(predicted, 4), measured=round(measured, 4),
-                             error_pct=round(100 * (predicted / measured - 1), 2)))  # fmt: skip
+            rows.append(_ratio_row(M, f"{num}/{den}", predicted, measured))
     return rows
 
 
@@ -788,8 +795,7 @@ def validate_depth(cal: Calibration, results: Path) -> list[dict]:
             if measured[num] is None or measured[den] is None:
                 continue
             want, got = measured[num] / measured[den], predicted[num] / predicted[den]
-            rows.append(dict(seq=M, ratio=f"{num}/{den}", predicted=round(got, 4), measured=round(want, 4),
-                             error_pct=round(100 * (got / want - 1), 2)))  # fmt: skip
+            rows.append(_ratio_row(M, f"{num}/{den}", got, want))
     return rows
 
 

@@ -37,11 +37,9 @@ def test_placement_refuses_a_rank_without_stages_and_shapes_that_do_not_chain():
         Placement.of([[(32, 48)], [(40, 16)]])
 
 
-@pytest.mark.parametrize("queue", [False, True])
-@pytest.mark.parametrize("rows", [16, 40, 100])
-def test_heap_layout_regions_fit_do_not_overlap_and_match_the_links(rows, queue):
-    p = Placement.of([[(32, 48)], [(48, 64), (64, 16)], [(16, 32)]], loopback=True)
-    lay = heap_layout(p, rows, CFG, torch.float16, queue)
+def check_regions(p: Placement, lay) -> None:
+    """Every region of the layout inside the heap, aligned, on the rank that owns it (the
+    producer's for ``consumed``, else the consumer's), none overlapping another on its rank."""
     spans = {}
     for (name, s), r in lay.regions.items():
         size = r.dtype.itemsize * int(torch.tensor(r.shape).prod())
@@ -52,6 +50,14 @@ def test_heap_layout_regions_fit_do_not_overlap_and_match_the_links(rows, queue)
     for ranges in spans.values():
         ranges.sort()
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("queue", [False, True])
+@pytest.mark.parametrize("rows", [16, 40, 100])
+def test_heap_layout_regions_fit_do_not_overlap_and_match_the_links(rows, queue):
+    p = Placement.of([[(32, 48)], [(48, 64), (64, 16)], [(16, 32)]], loopback=True)
+    lay = heap_layout(p, rows, CFG, torch.float16, queue)
+    check_regions(p, lay)
     for s in p.cross_links():
         dep = lay.deps[s]
         assert lay.regions[("counters", s)].shape == (dep.num_counters,)
@@ -386,15 +392,7 @@ def test_heap_layout_of_fused_stages_fits_and_matches_the_producers(rows, queue)
     ]
     p = Placement.of(ranks, loopback=True)
     lay = heap_layout(p, rows, None, torch.float16, queue)
-    spans = {}
-    for (name, s), r in lay.regions.items():
-        size = r.dtype.itemsize * int(torch.tensor(r.shape).prod())
-        assert r.offset % ALIGN == 0 and r.offset + size <= lay.nbytes
-        spans.setdefault(r.rank, []).append((r.offset, r.offset + size))
-        assert r.rank == (p.rank_of[s - 1] if name == "consumed" else p.rank_of[s]), (name, s)
-    for ranges in spans.values():
-        ranges.sort()
-        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    check_regions(p, lay)
     for s in p.cross_links():
         dep, (_, N) = lay.deps[s], p.shapes[s - 1]
         assert dep.producer.N == p.cols(s - 1) and dep.producer.block_n == SMALL.block_n * p.cols(s - 1) // N
