@@ -64,18 +64,18 @@ def main() -> None:
             return (torch.randn(rows, cols, generator=g) * cols**-0.5).bfloat16()
 
         H, inter = args.dim, args.inter
-        blocks = [
-            LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, generator=g)).bfloat16())
+        drawn = [
+            (w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, generator=g)).bfloat16())
             for _ in range(n)
         ]
 
         def stages(bs, devices):
-            """The blocks' stages (weights, configurations, epilogues), each block moved to its device."""
-            parts = [b.to(d).pipeline_stages() for b, d in zip(bs, devices)]
+            """Blocks bs' stages (weights, configurations, epilogues), each block built on its device."""
+            parts = [LlamaMLP(*(t.to(d) for t in drawn[b])).pipeline_stages() for b, d in zip(bs, devices)]
             return [sum((part[i] for part in parts), []) for i in range(3)]
 
         first = rank * args.stages_per_rank
-        ws, configs, epilogues = stages(blocks[first : first + args.stages_per_rank], [device] * args.stages_per_rank)
+        ws, configs, epilogues = stages(range(first, first + args.stages_per_rank), [device] * args.stages_per_rank)
         pipe = DistributedPipeline(ws, config=configs, epilogues=epilogues, loopback=args.loopback)
     else:
         layers = [(torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5).bfloat16() for _ in range(n)]
@@ -93,7 +93,7 @@ def main() -> None:
     single = None
     if rank == 0:
         if args.blocks:  # the blocks' own configurations, on the GPUs of their ranks
-            placed, configs, epilogues = stages(blocks, [gpu_of(b) for b in range(n)])
+            placed, configs, epilogues = stages(range(n), [gpu_of(b) for b in range(n)])
             single = Pipeline(placed, config=configs, epilogues=epilogues, loopback=args.loopback)
         else:
             placed = [w.to(gpu_of(s)) for s, w in enumerate(layers)]
