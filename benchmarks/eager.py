@@ -9,10 +9,11 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
-   the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, the GEMMs and the
-   chains each in a run of their own: median wall time of >= 30 synchronised calls
-   each, taking turns in a shuffled order; the ratio eager / graph per repetition, median and
-   distribution-free 95% CI (:func:`ctapipelining.timing.median_ci`).
+   the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, and
+   the default ``Pipeline`` where it runs our GEMMs one after another instead (2048 rows: also its
+   graph against the chain's), the GEMMs and the chains each in a run of their own: median wall
+   time of >= 30 synchronised calls each, taking turns in a shuffled order; the ratio eager /
+   graph per repetition, median and distribution-free 95% CI (:func:`ctapipelining.timing.median_ci`).
 3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
    earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
@@ -106,7 +107,8 @@ def main():
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv)}
     w = rand(K, K, scale=K**-0.5)
     ws = [rand(K, K, scale=K**-0.5) for _ in range(2)]
-    pipe = Pipeline(ws)  # both stages on one GPU: one chain kernel
+    pipe = Pipeline(ws, always_pipelined=True)  # both stages on one GPU: one chain kernel at every height
+    default = Pipeline(ws)  # the measured table's choice: at 2048 rows our GEMMs one after another
     x2k = rand(2048, K)
     y2k = torch.empty(2048, K, dtype=torch.bfloat16, device=DEV)
     calls = {
@@ -142,6 +144,12 @@ def main():
         methods += [Method(f"chain_{M}_eager", lambda x=x, y=y: pipe(x, out=y)), Method(f"chain_{M}_graph", replay)]
         pairs.append((f"chain_{M}_eager", f"chain_{M}_graph"))
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+        if default.one_after_another(M):  # the default Pipeline's call there, and against the chain kernel
+            replay = graphed(lambda x=x, y=y: default(x, out=y))
+            methods += [Method(f"default_{M}_eager", lambda x=x, y=y: default(x, out=y))]
+            methods += [Method(f"default_{M}_graph", replay)]
+            pairs += [(f"default_{M}_eager", f"default_{M}_graph"), (f"default_{M}_graph", f"chain_{M}_graph")]
+            assert torch.equal(default(x, check=True), default.sequential(x))
     report["eager_vs_graph"] |= paired(methods, pairs)
     pipe.check_errors()
     if torch.cuda.device_count() >= 2:  # the two layers on two GPUs: the cross-GPU chain

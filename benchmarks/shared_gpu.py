@@ -10,7 +10,11 @@ paired), so only ratios inside one run count:
   (full-GPU grids, each row count in its measured configuration);
 * ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
   chain kernel (one grid, tiles claimed in one combined order), in its configuration per plan
-  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table);
+  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table), at every
+  height (``always_pipelined=True``);
+* ``default``: the ``Pipeline`` as a user builds it, which runs our GEMMs one after another
+  where the table measured that faster than the chain kernel
+  (:meth:`~ctapipelining.pipeline.Pipeline.one_after_another`), the chain kernel elsewhere;
 * ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
   variants below;
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
@@ -65,7 +69,8 @@ def main():
     a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
     wide = PIPELINE_CONFIG
     pipes = {
-        "chain": Pipeline([a, b]),  # its configuration per plan height (the measured table)
+        "chain": Pipeline([a, b], always_pipelined=True),  # its configuration per plan height (the table)
+        "default": Pipeline([a, b]),  # the table's choice: the chain kernel or our GEMMs one after another
         "chain_wide": Pipeline([a, b], config=wide),  # 128 x 256 tiles at every height: the variants'
         "loopback": Pipeline([a, b], loopback=True, config=wide),
         "chain_sm120": Pipeline([a, b], sm_budget=120, config=wide),
@@ -97,7 +102,7 @@ def main():
         for num, den in (
             ("chain_wide", "loopback"), ("chain_sm120", "chain_wide"), ("chain", "ours_seq"),
             ("chain_g8", "chain_wide"), ("chain_split", "chain_wide"), ("chain_stage_major", "chain_wide"),
-            ("chain", "chain_wide"), ("chain_graphedcall", "chain"),
+            ("chain", "chain_wide"), ("chain_graphedcall", "chain"), ("default", "chain"), ("default", "ours_seq"),
         ):  # fmt: skip
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
         for pipe in pipes.values():

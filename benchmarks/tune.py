@@ -97,7 +97,7 @@ def plain(fn):
 
 def pipeline(**kw):
     def build():
-        pipe = Pipeline([A, B], **kw)
+        pipe = Pipeline([A, B], always_pipelined=True, **kw)
         ok = all(torch.equal(pipe(x, check=True), pipe.sequential(x)) for x in xs)
         graphed = pipe.capture(M)
         return graphed.replay, graphed.x, "bitwise OK" if ok else "WRONG"

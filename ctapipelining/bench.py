@@ -150,7 +150,8 @@ def _bench_seq(
             mb = MicroBatch(ws, M, c, gemm=gemm)
             note = "cuda graph" if mb.graphed else f"eager ({mb.graph_error[:80]})"
             methods.append(Method(f"{name}/{c}", mb, lambda i, mb=mb: mb.x.copy_(rot.get(i)), c, note))
-    pipes = {policy: Pipeline(ws, policy=policy) for policy in ("workqueue", "static")}
+    # always pipelined: with one GPU a Pipeline may run the stages one after another (the measured table)
+    pipes = {policy: Pipeline(ws, policy=policy, always_pipelined=True) for policy in ("workqueue", "static")}
     for policy, pipe in pipes.items():
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))
     # the same calls captured in CUDA graphs (as micro-batching is): GPU time without Python launch cost;
@@ -165,7 +166,7 @@ def _bench_seq(
     elif len(ws) == 2 == gpus and any(ends):
         pipes["static_ends"] = Pipeline(ws, config=ENDS_CONFIG, prefill_rows=ends[0], drain_rows=ends[1])
     if layers > gpus:  # chain kernels: their interleaved order against stage after stage
-        pipes["static_stage_major"] = stage_major = Pipeline(ws)
+        pipes["static_stage_major"] = stage_major = Pipeline(ws, always_pipelined=True)
         for launch in stage_major.plan(M).launches:
             if hasattr(launch.gemm, "set_order"):
                 launch.gemm.set_order(None)

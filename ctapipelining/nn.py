@@ -474,17 +474,19 @@ class MLPStack(torch.nn.Module):
     :data:`DOWN_CONFIG`'s) in :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`, so the stages
     on one GPU run one kernel after another; or one :class:`GemmConfig` for every GEMM, so that
     they share one chain kernel (:data:`STACK_CONFIG` fits: 128 x 128 tiles leave room for the
-    residual's). On one H200 two Llama blocks run 1.07-1.09x as long as the same blocks called
-    one after another with the default (a block alone adds its residual by TMA on wider tiles),
-    and 1.35-1.41x with one chain kernel in :data:`STACK_CONFIG`
-    (``benchmarks/results/2026-12-01-h200-stack/run7/``): on one GPU a stack has nothing to
-    gain; its place is blocks on several GPUs, each block's second GEMM feeding the next GPU's
-    first GEMM row-block by row-block. There, by the model (``ctapipelining.sim.figure_blocks``;
-    not measured), only one configuration (:data:`STACK_CONFIG`) pipelines: in the default a
-    GPU's second GEMM starts once its first has ended. Other keyword arguments go to the
-    :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``, ``row_buckets``, ...).
-    The blocks' weights are the pipeline's: :meth:`refresh` (each block's) updates them in
-    place.
+    residual's). On one H200 the pipeline of two Llama blocks runs 1.05-1.09x as long as the same
+    blocks called one after another with the default (a block alone adds its residual by TMA on
+    wider tiles), and 1.35-1.41x with one chain kernel in :data:`STACK_CONFIG`
+    (``benchmarks/results/2026-12-05-h200-verify/``): on one GPU a stack has nothing to gain, so
+    a stack whose blocks all sit on one GPU (not in loopback) runs them one after another, each
+    block as it runs alone, unless ``always_pipelined=True``. Its place is blocks on several
+    GPUs, each block's second GEMM feeding the next GPU's first GEMM row-block by row-block.
+    There, by the model (``ctapipelining.sim.figure_blocks``; not measured), only one
+    configuration (:data:`STACK_CONFIG`) pipelines: in the default a GPU's second GEMM starts
+    once its first has ended. Other keyword arguments go to the
+    :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``, ``row_buckets``,
+    ``loopback``, ``always_pipelined``, ...). The blocks' weights are the pipeline's:
+    :meth:`refresh` (each block's) updates them in place.
     """
 
     block_type: type = FusedMLP  # what the blocks must be
@@ -556,12 +558,26 @@ class MLPStack(torch.nn.Module):
             return self._run(rows).reshape(x.shape)
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 
+    def blocks_apart(self) -> bool:
+        """Whether a call runs the blocks one after another, each as it runs alone: every block
+        on one GPU, not in loopback, and not ``always_pipelined`` (see the class docstring)."""
+        pipe = self._pipeline()
+        return not pipe.always_pipelined and len(pipe.distinct_devices) == 1 and not pipe.loopback
+
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.blocks_apart():
+            for b in self.blocks:
+                rows = b._run(rows, b.w_in, b.w_out)
+            return rows
         return self._pipeline()(rows)
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
-        """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise."""
-        return self._pipeline().sequential(x.reshape(-1, self.hidden).contiguous()).reshape(x.shape)
+        """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise (the
+        blocks one after another, when :meth:`blocks_apart`)."""
+        rows = x.reshape(-1, self.hidden).contiguous()
+        if self.blocks_apart():
+            return self._run(rows).reshape(x.shape)
+        return self._pipeline().sequential(rows).reshape(x.shape)
 
     def refresh(self) -> None:
         """Every block's :meth:`FusedMLP.refresh` (in place: the pipeline reads the new weights)."""

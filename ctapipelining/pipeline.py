@@ -56,6 +56,16 @@ system-scope code path as across GPUs, so the cross-GPU protocol runs and is tes
 Nothing else may hold a loopback's SMs while a call runs, or a waiting consumer could keep its
 producer from being scheduled (its waits then time out cleanly); a chain kernel has no such
 need.
+
+On one GPU our own GEMMs one after another, each in its configuration measured for its row count
+(:func:`~ctapipelining.gemm.matmul`), are faster than the chain kernel at most heights: the
+plain GEMM's narrow tiles and split tails already leave few SMs idle, and the chain kernel's waits
+and wider tiles cost more than the overlap gains (1.2-13.6% at 128-4096 rows; the chain kernel
+ties at 640 and 16384 rows, ``benchmarks/results/2026-12-01-h200-configs/run11-parts/``). So a
+pipeline whose stages all share one GPU, built without a configuration (nor epilogues, ends, a
+segment, a trace, an SM budget or loopback), runs a call one way or the other by the measured
+table (:meth:`Pipeline.one_after_another`); ``always_pipelined=True`` keeps the chain kernel at
+every height. Stages on several GPUs always pipeline.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import statistics
 import threading
 import time
@@ -81,10 +92,12 @@ from .gemm import (
     check_tensor,
     check_weight,
     config_table,
+    matmul,
     num_sms,
     overlaps,
     pick_config,
     span,
+    table_rows,
     tail_split,
     tma_ready,
 )
@@ -128,6 +141,12 @@ ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 p
 PIPELINE_TABLE = "pipeline_configs.json"  # under ctapipelining/data: configurations per plan height
 
 
+@functools.cache
+def _one_after_another_table() -> tuple[tuple[int, bool], ...]:
+    """:data:`PIPELINE_TABLE`'s rows as ``(M, whether the stages run one after another there)``."""
+    return tuple((row["M"], row["one_after_another"]) for row in table_rows(PIPELINE_TABLE))
+
+
 @dataclass(eq=False)
 class GraphedCall:
     """One call of a :class:`Pipeline` on ``M`` rows, captured in a CUDA graph
@@ -143,7 +162,7 @@ class GraphedCall:
     """
 
     pipeline: Pipeline
-    plan: Plan
+    plan: Plan | None  # None: a call that runs the stages one after another (no waits, no error words)
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     out: torch.Tensor
@@ -168,7 +187,7 @@ class GraphedCall:
         pipe = self.pipeline
         with pipe._lock:
             pipe._usable()
-            if self.plan.stale:
+            if self.plan is not None and self.plan.stale:
                 raise RuntimeError("this graph's plan was left inconsistent by a failed call: capture it again")
             if pipe._replicas:
                 pipe._refresh_replicas()
@@ -194,7 +213,12 @@ class GraphedCall:
         return self.out
 
     def check_errors(self) -> None:
-        """Raise :class:`PipelineTimeout` if a replay timed out (see :meth:`Pipeline.check_errors`)."""
+        """Raise :class:`PipelineTimeout` if a replay timed out (see :meth:`Pipeline.check_errors`);
+        a graph of stages one after another only waits for its replays (bounded)."""
+        if self.plan is None:
+            with self.pipeline._lock:
+                self.pipeline._wait()
+            return
         self.pipeline.check_errors(self.plan)
 
     def __repr__(self) -> str:  # not the tensors' contents (a copy from the GPU)
@@ -278,6 +302,10 @@ class Pipeline:
     segment : this pipeline runs a part of a longer chain (:class:`Segment`): its first stage
         waits on the previous part's link, its last signals the next part's. Set by
         :class:`ctapipelining.distributed.DistributedPipeline`; calls then go through it.
+    always_pipelined : ``True``: every call runs the pipeline, also on one GPU at heights where
+        the measured table runs the stages one after another instead (see
+        :meth:`one_after_another`; for tests and measurements of the chain kernel). Default
+        ``False``.
     """
 
     def __init__(
@@ -297,6 +325,7 @@ class Pipeline:
         loopback: bool | None = None,
         segment: Segment | None = None,
         epilogues: list[Epilogue | None] | None = None,
+        always_pipelined: bool = False,
     ):
         if not isinstance(weights, (list, tuple)) or not weights:
             raise ValueError("Pipeline needs a non-empty list of weight matrices")
@@ -429,6 +458,14 @@ class Pipeline:
         # one GPU and one kernel stream (no loopback): an eager call queues its work on the caller's
         # stream itself, as a graph replay does (_launch_direct)
         self._direct = self.on_gpu and len(self.distinct_devices) == 1 and not self.loopback and segment is None
+        if not isinstance(always_pipelined, bool):
+            raise ValueError(f"always_pipelined must be True or False, got {always_pipelined!r}")
+        self.always_pipelined = always_pipelined
+        # where the measured table may run a call's stages one after another instead (one_after_another)
+        self._may_run_apart = (
+            not always_pipelined and self._per_height and len(self.distinct_devices) == 1 and not self.loopback
+            and not trace and sm_budget is None
+        )  # fmt: skip
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
@@ -548,6 +585,25 @@ class Pipeline:
             return [across if s and not self._same_kernel(s - 1, s) else cfg for s in range(len(self.weights))]
         return self.configs
 
+    def one_after_another(self, M: int) -> bool:
+        """Whether a call on ``M`` rows runs the stages one after another as plain GEMMs
+        (:func:`~ctapipelining.gemm.matmul`, each in its own configuration for ``M`` rows) rather
+        than pipelined: only with every stage on one GPU and nothing that fixes how the stages
+        run (no configuration, epilogues, ends, segment, trace, SM budget or loopback, and not
+        ``always_pipelined``), where the measured table (:data:`PIPELINE_TABLE`'s row for the
+        plan height) found that faster than the chain kernel. Such a call has no waits, so
+        nothing of it can time out; it runs on the caller's current stream."""
+        return self._may_run_apart and pick_config(_one_after_another_table(), self.rows_for(M))
+
+    def _one_after_another(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``), on
+        the current stream of their GPU."""
+        last = len(self.weights) - 1
+        with torch.cuda.device(self.devices[0]) if self.on_gpu else contextlib.nullcontext():
+            for s, w in enumerate(self.weights):
+                x = matmul(x, w, out=out if s == last else None)
+        return x
+
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
         default the constructor's), without a split tail for a
@@ -576,6 +632,8 @@ class Pipeline:
         the previous segment's last stage leaves (for stage 0's norm); returns the result and
         the partial sums the last stage leaves for the next segment's norm (or None)."""
         self.check_input(x)
+        if self.one_after_another(x.shape[0]):  # what a call runs then
+            return self._one_after_another(x), None
         rows, M = x.shape[0], self.rows_for(x.shape[0])
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
             x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
@@ -1026,6 +1084,11 @@ class Pipeline:
             if not self._capturing():  # no event queries there
                 self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
+            if self.one_after_another(M):
+                out = self._one_after_another(x, out)
+                if check and not self._capturing():
+                    self._wait()
+                return out
             plan = self.plan(M)
             self._refresh_replicas()
             if out is None:
@@ -1059,7 +1122,7 @@ class Pipeline:
             with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
                 self(x, out=out)
             self._wait()
-            return GraphedCall(self, self.plan(M), graph, x, out)
+            return GraphedCall(self, None if self.one_after_another(M) else self.plan(M), graph, x, out)
 
     def _launch(
         self,

@@ -510,10 +510,53 @@ def test_a_chain_kernel_whose_first_stage_waits_on_another_kernel_waits_in_that_
 
     torch.manual_seed(3)
     ws = chain(32, 128, 32, 128, 512, 128, 32)
-    pipe = Pipeline(ws, loopback=False)
+    pipe = Pipeline(ws, loopback=False, always_pipelined=True)
     plan = pipe.plan(200)
     assert [lc.stages for lc in plan.launches] == [(0, 1, 2, 3), (4, 5)]
     assert [c.wait_parts for c in plan.configs] == [1, 1, 1, 1, PIPELINE_CONFIG.wait_parts, 1]
     assert [lk.dep.parts for lk in plan.links] == [1, 1, 1, 4, 1]  # 3 -> 4: capped at stage 3's 4 column-blocks
     x = torch.randn(200, 32).half()
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
+def test_stages_on_one_device_run_one_after_another_where_the_table_measured_that_faster(monkeypatch):
+    """A pipeline on one device built without anything that fixes how its stages run follows the
+    table's ``one_after_another`` (each row's flag agrees with its measured ratio): a call there
+    is our GEMMs one after another (bitwise, into ``out`` too, no plan built), as is its
+    reference; where the table says chain kernel, or with ``always_pipelined``, a configuration,
+    epilogues, loopback or an SM budget, the call pipelines."""
+    import ctapipelining.pipeline as pl
+    from ctapipelining.gemm import matmul, table_rows
+
+    rows = table_rows(pl.PIPELINE_TABLE)
+    assert all(row["one_after_another"] == (row["chain_over_one_after_another"] > 1) for row in rows)
+    assert {row["one_after_another"] for row in rows} == {True, False}  # both occur
+    ws = chain(16, 24, 16)
+    pipe = Pipeline(ws, loopback=False, row_buckets=0)
+    for row in rows:
+        assert pipe.one_after_another(row["M"]) == row["one_after_another"], row["M"]
+    for below, row in zip(rows, rows[1:]):  # a height between two rows: the taller row's
+        assert pipe.one_after_another(below["M"] + 1) == row["one_after_another"], row["M"]
+    assert pipe.one_after_another(10**7) == rows[-1]["one_after_another"]  # the last row's beyond it
+    x = torch.randn(40, 16).half()
+    assert pipe.one_after_another(40)
+    want = matmul(matmul(x, ws[0]), ws[1])
+    assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
+    out = torch.full((40, 16), float("nan")).half()
+    assert pipe(x, out=out) is out and torch.equal(out, want)
+    assert not pipe._plans  # nothing pipelined, nothing built
+    fixed = [
+        dict(always_pipelined=True), dict(config=PARTS), dict(loopback=True), dict(sm_budget=2),
+        dict(epilogues=[None, Epilogue(activation=gelu)]),
+    ]  # fmt: skip
+    for kw in fixed:
+        other = Pipeline(ws, **{"loopback": False, **kw})
+        assert not other.one_after_another(40), kw
+        other(x, check=True)
+        assert other._plans, kw  # it pipelined
+    monkeypatch.setattr(pl, "_one_after_another_table", lambda: ((10**9, False),))  # a table of chain kernels
+    assert not pipe.one_after_another(40)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x)) and pipe._plans
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="always_pipelined must be"):
+            Pipeline(ws, always_pipelined=bad)

@@ -48,13 +48,13 @@ def test_chain_kernel_equals_the_stages_one_after_another(policy, dims, M, wide)
     from ctapipelining.pipeline import PIPELINE_TABLE
 
     ws = chain(*dims)
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, always_pipelined=True)
     own = pick_config(config_table(PIPELINE_TABLE), pipe.rows_for(M))
     across = dataclasses.replace(own, wait_parts=PIPELINE_CONFIG.wait_parts)
     if wide and across == PIPELINE_CONFIG:
         pytest.skip("the plan's own tiles are PIPELINE_CONFIG's")
     if wide:
-        pipe = Pipeline(ws, policy=policy, config=PIPELINE_CONFIG)
+        pipe = Pipeline(ws, policy=policy, config=PIPELINE_CONFIG, always_pipelined=True)
     plan = pipe.plan(M)
     assert isinstance(plan.launches[0].gemm, ChainLaunch)
     firsts = {lc.stages[0] for lc in plan.launches}  # each chain kernel's first stage
@@ -76,7 +76,7 @@ def test_chain_kernel_equals_the_stages_one_after_another(policy, dims, M, wide)
 @pytest.mark.parametrize("policy", ["static", "workqueue"])
 def test_chain_200_calls_then_graph_replays_without_reset(policy):
     ws = chain(8192, 8192, 8192)
-    pipe = Pipeline(ws, policy=policy)
+    pipe = Pipeline(ws, policy=policy, always_pipelined=True)
     x = rand(640, 8192)
     y = torch.empty(640, 8192, dtype=torch.bfloat16, device="cuda:0")
     for _ in range(200):
@@ -93,7 +93,7 @@ def test_chain_200_calls_then_graph_replays_without_reset(policy):
 
 def test_chain_no_wrap_past_int32():
     ws = chain(2048, 2048, 1024, 2048)
-    pipe = Pipeline(ws)
+    pipe = Pipeline(ws, always_pipelined=True)
     plan = pipe.plan(3000)
     preset_epoch(plan, 2**31 - 2)
     for _ in range(3):
@@ -111,7 +111,7 @@ def test_chain_timeout_inside_the_kernel_is_clean():
     """A counter between stages 1 and 2 that never fills: PipelineTimeout naming stage 2 soon
     after the deadline, the GPU fine, the next call right."""
     ws = chain(2048, 2048, 2048, 2048)
-    pipe = Pipeline(ws, timeout_s=0.2)
+    pipe = Pipeline(ws, timeout_s=0.2, always_pipelined=True)
     x = rand(4096, 2048)
     plan = pipe.plan(4096)
     plan.links[1].need_consumer[3] += 1
@@ -126,7 +126,7 @@ def test_chain_timeout_inside_the_kernel_is_clean():
 def test_chain_writes_a_padded_out():
     """The last stage stores ordinarily into an ``out`` whose rows are padded; the padding stays."""
     ws = chain(4096, 4096, 3000)
-    pipe = Pipeline(ws)
+    pipe = Pipeline(ws, always_pipelined=True)
     x = rand(5000, 4096)
     full = torch.full((5000, 3072), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     out = full[:, :3000]
@@ -185,3 +185,26 @@ def test_chain_sm_budget():
     x = rand(5000, 4096)
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     assert pipe.plan(5000).num_ctas == [120, 120]  # one grid of 120 CTAs runs both stages
+
+
+def test_the_default_on_one_gpu_follows_the_measured_table():
+    """The default pipeline on one GPU: at 2048 rows (where the table measured our GEMMs one
+    after another faster) a call, its reference and its graph replay are bitwise our GEMMs one
+    after another and build no plan; at 16384 rows it runs the chain kernel."""
+    from ctapipelining.gemm import matmul
+
+    ws = chain(8192, 8192, 8192)
+    pipe = Pipeline(ws)
+    assert pipe.one_after_another(2048) and not pipe.one_after_another(16384)
+    x = rand(2048, 8192)
+    want = matmul(matmul(x, ws[0]), ws[1])
+    assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
+    g = pipe.capture(2048)
+    assert g.plan is None and not pipe._plans
+    for _ in range(3):
+        x = rand(2048, 8192)
+        assert torch.equal(g(x), matmul(matmul(x, ws[0]), ws[1]))
+    g.check_errors()
+    x = rand(16384, 8192)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    assert isinstance(pipe.plan(16384).launches[0].gemm, ChainLaunch)

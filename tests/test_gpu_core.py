@@ -134,7 +134,7 @@ def test_eager_calls_on_one_gpu_queue_on_the_callers_stream_in_order(monkeypatch
     default stream; call 2 comes from another stream that did not wait for it, and must still
     end after call 1 (it waits for call 1's end). Both equal their sequential stages."""
     ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
-    pipe = Pipeline(ws)
+    pipe = Pipeline(ws, always_pipelined=True)
     x1, x2 = rand(4096, 4096), rand(4096, 4096)
     ref1, ref2 = pipe.sequential(x1), pipe.sequential(x2)
     pipe(x1, check=True)  # compiled, plan built
@@ -165,7 +165,7 @@ def test_bound_launches_follow_each_calls_x_and_out():
     their sequential stages, and the chain's launch holds a bound entry per pair it saw
     (``tests/test_launcher.py`` checks the key part by part on the CPU)."""
     ws = [rand(4096, 4096, scale=4096**-0.5) for _ in range(2)]
-    pipe = Pipeline(ws)
+    pipe = Pipeline(ws, always_pipelined=True)
     x1, x2 = rand(2048, 4096), rand(2048, 4096)
     o1, o2 = torch.empty_like(x1), torch.empty_like(x2)
     for _ in range(3):

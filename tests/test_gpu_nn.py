@@ -123,7 +123,8 @@ def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_ano
     """Two Llama-8B blocks as one pipeline on one GPU (each GEMM in its block's configuration;
     and one chain kernel), M = 1, 777, 4096: bitwise the same GEMMs one after another; against
     float32 at most 2x the error of ``transformers``' blocks in bf16; graph replay bitwise the
-    eager call."""
+    eager call. The default stack on one GPU runs the blocks one after another: bitwise each
+    block called alone."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -141,8 +142,13 @@ def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_ano
             for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 lin.weight.normal_(0, lin.weight.shape[1] ** -0.5)
         mods.append((mlp, norm))
-    stacks = [LlamaStack.from_hf(*zip(*mods)), LlamaStack.from_hf(*zip(*mods), config=STACK_CONFIG)]
+    stacks = [
+        LlamaStack.from_hf(*zip(*mods), always_pipelined=True),
+        LlamaStack.from_hf(*zip(*mods), config=STACK_CONFIG, always_pipelined=True),
+        LlamaStack.from_hf(*zip(*mods)),
+    ]
     assert len(stacks[0].pipeline.groups) == 4 and stacks[1].pipeline.groups == [[0, 1, 2, 3]]
+    assert [s.blocks_apart() for s in stacks] == [False, False, True]
     for M in (1, 777, 4096):
         x = torch.randn(M, H, device="cuda").bfloat16()
         with torch.no_grad():
@@ -157,6 +163,7 @@ def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_ano
             assert torch.equal(ours, stack.sequential(x)), M
             assert not ours.isnan().any()
             assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
+        assert torch.equal(stacks[2](x), stacks[2].blocks[1](stacks[2].blocks[0](x))), M
     graphed = stacks[0].pipeline.capture(4096)
     x = torch.randn(4096, H, device="cuda").bfloat16()
     assert torch.equal(graphed(x), stacks[0](x))
@@ -179,7 +186,10 @@ def test_one_plan_called_with_one_row_then_more_stays_right():
         return (torch.randn(rows, cols, device="cuda") * cols**-0.5).bfloat16()
 
     blocks = [LlamaMLP(w(inter, H), w(inter, H), w(H, inter), torch.ones(H, device="cuda").bfloat16()) for _ in "ab"]
-    for stack in (LlamaStack(blocks), LlamaStack(blocks, config=STACK_CONFIG)):
+    for stack in (
+        LlamaStack(blocks, always_pipelined=True),
+        LlamaStack(blocks, config=STACK_CONFIG, always_pipelined=True),
+    ):
         for M in (1, 100, 37):
             x = torch.randn(M, H, device="cuda").bfloat16()
             assert torch.equal(stack(x), stack.sequential(x)), M

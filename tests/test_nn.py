@@ -422,9 +422,9 @@ def test_a_pipelined_stack_equals_its_stages_one_after_another_and_transformers(
     if mode == "blocks":
         down = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)
         fused = [LlamaMLP.from_hf(m, n, gate_up_config=SMALL, down_config=down) for m, n in blocks]
-        stack = LlamaStack(fused, loopback=False)
+        stack = LlamaStack(fused, loopback=False, always_pipelined=True)
     else:
-        stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL, loopback=mode == "loopback")
+        stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL, loopback=mode == "loopback", always_pipelined=True)
     assert stack.pipeline.groups == ([[0, 1, 2, 3]] if mode == "chain" else [[0], [1], [2], [3]])
     x = torch.randn(M, H).half() * 3
     ours = stack(x)
@@ -571,10 +571,10 @@ def test_a_gpt_stack_normalises_from_the_sums_the_stage_before_stores(offset, co
     if config is None:
         down = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)
         fused = [GPTMLP.from_hf(m, n, up_config=SMALL, down_config=down) for m, n in blocks]
-        stack = GPTStack(fused, loopback=False)
+        stack = GPTStack(fused, loopback=False, always_pipelined=True)
         assert stack.pipeline.groups == [[0], [1], [2], [3]]
     else:
-        stack = GPTStack.from_hf(*zip(*blocks), config=config, loopback=False)
+        stack = GPTStack.from_hf(*zip(*blocks), config=config, loopback=False, always_pipelined=True)
         assert stack.pipeline.groups == [[0, 1, 2, 3]]
     x = (torch.randn(37, H) + offset).half()
     ours = stack(x)
@@ -606,3 +606,23 @@ def test_a_layer_norm_from_sums_keeps_its_precision_where_the_mean_dwarfs_the_sp
     y = p.plan(37).inputs[1][:37].double()  # stage 1's input, as stored
     ref = torch.nn.functional.layer_norm(y, (40,), eps=1e-5) @ w1.double()
     assert rel(out, ref) < 5e-3, rel(out, ref)
+
+
+def test_a_stack_on_one_device_runs_its_blocks_one_after_another():
+    """Every block on one device (not loopback): a call is the blocks called alone one after
+    another, bitwise, and so is its reference; no plan is built. ``always_pipelined`` (and
+    loopback) keep the pipeline, whose second block's norm rounds its sums in another order."""
+    blocks = hf_stack()
+    fused = [LlamaMLP.from_hf(m, n, gate_up_config=SMALL, down_config=SMALL) for m, n in blocks]
+    x = torch.randn(37, H).half()
+    want = fused[1](fused[0](x))
+    stack = LlamaStack(fused, loopback=False)
+    assert stack.blocks_apart()
+    assert torch.equal(stack(x), want) and torch.equal(stack.sequential(x), want)
+    assert not stack.pipeline._plans
+    for kw in (dict(loopback=False, always_pipelined=True), dict(loopback=True)):
+        piped = LlamaStack(fused, **kw)
+        assert not piped.blocks_apart()
+        y = piped(x)
+        assert piped.pipeline._plans and torch.equal(y, piped.sequential(x))
+        assert rel(y, want) < 2e-3
