@@ -25,7 +25,7 @@ def main() -> int:
         b = b.to("cuda:1")
     bad = 0
     for policy in ("static", "workqueue"):
-        pipe = Pipeline([a, b], policy=policy, timeout_s=60.0, loopback=loopback)
+        pipe = Pipeline([a, b], policy=policy, timeout_s=60.0, loopback=loopback, always_pipelined=True)
         for _ in range(2):
             x = torch.randn(512, 1024, device="cuda:0").bfloat16()
             same = torch.equal(pipe(x, check=True), pipe.sequential(x))
