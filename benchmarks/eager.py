@@ -10,8 +10,8 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
    the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, and
-   the default ``Pipeline`` where it runs our GEMMs one after another instead (2048 rows: also its
-   graph against the chain's), the GEMMs and the chains each in a run of their own: median wall
+   the default ``Pipeline``, which runs our GEMMs one after another there (also its graph against
+   the chain's), the GEMMs and the chains each in a run of their own: median wall
    time of >= 30 synchronised calls each, taking turns in a shuffled order; the ratio eager /
    graph per repetition, median and distribution-free 95% CI (:func:`ctapipelining.timing.median_ci`).
 3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
@@ -108,7 +108,7 @@ def main():
     w = rand(K, K, scale=K**-0.5)
     ws = [rand(K, K, scale=K**-0.5) for _ in range(2)]
     pipe = Pipeline(ws, always_pipelined=True)  # both stages on one GPU: one chain kernel at every height
-    default = Pipeline(ws)  # the measured table's choice: at 2048 rows our GEMMs one after another
+    default = Pipeline(ws)  # our GEMMs one after another (Pipeline.one_after_another)
     x2k = rand(2048, K)
     y2k = torch.empty(2048, K, dtype=torch.bfloat16, device=DEV)
     calls = {
@@ -144,7 +144,7 @@ def main():
         methods += [Method(f"chain_{M}_eager", lambda x=x, y=y: pipe(x, out=y)), Method(f"chain_{M}_graph", replay)]
         pairs.append((f"chain_{M}_eager", f"chain_{M}_graph"))
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-        if default.one_after_another(M):  # the default Pipeline's call there, and against the chain kernel
+        if default.one_after_another:  # the default Pipeline's call, and against the chain kernel
             replay = graphed(lambda x=x, y=y: default(x, out=y))
             methods += [Method(f"default_{M}_eager", lambda x=x, y=y: default(x, out=y))]
             methods += [Method(f"default_{M}_graph", replay)]

@@ -10,11 +10,10 @@ paired), so only ratios inside one run count:
   (full-GPU grids, each row count in its measured configuration);
 * ``chain``: a :class:`~ctapipelining.pipeline.Pipeline` whose two stages share the GPU in one
   chain kernel (one grid, tiles claimed in one combined order), in its configuration per plan
-  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table), at every
-  height (``always_pipelined=True``);
+  height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table;
+  ``always_pipelined=True``);
 * ``default``: the ``Pipeline`` as a user builds it, which runs our GEMMs one after another
-  where the table measured that faster than the chain kernel
-  (:meth:`~ctapipelining.pipeline.Pipeline.one_after_another`), the chain kernel elsewhere;
+  (:attr:`~ctapipelining.pipeline.Pipeline.one_after_another`) and should time as ``ours_seq``;
 * ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
   variants below;
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
@@ -70,7 +69,7 @@ def main():
     wide = PIPELINE_CONFIG
     pipes = {
         "chain": Pipeline([a, b], always_pipelined=True),  # its configuration per plan height (the table)
-        "default": Pipeline([a, b]),  # the table's choice: the chain kernel or our GEMMs one after another
+        "default": Pipeline([a, b]),  # our GEMMs one after another
         "chain_wide": Pipeline([a, b], config=wide),  # 128 x 256 tiles at every height: the variants'
         "loopback": Pipeline([a, b], loopback=True, config=wide),
         "chain_sm120": Pipeline([a, b], sm_budget=120, config=wide),

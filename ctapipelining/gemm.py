@@ -153,21 +153,14 @@ CONFIG_TABLE = "gemm_configs.json"  # under ctapipelining/data: benchmarks/confi
 
 
 @functools.cache
-def table_rows(name: str = CONFIG_TABLE) -> tuple[dict, ...]:
-    """The rows of a measured table under ``ctapipelining/data`` by increasing ``M`` (each a
-    dict: ``M``, ``config`` and what else its table records; each names its results folder)."""
-    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
-    return tuple(sorted(rows, key=lambda row: row["M"]))
-
-
-@functools.cache
 def config_table(name: str = CONFIG_TABLE) -> tuple[tuple[int, GemmConfig], ...]:
     """A measured configuration table, ``(rows, config)`` by increasing rows: by default the
     plain GEMM's (``ctapipelining/data/gemm_configs.json``: the fastest of
     ``benchmarks/configs.py``'s candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on
     one H200), or ``name`` under ``ctapipelining/data`` (a pipeline's,
-    :data:`ctapipelining.pipeline.PIPELINE_TABLE`)."""
-    return tuple((row["M"], GemmConfig(**row["config"])) for row in table_rows(name))
+    :data:`ctapipelining.pipeline.PIPELINE_TABLE`). Each row names its results folder."""
+    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
+    return tuple(sorted((row["M"], GemmConfig(**row["config"])) for row in rows))
 
 
 def plain_config(M: int) -> GemmConfig:
@@ -182,9 +175,8 @@ def plain_config(M: int) -> GemmConfig:
 
 
 def pick_config(table: tuple[tuple[int, GemmConfig], ...], M: int) -> GemmConfig:
-    """``table``'s (:func:`config_table`, or any ``(rows, value)`` pairs by increasing rows)
-    configuration for ``M`` rows: its row for the smallest row count ``>= M``, the last row's
-    beyond it."""
+    """``table``'s (:func:`config_table`) configuration for ``M`` rows: its row for the smallest
+    row count ``>= M``, the last row's beyond it."""
     return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
 
 

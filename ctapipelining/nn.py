@@ -478,8 +478,9 @@ class MLPStack(torch.nn.Module):
     blocks called one after another with the default (a block alone adds its residual by TMA on
     wider tiles), and 1.35-1.41x with one chain kernel in :data:`STACK_CONFIG`
     (``benchmarks/results/2026-12-05-h200-verify/``): on one GPU a stack has nothing to gain, so
-    a stack whose blocks all sit on one GPU (not in loopback) runs them one after another, each
-    block as it runs alone, unless ``always_pipelined=True``. Its place is blocks on several
+    a stack whose blocks all sit on one GPU runs them one after another, each block as it runs
+    alone (:meth:`blocks_apart`), unless something asks for the pipeline (``config``, loopback,
+    a trace, an SM budget, ``always_pipelined=True``). Its place is blocks on several
     GPUs, each block's second GEMM feeding the next GPU's first GEMM row-block by row-block.
     There, by the model (``ctapipelining.sim.figure_blocks``; not measured), only one
     configuration (:data:`STACK_CONFIG`) pipelines: in the default a GPU's second GEMM starts
@@ -560,9 +561,9 @@ class MLPStack(torch.nn.Module):
 
     def blocks_apart(self) -> bool:
         """Whether a call runs the blocks one after another, each as it runs alone: every block
-        on one GPU, not in loopback, and not ``always_pipelined`` (see the class docstring)."""
-        pipe = self._pipeline()
-        return not pipe.always_pipelined and len(pipe.distinct_devices) == 1 and not pipe.loopback
+        on one device and nothing that asks for the pipeline there (no ``config``, loopback,
+        trace or SM budget, and not ``always_pipelined``; see the class docstring)."""
+        return self.config is None and self._pipeline().free_on_one_device
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
         if self.blocks_apart():

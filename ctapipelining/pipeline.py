@@ -58,14 +58,15 @@ producer from being scheduled (its waits then time out cleanly); a chain kernel 
 need.
 
 On one GPU our own GEMMs one after another, each in its configuration measured for its row count
-(:func:`~ctapipelining.gemm.matmul`), are faster than the chain kernel at most heights: the
-plain GEMM's narrow tiles and split tails already leave few SMs idle, and the chain kernel's waits
-and wider tiles cost more than the overlap gains (1.2-13.6% at 128-4096 rows; the chain kernel
-ties at 640 and 16384 rows, ``benchmarks/results/2026-12-01-h200-configs/run11-parts/``). So a
-pipeline whose stages all share one GPU, built without a configuration (nor epilogues, ends, a
-segment, a trace, an SM budget or loopback), runs a call one way or the other by the measured
-table (:meth:`Pipeline.one_after_another`); ``always_pipelined=True`` keeps the chain kernel at
-every height. Stages on several GPUs always pipeline.
+(:func:`~ctapipelining.gemm.matmul`), are faster than the chain kernel: the plain GEMM's narrow
+tiles and split tails already leave few SMs idle, and claiming tiles from the ticket costs more
+than the round of tiles the combined order saves (the chain kernel in its best configuration per
+height takes 1.01-1.17x our GEMMs one after another at 128-16384 rows, paired,
+``benchmarks/results/2026-12-01-h200-configs/run11-parts/shared_gpu.json``). So a pipeline whose
+stages all share one device, built without a configuration (nor epilogues, ends, a segment, a
+trace, an SM budget or loopback), runs a call as our GEMMs one after another
+(:attr:`Pipeline.one_after_another`); ``always_pipelined=True`` keeps the chain kernel. Stages on
+several GPUs always pipeline.
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import statistics
 import threading
 import time
@@ -97,7 +97,6 @@ from .gemm import (
     overlaps,
     pick_config,
     span,
-    table_rows,
     tail_split,
     tma_ready,
 )
@@ -141,19 +140,14 @@ ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 p
 PIPELINE_TABLE = "pipeline_configs.json"  # under ctapipelining/data: configurations per plan height
 
 
-@functools.cache
-def _one_after_another_table() -> tuple[tuple[int, bool], ...]:
-    """:data:`PIPELINE_TABLE`'s rows as ``(M, whether the stages run one after another there)``."""
-    return tuple((row["M"], row["one_after_another"]) for row in table_rows(PIPELINE_TABLE))
-
-
 @dataclass(eq=False)
 class GraphedCall:
     """One call of a :class:`Pipeline` on ``M`` rows, captured in a CUDA graph
     (:meth:`Pipeline.capture`): the lowest-latency way to run it again and again.
 
     It holds everything the graph's addresses point to, so none of it can be freed while the
-    graph lives: the pipeline, its plan for ``M`` (pinned: never evicted), the static input
+    graph lives: the pipeline, its plan for ``M`` (pinned: never evicted; None where the call
+    runs the stages one after another, :attr:`Pipeline.one_after_another`), the static input
     ``x`` ``[M, K_0]`` on stage 0's device and the output ``out`` ``[M, N_last]`` on the last
     stage's device. Each replay overwrites ``out``. A replay is ordered like an eager call: it
     waits for the current stream of every stage's device and for the pipeline's previous call
@@ -271,7 +265,8 @@ class Pipeline:
         share of its SMs, through the cross-GPU code path (how the GPU tests exercise it on one
         GPU); ``False``: consecutive stages on one device run in one chain kernel (measured
         0.72-0.84x the loopback at 640-2048 rows on one H200,
-        benchmarks/results/2026-12-01-h200-chain/). Default: ``False`` on CUDA devices,
+        benchmarks/results/2026-12-01-h200-chain/), or, with nothing else that fixes how they
+        run, one after another (:attr:`one_after_another`). Default: ``False`` on CUDA devices,
         ``True`` for CPU tensors under the interpreter (each stage then runs as on a device of
         its own; ``False`` runs the chain kernel there too).
     row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
@@ -302,10 +297,10 @@ class Pipeline:
     segment : this pipeline runs a part of a longer chain (:class:`Segment`): its first stage
         waits on the previous part's link, its last signals the next part's. Set by
         :class:`ctapipelining.distributed.DistributedPipeline`; calls then go through it.
-    always_pipelined : ``True``: every call runs the pipeline, also on one GPU at heights where
-        the measured table runs the stages one after another instead (see
-        :meth:`one_after_another`; for tests and measurements of the chain kernel). Default
-        ``False``.
+    always_pipelined : ``True``: every call runs the pipeline, also where its stages share one
+        device and nothing else fixes how they run, where a call otherwise runs them one after
+        another (:attr:`one_after_another`; for tests and measurements of the chain kernel).
+        Default ``False``.
     """
 
     def __init__(
@@ -332,6 +327,8 @@ class Pipeline:
         self.policy = deps.get_policy(policy)
         if ends not in (None, "balanced"):
             raise ValueError(f"ends must be None or 'balanced', got {ends!r}")
+        if not isinstance(always_pipelined, bool):
+            raise ValueError(f"always_pipelined must be True or False, got {always_pipelined!r}")
         if ends and (prefill_rows or drain_rows):
             raise ValueError("ends='balanced' sizes prefill_rows and drain_rows itself: pass one or the other")
         if ends and trace:
@@ -458,13 +455,11 @@ class Pipeline:
         # one GPU and one kernel stream (no loopback): an eager call queues its work on the caller's
         # stream itself, as a graph replay does (_launch_direct)
         self._direct = self.on_gpu and len(self.distinct_devices) == 1 and not self.loopback and segment is None
-        if not isinstance(always_pipelined, bool):
-            raise ValueError(f"always_pipelined must be True or False, got {always_pipelined!r}")
         self.always_pipelined = always_pipelined
-        # where the measured table may run a call's stages one after another instead (one_after_another)
-        self._may_run_apart = (
-            not always_pipelined and self._per_height and len(self.distinct_devices) == 1 and not self.loopback
-            and not trace and sm_budget is None
+        # every stage on one device, nothing that asks for the pipeline there (MLPStack reads it too)
+        self.free_on_one_device = (
+            not always_pipelined and len(self.distinct_devices) == 1 and not self.loopback and not trace
+            and sm_budget is None and segment is None
         )  # fmt: skip
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
@@ -585,24 +580,38 @@ class Pipeline:
             return [across if s and not self._same_kernel(s - 1, s) else cfg for s in range(len(self.weights))]
         return self.configs
 
-    def one_after_another(self, M: int) -> bool:
-        """Whether a call on ``M`` rows runs the stages one after another as plain GEMMs
-        (:func:`~ctapipelining.gemm.matmul`, each in its own configuration for ``M`` rows) rather
-        than pipelined: only with every stage on one GPU and nothing that fixes how the stages
+    @property
+    def one_after_another(self) -> bool:
+        """Whether a call runs the stages one after another as plain GEMMs
+        (:func:`~ctapipelining.gemm.matmul`, each in its configuration for the call's rows)
+        rather than pipelined: with every stage on one device and nothing that fixes how they
         run (no configuration, epilogues, ends, segment, trace, SM budget or loopback, and not
-        ``always_pipelined``), where the measured table (:data:`PIPELINE_TABLE`'s row for the
-        plan height) found that faster than the chain kernel. Such a call has no waits, so
-        nothing of it can time out; it runs on the caller's current stream."""
-        return self._may_run_apart and pick_config(_one_after_another_table(), self.rows_for(M))
+        ``always_pipelined``), since on one GPU that is faster (module docstring). Such a call
+        has no waits, so nothing of it can time out, and builds no plan."""
+        return self.free_on_one_device and self._per_height
 
     def _one_after_another(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``), on
-        the current stream of their GPU."""
+        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``)."""
         last = len(self.weights) - 1
-        with torch.cuda.device(self.devices[0]) if self.on_gpu else contextlib.nullcontext():
-            for s, w in enumerate(self.weights):
-                x = matmul(x, w, out=out if s == last else None)
+        for s, w in enumerate(self.weights):
+            x = matmul(x, w, out=out if s == last else None)
         return x
+
+    def _call_one_after_another(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_one_after_another` as a call, ordered as every call is (see the module
+        docstring): on the caller's current stream, after the previous call's end when that was
+        issued from another stream; its own end recorded for the next call."""
+        if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
+            return self._one_after_another(x, out)
+        caller = torch.cuda.current_stream(self._device_indices[0])
+        if [caller.cuda_stream] != self._after_done:
+            for ev in self._done:
+                caller.wait_event(ev)
+        y = self._one_after_another(x, out)
+        done = self._join_events[0]  # recorded again by every call, as _launch_direct does
+        done.record(caller)
+        self._done, self._after_done = [done], [caller.cuda_stream]
+        return y
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
@@ -623,8 +632,9 @@ class Pipeline:
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, each with its stage's configuration in the plan for
-        ``x``'s rows, no pipelining: what a call must equal bitwise (a reference for tests and
-        benchmarks)."""
+        ``x``'s rows (with :attr:`one_after_another`, what a call runs: each GEMM in its
+        configuration for ``x``'s rows), no pipelining: what a call must equal bitwise (a
+        reference for tests and benchmarks)."""
         return self._sequential(x)[0]
 
     def _sequential(self, x: torch.Tensor, sums=None) -> tuple[torch.Tensor, object]:
@@ -632,7 +642,7 @@ class Pipeline:
         the previous segment's last stage leaves (for stage 0's norm); returns the result and
         the partial sums the last stage leaves for the next segment's norm (or None)."""
         self.check_input(x)
-        if self.one_after_another(x.shape[0]):  # what a call runs then
+        if self.one_after_another:  # what a call runs then
             return self._one_after_another(x), None
         rows, M = x.shape[0], self.rows_for(x.shape[0])
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
@@ -1084,8 +1094,8 @@ class Pipeline:
             if not self._capturing():  # no event queries there
                 self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
-            if self.one_after_another(M):
-                out = self._one_after_another(x, out)
+            if self.one_after_another:
+                out = self._call_one_after_another(x, out)
                 if check and not self._capturing():
                     self._wait()
                 return out
@@ -1105,9 +1115,10 @@ class Pipeline:
         Returns a :class:`GraphedCall`: ``y = graphed(x)`` copies ``x`` in and replays, or fill
         ``graphed.x`` yourself and ``graphed.replay()``. It keeps this pipeline, its plan, its
         static input and its output (``out``, or a new ``[M, N_last]`` tensor) alive as long as
-        the graph. To capture the pipeline inside a larger graph of your own instead, call it
-        with ``out=`` under your capture, after one call outside it (the plan for ``M`` is then
-        pinned too; keep the ``Pipeline`` alive as long as your graph).
+        the graph (a call that runs the stages one after another has no plan). To capture the
+        pipeline inside a larger graph of your own instead, call it with ``out=`` under your
+        capture, after one call outside it (the plan for ``M`` is then pinned too; keep the
+        ``Pipeline`` alive as long as your graph).
         """
         if not self.on_gpu:
             raise RuntimeError("capture needs the stages on CUDA devices (CUDA graphs do not exist on the CPU)")
@@ -1122,7 +1133,7 @@ class Pipeline:
             with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
                 self(x, out=out)
             self._wait()
-            return GraphedCall(self, None if self.one_after_another(M) else self.plan(M), graph, x, out)
+            return GraphedCall(self, None if self.one_after_another else self.plan(M), graph, x, out)
 
     def _launch(
         self,

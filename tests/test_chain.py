@@ -519,44 +519,40 @@ def test_a_chain_kernel_whose_first_stage_waits_on_another_kernel_waits_in_that_
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 
-def test_stages_on_one_device_run_one_after_another_where_the_table_measured_that_faster(monkeypatch):
-    """A pipeline on one device built without anything that fixes how its stages run follows the
-    table's ``one_after_another`` (each row's flag agrees with its measured ratio): a call there
-    is our GEMMs one after another (bitwise, into ``out`` too, no plan built), as is its
-    reference; where the table says chain kernel, or with ``always_pipelined``, a configuration,
-    epilogues, loopback or an SM budget, the call pipelines."""
-    import ctapipelining.pipeline as pl
-    from ctapipelining.gemm import matmul, table_rows
+def test_stages_on_one_device_run_one_after_another_unless_something_asks_for_the_pipeline():
+    """A pipeline on one device built without anything that fixes how its stages run: a call is
+    our GEMMs one after another (bitwise, into ``out`` too, near float32, no plan built), as is
+    its reference, and a bad ``out`` is refused before anything runs; with ``always_pipelined``,
+    a configuration, epilogues, loopback, an SM budget or a trace, the call pipelines; a
+    segment of a longer chain never runs its stages apart."""
+    from ctapipelining.gemm import matmul
+    from ctapipelining.plan import Segment
 
-    rows = table_rows(pl.PIPELINE_TABLE)
-    assert all(row["one_after_another"] == (row["chain_over_one_after_another"] > 1) for row in rows)
-    assert {row["one_after_another"] for row in rows} == {True, False}  # both occur
     ws = chain(16, 24, 16)
-    pipe = Pipeline(ws, loopback=False, row_buckets=0)
-    for row in rows:
-        assert pipe.one_after_another(row["M"]) == row["one_after_another"], row["M"]
-    for below, row in zip(rows, rows[1:]):  # a height between two rows: the taller row's
-        assert pipe.one_after_another(below["M"] + 1) == row["one_after_another"], row["M"]
-    assert pipe.one_after_another(10**7) == rows[-1]["one_after_another"]  # the last row's beyond it
-    x = torch.randn(40, 16).half()
-    assert pipe.one_after_another(40)
-    want = matmul(matmul(x, ws[0]), ws[1])
-    assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
-    out = torch.full((40, 16), float("nan")).half()
-    assert pipe(x, out=out) is out and torch.equal(out, want)
+    pipe = Pipeline(ws, loopback=False)
+    assert pipe.one_after_another and pipe.free_on_one_device
+    for M in (40, 1):
+        x = torch.randn(M, 16).half()
+        want = matmul(matmul(x, ws[0]), ws[1])
+        assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
+        ref = x.float() @ ws[0].float() @ ws[1].float()
+        assert float((want.float() - ref).norm() / ref.norm()) < 2e-3
+        out = torch.full((M, 16), float("nan")).half()
+        assert pipe(x, out=out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError):
+        pipe(x, out=torch.empty(M, 24).half())
     assert not pipe._plans  # nothing pipelined, nothing built
     fixed = [
         dict(always_pipelined=True), dict(config=PARTS), dict(loopback=True), dict(sm_budget=2),
-        dict(epilogues=[None, Epilogue(activation=gelu)]),
+        dict(epilogues=[None, Epilogue(activation=gelu)]), dict(trace=True),
     ]  # fmt: skip
     for kw in fixed:
         other = Pipeline(ws, **{"loopback": False, **kw})
-        assert not other.one_after_another(40), kw
-        other(x, check=True)
-        assert other._plans, kw  # it pipelined
-    monkeypatch.setattr(pl, "_one_after_another_table", lambda: ((10**9, False),))  # a table of chain kernels
-    assert not pipe.one_after_another(40)
-    assert torch.equal(pipe(x, check=True), pipe.sequential(x)) and pipe._plans
+        assert not other.one_after_another, kw
+        if "trace" not in kw:  # (stamps are GPU-only)
+            assert torch.equal(other(x, check=True), other.sequential(x)) and other._plans, kw
+    segment = Segment(0, lambda M: (None, None), "rank 0")  # a part of a longer chain: its links
+    assert not Pipeline(ws, loopback=False, segment=segment).one_after_another
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="always_pipelined must be"):
             Pipeline(ws, always_pipelined=bad)

@@ -187,15 +187,15 @@ def test_chain_sm_budget():
     assert pipe.plan(5000).num_ctas == [120, 120]  # one grid of 120 CTAs runs both stages
 
 
-def test_the_default_on_one_gpu_follows_the_measured_table():
-    """The default pipeline on one GPU: at 2048 rows (where the table measured our GEMMs one
-    after another faster) a call, its reference and its graph replay are bitwise our GEMMs one
-    after another and build no plan; at 16384 rows it runs the chain kernel."""
+def test_the_default_on_one_gpu_runs_our_gemms_one_after_another():
+    """The default pipeline on one GPU: a call, its reference and its graph replay are bitwise our
+    GEMMs one after another and build no plan; a call from another stream still ends after the
+    call before it (which waited behind a ~50 ms sleep), as every call is ordered."""
     from ctapipelining.gemm import matmul
 
     ws = chain(8192, 8192, 8192)
     pipe = Pipeline(ws)
-    assert pipe.one_after_another(2048) and not pipe.one_after_another(16384)
+    assert pipe.one_after_another
     x = rand(2048, 8192)
     want = matmul(matmul(x, ws[0]), ws[1])
     assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
@@ -205,6 +205,19 @@ def test_the_default_on_one_gpu_follows_the_measured_table():
         x = rand(2048, 8192)
         assert torch.equal(g(x), matmul(matmul(x, ws[0]), ws[1]))
     g.check_errors()
-    x = rand(16384, 8192)
-    assert torch.equal(pipe(x, check=True), pipe.sequential(x))
-    assert isinstance(pipe.plan(16384).launches[0].gemm, ChainLaunch)
+    x1, x2 = rand(2048, 8192), rand(2048, 8192)
+    ref1, ref2 = matmul(matmul(x1, ws[0]), ws[1]), matmul(matmul(x2, ws[0]), ws[1])
+    out = torch.empty_like(x1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # before call 1, on the default stream
+    out1 = pipe(x1)
+    end1 = torch.cuda.Event(enable_timing=True)
+    end1.record()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        pipe(x2, out=out)
+        end2 = torch.cuda.Event(enable_timing=True)
+        end2.record()
+    torch.cuda.synchronize()
+    assert end1.elapsed_time(end2) > 0  # call 2 ended after call 1, not ~50 ms before it
+    assert torch.equal(out1, ref1) and torch.equal(out, ref2)

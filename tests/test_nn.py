@@ -608,21 +608,36 @@ def test_a_layer_norm_from_sums_keeps_its_precision_where_the_mean_dwarfs_the_sp
     assert rel(out, ref) < 5e-3, rel(out, ref)
 
 
-def test_a_stack_on_one_device_runs_its_blocks_one_after_another():
-    """Every block on one device (not loopback): a call is the blocks called alone one after
-    another, bitwise, and so is its reference; no plan is built. ``always_pipelined`` (and
-    loopback) keep the pipeline, whose second block's norm rounds its sums in another order."""
-    blocks = hf_stack()
-    fused = [LlamaMLP.from_hf(m, n, gate_up_config=SMALL, down_config=SMALL) for m, n in blocks]
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_stack_on_one_device_runs_its_blocks_one_after_another(kind):
+    """Every block on one device and nothing that asks for the pipeline: a call is the blocks
+    called alone one after another, bitwise, and so is its reference; no plan is built, and it is
+    right against float32. ``always_pipelined``, loopback, one ``config``, an SM budget keep the
+    pipeline, whose later norms round their sums in another order."""
+    if kind == "llama":
+        blocks = hf_stack()
+        fused = [LlamaMLP.from_hf(m, n, gate_up_config=SMALL, down_config=SMALL) for m, n in blocks]
+        stack_type, block_reference = LlamaStack, reference
+    else:
+        blocks = [gpt_block(seed) for seed in (0, 1)]
+        fused = [GPTMLP.from_hf(m, n, up_config=SMALL, down_config=SMALL) for m, n in blocks]
+        stack_type, block_reference = GPTStack, gpt_reference
     x = torch.randn(37, H).half()
     want = fused[1](fused[0](x))
-    stack = LlamaStack(fused, loopback=False)
+    stack = stack_type(fused, loopback=False)
     assert stack.blocks_apart()
     assert torch.equal(stack(x), want) and torch.equal(stack.sequential(x), want)
     assert not stack.pipeline._plans
-    for kw in (dict(loopback=False, always_pipelined=True), dict(loopback=True)):
-        piped = LlamaStack(fused, **kw)
-        assert not piped.blocks_apart()
+    ref = x
+    with torch.no_grad():
+        for mlp, norm in blocks:
+            ref = block_reference(mlp, norm, ref)
+    assert rel(want, ref) < 2e-2
+    asks = [dict(loopback=False, always_pipelined=True), dict(loopback=True), dict(loopback=False, config=SMALL)]
+    asks.append(dict(loopback=False, sm_budget=4))
+    for kw in asks:
+        piped = stack_type(fused, **kw)
+        assert not piped.blocks_apart(), kw
         y = piped(x)
-        assert piped.pipeline._plans and torch.equal(y, piped.sequential(x))
-        assert rel(y, want) < 2e-3
+        assert piped.pipeline._plans and torch.equal(y, piped.sequential(x)), kw
+        assert rel(y, want) < 2e-3, kw
