@@ -150,7 +150,7 @@ def _bench_seq(
             mb = MicroBatch(ws, M, c, gemm=gemm)
             note = "cuda graph" if mb.graphed else f"eager ({mb.graph_error[:80]})"
             methods.append(Method(f"{name}/{c}", mb, lambda i, mb=mb: mb.x.copy_(rot.get(i)), c, note))
-    # always pipelined: with one GPU a Pipeline may run the stages one after another (the measured table)
+    # always pipelined: on one GPU a Pipeline's default runs the stages one after another (one_after_another)
     pipes = {policy: Pipeline(ws, policy=policy, always_pipelined=True) for policy in ("workqueue", "static")}
     for policy, pipe in pipes.items():
         methods.append(Method(f"cta_{policy}", lambda pipe=pipe: pipe(rot.x, out=out, check=False), rot.select))

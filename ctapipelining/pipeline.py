@@ -58,10 +58,11 @@ producer from being scheduled (its waits then time out cleanly); a chain kernel 
 need.
 
 On one GPU our own GEMMs one after another, each in its configuration measured for its row count
-(:func:`~ctapipelining.gemm.matmul`), are faster than the chain kernel: the plain GEMM's narrow
-tiles and split tails already leave few SMs idle, and claiming tiles from the ticket costs more
-than the round of tiles the combined order saves (the chain kernel in its best configuration per
-height takes 1.01-1.17x our GEMMs one after another at 128-16384 rows, paired,
+(:func:`~ctapipelining.gemm.matmul`), are as fast as the chain kernel or faster: the plain GEMM's
+narrow tiles and split tails already leave few SMs idle, and claiming tiles from the ticket costs
+more than the round of tiles the combined order saves (the chain kernel in its best configuration
+per height takes 1.01-1.17x our GEMMs one after another at 128-16384 rows, paired, the interval
+including 1 at 1024 rows only,
 ``benchmarks/results/2026-12-01-h200-configs/run11-parts/shared_gpu.json``). So a pipeline whose
 stages all share one device, built without a configuration (nor epilogues, ends, a segment, a
 trace, an SM budget or loopback), runs a call as our GEMMs one after another
@@ -268,7 +269,7 @@ class Pipeline:
         benchmarks/results/2026-12-01-h200-chain/), or, with nothing else that fixes how they
         run, one after another (:attr:`one_after_another`). Default: ``False`` on CUDA devices,
         ``True`` for CPU tensors under the interpreter (each stage then runs as on a device of
-        its own; ``False`` runs the chain kernel there too).
+        its own; ``False`` runs the chain kernel there too, or the stages one after another).
     row_buckets : plan heights per octave of input rows (:func:`ctapipelining.deps.bucket_rows`):
         a call on ``M`` rows runs the plan for :meth:`rows_for` ``(M)`` rows, which reads zeros
         past ``M`` and writes only ``M`` rows, so a serving loop whose row count varies builds
@@ -452,6 +453,9 @@ class Pipeline:
             self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
             self._kernel_streams = list(dict.fromkeys(self.streams))  # each once: a call joins back from them
             self._join_events = [torch.cuda.Event() for _ in self._kernel_streams]
+            # capture() captures on a stream of its own, on stage 0's device: launches bound per
+            # stream (matmul's, with their split tails' buffers) are then this pipeline's alone
+            self._capture_stream = torch.cuda.Stream(self.devices[0])
         # one GPU and one kernel stream (no loopback): an eager call queues its work on the caller's
         # stream itself, as a graph replay does (_launch_direct)
         self._direct = self.on_gpu and len(self.distinct_devices) == 1 and not self.loopback and segment is None
@@ -601,17 +605,21 @@ class Pipeline:
         """:meth:`_one_after_another` as a call, ordered as every call is (see the module
         docstring): on the caller's current stream, after the previous call's end when that was
         issued from another stream; its own end recorded for the next call."""
+        if self.on_gpu and torch.cuda.current_device() != self._device_indices[0]:
+            with torch.cuda.device(self._device_indices[0]):  # (_capturing then asks the GEMMs' stream)
+                return self._call_one_after_another(x, out)
         if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
             return self._one_after_another(x, out)
-        caller = torch.cuda.current_stream(self._device_indices[0])
+        caller = torch.cuda.current_stream()
         if [caller.cuda_stream] != self._after_done:
             for ev in self._done:
                 caller.wait_event(ev)
-        y = self._one_after_another(x, out)
         done = self._join_events[0]  # recorded again by every call, as _launch_direct does
-        done.record(caller)
-        self._done, self._after_done = [done], [caller.cuda_stream]
-        return y
+        try:
+            return self._one_after_another(x, out)
+        finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
+            done.record(caller)
+            self._done, self._after_done = [done], [caller.cuda_stream]
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
@@ -1011,7 +1019,10 @@ class Pipeline:
             return
         streams = [(f"stage {s}", st) for s, st in enumerate(self.streams)]
         streams += [("the caller's stream", torch.cuda.current_stream(d)) for d in self.distinct_devices]
-        self._wait_for([(who, st.device, st.record_event()) for who, st in streams])
+        events = [(who, st.device, st.record_event()) for who, st in streams]
+        # and the last call's end, on whichever stream issued it (an eager call on one GPU runs there)
+        events += [("the last call", self.devices[0], ev) for ev in self._done]
+        self._wait_for(events)
 
     def _wait_for(self, events: list) -> None:
         """Poll ``(who, device, event)`` until each event's ``query()`` is true, at most
@@ -1117,8 +1128,8 @@ class Pipeline:
         static input and its output (``out``, or a new ``[M, N_last]`` tensor) alive as long as
         the graph (a call that runs the stages one after another has no plan). To capture the
         pipeline inside a larger graph of your own instead, call it with ``out=`` under your
-        capture, after one call outside it (the plan for ``M`` is then pinned too; keep the
-        ``Pipeline`` alive as long as your graph).
+        capture, after one call outside it (the plan for ``M``, where it pipelines, is then
+        pinned too; keep the ``Pipeline`` alive as long as your graph).
         """
         if not self.on_gpu:
             raise RuntimeError("capture needs the stages on CUDA devices (CUDA graphs do not exist on the CPU)")
@@ -1130,7 +1141,7 @@ class Pipeline:
             out = self(x, out=out, check=True)  # the warm-up call (checks out's shape, dtype and device too)
             self._wait()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph):
+            with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph, stream=self._capture_stream):
                 self(x, out=out)
             self._wait()
             return GraphedCall(self, None if self.one_after_another else self.plan(M), graph, x, out)

@@ -221,3 +221,31 @@ def test_the_default_on_one_gpu_runs_our_gemms_one_after_another():
     torch.cuda.synchronize()
     assert end1.elapsed_time(end2) > 0  # call 2 ended after call 1, not ~50 ms before it
     assert torch.equal(out1, ref1) and torch.equal(out, ref2)
+
+
+@pytest.mark.parametrize("M", [640, 16384])
+def test_default_graphs_on_one_gpu_own_their_split_tails(M):
+    """Two default pipelines of the same shapes (our GEMMs one after another, whose last partial
+    round is split along K at these heights): their graphs, replayed at once on two streams, each
+    give their own GEMMs one after another (each graph's split tail buffers its own), into a
+    padded ``out`` whose padding stays."""
+    from ctapipelining.gemm import matmul
+
+    pipes = [Pipeline(chain(8192, 8192, 8192)) for _ in range(2)]
+    graphs = []
+    for pipe in pipes:
+        full = torch.full((M, 8192 + 64), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        graphs.append((pipe.capture(M, out=full[:, :8192]), full))
+    streams = [torch.cuda.Stream() for _ in pipes]
+    for _ in range(3):
+        xs = [rand(M, 8192) for _ in pipes]
+        torch.cuda.synchronize()
+        for (g, _), x, st in zip(graphs, xs, streams):
+            with torch.cuda.stream(st):
+                g.x.copy_(x)
+                g.replay()
+        torch.cuda.synchronize()
+        for pipe, (g, full), x in zip(pipes, graphs, xs):
+            ws = pipe.weights
+            assert torch.equal(g.out, matmul(matmul(x, ws[0]), ws[1]))
+            assert full[:, 8192:].isnan().all()
