@@ -610,16 +610,11 @@ class Pipeline:
                 return self._call_one_after_another(x, out)
         if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
             return self._one_after_another(x, out)
-        caller = torch.cuda.current_stream()
-        if [caller.cuda_stream] != self._after_done:
-            for ev in self._done:
-                caller.wait_event(ev)
-        done = self._join_events[0]  # recorded again by every call, as _launch_direct does
+        caller = self._caller_after_last_call()
         try:
             return self._one_after_another(x, out)
         finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
-            done.record(caller)
-            self._done, self._after_done = [done], [caller.cuda_stream]
+            self._end_call_on(caller)
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
@@ -1265,13 +1260,9 @@ class Pipeline:
         stream, without forking to that stream and joining back (fewer host calls before the
         first kernel). The same ordering: after the previous call's end when it was issued from
         another stream, before whatever the caller queues next."""
-        caller = torch.cuda.current_stream(self._device_indices[0])
+        caller = self._caller_after_last_call()
         stream = caller.cuda_stream
-        if [stream] != self._after_done:
-            for ev in self._done:
-                caller.wait_event(ev)
         kernels = [None] * len(self.weights)
-        done = self._join_events[0]
         try:
             for s in range(len(self.weights)):
                 if s == self._group_of[s][0]:  # the stages of a chain kernel share one epoch
@@ -1285,14 +1276,29 @@ class Pipeline:
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:
             plan.stale = True
-            done.record(caller)  # what was queued stays ordered before the caller's next work
-            self._done, self._after_done = [done], [stream]
+            self._end_call_on(caller)  # what was queued stays ordered before the caller's next work
             raise
-        done.record(caller)
+        self._end_call_on(caller)
         plan.epoch += 1
-        self._done, self._after_done = [done], [stream]
         self._pending[plan] = self._done
         return kernels
+
+    def _caller_after_last_call(self) -> torch.cuda.Stream:
+        """The current stream of stage 0's device (an eager call on one GPU queues its work there,
+        :meth:`_launch_direct`, :meth:`_call_one_after_another`), made to wait for the previous
+        call's end unless that call was issued from it."""
+        caller = torch.cuda.current_stream(self._device_indices[0])
+        if [caller.cuda_stream] != self._after_done:
+            for ev in self._done:
+                caller.wait_event(ev)
+        return caller
+
+    def _end_call_on(self, caller: torch.cuda.Stream) -> None:
+        """Record the end of a call queued on ``caller`` for the next call to order itself after
+        (one event, recorded again by every such call)."""
+        done = self._join_events[0]
+        done.record(caller)
+        self._done, self._after_done = [done], [caller.cuda_stream]
 
     def compile(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
         """Compile every kernel of ``plan`` for a call with operands like ``x`` and ``out`` (their
