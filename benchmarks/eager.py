@@ -18,8 +18,9 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    earlier tree's package, renamed), the plain GEMM and the producer and consumer kernels alone (static; the consumer
    with its counters already full) at M = 16384, K = N = 8192, old and new graph-replayed in
    one interleaved run; new / old per repetition, median and 95% CI.
-4. Blocks (unless BLOCKS=0): the fused Llama block at 4096 rows (Llama-70B and -8B dims), eager
-   against graph-replayed, and with OLD_PACKAGE_PARENT the earlier tree's block beside it.
+4. Blocks (unless BLOCKS=0): the fused Llama block (Llama-70B dims at 4096 rows, -8B dims at
+   4096 and 1024), eager against graph-replayed, with the host time of an eager call and its
+   wall time from a synchronised GPU; with OLD_PACKAGE_PARENT the earlier tree's block beside it.
 With two GPUs, 2. also for the two layers on two GPUs (``cross_*``: a producer on cuda:0
 writing into cuda:1, a consumer there) at M = 2048 and 16384.
 Writes eager.json in OUT_DIR and prints a table.
@@ -178,12 +179,12 @@ def main():
 
 def blocks():
     """The fused Llama block (:class:`ctapipelining.nn.LlamaMLP`, random weights) called eagerly
-    against its graph replay, at the issue's shapes (Llama-70B and -8B at 4096 rows), the block
+    against its graph replay, at the issue's shapes (Llama-70B at 4096 rows, -8B at 4096 and 1024), the block
     of ``OLD_PACKAGE_PARENT`` beside it on the same weights; all four lines of a shape take turns."""
     from ctapipelining.nn import LlamaMLP
 
     out = {}
-    for H, inter, M in ((8192, 28672, 4096), (4096, 14336, 4096)):
+    for H, inter, M in ((8192, 28672, 4096), (4096, 14336, 4096), (4096, 14336, 1024)):
         ws = [rand(inter, H, scale=H**-0.5), rand(inter, H, scale=H**-0.5), rand(H, inter, scale=inter**-0.5)]
         norm = 1 + 0.1 * torch.randn(H, device=DEV).bfloat16()
         x = rand(M, H)
@@ -204,7 +205,9 @@ def blocks():
             pairs.append((f"{name}_eager", f"{name}_graph"))
         if OLD:
             pairs.append(("new_eager", "old_eager"))
-        out[f"H{H}_I{inter}_M{M}"] = got = paired(methods, pairs)
+        got = paired(methods, pairs)
+        got["host_and_total"] = host_and_total({m.name: m.run for m in methods if m.name.endswith("_eager")})
+        out[f"H{H}_I{inter}_M{M}"] = got
         print(f"H{H}_I{inter}_M{M}", json.dumps({k: v for k, v in got.items() if "/" in k}), flush=True)
     return out
 

@@ -744,6 +744,31 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
         raise ValueError(f"{what} must start at a 16-byte aligned address (TMA and the compiled kernel need it)")
 
 
+def launch_checked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    config: GemmConfig,
+    epilogue: Epilogue | None = None,
+    residual: torch.Tensor | None = None,
+    a_copy: torch.Tensor | None = None,
+) -> GemmLaunch:
+    """:func:`matmul`'s launch on the current stream of ``a``'s GPU, for operands already
+    checked as :func:`matmul` checks them (by it, or by a caller that owns them: a fused block's
+    own intermediate and output, new each call). Returns the launch (bound once per shape,
+    stream and epilogue, shared with :func:`matmul`'s calls)."""
+    (M, K), N = a.shape, b.shape[1]
+    index = a.device.index
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    launch = _plain_launch(M, N, K, config, a.device, stream, epilogue)
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
+    # the kernel launches in the current device's context
+    with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
+        launch(a, b, out, stream, residual=residual, a_copy=a_copy)
+    return launch
+
+
 def matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -860,13 +885,7 @@ def matmul(
     if a.device.type != "cuda":  # the interpreter
         _plain_launch(M, N, K, cfg, a.device, 0, epilogue)(a, b, out, residual=residual, a_copy=a_copy)
         return out
-    index = a.device.index
-    launch = _plain_launch(M, N, K, cfg, a.device, torch._C._cuda_getCurrentRawStream(index), epilogue)
-    if torch.cuda.is_current_stream_capturing():
-        _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
-    # the kernel launches in the current device's context
-    with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
-        launch(a, b, out, residual=residual, a_copy=a_copy)
+    launch = launch_checked(a, b, out, cfg, epilogue, residual, a_copy)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
         _BOUND[key] = (weakref.ref(launch), bound[1], None if key[2] is None else bound[2], out.shape)

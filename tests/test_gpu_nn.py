@@ -119,6 +119,46 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
     graph_follows_its_source(block, x, lambda: (mlp.c_fc.weight.mul_(1.5), norm.bias.add_(0.25)))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_block_call_on_its_own_tensors_makes_no_matmul_check_and_equals_the_checked_call(kind, monkeypatch):
+    """``forward`` on TMA-ready rows launches the two GEMMs on an intermediate and an output of
+    its own without ``matmul`` (whose checks it has nothing left to make), bitwise equal to the
+    checked call into NaN-poisoned buffers of the caller's (``run``), at one row, rows that do
+    not fill a tile and several waves. Rows it cannot take as they are go through the checks:
+    no rows give no rows, rows 2 bytes off alignment a clear error."""
+    from ctapipelining import nn
+    from ctapipelining.nn import GPTMLP
+
+    torch.manual_seed(0)
+    H, inter = 1024, 2048
+
+    def w(*shape):
+        return (torch.randn(*shape, device="cuda") * shape[-1] ** -0.5).bfloat16()
+
+    if kind == "llama":
+        block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16())
+    else:
+        vec = lambda n: (0.1 * torch.randn(n, device="cuda")).bfloat16()  # noqa: E731
+        block = GPTMLP(w(inter, H), vec(inter), w(H, inter), vec(H), 1 + vec(H), vec(H))
+    checked = {}
+    for M in (1, 777, 4096):
+        x = torch.randn(M, H, device="cuda").bfloat16()
+        out = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h = torch.full((M, block.w_out.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        checked[M] = (x, block.run(x, out, h).clone())
+    calls = []
+    real = nn.matmul
+    monkeypatch.setattr(nn, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for M, (x, want) in checked.items():
+        got = block(x)
+        assert not calls, f"{M} rows went through matmul's checks"
+        assert torch.equal(got, want), M
+    assert block(torch.empty(0, H, device="cuda", dtype=torch.bfloat16)).shape == (0, H)
+    shifted = torch.randn(777 * H + 1, device="cuda").bfloat16()[1:].view(777, H)  # contiguous, 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        block(shifted)
+
+
 def test_a_stack_of_two_llama_blocks_is_right_and_equals_its_gemms_one_after_another():
     """Two Llama-8B blocks as one pipeline on one GPU (each GEMM in its block's configuration;
     and one chain kernel), M = 1, 777, 4096: bitwise the same GEMMs one after another; against
