@@ -349,20 +349,23 @@ class NormStats:
             row_scale=self.row_scale, row_shift=self.row_shift,
         )  # fmt: skip
 
-    def __call__(self, a: torch.Tensor, stream: int | None, copy: torch.Tensor | None = None) -> None:
+    def __call__(self, a: torch.Tensor, stream: int | None, copy: torch.Tensor | None = None) -> tuple | None:
         """The pass over ``a``'s rows (:func:`~ctapipelining.kernels.epilogue.norm_rows`,
         :meth:`_rows_per_program` rows a program) on ``stream``, where the statistics are this
-        launch's own; ``copy`` (checked by the caller): the rows are also stored there."""
+        launch's own; ``copy`` (checked by the caller): the rows are also stored there. Returns
+        what it launched as ``(RawLaunch, grid, arguments)`` triples (none: no pass), for a
+        caller to launch again on the same operands, or None where it went through Triton's
+        path."""
         if not self.own:
             if copy is not None:
                 raise ValueError("a copy of the rows is made by a norm's own pass; a producer left these statistics")
-            return
+            return ()
         rows, cols = a.shape
         held = self._statistics()[0].shape[0]
         if rows > held:
             raise ValueError(f"a has {rows} rows; this launch's row statistics hold {held}")
         if rows == 0:
-            return
+            return ()
         # what Triton specialises the compiled pass on (rows is not specialised; BLOCK_R is fixed per
         # process: one GPU launch's rows a program, or the interpreter's, which compiles nothing)
         key = (a.dtype, a.data_ptr() % 16 == 0, cols, a.stride(0)) + (
@@ -372,8 +375,9 @@ class NormStats:
         if raw is not None and not launch_hooks():
             if stream is None:
                 stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(_cdiv(rows, self._rows_per_program()), stream, *self.raw_args(a, copy))
-            return
+            grid, args = _cdiv(rows, self._rows_per_program()), self.raw_args(a, copy)
+            raw(grid, stream, *args)
+            return ((raw, grid, args),)
         scale, shift = self._statistics()
         with on_stream(stream, a.device):
             kernel = norm_rows[(_cdiv(rows, self._rows_per_program()),)](
@@ -382,6 +386,7 @@ class NormStats:
             )  # fmt: skip
         if not interpreting():  # later launches of this specialisation: raw (None: Triton's path)
             self._compiled[key] = RawLaunch.of(kernel)
+        return None
 
     def _statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the pass stores: an RMSNorm's sums of squares (and again, unused, as the shift),
@@ -534,6 +539,11 @@ class GemmLaunch:
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
+        # a call launched raw (:meth:`_call_key`) -> what it launched (kernel, RawLaunch, its
+        # arguments, the norm pass's raw launches, whether C was first copied from the residual):
+        # the arguments are a function of the key alone (tensor maps of one address, shape and
+        # strides are the same), so a later call with that key skips to its launches
+        self._calls: dict[tuple, tuple] = {}
 
     @staticmethod
     def _key(a: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None) -> tuple:
@@ -558,6 +568,13 @@ class GemmLaunch:
             epi = self.epilogue.bundle(**self._epi_args, residual=residual)
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
 
+    @staticmethod
+    def _call_key(a, b, c, stream: int, residual, a_copy) -> tuple:
+        """What a call's raw arguments are a function of (:attr:`_calls`' key): the operands'
+        signatures (:func:`signature`) and the stream."""
+        extra = tuple(None if t is None else signature(t) for t in (residual, a_copy))
+        return (signature(a), signature(b), signature(c), stream, *extra)
+
     def __call__(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None,
         residual: torch.Tensor | None = None, compile_only: bool = False, a_copy: torch.Tensor | None = None,
@@ -572,6 +589,19 @@ class GemmLaunch:
         itself: ``c`` holds it already). ``a_copy`` (``a``'s shape, checked): the norm's pass over
         ``a`` also stores ``a`` there. ``compile_only``: compile this specialisation (if it is not
         yet) and launch nothing."""
+        if stream is None and a.is_cuda:
+            stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, stream, residual, a_copy)
+        hit = None if call is None else self._calls.get(call)
+        if hit is not None and not launch_hooks():  # checked and launched raw before: its arguments again
+            kernel, raw, args, norm, copy = hit
+            for pass_raw, grid, pass_args in norm:
+                pass_raw(grid, stream, *pass_args)
+            if copy:
+                with on_stream(stream, a.device):
+                    c.copy_(residual)
+            raw(self.num_ctas, stream, *args)
+            return kernel
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
             raise ValueError("a residual goes with an epilogue that adds one, and only there")
         if a_copy is not None and (self.stats is None or not self.stats.own):
@@ -584,16 +614,21 @@ class GemmLaunch:
         got = self._compiled.get(key)
         if compile_only and (got is not None or interpreting()):
             return got and got[0]
+        norm = ()
         if self.stats is not None and not compile_only:  # the norm's row statistics first, on the same stream
-            self.stats(a, stream, a_copy)
-        if adds and not compile_only and not same_view(residual, c):  # C starts as the residual, on the same stream
+            norm = self.stats(a, stream, a_copy)
+        copy = adds and not compile_only and not same_view(residual, c)
+        if copy:  # C starts as the residual, on the same stream
             with on_stream(stream, a.device):
                 c.copy_(residual)
         if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
-            if stream is None:
-                stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-            raw(self.num_ctas, stream, *self.raw_args(raw.tensor_map, a, b, c, residual))
+            args = self.raw_args(raw.tensor_map, a, b, c, residual)
+            raw(self.num_ctas, stream, *args)
+            if norm is not None:  # every launch of the call raw: keep its arguments
+                if len(self._calls) >= MAX_CALLS:
+                    self._calls.clear()
+                self._calls[call] = (kernel, raw, args, norm, copy)
             return kernel
         # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
         # (Triton's path calls them): kernel[grid]
@@ -605,8 +640,6 @@ class GemmLaunch:
         )  # fmt: skip
         if got is not None and got[1] is None and not launch_hooks():
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
-            if stream is None:
-                stream = torch._C._cuda_getCurrentRawStream(a.device.index)
             kernel.run(
                 self.num_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                 *args, *self._trailing,
@@ -682,6 +715,7 @@ _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past 
 # keeps it; its raw launch; its arguments (None: out is new each call); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
 MAX_BOUND = 64
+MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls; cleared when full)
 _OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
 
 

@@ -281,6 +281,56 @@ def test_a_stack_with_a_block_per_gpu(policy):
     g.check_errors()
 
 
+def test_a_launch_called_again_on_other_operands_writes_where_each_call_says(monkeypatch):
+    """A launch keeps the arguments of the calls it launched raw, by their operands' signatures
+    and stream: calls taking turns between two inputs, two outputs (NaN-poisoned before each
+    call), two residuals copied in first, two copies of the rows made by the norm's pass, and a
+    view of one output's first rows (same address, another shape), each bitwise the first call
+    of its kind, on another stream too; a call seen before on its stream builds no arguments."""
+    from ctapipelining.epilogue import Epilogue
+    from ctapipelining.gemm import GemmLaunch, matmul
+
+    torch.manual_seed(4)
+    M, K, N = 1100, 1024, 3840  # 135 tiles on 132 SMs: a split tail too
+    b = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
+    xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(2)]
+    res = [torch.randn(M, N, device="cuda").bfloat16() for _ in range(2)]
+    outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    copies = [torch.empty(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    add, norm = Epilogue(residual=True), Epilogue(rms_eps=1e-5)
+
+    def call(i, j, stream):
+        outs[j].fill_(float("nan"))
+        copies[j].fill_(float("nan"))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            matmul(xs[i], b, out=outs[j], epilogue=add, residual=res[i])
+            added = outs[j].clone()
+            matmul(xs[i], b, out=outs[j], epilogue=norm, a_copy=copies[j])
+            normed = outs[j].clone()
+            matmul(xs[i][:777], b, out=outs[j][:777], epilogue=norm)  # first rows' views: other signatures
+        stream.synchronize()
+        return added, normed, outs[j][:777].clone(), copies[j].clone()
+
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+    first = {(i, j): call(i, j, streams[0]) for i in range(2) for j in range(2)}
+    for (i, _), want in first.items():
+        assert torch.equal(want[3], xs[i]) and not want[0].isnan().any() and not want[1].isnan().any()
+    assert not torch.equal(first[0, 0][0], first[1, 0][0])
+    built = []
+    real = GemmLaunch.raw_args
+    monkeypatch.setattr(GemmLaunch, "raw_args", lambda *a, **k: built.append(1) or real(*a, **k))
+    # the first stream (its first calls compiled without keeping arguments), the first again,
+    # the second (new), the first again
+    for turn, stream in enumerate(streams[:1] * 2 + streams[1:] + streams[:1]):
+        built.clear()
+        for (i, j), want in first.items():
+            got = call(i, j, stream)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (turn, i, j)
+        if turn:
+            assert bool(built) == (turn == 2), (turn, len(built))
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 512, 1000), (300, 776, 264), (4097, 1024, 4104), (1100, 4096, 3840)])
 def test_a_residual_added_by_tma_on_any_width_over_a_nan_out(M, K, N):
     """``matmul`` adding its residual by TMA reduce-add, on widths and heights that are not a
