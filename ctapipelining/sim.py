@@ -43,19 +43,29 @@ What is modelled
     a split last round ``chain_tail_slice_ns`` per slice;
   - the loopback (:func:`simulate_loopback`): a share of the SMs per stage;
   - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
-    ``tail_slice_ns`` per slice).
+    ``tail_slice_ns`` per slice), on the calibrated tiles or in the configurations the library's
+    tables give each row count (:func:`table_config`; ``Calibration.with_config``);
+  - in every GEMM, a tile takes at least the time its operands take to stream from HBM,
+    shared by the CTAs running at once (``Calibration.for_gemm``, ``hbm_gbps``): what sets a
+    round of narrow tiles over few rows (64 x 128 tiles at 128 rows stream the whole weight
+    matrix), and nothing from a few hundred rows on.
 
   :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
-  recorded run at 128-16384 rows
+  recorded run at 128-16384 rows on the calibrated tiles
   (``benchmarks/results/2026-12-01-h200x2-decision/depth/shared_gpu.json``):
   - the chain against the GEMMs one after another is within 3% at every height;
   - the chain against the loopback errs by up to 6.3% (128 rows) and 4.2% (640 rows), where the
     loopback's half-idle GPU clocks up.
 
-  On the later runs with the pipeline table (``benchmarks/results/2026-12-01-h200-configs/``,
-  ``run6-table/`` and ``run11-parts/``, two machines), on 128 x 256 tiles from 640 rows on: the
-  chain against the GEMMs one after another and against the loopback within 3%, and the chain
-  with a split last round against without it within 1.3% (fitted on ``run6-table/`` at 640 rows).
+  On three later runs with the configuration tables (``benchmarks/results/2026-12-01-h200-configs/``
+  ``run6-table/`` and ``run11-parts/``, ``benchmarks/results/2026-12-05-h200-default/``, three
+  machines), from 640 rows on: the chain, in its table's tiles or on 128 x 256 tiles, against
+  our GEMMs one after another within 4% (3.5% at 768 rows, where the plain GEMM's tail split in
+  two costs more than modelled; 2.6% elsewhere), the chain against the loopback within 2%, and a
+  split last round against none within 2.4%. At 128 rows the chain in its table's tiles
+  against our GEMMs errs by 3.6-6.0% (the model's chain is faster), and the chain on 128 x 256
+  tiles by 16-19%: a round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the model
+  has no clocks).
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -175,8 +185,15 @@ class Calibration:
     # run11-parts/ there, another machine, then comes within 1.3% at 640 rows and 1% at 16384
     chain_tail_slice_ns: float = 11_000.0
     # other tile shapes the planner may pick: (block_m, block_n, time per unit of work relative
-    # to the calibrated 128x256 tile), measured in a tuning run
+    # to the calibrated 128x256 tile), measured in a tuning run; a shape not listed computes at
+    # the calibrated tile's rate
     tile_shapes: tuple = ((128, 128, 1.13),)
+    # the rate at which a GEMM's tiles stream their operands from HBM (bytes/ns), shared by the
+    # CTAs running at once: a tile takes at least its share of that time (:meth:`for_gemm`).
+    # Fitted on our plain GEMM at 128 rows, one round of 64 x 128 tiles that compute in less
+    # than they read (benchmarks/results/2026-12-05-h200-default/shared_gpu.json: 41.2 us a
+    # GEMM of X[128, 8192] @ W[8192, 8192], a launch included)
+    hbm_gbps: float = 3_770.0
     source: str = "defaults"  # the files fitted on, " + "-separated
     device: str = "unknown device"  # the machine and versions they were measured with
 
@@ -196,6 +213,28 @@ class Calibration:
         unit of work relative to the calibrated tile)."""
         area = (block_m * block_n) / (self.block_m * self.block_n)
         return replace(self, block_m=block_m, block_n=block_n, tile_ns_per_k=self.tile_ns_per_k * area * relative_cost)
+
+    def with_config(self, config: dict) -> Calibration:
+        """The same machine running a GEMM configuration (a dict of
+        :class:`~ctapipelining.kernels.gemm.GemmConfig`'s fields, e.g. :func:`table_config`'s):
+        its tile shape (at its relative cost in :attr:`tile_shapes`) and row-block grouping."""
+        bm, bn = config["block_m"], config["block_n"]
+        rel = next((c for m, n, c in self.tile_shapes if (m, n) == (bm, bn)), 1.0)
+        cal = self if (bm, bn) == (self.block_m, self.block_n) else self.with_tile(bm, bn, rel)
+        return replace(cal, group_m=config.get("group_m", self.group_m))
+
+    def for_gemm(self, M: int, K: int, N: int) -> Calibration:
+        """The same machine on one GEMM ``[M, K] x [K, N]``: its tiles take at least the time
+        their operands take to stream from HBM (:attr:`hbm_gbps`, shared by the CTAs running at
+        once). A tile reads its ``K x block_n`` slab of B, which the row-blocks running beside it
+        (up to :attr:`group_m`) share through L2, and its ``block_m x K`` slab of A, which its
+        row's column tiles share. Only few rows make it bind (a round of narrow tiles streaming
+        the whole weight matrix); otherwise the calibration is returned as it is."""
+        grid = deps.TileGrid(M, N, self.block_m, self.block_n)
+        active = min(self.num_sms, grid.num_tiles)
+        per_k = 2 * (self.block_n / min(grid.num_m, self.group_m) + self.block_m / grid.num_n)  # bytes per unit of K
+        floor = per_k * active / self.hbm_gbps
+        return self if floor <= self.tile_ns_per_k else replace(self, tile_ns_per_k=floor)
 
     def cublas_ns(self, M: int, K: int, N: int, eager: bool = False) -> float:
         """GPU time of ``torch.matmul``; ``eager`` adds the fixed cost of one timed eager call
@@ -452,6 +491,7 @@ def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = F
     """Our persistent GEMM alone (GPU time); ``split_tail``: its partial last round split along
     K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), each tail tile done
     when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice."""
+    cal = cal.for_gemm(M, K, N)
     grid = deps.TileGrid(M, N, cal.block_m, cal.block_n)
     P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // cal.block_k)
     split = deps.split_tail(grid.num_tiles, P, k_tiles, deps.TAIL_MIN_SLICE_K) if split_tail else None
@@ -466,9 +506,34 @@ def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = F
     return max(max(free), max(ends) + split.splits * cal.tail_slice_ns) + cal.launch_ns
 
 
-def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration) -> float:
-    """Our GEMMs one after another on one GPU, with split tails, in one graph (GPU time)."""
-    return sum(simulate_gemm(M, k, n, cal, split_tail=True) for k, n in zip(dims, dims[1:]))
+GEMM_TABLE, PIPELINE_TABLE = "gemm_configs.json", "pipeline_configs.json"  # under ctapipelining/data
+
+
+@functools.cache
+def _table(name: str) -> tuple[tuple[int, dict], ...]:
+    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
+    return tuple(sorted((row["M"], row["config"]) for row in rows))
+
+
+def table_config(name: str, M: int) -> dict:
+    """The configuration (:class:`~ctapipelining.kernels.gemm.GemmConfig`'s fields) that the
+    library's measured table ``name`` gives ``M`` rows (:data:`GEMM_TABLE`: the plain GEMM's, as
+    :func:`ctapipelining.gemm.plain_config` reads it; :data:`PIPELINE_TABLE`: a pipeline's per
+    plan height): the row of the smallest row count ``>= M``, the last row's beyond it."""
+    table = _table(name)
+    return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
+
+
+def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, tables: bool = False) -> float:
+    """Our GEMMs one after another on one GPU, in one graph (GPU time): on the calibrated tiles
+    with split tails, or (``tables``) each in the configuration :func:`~ctapipelining.gemm.matmul`
+    runs for ``M`` rows (:data:`GEMM_TABLE`)."""
+    if tables:
+        cfg = table_config(GEMM_TABLE, M)
+        cal, split = cal.with_config(cfg), cfg["split_tail"]
+    else:
+        split = True
+    return sum(simulate_gemm(M, k, n, cal, split_tail=split) for k, n in zip(dims, dims[1:]))
 
 
 def simulate_chain_kernel(
@@ -518,7 +583,7 @@ def _chain_kernel(
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
     P = min(cal.num_sms, sum(g.num_tiles for g in grids))
-    t_tiles = [cal.tile_ns(k) * cal.chain_tile_factor for k in (ks or dims[:-1])]
+    t_tiles = [cal.for_gemm(M, k, n).tile_ns(k) * cal.chain_tile_factor for k, n in zip(ks or dims[:-1], dims[1:])]
     if outbound and remote:
         t_tiles[-1] *= cal.remote_factor
     links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
@@ -696,27 +761,39 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
     """Predicted against measured ratios of ``benchmarks/shared_gpu.py``'s results (two
     ``K``-wide layers on one GPU): the chain kernel over our GEMMs one after another, over the
     loopback, stage after stage over interleaved, and with a split last round over without.
-    The model's tiles are the calibration's (128 x 256) at every height: a run that also has a
-    ``chain_wide`` line (the chain on those tiles, where ``chain`` takes its tiles per plan
-    height) is compared through it. ``tile_ns``: the tile time on that GPU (e.g.
-    :func:`traced_tile_ns`), in place of the calibration's. The model has no clocks: a GPU
-    whose SMs partly idle (a loopback's waiting consumer) clocks up, which it does not see."""
+    A run with a ``chain_wide`` line (the chain on the calibrated 128 x 256 tiles at every
+    height, where ``chain`` takes its tiles per plan height) was made with the configuration
+    tables: there our GEMMs one after another run as :func:`~ctapipelining.gemm.matmul`
+    configures them (:data:`GEMM_TABLE`), the ``chain`` line in its table's tiles, split tail and
+    parts (:data:`PIPELINE_TABLE`; ``chain/ours_seq`` is what
+    :attr:`~ctapipelining.pipeline.Pipeline.one_after_another` decides on), and the variants
+    are compared through ``chain_wide``. An earlier run ran the calibrated tiles everywhere.
+    ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in place of the
+    calibration's. The model has no clocks: a GPU whose SMs partly idle (a loopback's waiting
+    consumer, a round of few tiles) clocks up, which it does not see."""
     if tile_ns is not None:
         cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
     r = json.loads(Path(results).read_text())
     rows = []
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
-        chain = "chain_wide" if "chain_wide" in med else "chain"
+        tables = "chain_wide" in med
+        chain = "chain_wide" if tables else "chain"
         model = {  # each line's model: simulated only where the run has the line
             chain: (simulate_chain_kernel, {}),
             "chain_stage_major": (simulate_chain_kernel, {"interleave": False}),
             "chain_split": (simulate_chain_kernel, {"split_tail": True}),
-            "ours_seq": (simulate_ours_sequential, {}),
+            "ours_seq": (simulate_ours_sequential, {"tables": tables}),
             "loopback": (simulate_loopback, {}),
         }
         p = {k: f(M, [K, K, K], cal, **kw) for k, (f, kw) in model.items() if k in med}
         ratios = [(chain, "ours_seq"), (chain, "loopback"), ("chain_stage_major", chain), ("chain_split", chain)]
+        if tables:  # the chain in its table's configuration
+            cfg = table_config(PIPELINE_TABLE, M)
+            p["chain"] = simulate_chain_kernel(
+                M, [K, K, K], cal.with_config(cfg), wait_parts=cfg["wait_parts"], split_tail=cfg["split_tail"]
+            )
+            ratios.append(("chain", "ours_seq"))
         for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
             predicted = p[num] / p[den]
