@@ -21,6 +21,9 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
 4. Blocks (unless BLOCKS=0): the fused Llama block (Llama-70B dims at 4096 rows, -8B dims at
    4096 and 1024), eager against graph-replayed, with the host time of an eager call and its
    wall time from a synchronised GPU; with OLD_PACKAGE_PARENT the earlier tree's block beside it.
+5. Chunked prefill (unless PREFILL=0): the blocks called eagerly at a row count that changes at
+   every call, the first time they see it and again, beside the block's PyTorch form
+   (:func:`prefill`).
 With two GPUs, 2. also for the two layers on two GPUs (``cross_*``: a producer on cuda:0
 writing into cuda:1, a consumer there) at M = 2048 and 16384.
 Writes eager.json in OUT_DIR and prints a table.
@@ -28,6 +31,7 @@ Writes eager.json in OUT_DIR and prints a table.
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -171,6 +175,8 @@ def main():
         cross.check_errors()
     if os.environ.get("BLOCKS", "1") != "0":
         report["block_eager_vs_graph"] = blocks()
+    if os.environ.get("PREFILL", "1") != "0":
+        report["prefill_changing_rows"] = prefill()
     if OLD and os.environ.get("KERNELS", "1") != "0":
         report["new_vs_old"] = new_vs_old()
     (OUT / "eager.json").write_text(json.dumps(report, indent=1))
@@ -209,6 +215,65 @@ def blocks():
         got["host_and_total"] = host_and_total({m.name: m.run for m in methods if m.name.endswith("_eager")})
         out[f"H{H}_I{inter}_M{M}"] = got
         print(f"H{H}_I{inter}_M{M}", json.dumps({k: v for k, v in got.items() if "/" in k}), flush=True)
+    return out
+
+
+def prefill(shapes=((4096, 14336), (8192, 28672)), low=2049, high=8192, n=30):
+    """Eager calls of the fused Llama blocks (-8B and -70B dims) at row counts that change at
+    every call, as chunked prefill gives them: 30 counts drawn from 2049-8192, none twice, after
+    one warm-up call at 2047 and one at 2048 rows (Triton compiles a kernel once per kind of row
+    count, a multiple of 16 or not: the first of each is not timed). Each call from a
+    synchronised GPU: its host time (until it returns) and wall time (until the GPU is done),
+    the first time the block sees its row count (``new``: the block binds its launches for it)
+    and in a second pass over the same counts (``seen``), beside the same rows through the
+    block's PyTorch form in eager mode (``torch``: RMSNorm, cuBLAS GEMMs, SiLU, as
+    ``transformers``' LlamaMLP runs). Medians and ranges, and per call new / seen and new / torch."""
+    from ctapipelining.nn import LlamaMLP
+
+    rng = random.Random(0)
+    out = {}
+    for H, inter in shapes:
+        wg, wu = rand(inter, H, scale=H**-0.5), rand(inter, H, scale=H**-0.5)
+        wd, norm = rand(H, inter, scale=inter**-0.5), 1 + 0.1 * torch.randn(H, device=DEV).bfloat16()
+        block = LlamaMLP(wg, wu, wd, norm)
+
+        def pytorch(x, wg=wg, wu=wu, wd=wd, norm=norm):
+            h = x.float()
+            xn = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * norm
+            return x + (torch.nn.functional.silu(xn @ wg.t()) * (xn @ wu.t())) @ wd.t()
+
+        def call(fn, x):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(x)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            return (t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3
+
+        for m in (low - 2, low - 1):  # Triton's two kinds of row count (2047, 2048), compiled once each
+            x = rand(m, H)
+            block(x), pytorch(x)
+        counts = rng.sample(range(low, high + 1), n)
+        xs = {m: rand(m, H) for m in counts}
+        got = {"new": [call(block, xs[m]) for m in counts], "seen": [], "torch": []}
+        for m in counts:
+            for name, fn in (("seen", block), ("torch", pytorch)):
+                got[name].append(call(fn, xs[m]))
+        x = xs[counts[0]]
+        assert (block(x).float() - pytorch(x).float()).abs().max() < 0.1 * pytorch(x).float().abs().max()
+        row = {"counts": counts}
+        for name, v in got.items():
+            host, wall = [h for h, _ in v], [w for _, w in v]
+            row[name] = {
+                "host_ms_median": statistics.median(host), "host_ms_max": max(host),
+                "wall_ms_median": statistics.median(wall), "wall_ms_min": min(wall), "wall_ms_max": max(wall),
+            }  # fmt: skip
+        for num, den in (("new", "seen"), ("new", "torch"), ("seen", "torch")):
+            med, lo, hi = median_ci([a[1] / b[1] for a, b in zip(got[num], got[den])])
+            row[f"{num}/{den}"] = {"median": med, "ci95": [lo, hi]}
+        out[f"H{H}_I{inter}"] = row
+        print(f"prefill H{H}_I{inter}", json.dumps({k: v for k, v in row.items() if k != "counts"}), flush=True)
+        del xs
     return out
 
 
