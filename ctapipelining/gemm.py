@@ -453,7 +453,9 @@ class GemmLaunch:
     specialised on the integers, the element type and the pointers' 16-byte alignment, so it
     is reused only for the same row stride of ``c``, store kind and dtype; plan-held buffers
     never move, and callers' tensors are checked for 16-byte alignment. Under the interpreter
-    every launch goes through Triton's path. ``split``: the split tail to run instead of the one
+    every launch goes through Triton's path. A call launched raw is remembered by its operands'
+    signatures (the 16 most recently used, :data:`MAX_CALLS`): a later call with the same
+    skips its checks and launches the arguments built then. ``split``: the split tail to run instead of the one
     the configuration and grid give (a chain kernel's last stage run alone:
     :meth:`ctapipelining.pipeline.Pipeline.sequential`).
     """
@@ -543,7 +545,7 @@ class GemmLaunch:
         # arguments, the norm pass's raw launches, whether C was first copied from the residual):
         # the arguments are a function of the key alone (tensor maps of one address, shape and
         # strides are the same), so a later call with that key skips to its launches
-        self._calls: dict[tuple, tuple] = {}
+        self._calls: OrderedDict[tuple, tuple] = OrderedDict()
 
     @staticmethod
     def _key(a: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None) -> tuple:
@@ -569,11 +571,12 @@ class GemmLaunch:
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
 
     @staticmethod
-    def _call_key(a, b, c, stream: int, residual, a_copy) -> tuple:
-        """What a call's raw arguments are a function of (:attr:`_calls`' key): the operands'
-        signatures (:func:`signature`) and the stream."""
+    def _call_key(a, b, c, residual, a_copy) -> tuple:
+        """What a call's raw arguments (and its copy of the residual into ``c``, and its norm
+        pass's arguments) are a function of, besides what the launch binds once: the operands'
+        signatures (:func:`signature`); :attr:`_calls`' key."""
         extra = tuple(None if t is None else signature(t) for t in (residual, a_copy))
-        return (signature(a), signature(b), signature(c), stream, *extra)
+        return (signature(a), signature(b), signature(c), *extra)
 
     def __call__(
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream: int | None = None,
@@ -591,9 +594,10 @@ class GemmLaunch:
         yet) and launch nothing."""
         if stream is None and a.is_cuda:
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-        call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, stream, residual, a_copy)
+        call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, residual, a_copy)
         hit = None if call is None else self._calls.get(call)
         if hit is not None and not launch_hooks():  # checked and launched raw before: its arguments again
+            self._calls.move_to_end(call)
             kernel, raw, args, norm, copy = hit
             for pass_raw, grid, pass_args in norm:
                 pass_raw(grid, stream, *pass_args)
@@ -626,9 +630,9 @@ class GemmLaunch:
             args = self.raw_args(raw.tensor_map, a, b, c, residual)
             raw(self.num_ctas, stream, *args)
             if norm is not None:  # every launch of the call raw: keep its arguments
-                if len(self._calls) >= MAX_CALLS:
-                    self._calls.clear()
                 self._calls[call] = (kernel, raw, args, norm, copy)
+                if len(self._calls) > MAX_CALLS:
+                    self._calls.popitem(last=False)  # the least recently used
             return kernel
         # the first launch of this specialisation (Triton compiles it), or a profiler's launch hooks
         # (Triton's path calls them): kernel[grid]
@@ -715,7 +719,7 @@ _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past 
 # keeps it; its raw launch; its arguments (None: out is new each call); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
 MAX_BOUND = 64
-MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls; cleared when full)
+MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls), the most recently used
 _OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
 
 
@@ -789,8 +793,10 @@ def launch_checked(
 ) -> GemmLaunch:
     """:func:`matmul`'s launch on the current stream of ``a``'s GPU, for operands already
     checked as :func:`matmul` checks them (by it, or by a caller that owns them: a fused block's
-    own intermediate and output, new each call). Returns the launch (bound once per shape,
-    stream and epilogue, shared with :func:`matmul`'s calls)."""
+    own intermediate and output, new each call): CUDA tensors (not the interpreter's), ``M``
+    and ``N`` above 0, dtypes and ``K`` matching, ``out`` on ``a``'s GPU or one it has peer
+    access to, ``config`` able to close ``epilogue``. Returns the launch (bound once per
+    shape, stream and epilogue, shared with :func:`matmul`'s calls)."""
     (M, K), N = a.shape, b.shape[1]
     index = a.device.index
     stream = torch._C._cuda_getCurrentRawStream(index)

@@ -1,6 +1,6 @@
 """Transformer MLP blocks as ``torch.nn`` modules, their elementwise work fused into the GEMMs.
 
-Each block is two GEMMs (:func:`ctapipelining.gemm.matmul` with an
+Each block is two GEMMs (the launches :func:`ctapipelining.gemm.matmul` makes, with an
 :class:`~ctapipelining.epilogue.Epilogue`) and one pass over ``x`` for the norm's row
 statistics; nothing else touches memory: ``x`` is read by the norm's pass (which also copies it
 into the output) and by the first GEMM, the second GEMM adds its tiles onto that copy (the
@@ -46,7 +46,7 @@ import weakref
 import torch
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from .gemm import check_tensor, launch_checked, matmul, tma_ready
+from .gemm import check_tensor, check_weight, launch_checked, matmul, signature, tma_ready
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
@@ -173,13 +173,27 @@ class FusedMLP(torch.nn.Module):
 
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
         """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
-        a launch is compiled and cached per epilogue)."""
-        key = tuple((t.data_ptr(), t.device) for t in self._buffers.values() if t is not None)
+        a launch is compiled and cached per epilogue). Whenever a buffer's signature (address,
+        shape, strides, dtype, device) or a configuration changes, the weights and epilogues are
+        checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
+        own call relies on it."""
+        key = (*(signature(t) for t in self._buffers.values() if t is not None), self.in_config, self.out_config)
         if self._epi is None or self._epi[0] != key:
+            w_in, w_out, name = self.w_in, self.w_out, type(self).__name__
+            check_weight(w_in, f"{name}: first weight")
+            check_weight(w_out, f"{name}: second weight")
             first, second = self._make_epilogues()
-            # checked here once, as matmul checks them at each call (``_run``'s own call does not)
-            first.check(self.w_in.shape[1], self.w_in.dtype, self.w_in.device, self.in_config.block_n)
-            second.check(self.w_out.shape[1], self.w_out.dtype, self.w_out.device, self.out_config.block_n)
+            if (
+                w_in.shape[0] != self.hidden
+                or w_out.shape != (first.out_cols(w_in.shape[1]), self.hidden)
+                or (w_in.dtype, w_in.device) != (w_out.dtype, w_out.device)
+            ):
+                raise ValueError(
+                    f"{name}: weights {tuple(w_in.shape)} {w_in.dtype} on {w_in.device} and {tuple(w_out.shape)} "
+                    f"{w_out.dtype} on {w_out.device} do not make a block of hidden size {self.hidden}"
+                )
+            first.check(w_in.shape[1], w_in.dtype, w_in.device, self.in_config.block_n)
+            second.check(w_out.shape[1], w_out.dtype, w_out.device, self.out_config.block_n)
             self._epi = (key, first, second)
         return self._epi[1], self._epi[2]
 
@@ -223,11 +237,12 @@ class FusedMLP(torch.nn.Module):
         self._follow_source()
         first, second = self._epilogues()
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
-        if own and rows.shape[0] and tma_ready(rows):
-            # the common call: rows TMA-ready (``forward`` checked its width, dtype and device),
-            # the weights and epilogues checked once, the intermediate and output new (so they
-            # overlap nothing): none of matmul's checks is left to make, and the first kernel
-            # starts sooner
+        fits = rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device)
+        if own and fits and rows.shape[0] and tma_ready(rows):
+            # the common call: rows TMA-ready and of the block's width, dtype and device, the
+            # weights and epilogues checked (``_epilogues``), the intermediate and output new (so
+            # they overlap nothing): none of matmul's checks is left to make, and the first
+            # kernel starts sooner. Any other call goes through matmul's checks.
             y = torch.empty_like(rows)
             h = torch.empty(rows.shape[0], first.out_cols(w_in.shape[1]), dtype=rows.dtype, device=rows.device)
             launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)

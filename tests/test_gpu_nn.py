@@ -282,53 +282,87 @@ def test_a_stack_with_a_block_per_gpu(policy):
 
 
 def test_a_launch_called_again_on_other_operands_writes_where_each_call_says(monkeypatch):
-    """A launch keeps the arguments of the calls it launched raw, by their operands' signatures
-    and stream: calls taking turns between two inputs, two outputs (NaN-poisoned before each
-    call), two residuals copied in first, two copies of the rows made by the norm's pass, and a
-    view of one output's first rows (same address, another shape), each bitwise the first call
-    of its kind, on another stream too; a call seen before on its stream builds no arguments."""
+    """A launch keeps the arguments of the calls it launched raw, by their operands'
+    signatures. On one launch that adds a residual and one whose norm pass may copy its rows
+    (1100 x 3840 x 1024: 135 tiles on 132 SMs, a split tail), calls taking turns in a shuffled
+    order on two streams, each operand chosen apart from the others: two inputs, two weights,
+    two outputs (NaN-poisoned before each call), two residuals copied in first or the residual
+    already in the output, two copies of the rows or none, and the first 777 rows of an input
+    and an output (rows m < M of the same launch: the rows after them stay NaN). Each call
+    bitwise its first, which is within a rounding of float32; once every call has been seen, no
+    call builds arguments again, on either stream."""
+    import random
+
     from ctapipelining.epilogue import Epilogue
-    from ctapipelining.gemm import GemmLaunch, matmul
+    from ctapipelining.gemm import GemmLaunch, grid_size
+    from ctapipelining.kernels.gemm import EPILOGUE_CONFIG
 
     torch.manual_seed(4)
-    M, K, N = 1100, 1024, 3840  # 135 tiles on 132 SMs: a split tail too
-    b = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
-    xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(2)]
-    res = [torch.randn(M, N, device="cuda").bfloat16() for _ in range(2)]
-    outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    copies = [torch.empty(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    add, norm = Epilogue(residual=True), Epilogue(rms_eps=1e-5)
+    M, K, N, cut = 1100, 1024, 3840, 777
+    dev = torch.device("cuda", 0)
 
-    def call(i, j, stream):
-        outs[j].fill_(float("nan"))
-        copies[j].fill_(float("nan"))
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).bfloat16()
+
+    xs, bs = [r(M, K) for _ in range(2)], [r(K, N, scale=K**-0.5) for _ in range(2)]
+    res, outs, copies = [r(M, N) for _ in range(2)], [r(M, N) for _ in range(2)], [r(M, K) for _ in range(2)]
+    P = grid_size(M, N, EPILOGUE_CONFIG, dev)
+    add = GemmLaunch(M, N, K, EPILOGUE_CONFIG, P, dev, epilogue=Epilogue(residual=True), add_residual=True)
+    norm = GemmLaunch(M, N, K, EPILOGUE_CONFIG, P, dev, epilogue=Epilogue(rms_eps=1e-5))
+    cases = []  # (name, launch, x, b, out, residual source or None, residual is out, copy, rows)
+    for i in range(2):
+        for k in range(2):
+            for j in range(2):
+                cases.append((f"add {i}{k}{j} copied", add, i, k, j, (i + j + k) % 2, False, None, M))
+                cases.append((f"add {i}{k}{j} in place", add, i, k, j, (i + j) % 2, True, None, M))
+                cases.append((f"norm {i}{k}{j}", norm, i, k, j, None, False, (i + k) % 2, M))
+                cases.append((f"norm {i}{k}{j} " + ("cut" if k else "none"), norm, i, k, j, None, False, None,
+                              cut if k else M))  # fmt: skip
+    assert len({c[0] for c in cases}) == len(cases) == 32  # 16 calls a launch: as many as it keeps (MAX_CALLS)
+
+    def run(case, stream):
+        _, launch, i, k, j, ri, in_place, q, rows = case
+        out = outs[j]
+        out.fill_(float("nan"))
+        if q is not None:
+            copies[q].fill_(float("nan"))
+        if in_place:
+            out.copy_(res[ri])
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            matmul(xs[i], b, out=outs[j], epilogue=add, residual=res[i])
-            added = outs[j].clone()
-            matmul(xs[i], b, out=outs[j], epilogue=norm, a_copy=copies[j])
-            normed = outs[j].clone()
-            matmul(xs[i][:777], b, out=outs[j][:777], epilogue=norm)  # first rows' views: other signatures
+        residual = out if in_place else (None if ri is None else res[ri])
+        launch(xs[i][:rows], bs[k], out[:rows], stream.cuda_stream, residual=residual,
+               a_copy=None if q is None else copies[q])  # fmt: skip
         stream.synchronize()
-        return added, normed, outs[j][:777].clone(), copies[j].clone()
+        if rows < M:
+            assert out[rows:].isnan().all(), case[0]
+        return out[:rows].clone(), None if q is None else copies[q].clone()
 
-    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
-    first = {(i, j): call(i, j, streams[0]) for i in range(2) for j in range(2)}
-    for (i, _), want in first.items():
-        assert torch.equal(want[3], xs[i]) and not want[0].isnan().any() and not want[1].isnan().any()
-    assert not torch.equal(first[0, 0][0], first[1, 0][0])
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    first = {}
+    for case in cases:  # a case's first call (the first of each launch compiles through Triton)
+        first[case[0]] = run(case, streams[0])
+        got, copied = first[case[0]]
+        _, _, i, k, _, ri, _, q, rows = case
+        want = xs[i][:rows].float() @ bs[k].float()
+        if ri is not None:
+            want += res[ri][:rows].float()
+        if case[1] is norm:
+            x = xs[i][:rows].float()
+            want *= torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert (got.float() - want).abs().max() < 0.05 * want.abs().max(), case[0]
+        assert copied is None or torch.equal(copied, xs[i]), case[0]
     built = []
     real = GemmLaunch.raw_args
-    monkeypatch.setattr(GemmLaunch, "raw_args", lambda *a, **k: built.append(1) or real(*a, **k))
-    # the first stream (its first calls compiled without keeping arguments), the first again,
-    # the second (new), the first again
-    for turn, stream in enumerate(streams[:1] * 2 + streams[1:] + streams[:1]):
+    monkeypatch.setattr(GemmLaunch, "raw_args", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    rng = random.Random(0)
+    for turn in range(4):  # both streams, shuffled: a call seen before builds nothing
         built.clear()
-        for (i, j), want in first.items():
-            got = call(i, j, stream)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (turn, i, j)
+        for case in rng.sample(cases, len(cases)):
+            got = run(case, streams[rng.randrange(2)])
+            want = first[case[0]]
+            assert torch.equal(got[0], want[0]) and (want[1] is None or torch.equal(got[1], want[1])), (turn, case[0])
         if turn:
-            assert bool(built) == (turn == 2), (turn, len(built))
+            assert not built, (turn, len(built))
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 512, 1000), (300, 776, 264), (4097, 1024, 4104), (1100, 4096, 3840)])

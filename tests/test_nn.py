@@ -162,6 +162,33 @@ def test_bad_epilogues_are_refused_before_launch():
         block(torch.zeros(4, 48))
 
 
+def test_weights_put_in_after_construction_are_checked_before_the_next_call():
+    """A block checks its weights and epilogues again whenever a buffer's signature or a
+    configuration changes (what its own call skips ``matmul``'s checks on): a replaced weight of
+    the wrong shape, dtype or layout, or a configuration whose tiles cannot close the gated
+    epilogue, is refused with a clear error before anything runs; put back, the block runs."""
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(5, H).half()
+    want = block(x)
+    good = block.w_in
+    for bad, match in (
+        (torch.zeros(H + 8, 2 * INTER).half(), "do not make a block"),
+        (good.float(), "do not make a block|dtype"),
+        (good.t().contiguous().t(), "contiguous"),
+        (good[:, : 2 * INTER - 16].contiguous(), "do not make a block"),
+    ):
+        block.w_in = bad
+        with pytest.raises((ValueError, TypeError), match=match):
+            block(x)
+    block.w_in = good
+    block.in_config = GemmConfig(16, 8, 16)
+    with pytest.raises(ValueError, match="multiple of 16 wide"):
+        block(x)
+    block.in_config = SMALL
+    assert torch.equal(block(x), want)
+
+
 def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
     """``forward`` calls ``torch.ops.ctapipelining.mlp_block``: its schema and fake (shape)
     implementation pass PyTorch's checks, and a compiled model around the block traces as one
