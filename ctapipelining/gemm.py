@@ -454,10 +454,11 @@ class GemmLaunch:
     is reused only for the same row stride of ``c``, store kind and dtype; plan-held buffers
     never move, and callers' tensors are checked for 16-byte alignment. Under the interpreter
     every launch goes through Triton's path. A call launched raw is remembered by its operands'
-    signatures (the 16 most recently used, :data:`MAX_CALLS`): a later call with the same
-    skips its checks and launches the arguments built then. ``split``: the split tail to run instead of the one
-    the configuration and grid give (a chain kernel's last stage run alone:
-    :meth:`ctapipelining.pipeline.Pipeline.sequential`).
+    signatures (the :data:`MAX_CALLS` most recently used): a later call with the same skips its
+    checks and launches the arguments built then.
+
+    ``split``: the split tail to run instead of the one the configuration and grid give (a
+    chain kernel's last stage run alone: :meth:`ctapipelining.pipeline.Pipeline.sequential`).
     """
 
     def __init__(
