@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.gemm import matmul
+from ctapipelining.gemm import matmul, plain_config
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
@@ -96,6 +96,12 @@ def main():
         times = time_interleaved(methods, [0], REPS, 5)
         floor = min(("cublas_seq", "ours_seq"), key=lambda k: statistics.median(times[k]))
         row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "floor": floor}
+        # what the model of the run (sim.validate_shared) runs: the configurations these lines ran
+        chain = pipes["chain"]
+        row["configs"] = {
+            "ours_seq": dataclasses.asdict(plain_config(M)),
+            "chain": dataclasses.asdict(chain.plan_configs(chain.plan(M).M)[-1]),
+        }
         for name in ("ours_seq", *pipes):
             row[f"{name}/{floor}"] = ci([p / q for p, q in zip(times[name], times[floor])])
         for num, den in (

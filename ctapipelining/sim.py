@@ -45,10 +45,15 @@ What is modelled
   - our GEMMs one after another with split tails (:func:`simulate_ours_sequential`;
     ``tail_slice_ns`` per slice), on the calibrated tiles or in the configurations the library's
     tables give each row count (:func:`table_config`; ``Calibration.with_config``);
-  - in every GEMM, a tile takes at least the time its operands take to stream from HBM,
-    shared by the CTAs running at once (``Calibration.for_gemm``, ``hbm_gbps``): what sets a
-    round of narrow tiles over few rows (64 x 128 tiles at 128 rows stream the whole weight
-    matrix), and nothing from a few hundred rows on.
+  - in every GEMM (one kernel, a chain kernel's stage, a pipeline's stage), a tile takes at
+    least the time its operands take to stream from HBM: each round of the tile order reads the
+    rows of A and columns of B its tiles cover once (``Calibration.for_gemm``, ``hbm_gbps``;
+    a loopback's stages share it). That sets a round of narrow tiles over few rows (64 x 128
+    tiles at 128 rows stream the whole weight matrix) and wide GEMMs over few rows (a Llama-70B
+    gate/up GEMM at 128 rows); 128 x 256 tiles over a few hundred rows or more compute longer
+    than they read. ``hbm_gbps`` (3770 GB/s) is fitted on our GEMM at 128 rows in
+    ``benchmarks/results/2026-12-05-h200-default/``; the other runs with the same tiles imply
+    3510-3670 GB/s.
 
   :func:`validate_shared` compares their ratios with a ``benchmarks/shared_gpu.py`` run. On the
   recorded run at 128-16384 rows on the calibrated tiles
@@ -57,15 +62,20 @@ What is modelled
   - the chain against the loopback errs by up to 6.3% (128 rows) and 4.2% (640 rows), where the
     loopback's half-idle GPU clocks up.
 
-  On three later runs with the configuration tables (``benchmarks/results/2026-12-01-h200-configs/``
-  ``run6-table/`` and ``run11-parts/``, ``benchmarks/results/2026-12-05-h200-default/``, three
-  machines), from 640 rows on: the chain, in its table's tiles or on 128 x 256 tiles, against
-  our GEMMs one after another within 4% (3.5% at 768 rows, where the plain GEMM's tail split in
-  two costs more than modelled; 2.6% elsewhere), the chain against the loopback within 2%, and a
-  split last round against none within 2.4%. At 128 rows the chain in its table's tiles
-  against our GEMMs errs by 3.6-6.0% (the model's chain is faster), and the chain on 128 x 256
-  tiles by 16-19%: a round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the model
-  has no clocks).
+  On the two runs of the current configuration tables (``tables=True``:
+  ``benchmarks/results/2026-12-01-h200-configs/run11-parts/`` and
+  ``benchmarks/results/2026-12-05-h200-default/``, two machines), with the tile time traced on
+  a third H200 (``benchmarks/results/2026-12-01-h200-chain/trace_640.npz``), from 640 rows on:
+  the chain, in its table's tiles or on 128 x 256 tiles, against our GEMMs one after another
+  within 3.6% (3.5% at 768 rows, where the plain GEMM's tail split in two costs more than
+  modelled; 2.6% elsewhere), the chain against the loopback within 2%, and a split last round
+  against none within 2.4%. At 128 rows the chain in its table's tiles against our GEMMs errs
+  by 3.6-4.2% (the model's chain is the faster: what a chain kernel adds to a round of
+  memory-bound tiles is not modelled), and the chain on 128 x 256 tiles by 16-19%: a round of
+  32 tiles leaves 100 SMs idle, and the GPU clocks up (the model has no clocks). With the
+  packaged calibration's tile time instead (``ctapipelining sim --validate-shared ...
+  --tables``) the errors are larger: up to 3.8% from 640 rows on, 30-34% for the 128 x 256
+  tiles at 128 rows.
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -217,23 +227,34 @@ class Calibration:
     def with_config(self, config: dict) -> Calibration:
         """The same machine running a GEMM configuration (a dict of
         :class:`~ctapipelining.kernels.gemm.GemmConfig`'s fields, e.g. :func:`table_config`'s):
-        its tile shape (at its relative cost in :attr:`tile_shapes`) and row-block grouping."""
+        its tile shape, at its relative cost in :attr:`tile_shapes` (a shape not listed there
+        computes at the calibrated tile's rate), its K step and its row-block grouping."""
         bm, bn = config["block_m"], config["block_n"]
         rel = next((c for m, n, c in self.tile_shapes if (m, n) == (bm, bn)), 1.0)
         cal = self if (bm, bn) == (self.block_m, self.block_n) else self.with_tile(bm, bn, rel)
-        return replace(cal, group_m=config.get("group_m", self.group_m))
+        return replace(cal, group_m=config.get("group_m", self.group_m), block_k=config.get("block_k", self.block_k))
 
-    def for_gemm(self, M: int, K: int, N: int) -> Calibration:
+    def for_gemm(self, M: int, K: int, N: int, share: float = 1.0) -> Calibration:
         """The same machine on one GEMM ``[M, K] x [K, N]``: its tiles take at least the time
-        their operands take to stream from HBM (:attr:`hbm_gbps`, shared by the CTAs running at
-        once). A tile reads its ``K x block_n`` slab of B, which the row-blocks running beside it
-        (up to :attr:`group_m`) share through L2, and its ``block_m x K`` slab of A, which its
-        row's column tiles share. Only few rows make it bind (a round of narrow tiles streaming
-        the whole weight matrix); otherwise the calibration is returned as it is."""
+        their operands take to stream from HBM at :attr:`hbm_gbps` (``share``: the part of it
+        this GEMM has, when other kernels stream beside it). Each round of the tile order
+        (:func:`ctapipelining.deps.tile_order`, as many tiles as CTAs run at once) reads the
+        ``block_m x K`` rows of A and the ``K x block_n`` columns of B its tiles cover, once
+        each (a tile's neighbours in the round find them in L2); the tiles' floor is the mean
+        round's. Only few rows make it bind (a round of narrow tiles streaming the whole weight
+        matrix); otherwise the calibration is returned as it is."""
         grid = deps.TileGrid(M, N, self.block_m, self.block_n)
         active = min(self.num_sms, grid.num_tiles)
-        per_k = 2 * (self.block_n / min(grid.num_m, self.group_m) + self.block_m / grid.num_n)  # bytes per unit of K
-        floor = per_k * active / self.hbm_gbps
+        pos = np.arange(grid.num_tiles)
+        per_group = self.group_m * grid.num_n  # deps.grouped_tile, on every position at once
+        first_m = pos // per_group * self.group_m
+        size_m = np.minimum(grid.num_m - first_m, self.group_m)
+        pm, pn = first_m + pos % per_group % size_m, pos % per_group // size_m
+        rnd = pos // active
+        rows = np.bincount(np.unique(rnd * grid.num_m + pm) // grid.num_m)
+        cols = np.bincount(np.unique(rnd * grid.num_n + pn) // grid.num_n)
+        per_k = 2 * (rows * self.block_m + cols * self.block_n)  # bytes a round reads per unit of K
+        floor = float(per_k.mean()) / (self.hbm_gbps * share)
         return self if floor <= self.tile_ns_per_k else replace(self, tile_ns_per_k=floor)
 
     def cublas_ns(self, M: int, K: int, N: int, eager: bool = False) -> float:
@@ -384,7 +405,7 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     Returns per-tile rows ``[wait, start, stored, done, cta]`` (ns)."""
     T = grid.num_tiles
     P = min(cal.num_sms, T)
-    t_tile = cal.tile_ns(K) * (cal.remote_factor if remote else 1.0)
+    t_tile = cal.for_gemm(grid.M, K, grid.N).tile_ns(K) * (cal.remote_factor if remote else 1.0)
     post = cal.t1_ns if signals else 0.0
     fetch = cal.t3_ns if ready is not None else 0.0
     rows = np.zeros((T, 5))
@@ -524,13 +545,12 @@ def table_config(name: str, M: int) -> dict:
     return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
 
 
-def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, tables: bool = False) -> float:
+def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, config: dict | None = None) -> float:
     """Our GEMMs one after another on one GPU, in one graph (GPU time): on the calibrated tiles
-    with split tails, or (``tables``) each in the configuration :func:`~ctapipelining.gemm.matmul`
-    runs for ``M`` rows (:data:`GEMM_TABLE`)."""
-    if tables:
-        cfg = table_config(GEMM_TABLE, M)
-        cal, split = cal.with_config(cfg), cfg["split_tail"]
+    with split tails, or each in ``config`` (e.g. ``table_config(GEMM_TABLE, M)``, the one
+    :func:`~ctapipelining.gemm.matmul` runs for ``M`` rows)."""
+    if config is not None:
+        cal, split = cal.with_config(config), config["split_tail"]
     else:
         split = True
     return sum(simulate_gemm(M, k, n, cal, split_tail=split) for k, n in zip(dims, dims[1:]))
@@ -740,7 +760,8 @@ def simulate_placed(
 def simulate_loopback(M: int, dims: list[int], cal: Calibration, wait_parts: int = 8) -> float:
     """The stages of ``dims`` sharing one GPU as kernels of their own (``loopback=True``), each
     on an equal share of its SMs, writing locally (GPU time)."""
-    shared = replace(cal, num_sms=cal.num_sms // (len(dims) - 1), remote_factor=1.0)
+    stages = len(dims) - 1  # each on its share of the SMs and of HBM's bandwidth
+    shared = replace(cal, num_sms=cal.num_sms // stages, remote_factor=1.0, hbm_gbps=cal.hbm_gbps / stages)
     return simulate_cta(M, dims, shared, wait_parts=wait_parts).total_ns
 
 
@@ -757,17 +778,19 @@ def _ratio_row(M: int, ratio: str, predicted: float, measured: float) -> dict:
                 error_pct=round(100 * (predicted / measured - 1), 2))  # fmt: skip
 
 
-def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: float | None = None) -> list[dict]:
+def validate_shared(
+    cal: Calibration, results: Path, K: int = 8192, tile_ns: float | None = None, tables: bool = False
+) -> list[dict]:
     """Predicted against measured ratios of ``benchmarks/shared_gpu.py``'s results (two
     ``K``-wide layers on one GPU): the chain kernel over our GEMMs one after another, over the
     loopback, stage after stage over interleaved, and with a split last round over without.
-    A run with a ``chain_wide`` line (the chain on the calibrated 128 x 256 tiles at every
-    height, where ``chain`` takes its tiles per plan height) was made with the configuration
-    tables: there our GEMMs one after another run as :func:`~ctapipelining.gemm.matmul`
-    configures them (:data:`GEMM_TABLE`), the ``chain`` line in its table's tiles, split tail and
-    parts (:data:`PIPELINE_TABLE`; ``chain/ours_seq`` is what
-    :attr:`~ctapipelining.pipeline.Pipeline.one_after_another` decides on), and the variants
-    are compared through ``chain_wide``. An earlier run ran the calibrated tiles everywhere.
+    The chain and our GEMMs run the calibrated 128 x 256 tiles at every height, unless the run
+    recorded the configurations its lines ran (``configs`` in a row) or ``tables`` says it ran
+    the library's current tables (:data:`GEMM_TABLE`, :data:`PIPELINE_TABLE`): then our GEMMs
+    one after another run as :func:`~ctapipelining.gemm.matmul` configured them, the ``chain``
+    line in its own tiles, split tail and parts (``chain/ours_seq`` is what
+    :attr:`~ctapipelining.pipeline.Pipeline.one_after_another` decides on), and the variants are
+    compared through the ``chain_wide`` line (the chain on 128 x 256 tiles at every height).
     ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in place of the
     calibration's. The model has no clocks: a GPU whose SMs partly idle (a loopback's waiting
     consumer, a round of few tiles) clocks up, which it does not see."""
@@ -777,22 +800,26 @@ def validate_shared(cal: Calibration, results: Path, K: int = 8192, tile_ns: flo
     rows = []
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
-        tables = "chain_wide" in med
-        chain = "chain_wide" if tables else "chain"
+        configs = row.get("configs") or (
+            {"ours_seq": table_config(GEMM_TABLE, M), "chain": table_config(PIPELINE_TABLE, M)} if tables else None
+        )
+        chain = "chain_wide" if "chain_wide" in med else "chain"
         model = {  # each line's model: simulated only where the run has the line
             chain: (simulate_chain_kernel, {}),
             "chain_stage_major": (simulate_chain_kernel, {"interleave": False}),
             "chain_split": (simulate_chain_kernel, {"split_tail": True}),
-            "ours_seq": (simulate_ours_sequential, {"tables": tables}),
+            "ours_seq": (simulate_ours_sequential, {}),
             "loopback": (simulate_loopback, {}),
         }
         p = {k: f(M, [K, K, K], cal, **kw) for k, (f, kw) in model.items() if k in med}
-        ratios = [(chain, "ours_seq"), (chain, "loopback"), ("chain_stage_major", chain), ("chain_split", chain)]
-        if tables:  # the chain in its table's configuration
-            cfg = table_config(PIPELINE_TABLE, M)
+        if configs is not None:  # our GEMMs and the chain as the run configured them
+            plain, cfg = configs["ours_seq"], configs["chain"]
+            p["ours_seq"] = simulate_ours_sequential(M, [K, K, K], cal, plain)
             p["chain"] = simulate_chain_kernel(
                 M, [K, K, K], cal.with_config(cfg), wait_parts=cfg["wait_parts"], split_tail=cfg["split_tail"]
             )
+        ratios = [(chain, "ours_seq"), (chain, "loopback"), ("chain_stage_major", chain), ("chain_split", chain)]
+        if configs is not None and chain != "chain":
             ratios.append(("chain", "ours_seq"))
         for num, den in [(n, d) for n, d in ratios if n in med and d in med]:
             measured = row.get(f"{num}/{den}", {}).get("median", med[num] / med[den])
@@ -1189,9 +1216,9 @@ def _depth_rows(cal: Calibration, path: Path) -> list[dict]:
         raise UsageError(f"--validate {path}: not a bench run of more layers than GPUs ({what})") from None
 
 
-def _shared_rows(cal: Calibration, path: Path) -> list[dict]:
+def _shared_rows(cal: Calibration, path: Path, tables: bool = False) -> list[dict]:
     try:
-        return validate_shared(cal, path)
+        return validate_shared(cal, path, tables=tables)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         what = f"{type(e).__name__}: {e}"
         raise UsageError(f"--validate-shared {path}: not a shared_gpu.py results file ({what})") from None
@@ -1202,7 +1229,7 @@ def run(args) -> int:
     cal = _calibration(args)
     # checked before any output
     deep = [_depth_rows(cal, path) if _measured(path) else None for path in args.validate]
-    shared = [_shared_rows(cal, path) for path in args.validate_shared]
+    shared = [_shared_rows(cal, path, args.tables) for path in args.validate_shared]
     print(f"calibrated on {cal.label}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(calibration=cal.to_dict(), validation={}, figure4=figure4(cal), figure7=figure7(cal),
@@ -1304,6 +1331,11 @@ def add_arguments(p, plan_args: bool = False) -> None:
         p.add_argument(
             "--validate-shared", type=existing_file, nargs="*", default=[], metavar="RESULTS",
             help="benchmarks/shared_gpu.py JSONs (stages sharing one GPU) to compare the chain kernel's model with",
+        )  # fmt: skip
+        p.add_argument(
+            "--tables", action="store_true",
+            help="those runs ran the library's current configuration tables (runs that recorded their "
+                 "configurations need not say)",
         )  # fmt: skip
         p.add_argument("--seq", type=positive_int, default=16384, help="rows of X of the predicted timeline")
         p.add_argument("--k", type=positive_int, default=8192, help="hidden size of the predicted timeline")
