@@ -18,7 +18,8 @@
 #   order  the bench at 16384 rows in fixed and in shuffled order (same machine) -> order-*.log, order-*/
 #   hooks  the bench at 16384 rows with each hook's cost timed alone           -> hooks.log, hooks/
 #   trace  ctapipelining trace under both policies (2 GPUs)                      -> trace.log, trace/
-#   eager  benchmarks/eager.py: eager calls against graph replays (one GPU)      -> eager.log, eager.json
+#   eager  benchmarks/eager.py: eager calls against graph replays, blocks, chunked prefill (one GPU; BLOCKS=0,
+#          PREFILL=0 leave parts out) -> eager.log, eager.json
 #   shared benchmarks/shared_gpu.py: two stages sharing one GPU against the floor -> shared_gpu.log, shared_gpu.json
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck on benchmarks/sanitize_chain.py (the chain
 #          kernel, then the loopback for memcheck)                                -> sanitize-*.log
@@ -85,7 +86,7 @@ for step in $STEPS; do
     trace) for p in static workqueue; do
         timeout 120 $CLI trace --policy $p --out "$OUT/trace" 2>&1 | tail -30; done > "$OUT/trace.log"
       cat "$OUT/trace.log" ;;
-    eager) timeout 200 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
+    eager) timeout 320 python3 benchmarks/eager.py "$OUT" 30 > "$OUT/eager.log" 2>&1; tail -30 "$OUT/eager.log" ;;
     shared) timeout 300 python3 benchmarks/shared_gpu.py "$OUT" 30 > "$OUT/shared_gpu.log" 2>&1; tail -8 "$OUT/shared_gpu.log" ;;
     sanitize) for tool in memcheck racecheck synccheck; do
         timeout 150 compute-sanitizer --tool $tool python3 benchmarks/sanitize_chain.py > "$OUT/sanitize-$tool.log" 2>&1
