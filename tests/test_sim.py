@@ -269,6 +269,31 @@ def test_shared_gpu_model_predicts_the_chain_in_the_tables_configurations(run):
     assert by[128, "chain_wide/ours_seq"] < 25, by[128, "chain_wide/ours_seq"]
 
 
+def test_a_run_that_recorded_its_configurations_is_modelled_in_them(tmp_path):
+    """``benchmarks/shared_gpu.py`` records, per row count, the configurations its ``ours_seq``
+    and ``chain`` lines ran; ``validate_shared`` models those lines in them: the last run with
+    the current tables written into it predicts as ``tables=True`` does, and with 128 x 256
+    tiles written in at 128 rows instead, our GEMMs one after another are modelled on them (2x
+    slower than on the narrow tiles)."""
+    import json
+
+    src = RESULTS / "2026-12-05-h200-default/shared_gpu.json"
+    run = json.loads(src.read_text())
+    for M, row in run["rows"].items():
+        row["configs"] = {
+            "ours_seq": sim.table_config(sim.GEMM_TABLE, int(M)),
+            "chain": sim.table_config(sim.PIPELINE_TABLE, int(M)),
+        }
+    (tmp_path / "recorded.json").write_text(json.dumps(run))
+    assert sim.validate_shared(CAL, tmp_path / "recorded.json") == sim.validate_shared(CAL, src, tables=True)
+    wide = dict(sim.table_config(sim.GEMM_TABLE, 16384))
+    run["rows"]["128"]["configs"]["ours_seq"] = wide
+    (tmp_path / "wide.json").write_text(json.dumps(run))
+    by = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, tmp_path / "wide.json")}
+    narrow = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, src, tables=True)}
+    assert by[128, "chain/ours_seq"] < 0.6 * narrow[128, "chain/ours_seq"]
+
+
 def test_shared_gpu_model_on_the_calibrated_tiles_in_an_earlier_run_with_the_pipeline_table():
     """``run6-table`` (an earlier pipeline table; ``chain_wide`` on 128 x 256 tiles at every
     height): from 640 rows on, ``chain_wide`` over our GEMMs one after another and over the
