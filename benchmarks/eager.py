@@ -281,7 +281,15 @@ def new_vs_old():
     sys.path.insert(0, OLD)
     import ctapipelining_old.gemm as og
     import ctapipelining_old.kernels.gemm as okg
-    import ctapipelining_old.pipeline as op
+
+    try:  # where the old tree keeps Link (its plan module; in older trees its pipeline module, int32 words)
+        from ctapipelining_old.plan import Link as OldLink
+
+        old_dtype = torch.int64
+    except ImportError:
+        from ctapipelining_old.pipeline import Link as OldLink
+
+        old_dtype = torch.int32
 
     global OLD_CFG
     OLD_CFG = okg.PIPELINE_CONFIG  # the same tiles, parts and signal step, in the old config's fields
@@ -294,7 +302,7 @@ def new_vs_old():
     grid = deps.TileGrid(M, K, cfg.block_m, cfg.block_n)
     dep = deps.build_dependency(grid, grid, "gemm", consumer_k=K, parts=min(cfg.wait_parts, grid.num_n))
     methods = []
-    for name, L, launch, i_dt in (("new", Link, None, torch.int64), ("old", op.Link, og.launch_gemm, torch.int32)):
+    for name, L, launch, i_dt in (("new", Link, None, torch.int64), ("old", OldLink, og.launch_gemm, old_dtype)):
         link = L.create(dep, dev, dev)
         epoch = torch.ones(1, dtype=i_dt, device=DEV)
         err = torch.zeros(8, dtype=i_dt, device=DEV)
