@@ -67,8 +67,8 @@ What is modelled
   ``benchmarks/results/2026-12-05-h200-default/``, two machines), with the tile time traced on
   a third H200 (``benchmarks/results/2026-12-01-h200-chain/trace_640.npz``), from 640 rows on:
   the chain, in its table's tiles or on 128 x 256 tiles, against our GEMMs one after another
-  within 3.6% (3.5% at 768 rows, where the plain GEMM's tail split in two costs more than
-  modelled; 2.6% elsewhere), the chain against the loopback within 2%, and a split last round
+  within 3.5% (at 768 rows, where the plain GEMM's tail split in two costs more than
+  modelled; 2.5% elsewhere), the chain against the loopback within 2%, and a split last round
   against none within 2.4%. At 128 rows the chain in its table's tiles against our GEMMs errs
   by 3.6-4.2% (the model's chain is the faster: what a chain kernel adds to a round of
   memory-bound tiles is not modelled), and the chain on 128 x 256 tiles by 16-19%: a round of
