@@ -322,7 +322,7 @@ def grouped_tile(pos: int, num_m: int, num_n: int, group_m: int) -> int:
     per_group = group_m * num_n
     group = pos // per_group
     first_m = group * group_m
-    size_m = min(num_m - first_m, group_m)
+    size_m = np.minimum(num_m - first_m, group_m)  # (pos may be an array of positions: tile_order)
     pm = first_m + (pos % per_group) % size_m
     pn = (pos % per_group) // size_m
     return pm * num_n + pn
@@ -339,7 +339,7 @@ def tile_order(grid: TileGrid, group_m: int = 1) -> np.ndarray:
     """
     if group_m < 1:
         raise ValueError(f"group_m must be >= 1, got {group_m}")
-    return np.array([grouped_tile(p, grid.num_m, grid.num_n, group_m) for p in range(grid.num_tiles)], dtype=np.int32)
+    return grouped_tile(np.arange(grid.num_tiles), grid.num_m, grid.num_n, group_m).astype(np.int32)
 
 
 TAIL_MIN_SLICE_K = 16  # K-steps a split tail's slice has at least on a GPU (shorter: mostly pipeline fill)

@@ -9,8 +9,6 @@ checked here, before anything is launched.
 from __future__ import annotations
 
 import functools
-import importlib.resources
-import json
 import weakref
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -36,6 +34,7 @@ from .kernels.gemm import (
 )
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
+from .tables import GEMM_TABLE, pick_config, table_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -149,18 +148,13 @@ class TailBuffers:
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
 
 
-CONFIG_TABLE = "gemm_configs.json"  # under ctapipelining/data: benchmarks/configs.py's measured rows
-
-
 @functools.cache
-def config_table(name: str = CONFIG_TABLE) -> tuple[tuple[int, GemmConfig], ...]:
-    """A measured configuration table, ``(rows, config)`` by increasing rows: by default the
-    plain GEMM's (``ctapipelining/data/gemm_configs.json``: the fastest of
-    ``benchmarks/configs.py``'s candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on
-    one H200), or ``name`` under ``ctapipelining/data`` (a pipeline's,
-    :data:`ctapipelining.pipeline.PIPELINE_TABLE`). Each row names its results folder."""
-    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
-    return tuple(sorted((row["M"], GemmConfig(**row["config"])) for row in rows))
+def config_table(name: str = GEMM_TABLE) -> tuple[tuple[int, GemmConfig], ...]:
+    """A measured configuration table (:mod:`ctapipelining.tables`), ``(rows, config)`` by
+    increasing rows: by default the plain GEMM's (the fastest of ``benchmarks/configs.py``'s
+    candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on one H200), or ``name``'s (a
+    pipeline's, :data:`~ctapipelining.tables.PIPELINE_TABLE`)."""
+    return tuple((rows, GemmConfig(**fields)) for rows, fields in table_rows(name))
 
 
 def plain_config(M: int) -> GemmConfig:
@@ -172,12 +166,6 @@ def plain_config(M: int) -> GemmConfig:
     N = K = 8192 and used for every width: the choice follows the tiles a row count leaves, most
     of all. Under the interpreter, always ``PLAIN_CONFIG`` (its sizes are small)."""
     return PLAIN_CONFIG if interpreting() else pick_config(config_table(), M)
-
-
-def pick_config(table: tuple[tuple[int, GemmConfig], ...], M: int) -> GemmConfig:
-    """``table``'s (:func:`config_table`) configuration for ``M`` rows: its row for the smallest
-    row count ``>= M``, the last row's beyond it."""
-    return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
 
 
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):

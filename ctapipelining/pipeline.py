@@ -96,7 +96,6 @@ from .gemm import (
     matmul,
     num_sms,
     overlaps,
-    pick_config,
     span,
     tail_split,
     tma_ready,
@@ -111,6 +110,7 @@ from .kernels.gemm import (
 )
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
 from .plan import Launch, Link, Plan, Segment, SignalLists, i64_zeros, link_dependency, sums_to
+from .tables import PIPELINE_TABLE, pick_config
 from .timing import Method, time_interleaved
 
 # tune_ends tries the rule's prefill (deps.balanced_ends) times each of these, and no ends at all,
@@ -138,7 +138,6 @@ class PipelineHung(RuntimeError):
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
-PIPELINE_TABLE = "pipeline_configs.json"  # under ctapipelining/data: configurations per plan height
 
 
 @dataclass(eq=False)

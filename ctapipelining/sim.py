@@ -126,6 +126,7 @@ import numpy as np
 
 from . import deps
 from .argtypes import UsageError, chain_dims, existing_file, existing_path, positive_int, stage_indices
+from .tables import GEMM_TABLE, PIPELINE_TABLE, pick_config, table_rows
 from .trace import plot_timeline
 
 # the checkout this module lies in: file names in a calibration's source are relative to it
@@ -245,12 +246,8 @@ class Calibration:
         matrix); otherwise the calibration is returned as it is."""
         grid = deps.TileGrid(M, N, self.block_m, self.block_n)
         active = min(self.num_sms, grid.num_tiles)
-        pos = np.arange(grid.num_tiles)
-        per_group = self.group_m * grid.num_n  # deps.grouped_tile, on every position at once
-        first_m = pos // per_group * self.group_m
-        size_m = np.minimum(grid.num_m - first_m, self.group_m)
-        pm, pn = first_m + pos % per_group % size_m, pos % per_group // size_m
-        rnd = pos // active
+        pm, pn = np.divmod(deps.tile_order(grid, self.group_m), grid.num_n)
+        rnd = np.arange(grid.num_tiles) // active
         rows = np.bincount(np.unique(rnd * grid.num_m + pm) // grid.num_m)
         cols = np.bincount(np.unique(rnd * grid.num_n + pn) // grid.num_n)
         per_k = 2 * (rows * self.block_m + cols * self.block_n)  # bytes a round reads per unit of K
@@ -527,22 +524,12 @@ def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = F
     return max(max(free), max(ends) + split.splits * cal.tail_slice_ns) + cal.launch_ns
 
 
-GEMM_TABLE, PIPELINE_TABLE = "gemm_configs.json", "pipeline_configs.json"  # under ctapipelining/data
-
-
-@functools.cache
-def _table(name: str) -> tuple[tuple[int, dict], ...]:
-    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
-    return tuple(sorted((row["M"], row["config"]) for row in rows))
-
-
 def table_config(name: str, M: int) -> dict:
     """The configuration (:class:`~ctapipelining.kernels.gemm.GemmConfig`'s fields) that the
     library's measured table ``name`` gives ``M`` rows (:data:`GEMM_TABLE`: the plain GEMM's, as
     :func:`ctapipelining.gemm.plain_config` reads it; :data:`PIPELINE_TABLE`: a pipeline's per
     plan height): the row of the smallest row count ``>= M``, the last row's beyond it."""
-    table = _table(name)
-    return next((cfg for rows, cfg in table if M <= rows), table[-1][1])
+    return pick_config(table_rows(name), M)
 
 
 def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, config: dict | None = None) -> float:

@@ -221,10 +221,10 @@ def test_the_config_table_is_what_its_results_measured(table):
     import json
     from pathlib import Path
 
-    from ctapipelining.gemm import CONFIG_TABLE, config_table
-    from ctapipelining.pipeline import PIPELINE_TABLE
+    from ctapipelining.gemm import config_table
+    from ctapipelining.tables import GEMM_TABLE, PIPELINE_TABLE
 
-    assert table in (CONFIG_TABLE, PIPELINE_TABLE)
+    assert table in (GEMM_TABLE, PIPELINE_TABLE)
     root = Path(__file__).parent.parent
     rows = json.loads((root / "ctapipelining" / "data" / table).read_text())["rows"]
     assert [r for r, _ in config_table(table)] == sorted(r["M"] for r in rows)
