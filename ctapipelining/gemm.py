@@ -136,16 +136,49 @@ class TailBuffers:
     """A split tail's state (:class:`ctapipelining.deps.TailSplit`), on the GEMM's device:
     ``workspace`` fp32 ``[tiles * splits, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
     int32 ``[tiles]`` arrivals, zero between launches (the last slice of a tile rearms its
-    counter; an owner zeroes them after a launch that timed out)."""
+    counter; an owner zeroes them after a launch that timed out). ``shared``: the stream's
+    buffers these are views of (:meth:`on_stream`), kept alive here."""
 
     split: deps.TailSplit
     workspace: torch.Tensor
     counters: torch.Tensor
+    shared: _StreamTail | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device) -> TailBuffers:
         ws = torch.empty(split.items, config.block_m * config.block_n, dtype=torch.float32, device=device)
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
+
+    @classmethod
+    def on_stream(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device, stream: int) -> TailBuffers:
+        """Views of buffers that every launch built by this call on ``stream`` of ``device``
+        shares: launches on one stream run one after another, and each one's last slices leave
+        its counters at zero for the next (launches without waits: they never time out). The
+        buffers grow to the largest tail asked for; launches bound before keep the smaller ones
+        they view. Held weakly here: they go with the last launch that views them."""
+        key = (device, stream)
+        size = split.items * config.block_m * config.block_n
+        held = _STREAM_TAILS.get(key)
+        if held is None or held.workspace.numel() < size or held.counters.numel() < split.tiles:
+            old = (0, 0) if held is None else (held.workspace.numel(), held.counters.numel())
+            held = _StreamTail(
+                torch.empty(max(size, old[0]), dtype=torch.float32, device=device),
+                torch.zeros(max(split.tiles, old[1]), dtype=torch.int32, device=device),
+            )
+            _STREAM_TAILS[key] = held
+        ws = held.workspace[:size].view(split.items, config.block_m * config.block_n)
+        return cls(split, ws, held.counters[: split.tiles], held)
+
+
+@dataclass(eq=False, repr=False)
+class _StreamTail:
+    """The split-tail buffers the plain launches on one stream share (:meth:`TailBuffers.on_stream`)."""
+
+    workspace: torch.Tensor  # fp32, flat
+    counters: torch.Tensor  # int32, zero between launches
+
+
+_STREAM_TAILS: weakref.WeakValueDictionary[tuple, _StreamTail] = weakref.WeakValueDictionary()
 
 
 @functools.cache
@@ -707,7 +740,8 @@ _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past 
 # config, stream) -> (the launch, weakly: it lives as long as _plain_launch's cache or a graph
 # keeps it; its raw launch; its arguments (None: out is new each call); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
-MAX_BOUND = 64
+MAX_LAUNCHES = 512  # plain launches bound (_plain_launch), the most recently used: a large model's blocks
+MAX_BOUND = MAX_LAUNCHES
 MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls), the most recently used
 _OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
 
@@ -720,15 +754,21 @@ def signature(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device() if t.is_cuda else -1
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=MAX_LAUNCHES)
 def _plain_launch(
-    M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None
-) -> GemmLaunch:
+    M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None,
+    captured: bool = False,
+) -> GemmLaunch:  # fmt: skip
     """The plain GEMM's launch for one shape (and epilogue), bound once; a residual on the GPU is
-    added onto the output by TMA. Per stream too: launches on one stream are ordered, so they may
-    share the split tail's buffers; two streams may not."""
+    added onto the output by TMA. Per stream too: its split tail's buffers are the stream's
+    (:meth:`TailBuffers.on_stream`: launches on one stream are ordered, so they may share them;
+    two streams may not). ``captured``: a launch for CUDA-graph capture, with buffers of its own
+    (a graph may be replayed on any stream, beside other graphs or eager calls)."""
     add = epilogue is not None and epilogue.residual and not interpreting()
-    return GemmLaunch(M, N, K, cfg, grid_size(M, N, cfg, device), device, epilogue=epilogue, add_residual=add)
+    num_ctas = grid_size(M, N, cfg, device)
+    split = tail_split(M, N, K, cfg, num_ctas)
+    tail = None if split is None or captured else TailBuffers.on_stream(split, cfg, device, stream)
+    return GemmLaunch(M, N, K, cfg, num_ctas, device, tail=tail, epilogue=epilogue, add_residual=add)
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
@@ -789,8 +829,9 @@ def launch_checked(
     (M, K), N = a.shape, b.shape[1]
     index = a.device.index
     stream = torch._C._cuda_getCurrentRawStream(index)
-    launch = _plain_launch(M, N, K, config, a.device, stream, epilogue)
-    if torch.cuda.is_current_stream_capturing():
+    captured = torch.cuda.is_current_stream_capturing()
+    launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, captured)
+    if captured:
         _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
     # the kernel launches in the current device's context
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
@@ -827,16 +868,20 @@ def matmul(
     Without an epilogue or a
     ``config``, the configuration measured fastest for its row count (:func:`plain_config`).
     Its launches, bound once
-    per shape, are cached (64); one captured in a CUDA graph is kept for the life of the process,
-    so the buffers the graph points at (split tail, norm statistics) are never freed. A call
-    without an epilogue whose operands have the signature (:func:`signature`) of an earlier
-    checked call on the same stream skips the checks it passed and launches its bound arguments
-    (the 64 most recently used kept): the host time of an eager call is then little more than
-    the launch's."""
+    per shape, configuration, epilogue and stream, are cached (:data:`MAX_LAUNCHES`, sharing
+    their stream's split-tail buffers); a call captured in a CUDA graph binds a launch with
+    buffers of its own, kept for the life of the process, so the buffers the graph points at
+    (split tail, norm statistics) are never freed. An eager call without an epilogue whose
+    operands have the signature (:func:`signature`) of an earlier checked call on the same stream
+    skips the checks it passed and launches its bound arguments (:data:`MAX_BOUND` kept, the most
+    recently used): the host time of an eager call is then little more than the launch's."""
     key = None
     plain = epilogue is None and residual is None and a_copy is None and (config is None or type(config) is GemmConfig)
     types = _OPERAND_TYPES
-    if plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda:
+    if (
+        plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda
+        and not torch.cuda.is_current_stream_capturing()  # a capture binds a launch of its own (_plain_launch)
+    ):  # fmt: skip
         stream = torch._C._cuda_getCurrentRawStream(a.get_device())
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
         hit = _BOUND.get(key)
@@ -850,8 +895,6 @@ def matmul(
             if out is None:
                 out = torch.empty(shape, dtype=a.dtype, device=a.device)
                 args = launch.raw_args(raw.tensor_map, a, b, out)
-            if torch.cuda.is_current_stream_capturing():
-                _CAPTURED.add(launch)
             index = a.get_device()
             with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
                 raw(launch.num_ctas, stream, *args)

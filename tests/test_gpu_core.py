@@ -217,8 +217,9 @@ def test_cached_launch_equals_tritons_launch_path(M):
 def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_must(monkeypatch):
     """A call whose operands have the signature of an earlier checked call launches its bound
     arguments (``gemm._BOUND``) without running the checks again, bitwise the first call, with
-    ``out`` given or new, eagerly and in a CUDA graph; an operand whose signature differs in
-    any field (strides, shape, dtype) goes through the checks and is refused."""
+    ``out`` given or new; an operand whose signature differs in any field (strides, shape,
+    dtype) goes through the checks and is refused. A call captured in a CUDA graph goes through
+    them too and binds a launch of its own (its buffers are the graph's alone)."""
     from ctapipelining import gemm
 
     gemm._BOUND.clear()
@@ -227,11 +228,6 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
     y = torch.full_like(first, float("nan"))
     matmul(a, b, out=y)  # checked: bound for (a, b, y) and (a, b, new)
     assert len(gemm._BOUND) == 2 and {k[2] is None for k in gemm._BOUND} == {True, False}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # bound on the capture stream too
-        matmul(a, b, out=y)
-    torch.cuda.current_stream().wait_stream(side)
 
     def refuse(*args, **kw):
         raise AssertionError("a bound call ran the checks")
@@ -246,14 +242,17 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
             poison = torch.full_like(first, float("nan"))
             del poison  # the allocator's next block of this size: a new output written over NaN
             assert torch.equal(matmul(a, b), first)
-        y.fill_(float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            matmul(a, b, out=y)
-        assert any(lc is gemm._BOUND[k][0]() for k in gemm._BOUND for lc in gemm._CAPTURED)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, first)
+    y.fill_(float("nan"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # not a bound call: a launch with buffers of its own
+        matmul(a, b, out=y)
+    captured = gemm._plain_launch(2048, 512, 1024, plain_config(2048), a.device, side.cuda_stream, None, True)
+    assert captured in gemm._CAPTURED and not any(captured is gemm._BOUND[k][0]() for k in gemm._BOUND)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, first)
     with pytest.raises(ValueError, match="row-major"):  # y's address and shape, other strides
         matmul(a, b, out=y.view(512, 2048).t())
     with pytest.raises(ValueError, match=r"must be a \[2048, 512\]"):  # y's address, another shape

@@ -275,6 +275,39 @@ def test_split_tail_matmul(M, K, N):
     assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
+def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
+    """Plain launches on one stream share its split-tail buffers (launches there run one after
+    another, and each rearms its arrival counters): calls of three shapes, alternated, stay
+    right and bitwise repeatable; a larger tail grows the buffers while a launch bound before
+    keeps its own; a launch bound for a CUDA-graph capture has buffers of its own."""
+    from ctapipelining import gemm
+
+    gemm._plain_launch.cache_clear()
+    gemm._STREAM_TAILS.clear()
+    cpu = torch.device("cpu")
+    shapes = [(40, 48, 48), (48, 64, 32), (37, 80, 40)]  # tails of 1 x 3, 2 x 2 and 1 x 4 slices
+    first = {}
+    for M, K, N in shapes:
+        a, b = torch.randn(M, K).half(), (torch.randn(K, N) * K**-0.5).half()
+        first[M] = (a, b, matmul(a, b, config=SPLIT))
+    launches = [gemm._plain_launch(M, N, K, SPLIT, cpu, 0, None) for M, K, N in shapes]  # matmul's
+    small, grown, shared = (lc.tail.shared for lc in launches)
+    assert small is not None and grown is not small and shared is grown
+    assert small.workspace.numel() == 3 * 16 * 16 and grown.counters.numel() == 2
+    for _ in range(2):
+        for M, K, N in shapes + shapes[::-1]:
+            a, b, y = first[M]
+            out = torch.full((M, N), float("nan"), dtype=torch.float16)
+            matmul(a, b, out=out, config=SPLIT)
+            assert torch.equal(out, y)
+            assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
+            assert int(small.counters.abs().sum()) == int(grown.counters.abs().sum()) == 0
+    captured = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, True)
+    assert captured.tail.shared is None and captured.tail.workspace.data_ptr() not in (
+        small.workspace.data_ptr(), grown.workspace.data_ptr()
+    )
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 def test_split_tail_pipeline_matches_sequential(policy, padded):
