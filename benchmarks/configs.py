@@ -9,7 +9,12 @@ usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS] [plain|chain]
 :func:`~ctapipelining.gemm.matmul` under each candidate of :data:`CANDIDATES` (those that fit
 shared memory), each candidate first checked against cuBLAS. Writes OUT_DIR/configs.json
 (medians, each candidate over cuBLAS with its 95% CI, and per M the fastest candidate by median,
-``best``) and OUT_DIR/gemm_configs.json (per M that candidate's configuration).
+``best``) and OUT_DIR/gemm_configs.json (per M that candidate's configuration). If the environment
+variable ``OLD_PACKAGE_PARENT`` names a folder holding an older tree's package as
+``ctapipelining_old`` (``mkdir old && git archive COMMIT ctapipelining | tar -x -C old && mv
+old/ctapipelining old/ctapipelining_old``), its
+:func:`matmul` in its own default configuration is timed in the same turns (``old``), and each
+row gives ``best`` over it: a kernel change judged against the kernel before it, paired.
 
 ``chain``: ``X[M, 8192] @ A[8192, 8192] @ B[8192, 8192]``, both stages on cuda:0 in one chain
 kernel (a :class:`~ctapipelining.pipeline.Pipeline` built with each candidate of
@@ -32,6 +37,7 @@ folder (a CPU test checks that each row is that folder's ``best``).
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -58,28 +64,37 @@ if KIND not in DEFAULT_ROWS:
     sys.exit(USAGE)
 ROWS = [int(m) for m in ARGS[2].split(",")] if len(ARGS) > 2 and ARGS[2] else DEFAULT_ROWS[KIND]
 K = N = 8192
+OLD = None  # an older tree's gemm module, to time beside (module docstring)
+if os.environ.get("OLD_PACKAGE_PARENT"):
+    sys.path.insert(0, os.environ["OLD_PACKAGE_PARENT"])
+    import ctapipelining_old.gemm as OLD
 
 
-def candidates(tiles: list[tuple], group_m: int, variants=({},), **fixed) -> dict[str, GemmConfig]:
+TAILS = {"_split": dict(split_tail=True), "": dict(split_tail=False)}  # name suffix: the tail's fields
+STREAM_K = {"_sk": dict(split_tail=True, stream_k=True)}  # a chain kernel's claims are whole slices: plain only
+
+
+def candidates(tiles: list[tuple], group_m: int, variants=({},), tails=TAILS, **fixed) -> dict[str, GemmConfig]:
     """``name: config`` for each ``(block_m, block_n, block_k, num_stages, num_warps)`` of
-    ``tiles``, with and without a split tail (name suffix ``_split``), in each of ``variants``
-    (other fields: a ``wait_parts`` of 1 adds ``_wp1`` to the name, a variant's ``group_m`` of 8
-    ``_g8``; ``group_m`` itself names nothing)."""
+    ``tiles``, with each of ``tails`` (name suffix ``_split``: the partial round split; ``_sk``:
+    stream-K; none: whole tiles), in each of ``variants`` (other fields: a ``wait_parts`` of 1
+    adds ``_wp1`` to the name, a variant's ``group_m`` of 8 ``_g8``; ``group_m`` itself names
+    nothing)."""
     out = {}
     for bm, bn, bk, st, wp in tiles:
         for var in variants:
             fields = {"group_m": group_m, **fixed, **var}
             tag = ("_wp1" if fields.get("wait_parts") == 1 else "") + ("_g8" if var.get("group_m") == 8 else "")
-            for split in (True, False):
-                name = f"{bm}x{bn}x{bk}_s{st}_w{wp}{tag}{'_split' if split else ''}"
-                out[name] = GemmConfig(bm, bn, bk, num_stages=st, num_warps=wp, split_tail=split, **fields)
+            for suffix, tail in tails.items():
+                name = f"{bm}x{bn}x{bk}_s{st}_w{wp}{tag}{suffix}"
+                out[name] = GemmConfig(bm, bn, bk, num_stages=st, num_warps=wp, **tail, **fields)
     return out
 
 
 CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
     [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4),
      (64, 128, 64, 5, 4), (64, 128, 128, 4, 4)],
-    group_m=8,
+    group_m=8, tails=TAILS | STREAM_K,
 )  # fmt: skip
 # group_m 4 and wait_parts 8 (PIPELINE_CONFIG's), each also waiting for whole rows (the combined
 # order places a tile's input rows about a round before it: its parts are then mostly written),
@@ -101,6 +116,12 @@ def new_report(fits: dict[str, GemmConfig]) -> dict:
     return report
 
 
+def ratio(times: dict, a: str, b: str) -> dict:
+    """``a`` over ``b`` per repetition: median and 95% CI."""
+    med, lo, hi = median_ci([p / q for p, q in zip(times[a], times[b])])
+    return {"median": med, "ci95": [lo, hi]}
+
+
 def rank(times: dict, fits: dict[str, GemmConfig], base: str, label: str, split_margin: float = 0.0) -> dict:
     """One row count's record: median times, each candidate over ``base`` per repetition
     (median, 95% CI) as ``NAME/label``, and ``best``: the fastest by median, a split tail counted
@@ -108,8 +129,7 @@ def rank(times: dict, fits: dict[str, GemmConfig], base: str, label: str, split_
     ms = {k: statistics.median(v) for k, v in times.items()}
     row = {"median_ms": ms}
     for name in fits:
-        med, lo, hi = median_ci([p / q for p, q in zip(times[name], times[base])])
-        row[f"{name}/{label}"] = {"median": med, "ci95": [lo, hi]}
+        row[f"{name}/{label}"] = ratio(times, name, base)
     row["best"] = min(fits, key=lambda k: ms[k] / (1 - split_margin) if k.endswith("_split") else ms[k])
     return row
 
@@ -124,6 +144,9 @@ def plain():
         y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda:0")
         want = torch.mm(x, w)
         methods = [Method("cublas", capture(lambda x=x, y=y: torch.mm(x, w, out=y), [0]).replay)]
+        if OLD is not None:
+            assert float((OLD.matmul(x, w).float() - want.float()).abs().max()) < 0.05
+            methods.append(Method("old", capture(lambda x=x, y=y: OLD.matmul(x, w, out=y), [0]).replay))
         for name, cfg in list(fits.items()):
             try:
                 got = matmul(x, w, config=cfg)
@@ -134,8 +157,11 @@ def plain():
             err = float((got.float() - want.float()).abs().max())
             assert err < 0.05, (M, name, err)
             methods.append(Method(name, capture(lambda x=x, y=y, c=cfg: matmul(x, w, out=y, config=c), [0]).replay))
-        row = rank(time_interleaved(methods, [0], REPS, 3), fits, "cublas", "cublas")
+        times = time_interleaved(methods, [0], REPS, 3)
+        row = rank(times, fits, "cublas", "cublas")
         best = row["best"]
+        if OLD is not None:
+            row |= {"old/cublas": ratio(times, "old", "cublas"), "best/old": ratio(times, best, "old")}
         report["rows"][M] = row
         table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_cublas": row[f"{best}/cublas"]})
         print(M, best, json.dumps(row[f"{best}/cublas"]), flush=True)

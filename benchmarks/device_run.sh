@@ -39,7 +39,8 @@
 #          with fused Llama blocks (--blocks) -> dist-tests.log, torchrun*.json
 #   configs benchmarks/configs.py: each tile configuration per row count, CONFIGS_KIND plain (the plain GEMM
 #          against cuBLAS) or chain (two stages in one chain kernel against the floor), CONFIGS_ROWS
-#          (default the script's), CONFIGS_REPS (default 20)                    -> configs-KIND.log, configs-KIND/
+#          (default the script's), CONFIGS_REPS (default 20); OLD_PACKAGE_PARENT (plain): an older tree's
+#          matmul timed in the same turns                                        -> configs-KIND.log, configs-KIND/
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.

@@ -28,11 +28,12 @@ from .gemm import (
     residual_key,
     signal_bundle,
     sums_args,
+    tail_bundle,
     tma_blocks,
     wait_bundle,
 )
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
-from .kernels.gemm import GemmConfig, Tail
+from .kernels.gemm import GemmConfig
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
 
 
@@ -135,7 +136,7 @@ class ChainLaunch:
         tail = (
             None
             if self.tail is None
-            else Tail(self.tail.workspace, self.tail.counters, self.split.first_pos, self.split.splits)
+            else tail_bundle(self.tail, _cdiv(stages[-1].K, config.block_k))
         )
         claims = self.positions if self.split is None else self.positions - self.split.tiles + self.split.items
         # how far a run moves the ticket: every CTA claims one more than an even share

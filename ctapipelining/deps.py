@@ -347,7 +347,7 @@ TAIL_MIN_SLICE_K = 16  # K-steps a split tail's slice has at least on a GPU (sho
 
 @dataclass(frozen=True)
 class TailSplit:
-    """The last, partial round of a persistent loop, split along K over the CTAs it leaves idle.
+    """The end of a persistent loop, its tiles' K-steps shared evenly by the CTAs.
 
     A persistent GEMM of ``T`` tiles on ``P`` CTAs runs ``T // P`` full rounds and then one
     round of ``T % P`` tiles. That round takes about a whole tile time however few tiles it
@@ -356,42 +356,91 @@ class TailSplit:
     work. In a two-stage chain both stages pay it on the critical path (the consumer's last
     row-blocks wait for the producer's last round, then run their own last round).
 
-    Here each of those ``tiles`` tail tiles is cut into ``splits`` slices of its K loop, one
-    per CTA (``tiles * splits <= P``). Each slice writes an fp32 partial tile to a workspace;
-    the CTA that stores the last partial of a tile (an arrival counter says which) adds the
-    partials in slice order and writes and signals the tile. The order is fixed, so the result
-    does not depend on which CTA arrives last; it differs in rounding from the unsplit tile.
+    Here the last ``tiles`` positions of the tile order (from ``first_pos``) are run as
+    ``items`` work items instead, item ``i`` taking steps ``[i * L // items, (i + 1) * L //
+    items)`` of their ``L = tiles * k_tiles`` K-steps in a row (tile after tile): a *segment*
+    of each tile it touches. A tile whose K loop one item runs whole is stored as usual;
+    otherwise each segment writes an fp32 partial tile to a workspace (slot ``tile + item``,
+    counted from the first tail tile: unique, as an item's segments follow the previous
+    item's), and the CTA that stores the last partial of a tile (an arrival counter says
+    which) adds the partials in item order and writes and signals the tile. The order is
+    fixed, so the result does not depend on which CTA arrives last; it differs in rounding
+    from the unsplit tile.
 
-    Positions ``[first_pos, first_pos + tiles)`` of the tile order are the tail; item
-    ``i < tiles * splits`` (run by CTA ``i``) is slice ``i % splits`` of tail tile ``i // splits``.
+    Two layouts (:func:`split_tail`): the partial round alone, each of its tiles in
+    ``splits`` equal slices (``items = tiles * splits <= P``: the CTAs it leaves idle); or
+    *stream-K*, the last full round and the partial one over all ``P`` CTAs, each an equal
+    share (about ``(P + T % P) / P`` tiles' work, a tile in at most a few segments), which
+    also spreads the partial round's fraction of a tile time over every CTA.
     """
 
     first_pos: int
     tiles: int
-    splits: int
+    items: int
+
+    def __post_init__(self):
+        if self.first_pos < 0 or self.tiles < 1 or self.items < 1:
+            raise ValueError(f"a TailSplit needs first_pos >= 0, tiles >= 1 and items >= 1, got {self}")
 
     @property
-    def items(self) -> int:
-        return self.tiles * self.splits
+    def splits(self) -> int:
+        """Slices per tail tile where every item runs one whole slice of one tile (``items`` a
+        multiple of ``tiles``; what a chain kernel's order needs); else 0."""
+        return 0 if self.items % self.tiles else self.items // self.tiles
 
-    def slice_of(self, item: int, k_tiles: int) -> tuple[int, int, int]:
-        """``(position, k_begin, k_end)`` of work item ``item`` (K in BLOCK_K steps)."""
-        j, part = divmod(item, self.splits)
-        return self.first_pos + j, part * k_tiles // self.splits, (part + 1) * k_tiles // self.splits
+    @property
+    def slots(self) -> int:
+        """Partial tiles the workspace holds: one per (tile, item) pair that can meet."""
+        return self.tiles + self.items - 1
+
+    def item_of(self, step: int, k_tiles: int) -> int:
+        """The item that runs K-step ``step`` of the tail (counted over its tiles in a row)."""
+        return ((step + 1) * self.items - 1) // (self.tiles * k_tiles)
+
+    def segments(self, item: int, k_tiles: int) -> list[tuple[int, int, int]]:
+        """``(position, k_begin, k_end)`` of each segment of work item ``item``, in order (K in
+        BLOCK_K steps)."""
+        total = self.tiles * k_tiles
+        step, end = item * total // self.items, (item + 1) * total // self.items
+        out = []
+        while step < end:
+            j = step // k_tiles
+            stop = min(end, (j + 1) * k_tiles)
+            out.append((self.first_pos + j, step - j * k_tiles, stop - j * k_tiles))
+            step = stop
+        return out
+
+    def most_segments(self, k_tiles: int) -> int:
+        """The most tiles one item's share touches (1: whole slices; a kernel's loop bound)."""
+        return max(len(self.segments(i, k_tiles)) for i in range(self.items))
+
+    def items_of(self, tile: int, k_tiles: int) -> range:
+        """The items that run a segment of tail tile ``tile`` (counted from the first), in the
+        order their partials are added."""
+        return range(self.item_of(tile * k_tiles, k_tiles), self.item_of((tile + 1) * k_tiles - 1, k_tiles) + 1)
 
 
-def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
-    """How to split the partial last round of ``num_tiles`` tiles on ``num_ctas`` CTAs, each
-    slice at least ``min_slice_k`` K-steps long (shorter slices are mostly pipeline fill and
-    make the final sum read more partials); None when there is no partial round or no split
-    of at least 2 slices fits."""
+def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int, stream: bool = False) -> TailSplit | None:
+    """How to share the end of ``num_tiles`` tiles' persistent loop on ``num_ctas`` CTAs
+    (:class:`TailSplit`): the partial last round split into slices of at least ``min_slice_k``
+    K-steps each (shorter slices are mostly pipeline fill and make the final sum read more
+    partials), over the CTAs it leaves idle; or (``stream``) the last full round and the
+    partial one over all CTAs, each item at least ``min_slice_k`` K-steps (fewer items than
+    CTAs where K is short). None when there is no partial round, or no two items fit."""
     if min_slice_k < 1:
         raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
-    tiles = num_tiles % num_ctas
-    if num_tiles <= num_ctas or tiles == 0:
+    part = num_tiles % num_ctas
+    if part == 0:
         return None
-    splits = min(num_ctas // tiles, k_tiles // min_slice_k)
-    return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None
+    if stream:
+        tiles = min(num_tiles, num_ctas + part)
+        items = min(num_ctas, tiles * k_tiles // min_slice_k)
+        # every CTA busy past the full rounds, or (one partial round) more CTAs than its tiles
+        return TailSplit(num_tiles - tiles, tiles, items) if items >= min(num_ctas, tiles + 1) else None
+    if num_tiles <= num_ctas:
+        return None
+    splits = min(num_ctas // part, k_tiles // min_slice_k)
+    return TailSplit(num_tiles - part, part, part * splits) if splits >= 2 else None
 
 
 def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
@@ -403,7 +452,7 @@ def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: 
     before = sum(tiles[:-1])
     if split is None or split.first_pos < before:
         return None
-    return TailSplit(split.first_pos - before, split.tiles, split.splits)
+    return TailSplit(split.first_pos - before, split.tiles, split.items)
 
 
 STAGE_SHIFT = 24  # a chain order's code: stage << STAGE_SHIFT | the stage's own position
@@ -445,7 +494,9 @@ def chain_order(
             raise ValueError(f"stage {s} has {tiles} tiles: at most {(1 << STAGE_SHIFT) - 1} in a chain order")
         q_tile = np.arange(tiles)
         if s == S - 1 and tail is not None:
-            slices = np.arange(tail.tiles * tail.splits)
+            if not tail.splits:
+                raise ValueError(f"a chain order places whole slices of tail tiles, and {tail} has none")
+            slices = np.arange(tail.items)
             q_tile = np.concatenate([np.arange(tail.first_pos), tail.first_pos + slices // tail.splits])
         rows.append(list(tile_order(TileGrid(num_m, num_n, 1, 1), group_m)[q_tile] // num_n))
     spans = [len(r) for r in rows]

@@ -134,7 +134,7 @@ def signal_bundle(sg: SignalHook | None) -> Signal | None:
 @dataclass
 class TailBuffers:
     """A split tail's state (:class:`ctapipelining.deps.TailSplit`), on the GEMM's device:
-    ``workspace`` fp32 ``[tiles * splits, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
+    ``workspace`` fp32 ``[slots, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
     int32 ``[tiles]`` arrivals, zero between launches (the last slice of a tile rearms its
     counter; an owner zeroes them after a launch that timed out). ``shared``: the stream's
     buffers these are views of (:meth:`on_stream`), kept alive here."""
@@ -146,7 +146,7 @@ class TailBuffers:
 
     @classmethod
     def create(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device) -> TailBuffers:
-        ws = torch.empty(split.items, config.block_m * config.block_n, dtype=torch.float32, device=device)
+        ws = torch.empty(split.slots, config.block_m * config.block_n, dtype=torch.float32, device=device)
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
 
     @classmethod
@@ -157,7 +157,7 @@ class TailBuffers:
         buffers grow to the largest tail asked for; launches bound before keep the smaller ones
         they view. Held weakly here: they go with the last launch that views them."""
         key = (device, stream)
-        size = split.items * config.block_m * config.block_n
+        size = split.slots * config.block_m * config.block_n
         held = _STREAM_TAILS.get(key)
         if held is None or held.workspace.numel() < size or held.counters.numel() < split.tiles:
             old = (0, 0) if held is None else (held.workspace.numel(), held.counters.numel())
@@ -166,7 +166,7 @@ class TailBuffers:
                 torch.zeros(max(split.tiles, old[1]), dtype=torch.int32, device=device),
             )
             _STREAM_TAILS[key] = held
-        ws = held.workspace[:size].view(split.items, config.block_m * config.block_n)
+        ws = held.workspace[:size].view(split.slots, config.block_m * config.block_n)
         return cls(split, ws, held.counters[: split.tiles], held)
 
 
@@ -179,6 +179,13 @@ class _StreamTail:
 
 
 _STREAM_TAILS: weakref.WeakValueDictionary[tuple, _StreamTail] = weakref.WeakValueDictionary()
+
+
+def tail_bundle(tail: TailBuffers, k_tiles: int) -> Tail:
+    """The kernel's :class:`~ctapipelining.kernels.gemm.Tail` bundle of ``tail`` (a GEMM of
+    ``k_tiles`` K-steps)."""
+    split = tail.split
+    return Tail(tail.workspace, tail.counters, split.first_pos, split.items, tl.constexpr(split.most_segments(k_tiles)))
 
 
 @functools.cache
@@ -210,7 +217,8 @@ def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
-    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), 1 if interpreting() else deps.TAIL_MIN_SLICE_K)
+    min_k = 1 if interpreting() else deps.TAIL_MIN_SLICE_K
+    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), min_k, stream=config.stream_k)
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -519,7 +527,7 @@ class GemmLaunch:
         check_wait(wait, err, K)
         if split is None:
             split = tail_split(M, N, K, cfg, num_ctas)
-        elif not (0 <= split.first_pos and split.tiles >= 1 and split.splits >= 1 and split.items <= num_ctas
+        elif not (0 <= split.first_pos and split.items <= num_ctas
                   and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)):  # fmt: skip
             raise ValueError(f"{split} is not a tail of {M} x {N} on {num_ctas} CTAs")
         if split is not None and wait is not None and wait.queue:
@@ -547,7 +555,7 @@ class GemmLaunch:
         bundles = (
             wait_bundle(wait, cfg),
             signal_bundle(signal),
-            None if split is None else Tail(tail.workspace, tail.counters, split.first_pos, split.splits),
+            None if split is None else tail_bundle(tail, _cdiv(K, cfg.block_k)),
             # a call binds its residual
             OFF if epilogue is None else epilogue.bundle(**self._epi_args),
             epoch if wait is not None or signal is not None else None,
@@ -730,9 +738,16 @@ def launch_gemm(a, b, c, config: GemmConfig, num_ctas: int, **hooks):
     return GemmLaunch(M, b.shape[1], K, config, num_ctas, a.device, **hooks)(a, b, c)
 
 
+def persistent_grid(tiles: int, ctas: int, config: GemmConfig) -> int:
+    """CTAs of a persistent GEMM of ``tiles`` tiles given ``ctas`` SMs: one per SM, fewer when
+    there are fewer tiles; with stream-K every one (fewer tiles than SMs: all share their
+    K-steps, a split-K)."""
+    return ctas if config.stream_k else max(1, min(ctas, tiles))
+
+
 def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
-    """Persistent grid: one CTA per SM, fewer when there are fewer tiles."""
-    return max(1, min(num_sms(device), _cdiv(M, config.block_m) * _cdiv(N, config.block_n)))
+    """Persistent grid of the plain GEMM: :func:`persistent_grid` on every SM of ``device``."""
+    return persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), num_sms(device), config)
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
 TOLERANCES = {torch.float16: 2e-3}
 SPLIT = dataclasses.replace(SMALL, split_tail=True)  # the interpreter runs 4 CTAs
+STREAM_K = dataclasses.replace(SPLIT, stream_k=True)
 
 
 def rel_err(y, ref):
@@ -264,15 +265,29 @@ def test_matmul_on_the_tables_narrow_tiles(split):
     assert (out.float() - a.float() @ b.float()).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("M,K,N", [(48, 64, 32), (37, 80, 40)])
-def test_split_tail_matmul(M, K, N):
-    assert tail_split(M, N, K, SPLIT, 4) is not None
+@pytest.mark.parametrize(
+    "cfg,M,K,N",
+    [(SPLIT, 48, 64, 32), (SPLIT, 37, 80, 40)]
+    + [(STREAM_K, *mkn) for mkn in [(48, 64, 32), (37, 80, 40), (112, 48, 16), (16, 64, 40)]],
+    ids=["split-2x2", "split-1x4", "stream_k-1.5", "stream_k-1.25", "stream_k-1.75", "stream_k-split_k"],
+)  # fmt: skip
+def test_split_tail_matmul(M, K, N, cfg):
+    """The tail in whole slices (2 tiles x 2, 1 x 4), or stream-K, every CTA's share crossing
+    tiles (tiles a CTA: 6 on 4 CTAs, 1.5 each; 5, 1.25 each; 7 tiles of 3 K-steps, 1.75 each,
+    a share holding a whole tile between two parts; 3 tiles on all 4 CTAs, 0.75 each): every
+    tile written, near float64, bitwise repeatable."""
+    from ctapipelining.gemm import grid_size
+
+    ctas = grid_size(M, N, cfg, torch.device("cpu"))
+    assert ctas == 4  # stream-K takes every CTA, however few the tiles
+    split = tail_split(M, N, K, cfg, ctas)
+    assert split is not None and (split.splits == 0) == cfg.stream_k
     a, b = torch.randn(M, K).half(), torch.randn(K, N).half()
     out = torch.full((M, N), float("nan"), dtype=torch.float16)
-    matmul(a, b, out=out, config=SPLIT)
+    matmul(a, b, out=out, config=cfg)
     assert not out.isnan().any()
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
-    assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
+    assert torch.equal(matmul(a, b, config=cfg), out)  # partials summed in a fixed order
 
 
 def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
@@ -308,14 +323,17 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     )
 
 
+@pytest.mark.parametrize("cfg", [SPLIT, STREAM_K], ids=["split", "stream_k"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_split_tail_pipeline_matches_sequential(policy, padded):
+def test_split_tail_pipeline_matches_sequential(policy, padded, cfg):
     """Producers split their tails under both policies, a static consumer too (a workqueue
     consumer runs whole tiles in readiness order); arrival counters are rearmed every run.
-    M=20: 2 row-blocks; stages 0 and 2 have 2 x 3 tiles on 4 CTAs, a 2-tile tail (K=64: 2 slices)."""
+    M=20: 2 row-blocks; stages 0 and 2 have 2 x 3 tiles on 4 CTAs, a 2-tile tail (K=64: 2
+    slices), or stream-K, all 6 tiles shared by the 4 CTAs (the consumer waits before each
+    segment)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 64), (64, 48)]]
-    pipe = Pipeline(ws, policy=policy, config=SPLIT)
+    pipe = Pipeline(ws, policy=policy, config=cfg)
     plan = pipe.plan(20)
     assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 8 tiles on 4 CTAs, no tail
     assert (plan.tails[2] is None) == (policy == "workqueue") == (not pipe.stage_config(2).split_tail)
@@ -328,9 +346,10 @@ def test_split_tail_pipeline_matches_sequential(policy, padded):
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
 
-def test_split_tail_consumer_times_out_and_recovers():
+@pytest.mark.parametrize("cfg", [SPLIT, STREAM_K], ids=["split", "stream_k"])
+def test_split_tail_consumer_times_out_and_recovers(cfg):
     ws = [torch.randn(16, 64).half(), (torch.randn(64, 32) / 8).half()]
-    pipe = Pipeline(ws, policy="static", config=SPLIT, timeout_s=0.05)
+    pipe = Pipeline(ws, policy="static", config=cfg, timeout_s=0.05)
     x = torch.randn(48, 16).half()
     plan = pipe.plan(48)
     assert plan.tails[1] is not None and any(t is plan.tails[1].counters for t in plan.state())
@@ -338,7 +357,7 @@ def test_split_tail_consumer_times_out_and_recovers():
     with pytest.raises(PipelineTimeout, match="stage 1 on cpu"):
         pipe.check_errors(plan)
     y = pipe(x)
-    assert torch.equal(y, matmul(matmul(x, ws[0], config=SPLIT), ws[1], config=SPLIT))
+    assert torch.equal(y, matmul(matmul(x, ws[0], config=cfg), ws[1], config=cfg))
 
 
 PARTS = SMALL
