@@ -358,12 +358,11 @@ class TailSplit:
 
     Here the last ``tiles`` positions of the tile order (from ``first_pos``) are run as
     ``items`` work items instead, item ``i`` taking steps ``[i * L // items, (i + 1) * L //
-    items)`` of their ``L = tiles * k_tiles`` K-steps in a row (tile after tile): a *segment*
-    of each tile it touches. A tile whose K loop one item runs whole is stored as usual;
-    otherwise each segment writes an fp32 partial tile to a workspace (slot ``tile + item``,
-    counted from the first tail tile: unique, as an item's segments follow the previous
-    item's), and the CTA that stores the last partial of a tile (an arrival counter says
-    which) adds the partials in item order and writes and signals the tile. The order is
+    items)`` of their ``L = tiles * k_tiles`` K-steps in a row (tile after tile, ``items <=
+    L``): a *segment* of each tile it touches. A tile whose K loop one item runs whole is
+    stored as usual; otherwise each segment writes an fp32 partial tile to a workspace (in
+    :attr:`slots`), and the CTA that stores the last partial of a tile (an arrival counter
+    says which) adds the partials in item order and writes and signals the tile. The order is
     fixed, so the result does not depend on which CTA arrives last; it differs in rounding
     from the unsplit tile.
 
@@ -382,6 +381,12 @@ class TailSplit:
         if self.first_pos < 0 or self.tiles < 1 or self.items < 1:
             raise ValueError(f"a TailSplit needs first_pos >= 0, tiles >= 1 and items >= 1, got {self}")
 
+    def check(self, k_tiles: int) -> None:
+        """Raise a clear error unless every item has K-steps to run (``items <= tiles * k_tiles``):
+        an item without any would never arrive, and its tile would never be summed."""
+        if self.items > self.tiles * k_tiles:
+            raise ValueError(f"{self} has more items than its {self.tiles} x {k_tiles} K-steps")
+
     @property
     def splits(self) -> int:
         """Slices per tail tile where every item runs one whole slice of one tile (``items`` a
@@ -390,8 +395,10 @@ class TailSplit:
 
     @property
     def slots(self) -> int:
-        """Partial tiles the workspace holds: one per (tile, item) pair that can meet."""
-        return self.tiles + self.items - 1
+        """Partial tiles the workspace holds: one per item where items are whole slices (slot
+        ``item``); else one per (tile, item) pair that can meet (slot ``tile + item``, the tile
+        counted from the first: unique, as an item's segments follow the previous item's)."""
+        return self.items if self.splits else self.tiles + self.items - 1
 
     def item_of(self, step: int, k_tiles: int) -> int:
         """The item that runs K-step ``step`` of the tail (counted over its tiles in a row)."""
@@ -411,8 +418,10 @@ class TailSplit:
         return out
 
     def most_segments(self, k_tiles: int) -> int:
-        """The most tiles one item's share touches (1: whole slices; a kernel's loop bound)."""
-        return max(len(self.segments(i, k_tiles)) for i in range(self.items))
+        """The most tiles one item's share touches (a kernel's loop bound): 1 exactly where the
+        items are whole slices (:attr:`splits`), which also decides the workspace's layout."""
+        self.check(k_tiles)
+        return 1 if self.splits else max(2, *(len(self.segments(i, k_tiles)) for i in range(self.items)))
 
     def items_of(self, tile: int, k_tiles: int) -> range:
         """The items that run a segment of tail tile ``tile`` (counted from the first), in the
@@ -425,8 +434,10 @@ def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int, st
     (:class:`TailSplit`): the partial last round split into slices of at least ``min_slice_k``
     K-steps each (shorter slices are mostly pipeline fill and make the final sum read more
     partials), over the CTAs it leaves idle; or (``stream``) the last full round and the
-    partial one over all CTAs, each item at least ``min_slice_k`` K-steps (fewer items than
-    CTAs where K is short). None when there is no partial round, or no two items fit."""
+    partial one over all CTAs, each item at least ``min_slice_k`` K-steps (a segment, where a
+    share crosses tiles, may be shorter). None when there is no partial round, or no two
+    slices of a tile fit, or (stream-K) the items leave CTAs idle past the full rounds (K too
+    short for every CTA to take ``min_slice_k`` steps)."""
     if min_slice_k < 1:
         raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
     part = num_tiles % num_ctas

@@ -211,9 +211,9 @@ def plain_config(M: int) -> GemmConfig:
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
     with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
-    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Slices
-    have at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
-    interpreter, whose sizes are small, any length."""
+    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Each
+    item has at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
+    interpreter, whose sizes are small, any number."""
     if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
@@ -488,6 +488,8 @@ class GemmLaunch:
 
     ``split``: the split tail to run instead of the one the configuration and grid give (a
     chain kernel's last stage run alone: :meth:`ctapipelining.pipeline.Pipeline.sequential`).
+    ``stream``: the one CUDA stream it may run on (raw handle; its buffers are that stream's:
+    :meth:`TailBuffers.on_stream`); None: any.
     """
 
     def __init__(
@@ -512,6 +514,7 @@ class GemmLaunch:
         add_residual: bool = False,
         stage: int = 0,
         timeout_ns: int = 1_000_000_000,
+        stream: int | None = None,
     ):
         cfg = config
         if epilogue is None and out_sums is not None:
@@ -527,16 +530,23 @@ class GemmLaunch:
         check_wait(wait, err, K)
         if split is None:
             split = tail_split(M, N, K, cfg, num_ctas)
-        elif not (0 <= split.first_pos and split.items <= num_ctas
+        elif not (split.items <= num_ctas and split.items <= split.tiles * _cdiv(K, cfg.block_k)
                   and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)):  # fmt: skip
-            raise ValueError(f"{split} is not a tail of {M} x {N} on {num_ctas} CTAs")
+            raise ValueError(f"{split} is not a tail of {M} x {N} (K={K}) on {num_ctas} CTAs")
         if split is not None and wait is not None and wait.queue:
             raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
         if split is not None and tail is None:
             tail = TailBuffers.create(split, cfg, device)
         elif split is not None and tail.split != split:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
+        elif split is not None and not (
+            tail.workspace.shape == (split.slots, cfg.block_m * cfg.block_n) and tail.workspace.dtype == torch.float32
+            and tail.counters.shape == (split.tiles,) and tail.counters.dtype == torch.int32
+        ):  # fmt: skip
+            raise ValueError(f"tail buffers of {split} must be fp32 [{split.slots}, {cfg.block_m * cfg.block_n}] "
+                             f"and int32 [{split.tiles}]")  # fmt: skip
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
+        self.stream = stream
         self.epilogue = epilogue
         # add_residual: C starts as a copy of the residual and each tile is added onto C (TMA
         # reduce-add), so no residual tile takes registers or shared memory (a call whose C has
@@ -624,6 +634,8 @@ class GemmLaunch:
         yet) and launch nothing."""
         if stream is None and a.is_cuda:
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        if self.stream is not None and stream != self.stream:
+            raise ValueError(f"this launch's buffers are stream {self.stream:#x}'s; called on {stream:#x}")
         call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, residual, a_copy)
         hit = None if call is None else self._calls.get(call)
         if hit is not None and not launch_hooks():  # checked and launched raw before: its arguments again
@@ -771,19 +783,30 @@ def signature(t: torch.Tensor) -> tuple:
 
 @functools.lru_cache(maxsize=MAX_LAUNCHES)
 def _plain_launch(
-    M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None = None,
-    captured: bool = False,
+    M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None,
+    captured: bool,
 ) -> GemmLaunch:  # fmt: skip
     """The plain GEMM's launch for one shape (and epilogue), bound once; a residual on the GPU is
-    added onto the output by TMA. Per stream too: its split tail's buffers are the stream's
+    added onto the output by TMA (every argument positional and given: the cache keys on how
+    they are passed). Per stream too: its split tail's buffers are the stream's
     (:meth:`TailBuffers.on_stream`: launches on one stream are ordered, so they may share them;
-    two streams may not). ``captured``: a launch for CUDA-graph capture, with buffers of its own
-    (a graph may be replayed on any stream, beside other graphs or eager calls)."""
+    two streams may not). ``captured``: a launch for CUDA-graph capture on ``stream``, with
+    buffers apart from eager calls' (a graph may be replayed on any stream), shared by the
+    graphs captured on that stream that make the same call (:func:`launch_checked`)."""
     add = epilogue is not None and epilogue.residual and not interpreting()
     num_ctas = grid_size(M, N, cfg, device)
     split = tail_split(M, N, K, cfg, num_ctas)
     tail = None if split is None or captured else TailBuffers.on_stream(split, cfg, device, stream)
-    return GemmLaunch(M, N, K, cfg, num_ctas, device, tail=tail, epilogue=epilogue, add_residual=add)
+    on = stream if device.type == "cuda" else None
+    return GemmLaunch(M, N, K, cfg, num_ctas, device, tail=tail, epilogue=epilogue, add_residual=add, stream=on)
+
+
+def _capturing(index: int) -> bool:
+    """Whether the current stream of CUDA device ``index`` is being captured into a graph."""
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
@@ -844,12 +867,16 @@ def launch_checked(
     (M, K), N = a.shape, b.shape[1]
     index = a.device.index
     stream = torch._C._cuda_getCurrentRawStream(index)
-    captured = torch.cuda.is_current_stream_capturing()
-    launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, captured)
-    if captured:
-        _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
-    # the kernel launches in the current device's context
+    # the kernel launches in the current device's context (and its stream is the one captured, if any)
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
+        captured = torch.cuda.is_current_stream_capturing()
+        launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, captured)
+        if captured:
+            if launch in _CAPTURED and launch.tail is not None:
+                # an earlier graph zeroed its arrival counters (their allocation's fill), but
+                # this one may be replayed first: it zeroes them too
+                launch.tail.counters.zero_()
+            _CAPTURED.add(launch)  # a graph points at its buffers (split tail, norm statistics): never freed
         launch(a, b, out, stream, residual=residual, a_copy=a_copy)
     return launch
 
@@ -885,8 +912,9 @@ def matmul(
     Its launches, bound once
     per shape, configuration, epilogue and stream, are cached (:data:`MAX_LAUNCHES`, sharing
     their stream's split-tail buffers); a call captured in a CUDA graph binds a launch with
-    buffers of its own, kept for the life of the process, so the buffers the graph points at
-    (split tail, norm statistics) are never freed. An eager call without an epilogue whose
+    buffers apart from eager calls' (shared by the graphs captured on one stream that make the
+    same call), kept for the life of the process, so the buffers the graph points at (split
+    tail, norm statistics) are never freed. An eager call without an epilogue whose
     operands have the signature (:func:`signature`) of an earlier checked call on the same stream
     skips the checks it passed and launches its bound arguments (:data:`MAX_BOUND` kept, the most
     recently used): the host time of an eager call is then little more than the launch's."""
@@ -895,7 +923,7 @@ def matmul(
     types = _OPERAND_TYPES
     if (
         plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda
-        and not torch.cuda.is_current_stream_capturing()  # a capture binds a launch of its own (_plain_launch)
+        and not _capturing(a.get_device())  # a capture binds a launch of its own (launch_checked)
     ):  # fmt: skip
         stream = torch._C._cuda_getCurrentRawStream(a.get_device())
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
@@ -970,7 +998,13 @@ def matmul(
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
         fabric.enable_peer_access([a.device.index, out.device.index])
     if a.device.type != "cuda":  # the interpreter
-        _plain_launch(M, N, K, cfg, a.device, 0, epilogue)(a, b, out, residual=residual, a_copy=a_copy)
+        launch = _plain_launch(M, N, K, cfg, a.device, 0, epilogue, False)
+        try:
+            launch(a, b, out, residual=residual, a_copy=a_copy)
+        except BaseException:  # stopped mid-kernel: the arrival counters it shares may be left counting
+            if launch.tail is not None:
+                launch.tail.counters.zero_()
+            raise
         return out
     launch = launch_checked(a, b, out, cfg, epilogue, residual, a_copy)
     bound = None if key is None else launch.bound(a, b, out)

@@ -95,7 +95,7 @@ def test_split_tail_h200_workload():
     """X[16384, 8192] @ [8192, 8192], 128x256x64 tiles, 132 SMs: 31 rounds + 4 tiles."""
     split = deps.split_tail(4096, 132, 128, 16)
     assert split == deps.TailSplit(first_pos=4092, tiles=4, items=32)
-    assert split.splits == 8 and split.slots == 35
+    assert split.splits == 8 and split.slots == 32 and split.most_segments(128) == 1
     assert split.segments(0, 128) == [(4092, 0, 16)] and split.segments(31, 128) == [(4095, 112, 128)]
     assert list(split.items_of(1, 128)) == list(range(8, 16))
 
@@ -114,6 +114,8 @@ def test_stream_k_shares_the_last_two_rounds_over_every_cta():
     assert deps.split_tail(32, 132, 128, 16, stream=True) == deps.TailSplit(0, 32, 132)  # one partial round: split-K
     assert deps.split_tail(4092, 132, 128, 16, stream=True) is None  # whole rounds
     assert deps.split_tail(160, 132, 8, 16, stream=True) is None  # too few K-steps for every CTA
+    with pytest.raises(ValueError, match="more items than"):  # an item without K-steps would never arrive
+        deps.TailSplit(0, 1, 4).most_segments(2)
     with pytest.raises(ValueError, match="a chain order places whole slices"):
         deps.chain_order(2, [4, 4], 1, 2, deps.TailSplit(6, 2, 3))
 
@@ -125,7 +127,8 @@ def test_stream_k_shares_the_last_two_rounds_over_every_cta():
 def test_a_tail_s_items_cover_its_k_steps_once_in_order(tiles, ctas, k_tiles, min_k, stream):
     """Whatever the layout: the items' segments cover each tail tile's K-steps exactly once, in
     item order (the order its partials are summed: ``items_of``); no item is shorter than
-    ``min_k`` steps, no two (tile, item) pairs share a workspace slot, and the items fit the grid."""
+    ``min_k`` steps, no two (tile, item) pairs share a workspace slot (in the kernel's layout),
+    the items fit the grid, and whole slices touch one tile each."""
     split = deps.split_tail(tiles, ctas, k_tiles, min_k, stream)
     if split is None:
         return
@@ -139,9 +142,11 @@ def test_a_tail_s_items_cover_its_k_steps_once_in_order(tiles, ctas, k_tiles, mi
         for pos, k0, k1 in segs:
             assert split.first_pos <= pos < tiles and 0 <= k0 < k1 <= k_tiles
             covered.setdefault(pos, []).append((i, k0, k1))
-            slot = pos - split.first_pos + i
+            slot = i if split.splits else pos - split.first_pos + i  # the kernel's layout
             assert 0 <= slot < split.slots and slot not in slots
             slots.add(slot)
+    most = max(len(split.segments(i, k_tiles)) for i in range(split.items))
+    assert most <= split.most_segments(k_tiles) and (most == 1 or not split.splits)
     for pos in range(split.first_pos, tiles):
         runs = covered[pos]
         assert [i for i, _, _ in runs] == list(split.items_of(pos - split.first_pos, k_tiles))

@@ -14,6 +14,7 @@ import torch
 from protocol_state import calls_from_two_streams, preset_epoch
 
 from ctapipelining.gemm import GemmLaunch, _plain_launch, grid_size, matmul, plain_config
+from ctapipelining.kernels.gemm import PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineHung
 
 pytestmark = pytest.mark.gpu
@@ -201,7 +202,7 @@ def test_cached_launch_equals_tritons_launch_path(M):
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
     cfg = plain_config(M)  # what matmul runs (narrow tiles for few rows)
-    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None)
+    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None, False)
     assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))
@@ -242,17 +243,30 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
             poison = torch.full_like(first, float("nan"))
             del poison  # the allocator's next block of this size: a new output written over NaN
             assert torch.equal(matmul(a, b), first)
-    y.fill_(float("nan"))
+    # captured: not a bound call, a launch whose split tail's buffers are apart from eager calls'
+    # (640 rows: 160 tiles, a split last round); two graphs captured on one stream share it, and
+    # each zeroes its arrival counters (the second may be replayed first)
+    a2, b2 = rand(640, 1024), rand(1024, 8192, scale=1024**-0.5)
+    eager = matmul(a2, b2, config=PLAIN_CONFIG)
+    y2 = torch.full_like(eager, float("nan"))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # not a bound call: a launch with buffers of its own
-        matmul(a, b, out=y)
-    captured = gemm._plain_launch(2048, 512, 1024, plain_config(2048), a.device, side.cuda_stream, None, True)
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    for graph in graphs:
+        with torch.cuda.graph(graph, stream=side):
+            matmul(a, b, out=y)
+            matmul(a2, b2, out=y2, config=PLAIN_CONFIG)
+    captured = gemm._plain_launch(640, 8192, 1024, PLAIN_CONFIG, a.device, side.cuda_stream, None, True)
+    stream = torch.cuda.current_stream().cuda_stream
+    own = gemm._plain_launch(640, 8192, 1024, PLAIN_CONFIG, a.device, stream, None, False)
     assert captured in gemm._CAPTURED and not any(captured is gemm._BOUND[k][0]() for k in gemm._BOUND)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, first)
+    assert captured.tail is not None and captured.tail.shared is None and own.tail.shared is not None
+    for graph in graphs[::-1]:
+        y.fill_(float("nan"))
+        y2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, first) and torch.equal(y2, eager)
     with pytest.raises(ValueError, match="row-major"):  # y's address and shape, other strides
         matmul(a, b, out=y.view(512, 2048).t())
     with pytest.raises(ValueError, match=r"must be a \[2048, 512\]"):  # y's address, another shape

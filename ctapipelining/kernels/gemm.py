@@ -61,8 +61,8 @@ class GemmConfig:
     ``workqueue`` consumer's order is dynamic). ``stream_k`` (with ``split_tail``): the last
     full round joins the partial one, and every CTA takes an equal share of their K-steps
     (stream-K: a CTA runs one tile and a part of the next, say, where the split partial round
-    keeps whole slices on the idle CTAs); not in a chain kernel, whose claims are whole
-    slices. ``wait_parts``: a ``static`` consumer waits for
+    keeps whole slices on the idle CTAs); a chain kernel, whose claims are whole slices,
+    splits its last stage's partial round instead. ``wait_parts``: a ``static`` consumer waits for
     its input rows in this many pieces of the producer's columns, each just before the
     K-steps that read it, so a tile starts while its rows' right-hand columns are still being
     written (1: the whole row-block before the tile; :func:`ctapipelining.deps.build_dependency`,
@@ -189,11 +189,11 @@ class Protocol(NamedTuple):
 class Tail(NamedTuple):
     """A split tail's kernel arguments (:class:`ctapipelining.deps.TailSplit`)."""
 
-    workspace: object  # *fp32 [tiles + items - 1, BLOCK_M * BLOCK_N]: the segments' partial tiles
+    workspace: object  # *fp32 [slots, BLOCK_M * BLOCK_N]: the segments' partial tiles (TailSplit.slots)
     counters: object  # *i32 [tiles]: segments arrived per tail tile (back to 0 after each launch)
     first: object  # tile-order position of the first tail tile (the end of the full rounds)
     items: object  # work items the tail's K-steps are shared by
-    SEGMENTS: tl.constexpr  # the most tiles an item's share touches (1: whole slices)
+    SEGMENTS: tl.constexpr  # the most tiles an item's share touches (1: exactly when its items are whole slices)
 
 
 @triton.jit
@@ -382,14 +382,54 @@ def _run_tile(
 
 
 @triton.jit
+def _finish_tail_tile(
+    op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Store a tail tile's whole accumulator ``acc`` (its epilogue applied), signal and trace it."""
+    _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
+    t_stored = _now(prot.trace_ptr)
+    if signal is not None:
+        _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
+    _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
+
+
+@triton.jit
+def _add_partial(
+    op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Store ``acc``, item ``item``'s partial of tail tile ``j`` (whose ``count`` segments are
+    items ``first_item`` on), and, if it is the tile's last to arrive, sum them all in item
+    order and finish the tile (:func:`_split_tail` has the ordering argument). Slots: an item's
+    own (whole slices, ``SEGMENTS == 1``), or ``item + j`` (a stream-K share crosses tiles:
+    unique, as an item's segments follow the previous item's)."""
+    slot0 = first_item
+    if tail.SEGMENTS > 1:
+        slot0 += j
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    partials = tail.workspace + slot0 * (BLOCK_M * BLOCK_N)
+    tl.store(partials + (item - first_item) * (BLOCK_M * BLOCK_N) + offs, acc)
+    cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
+    arrived = tl.atomic_add(tail.counters + j, 1, sem="acq_rel", scope="gpu") + 1
+    if arrived == count:
+        tl.atomic_xchg(tail.counters + j, 0, sem="relaxed", scope="gpu")  # all segments are in: rearm
+        cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for u in range(0, count):  # in item order, whoever came last
+            acc += tl.load(partials + u * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        _finish_tail_tile(op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi, BLOCK_M, BLOCK_N, QUEUE, INTERPRET)
+
+
+@triton.jit
 def _tail_segment(
     op, prot, tail, j, k0, k1, item, total, num_m, num_n, wait, signal, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """K-steps ``[k0, k1)`` of tail tile ``j`` (counted from the first), run by work item
-    ``item`` of ``tail`` (``total``: the tail's K-steps); :func:`_split_tail`. Returns whether
-    its waits held (CTA-uniform)."""
+    ``item`` of ``tail`` (``total``: the tail's K-steps, int64); :func:`_split_tail`. Returns
+    whether its waits held (CTA-uniform)."""
     tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
     t_wait = _now(prot.trace_ptr)
     ready = True
@@ -406,25 +446,26 @@ def _tail_segment(
         acc, _, _ = _mma_tile(
             op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
         )
-        # the items that run a segment of tile j (one, if it runs the whole tile): partials in slots j + item
-        first_item = ((j * op.k_tiles + 1) * tail.items - 1) // total
-        count = (((j + 1) * op.k_tiles) * tail.items - 1) // total - first_item + 1
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        partials = tail.workspace + (j + first_item).to(tl.int64) * (BLOCK_M * BLOCK_N)
-        tl.store(partials + (item - first_item) * (BLOCK_M * BLOCK_N) + offs, acc)
-        cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
-        arrived = tl.atomic_add(tail.counters + j, 1, sem="acq_rel", scope="gpu") + 1
-        if arrived == count:
-            tl.atomic_xchg(tail.counters + j, 0, sem="relaxed", scope="gpu")  # all segments are in: rearm
-            cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for u in range(0, count):  # in item order, whoever came last
-                acc += tl.load(partials + u * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-            _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
-            t_stored = _now(prot.trace_ptr)
-            if signal is not None:
-                _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
-            _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
+        # the items that run a segment of tile j (deps.TailSplit.items_of), in 64 bits: the
+        # products reach tiles * k_tiles * items
+        first_step = j.to(tl.int64) * op.k_tiles
+        first_item = ((first_step + 1) * tail.items - 1) // total
+        count = ((first_step + op.k_tiles) * tail.items - 1) // total - first_item + 1
+        if tail.SEGMENTS > 1:  # a stream-K share may run a whole tile: stored as usual
+            if count == 1:
+                _finish_tail_tile(
+                    op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi, BLOCK_M, BLOCK_N, QUEUE, INTERPRET
+                )
+            else:
+                _add_partial(
+                    op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
+                    BLOCK_M, BLOCK_N, QUEUE, INTERPRET,
+                )  # fmt: skip
+        else:
+            _add_partial(
+                op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
+                BLOCK_M, BLOCK_N, QUEUE, INTERPRET,
+            )  # fmt: skip
     else:
         if wait is not None:
             _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
@@ -445,8 +486,8 @@ def _split_tail(
     The item runs K-steps ``[item * L // items, (item + 1) * L // items)`` of the tail's ``L``
     (its tiles' K loops in a row), one segment of each tile they touch, at most
     ``tail.SEGMENTS`` (:func:`_tail_segment`), each after waiting for the tile's input in a
-    consumer (every part of it, one vote). A segment stores its fp32 partial in ``workspace``
-    (slot ``tile + item``), the whole tile's too when one item runs it all. Ordering: every
+    consumer (every part of it, one vote). A segment that is not its tile's whole K loop
+    stores its fp32 partial in ``workspace`` (:func:`_add_partial`). Ordering: every
     thread's partial stores, a CTA barrier, then one thread's ``atom.add.acq_rel.gpu`` on the
     tile's arrival counter (release: the partials before the count). The CTA that brings the
     count to the tile's number of segments has acquired every other segment's release; after
@@ -455,7 +496,7 @@ def _split_tail(
     counter back to 0 for the next launch. Returns whether its waits held (CTA-uniform;
     ``alive`` if the item has no work).
     """
-    total = (num_m * num_n - tail.first) * op.k_tiles
+    total = (num_m * num_n - tail.first).to(tl.int64) * op.k_tiles
     step = (item.to(tl.int64) * total // tail.items).to(tl.int32)
     end = ((item.to(tl.int64) + 1) * total // tail.items).to(tl.int32)
     end = tl.where((item < tail.items) & alive, end, step)  # items past the last have no work
