@@ -323,6 +323,25 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     )
 
 
+def test_a_given_split_tail_and_its_buffers_are_checked():
+    """A split whose items would not all have K-steps (one would never arrive, and its tile would
+    never be summed), or buffers of another size than the split's slots and tiles, are refused
+    before anything is launched."""
+    from ctapipelining.gemm import GemmLaunch, TailBuffers
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="is not a tail of"):  # 3 tiles of 2 K-steps, 7 items
+        GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=deps.TailSplit(0, 3, 7))
+    split = deps.TailSplit(0, 3, 4)  # stream-K-like: 6 K-steps over 4 items, slots 3 + 4 - 1
+    assert split.slots == 6 and split.most_segments(2) == 2
+    good = TailBuffers.create(split, SMALL, cpu)
+    assert tuple(good.workspace.shape) == (6, 16 * 16)
+    GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=split, tail=good)
+    small = TailBuffers(split, good.workspace[:4], good.counters)  # sized as whole slices would be
+    with pytest.raises(ValueError, match=r"must be fp32 \[6, 256\]"):
+        GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=split, tail=small)
+
+
 @pytest.mark.parametrize("cfg", [SPLIT, STREAM_K], ids=["split", "stream_k"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
