@@ -389,9 +389,10 @@ class TailSplit:
 
     @property
     def splits(self) -> int:
-        """Slices per tail tile where every item runs one whole slice of one tile (``items`` a
-        multiple of ``tiles``; what a chain kernel's order needs); else 0."""
-        return 0 if self.items % self.tiles else self.items // self.tiles
+        """Slices per tail tile where every item runs one slice of one tile and every tile has
+        two or more (``items`` a multiple of ``tiles``, at least twice; what a chain kernel's
+        order needs); else 0 (an item may run a whole tile, stored as usual)."""
+        return 0 if self.items % self.tiles or self.items < 2 * self.tiles else self.items // self.tiles
 
     @property
     def slots(self) -> int:

@@ -635,7 +635,7 @@ class GemmLaunch:
         if stream is None and a.is_cuda:
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
         if self.stream is not None and stream != self.stream:
-            raise ValueError(f"this launch's buffers are stream {self.stream:#x}'s; called on {stream:#x}")
+            raise ValueError(f"this launch's buffers are CUDA stream {self.stream}'s; called on {stream}")
         call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, residual, a_copy)
         hit = None if call is None else self._calls.get(call)
         if hit is not None and not launch_hooks():  # checked and launched raw before: its arguments again

@@ -244,9 +244,10 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
             del poison  # the allocator's next block of this size: a new output written over NaN
             assert torch.equal(matmul(a, b), first)
     # captured: not a bound call, a launch whose split tail's buffers are apart from eager calls'
-    # (640 rows: 160 tiles, a split last round); two graphs captured on one stream share it, and
-    # each zeroes its arrival counters (the second may be replayed first)
-    a2, b2 = rand(640, 1024), rand(1024, 8192, scale=1024**-0.5)
+    # (640 rows: 160 tiles, a last round of 28 split in two); two graphs captured on one stream
+    # share it, and each zeroes its arrival counters (the second may be replayed first: here
+    # after they were left non-zero, as the first graph's unreplayed zero-fill may leave them)
+    a2, b2 = rand(640, 2048), rand(2048, 8192, scale=2048**-0.5)
     eager = matmul(a2, b2, config=PLAIN_CONFIG)
     y2 = torch.full_like(eager, float("nan"))
     side = torch.cuda.Stream()
@@ -256,11 +257,12 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
         with torch.cuda.graph(graph, stream=side):
             matmul(a, b, out=y)
             matmul(a2, b2, out=y2, config=PLAIN_CONFIG)
-    captured = gemm._plain_launch(640, 8192, 1024, PLAIN_CONFIG, a.device, side.cuda_stream, None, True)
+    captured = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, side.cuda_stream, None, True)
     stream = torch.cuda.current_stream().cuda_stream
-    own = gemm._plain_launch(640, 8192, 1024, PLAIN_CONFIG, a.device, stream, None, False)
+    own = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, stream, None, False)
     assert captured in gemm._CAPTURED and not any(captured is gemm._BOUND[k][0]() for k in gemm._BOUND)
     assert captured.tail is not None and captured.tail.shared is None and own.tail.shared is not None
+    captured.tail.counters.fill_(3)
     for graph in graphs[::-1]:
         y.fill_(float("nan"))
         y2.fill_(float("nan"))

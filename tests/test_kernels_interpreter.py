@@ -323,6 +323,49 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     )
 
 
+def test_a_stream_k_share_stores_a_whole_tile_as_usual():
+    """7 tiles of 3 K-steps on 4 CTAs: item 1 runs tail tile 2 whole, which is stored as a tile
+    is, without its arrival counter (a sentinel there stays, and the tile is right)."""
+    from ctapipelining import gemm
+
+    M, K, N = 112, 48, 16
+    split = tail_split(M, N, K, STREAM_K, 4)
+    assert [s for s in split.segments(1, 3) if s[2] - s[1] == 3] == [(2, 0, 3)]
+    a, b = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
+    want = matmul(a, b, config=STREAM_K)
+    counters = gemm._plain_launch(M, N, K, STREAM_K, torch.device("cpu"), 0, None, False).tail.counters
+    counters[2] = 7
+    try:
+        assert torch.equal(matmul(a, b, config=STREAM_K), want)
+        assert counters.tolist() == [0, 0, 7, 0, 0, 0, 0]
+    finally:
+        counters.zero_()  # the stream's counters: other launches share them
+
+
+def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(monkeypatch):
+    """A launch bound to a stream's buffers refuses a call on another stream before launching;
+    an interpreted kernel stopped midway (here: made to raise after counting) leaves the
+    stream's shared arrival counters at zero for the next launch."""
+    from ctapipelining import gemm
+
+    cpu = torch.device("cpu")
+    a, b, c = torch.randn(16, 32).half(), torch.randn(32, 48).half(), torch.empty(16, 48).half()
+    with pytest.raises(ValueError, match="buffers are CUDA stream 5's; called on 6"):
+        gemm.GemmLaunch(16, 48, 32, SMALL, 4, cpu, stream=5)(a, b, c, 6)
+
+    def stopped(self, *args, **kw):
+        self.tail.counters.fill_(1)
+        raise RuntimeError("stopped midway")
+
+    a, b = torch.randn(48, 64).half(), torch.randn(64, 32).half()
+    matmul(a, b, config=SPLIT)  # binds the launch (a split tail of 2 x 2 slices)
+    counters = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, False).tail.counters
+    monkeypatch.setattr(gemm.GemmLaunch, "__call__", stopped)
+    with pytest.raises(RuntimeError, match="stopped midway"):
+        matmul(a, b, config=SPLIT)
+    assert int(counters.abs().sum()) == 0
+
+
 def test_a_given_split_tail_and_its_buffers_are_checked():
     """A split whose items would not all have K-steps (one would never arrive, and its tile would
     never be summed), or buffers of another size than the split's slots and tiles, are refused

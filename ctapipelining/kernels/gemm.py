@@ -193,7 +193,7 @@ class Tail(NamedTuple):
     counters: object  # *i32 [tiles]: segments arrived per tail tile (back to 0 after each launch)
     first: object  # tile-order position of the first tail tile (the end of the full rounds)
     items: object  # work items the tail's K-steps are shared by
-    SEGMENTS: tl.constexpr  # the most tiles an item's share touches (1: exactly when its items are whole slices)
+    SEGMENTS: tl.constexpr  # at least the most tiles an item's share touches; 1 exactly for whole slices
 
 
 @triton.jit
@@ -382,28 +382,15 @@ def _run_tile(
 
 
 @triton.jit
-def _finish_tail_tile(
-    op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Store a tail tile's whole accumulator ``acc`` (its epilogue applied), signal and trace it."""
-    _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
-    t_stored = _now(prot.trace_ptr)
-    if signal is not None:
-        _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
-    _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
-
-
-@triton.jit
 def _add_partial(
-    op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
+    acc, tail, j, item, first_item, count, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr
 ):  # fmt: skip
     """Store ``acc``, item ``item``'s partial of tail tile ``j`` (whose ``count`` segments are
-    items ``first_item`` on), and, if it is the tile's last to arrive, sum them all in item
-    order and finish the tile (:func:`_split_tail` has the ordering argument). Slots: an item's
-    own (whole slices, ``SEGMENTS == 1``), or ``item + j`` (a stream-K share crosses tiles:
-    unique, as an item's segments follow the previous item's)."""
+    items ``first_item`` on), and arrive; the tile's last to arrive sums them all in item order
+    (:func:`_split_tail` has the ordering argument). Returns ``(the sum, whether this CTA
+    arrived last)``, CTA-uniform. Slots: an item's own (whole slices, ``SEGMENTS == 1``), or
+    ``item + j`` (a stream-K share crosses tiles: unique, as an item's segments follow the
+    previous item's)."""
     slot0 = first_item
     if tail.SEGMENTS > 1:
         slot0 += j
@@ -412,13 +399,14 @@ def _add_partial(
     tl.store(partials + (item - first_item) * (BLOCK_M * BLOCK_N) + offs, acc)
     cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
     arrived = tl.atomic_add(tail.counters + j, 1, sem="acq_rel", scope="gpu") + 1
-    if arrived == count:
+    last = arrived == count
+    if last:
         tl.atomic_xchg(tail.counters + j, 0, sem="relaxed", scope="gpu")  # all segments are in: rearm
         cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for u in range(0, count):  # in item order, whoever came last
             acc += tl.load(partials + u * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-        _finish_tail_tile(op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi, BLOCK_M, BLOCK_N, QUEUE, INTERPRET)
+    return acc, last
 
 
 @triton.jit
@@ -451,21 +439,18 @@ def _tail_segment(
         first_step = j.to(tl.int64) * op.k_tiles
         first_item = ((first_step + 1) * tail.items - 1) // total
         count = ((first_step + op.k_tiles) * tail.items - 1) // total - first_item + 1
-        if tail.SEGMENTS > 1:  # a stream-K share may run a whole tile: stored as usual
-            if count == 1:
-                _finish_tail_tile(
-                    op, prot, acc, tile, pm, pn, t_wait, t_start, signal, epi, BLOCK_M, BLOCK_N, QUEUE, INTERPRET
-                )
-            else:
-                _add_partial(
-                    op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
-                    BLOCK_M, BLOCK_N, QUEUE, INTERPRET,
-                )  # fmt: skip
-        else:
-            _add_partial(
-                op, prot, tail, acc, j, item, first_item, count, tile, pm, pn, t_wait, t_start, signal, epi,
-                BLOCK_M, BLOCK_N, QUEUE, INTERPRET,
-            )  # fmt: skip
+        whole = count == 1  # a stream-K share may run a whole tile: stored as usual
+        if tail.SEGMENTS == 1:
+            whole = False  # whole slices: every tile has two or more
+        last = whole
+        if not whole:
+            acc, last = _add_partial(acc, tail, j, item, first_item, count, BLOCK_M, BLOCK_N, INTERPRET)
+        if last:  # (one finishing site: the epilogue is inlined once)
+            _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
+            t_stored = _now(prot.trace_ptr)
+            if signal is not None:
+                _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
+            _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
     else:
         if wait is not None:
             _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
