@@ -798,7 +798,9 @@ def _plain_launch(
     split = tail_split(M, N, K, cfg, num_ctas)
     tail = None if split is None or captured else TailBuffers.on_stream(split, cfg, device, stream)
     on = stream if device.type == "cuda" else None
-    return GemmLaunch(M, N, K, cfg, num_ctas, device, tail=tail, epilogue=epilogue, add_residual=add, stream=on)
+    return GemmLaunch(
+        M, N, K, cfg, num_ctas, device, split=split, tail=tail, epilogue=epilogue, add_residual=add, stream=on
+    )
 
 
 def _capturing(index: int) -> bool:
