@@ -923,11 +923,12 @@ def matmul(
     key = None
     plain = epilogue is None and residual is None and a_copy is None and (config is None or type(config) is GemmConfig)
     types = _OPERAND_TYPES
+    index = a.get_device() if type(a) in types and a.is_cuda else -1
     if (
-        plain and type(a) in types and type(b) in types and (out is None or type(out) in types) and a.is_cuda
-        and not _capturing(a.get_device())  # a capture binds a launch of its own (launch_checked)
+        plain and index >= 0 and type(b) in types and (out is None or type(out) in types)
+        and not _capturing(index)  # a capture binds a launch of its own (launch_checked)
     ):  # fmt: skip
-        stream = torch._C._cuda_getCurrentRawStream(a.get_device())
+        stream = torch._C._cuda_getCurrentRawStream(index)
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)
         hit = _BOUND.get(key)
         launch = hit and hit[0]()
@@ -940,7 +941,6 @@ def matmul(
             if out is None:
                 out = torch.empty(shape, dtype=a.dtype, device=a.device)
                 args = launch.raw_args(raw.tensor_map, a, b, out)
-            index = a.get_device()
             with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
                 raw(launch.num_ctas, stream, *args)
             return out
