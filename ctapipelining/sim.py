@@ -20,7 +20,9 @@ What is modelled
   each CTA walks the tile order and waits; ``workqueue``: tiles run in readiness order on
   whichever CTA is free first. The same :mod:`ctapipelining.deps` structures as the kernels.
   ``wait_parts`` (static): a tile starts when part 0 of its input is visible and stalls at
-  the K fraction where each later part begins until that part is (``GemmConfig.wait_parts``).
+  the K fraction where each later part begins until that part is (``GemmConfig.wait_parts``);
+  checking a later part costs a tile bound by HBM ``t3_ns`` more, one that computes longer
+  than it streams nothing (``Calibration.part_check_ns``).
   ``prefill_rows``: the second GPU copies ``x[:R]``, computes those rows of layer 1 at the
   local tile time, then starts its consumer (``Pipeline(prefill_rows=...)``). ``drain_rows``
   (two stages): the first GPU computes the last ``D`` rows of both layers after its producer,
@@ -67,15 +69,17 @@ What is modelled
   ``benchmarks/results/2026-12-05-h200-default/``, two machines), with the tile time traced on
   a third H200 (``benchmarks/results/2026-12-01-h200-chain/trace_640.npz``), from 640 rows on:
   the chain, in its table's tiles or on 128 x 256 tiles, against our GEMMs one after another
-  within 3.5% (at 768 rows, where the plain GEMM's tail split in two costs more than
-  modelled; 2.5% elsewhere), the chain against the loopback within 2%, and a split last round
-  against none within 2.4%. At 128 rows the chain in its table's tiles against our GEMMs errs
-  by 3.6-4.2% (the model's chain is the faster: what a chain kernel adds to a round of
-  memory-bound tiles is not modelled), and the chain on 128 x 256 tiles by 16-19%: a round of
-  32 tiles leaves 100 SMs idle, and the GPU clocks up (the model has no clocks). With the
-  packaged calibration's tile time instead (``ctapipelining sim --validate-shared ...
-  --tables``) the errors are larger: up to 3.8% from 640 rows on, 30-34% for the 128 x 256
-  tiles at 128 rows.
+  within 3.5% (at 768 rows, 2.9% and 3.5%; 2.6% elsewhere), the chain against the loopback
+  within 2%, and a split last round against none within 2.4%. At 768 rows the measured ratio
+  itself moves by more than that between machines: the chain on 128 x 256 tiles over our
+  GEMMs is 1.054-1.064 in the three runs of ``benchmarks/results/2026-12-01-h200-chain/`` and
+  ``run11-parts/``, 1.031 in ``2026-12-05-h200-default/``, and the model's 1.067 is within 1.3%
+  of the first four. At 128 rows the chain in its table's tiles against our GEMMs is within
+  2% (its consumer tiles, bound by HBM, pay for each part they check); the chain on 128 x 256
+  tiles errs by 16-19%: a round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the
+  model has no clocks). With the packaged calibration's tile time instead (``ctapipelining sim
+  --validate-shared ... --tables``): up to 3.8% from 640 rows on (768 rows), 1.4-1.9% for the
+  chain at 128 rows, 30-34% for the 128 x 256 tiles at 128 rows.
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -254,6 +258,13 @@ class Calibration:
         floor = float(per_k.mean()) / (self.hbm_gbps * share)
         return self if floor <= self.tile_ns_per_k else replace(self, tile_ns_per_k=floor)
 
+    def part_check_ns(self, M: int, K: int, N: int) -> float:
+        """What checking a later part of a tile's input costs mid K loop (``wait_parts``): the
+        acquire holds back the loads behind it, which the K-steps already in flight hide while
+        the tile computes longer than it streams, and which cost the tile :attr:`t3_ns` when HBM
+        bounds it (:meth:`for_gemm`'s floor binds: the loads held back are what it waits on)."""
+        return self.t3_ns if self.for_gemm(M, K, N).tile_ns_per_k > self.tile_ns_per_k else 0.0
+
     def cublas_ns(self, M: int, K: int, N: int, eager: bool = False) -> float:
         """GPU time of ``torch.matmul``; ``eager`` adds the fixed cost of one timed eager call
         (the intercept of the fit: launch and synchronisation), which graph replay avoids."""
@@ -405,6 +416,7 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
     t_tile = cal.for_gemm(grid.M, K, grid.N).tile_ns(K) * (cal.remote_factor if remote else 1.0)
     post = cal.t1_ns if signals else 0.0
     fetch = cal.t3_ns if ready is not None else 0.0
+    check = cal.part_check_ns(grid.M, K, grid.N)
     rows = np.zeros((T, 5))
     if ready is not None and policy == "workqueue":
         order = np.argsort(ready, kind="stable")
@@ -427,7 +439,7 @@ def _gemm_stage(grid: deps.TileGrid, K: int, cal: Calibration, ready: np.ndarray
                 else:  # run to where each later part begins, stall there until it is visible
                     begin = end = max(t, ready[tile, 0]) + fetch
                     for q in range(1, len(part_frac)):
-                        end = max(end + (part_frac[q] - part_frac[q - 1]) * t_tile, ready[tile, q])
+                        end = max(end + (part_frac[q] - part_frac[q - 1]) * t_tile, ready[tile, q]) + check
                     end -= part_frac[-1] * t_tile
                 rows[tile] = (t, begin, end + t_tile, end + t_tile + post, pid)
                 t = end + t_tile + post
@@ -598,7 +610,9 @@ def _chain_kernel(
     grids = [deps.TileGrid(M, n, bm, bn) for n in dims[1:]]
     S = len(grids)
     P = min(cal.num_sms, sum(g.num_tiles for g in grids))
-    t_tiles = [cal.for_gemm(M, k, n).tile_ns(k) * cal.chain_tile_factor for k, n in zip(ks or dims[:-1], dims[1:])]
+    ks = ks or dims[:-1]
+    t_tiles = [cal.for_gemm(M, k, n).tile_ns(k) * cal.chain_tile_factor for k, n in zip(ks, dims[1:])]
+    checks = [cal.part_check_ns(M, k, n) for k, n in zip(ks, dims[1:])]
     if outbound and remote:
         t_tiles[-1] *= cal.remote_factor
     links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
@@ -668,7 +682,7 @@ def _chain_kernel(
             f = fracs[s]
             begin = end = max(t, visible(s, tile, 0)) + cal.t3_ns
             for r in range(1, len(f)):
-                end = max(end + (f[r] - f[r - 1]) * t_tile, visible(s, tile, r))
+                end = max(end + (f[r] - f[r - 1]) * t_tile, visible(s, tile, r)) + checks[s]
             end -= f[-1] * t_tile
         if same:
             ps, pt = pending.pop(c)
