@@ -18,6 +18,7 @@ the consumer GPU's memory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -196,19 +197,20 @@ def shared_heap(nbytes: int, group, meet: Callable) -> Heap:
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(root, f"ctapipelining-{uuid.uuid4().hex}-{rank}")
     own, error = None, None
-    try:
-        own = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    except Exception as e:  # noqa: BLE001
-        error = _failure(e)
-    paths = meet("create the heap", path, error)
-    peers, error = None, None
-    try:
-        peers = [own if r == rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
-                 for r, p in enumerate(paths)]  # fmt: skip
-    except Exception as e:  # noqa: BLE001
-        error = _failure(e)
-    try:
+    try:  # the file goes whatever happens (a rank that fails fails every rank's meet)
+        try:
+            own = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except Exception as e:  # noqa: BLE001
+            error = _failure(e)
+        paths = meet("create the heap", path, error)
+        peers, error = None, None
+        try:
+            peers = [own if r == rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+                     for r, p in enumerate(paths)]  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            error = _failure(e)
         meet("map the heap", None, error)
     finally:
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return Heap(rank, nbytes, peers)

@@ -8,7 +8,10 @@ checked here, before anything is launched.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import itertools
 import weakref
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -784,19 +787,20 @@ def signature(t: torch.Tensor) -> tuple:
 @functools.lru_cache(maxsize=MAX_LAUNCHES)
 def _plain_launch(
     M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None,
-    captured: bool,
+    owner: int,
 ) -> GemmLaunch:  # fmt: skip
     """The plain GEMM's launch for one shape (and epilogue), bound once; a residual on the GPU is
     added onto the output by TMA (every argument positional and given: the cache keys on how
     they are passed). Per stream too: its split tail's buffers are the stream's
     (:meth:`TailBuffers.on_stream`: launches on one stream are ordered, so they may share them;
-    two streams may not). ``captured``: a launch for CUDA-graph capture on ``stream``, with
-    buffers apart from eager calls' (a graph may be replayed on any stream), shared by the
-    graphs captured on that stream that make the same call (:func:`launch_checked`)."""
+    two streams may not). ``owner`` 0: eager calls' launch; else a launch for CUDA-graph
+    capture on ``stream``, with buffers apart from eager calls' (a graph may be replayed on any
+    stream), shared by the graphs captured on that stream under the same owner that make the
+    same call (:func:`launch_checked`, :func:`captures_owned_by`)."""
     add = epilogue is not None and epilogue.residual and not interpreting()
     num_ctas = grid_size(M, N, cfg, device)
     split = tail_split(M, N, K, cfg, num_ctas)
-    tail = None if split is None or captured else TailBuffers.on_stream(split, cfg, device, stream)
+    tail = None if split is None or owner else TailBuffers.on_stream(split, cfg, device, stream)
     on = stream if device.type == "cuda" else None
     return GemmLaunch(
         M, N, K, cfg, num_ctas, device, split=split, tail=tail, epilogue=epilogue, add_residual=add, stream=on
@@ -851,6 +855,30 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
         raise ValueError(f"{what} must start at a 16-byte aligned address (TMA and the compiled kernel need it)")
 
 
+_CAPTURE_OWNER = contextvars.ContextVar("capture_owner", default=1)  # whose captured launches (0: none)
+_OWNERS = itertools.count(2)
+
+
+def new_capture_owner() -> int:
+    """A capture owner no other has (:func:`captures_owned_by`)."""
+    return next(_OWNERS)
+
+
+@contextlib.contextmanager
+def captures_owned_by(owner: int):
+    """Within it, GEMMs captured in CUDA graphs bind launches of ``owner``'s
+    (:func:`new_capture_owner`): their buffers (split tail, norm statistics) are shared only
+    by the graphs captured on the same stream under the same owner that make the same call. Two
+    graphs sharing them must not replay at the same time (on two streams): an owner whose
+    replays are ordered (a :class:`~ctapipelining.pipeline.Pipeline`'s) keeps them apart from
+    everyone else's. Outside it, captured calls on one stream share one owner's."""
+    token = _CAPTURE_OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _CAPTURE_OWNER.reset(token)
+
+
 def launch_checked(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -872,7 +900,7 @@ def launch_checked(
     # the kernel launches in the current device's context (and its stream is the one captured, if any)
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
         captured = torch.cuda.is_current_stream_capturing()
-        launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, captured)
+        launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, _CAPTURE_OWNER.get() if captured else 0)
         if captured:
             if launch in _CAPTURED and launch.tail is not None:
                 # an earlier graph zeroed its arrival counters (their allocation's fill), but
@@ -915,8 +943,9 @@ def matmul(
     per shape, configuration, epilogue and stream, are cached (:data:`MAX_LAUNCHES`, sharing
     their stream's split-tail buffers); a call captured in a CUDA graph binds a launch with
     buffers apart from eager calls' (shared by the graphs captured on one stream that make the
-    same call), kept for the life of the process, so the buffers the graph points at (split
-    tail, norm statistics) are never freed. An eager call without an epilogue whose
+    same call, which must then not replay at the same time: capture on a stream of its own a
+    graph that will, or see :func:`captures_owned_by`), kept for the life of the process, so the
+    buffers the graph points at (split tail, norm statistics) are never freed. An eager call without an epilogue whose
     operands have the signature (:func:`signature`) of an earlier checked call on the same stream
     skips the checks it passed and launches its bound arguments (:data:`MAX_BOUND` kept, the most
     recently used): the host time of an eager call is then little more than the launch's."""
@@ -1000,7 +1029,7 @@ def matmul(
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
         fabric.enable_peer_access([a.device.index, out.device.index])
     if a.device.type != "cuda":  # the interpreter
-        launch = _plain_launch(M, N, K, cfg, a.device, 0, epilogue, False)
+        launch = _plain_launch(M, N, K, cfg, a.device, 0, epilogue, 0)
         try:
             launch(a, b, out, residual=residual, a_copy=a_copy)
         except BaseException:  # stopped mid-kernel: the arrival counters it shares may be left counting

@@ -89,11 +89,13 @@ from .epilogue import Epilogue
 from .gemm import (
     GemmLaunch,
     TailBuffers,
+    captures_owned_by,
     check_out,
     check_tensor,
     check_weight,
     config_table,
     matmul,
+    new_capture_owner,
     num_sms,
     overlaps,
     persistent_grid,
@@ -137,6 +139,11 @@ class PipelineHung(RuntimeError):
     """A stage's kernels did not finish within the host's bound: the pipeline is unusable."""
 
 
+def _layout(w: torch.Tensor) -> tuple:
+    """What a launch bound to ``w`` relies on: its address, shape and strides."""
+    return w.data_ptr(), w.shape, w.stride()
+
+
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 
@@ -153,7 +160,9 @@ class GraphedCall:
     stage's device. Each replay overwrites ``out``. A replay is ordered like an eager call: it
     waits for the current stream of every stage's device and for the pipeline's previous call
     or replay, and those streams wait for it, so the caller may fill ``x`` and read ``out`` on
-    its own streams. Replays do not read the error words: call :meth:`check_errors`.
+    its own streams (a fill of ``x`` by hand must come after the previous replay: on the stream
+    it was issued from, or one that waited for it; ``graphed(x)`` orders its copy itself).
+    Replays do not read the error words: call :meth:`check_errors`.
     """
 
     pipeline: Pipeline
@@ -172,18 +181,22 @@ class GraphedCall:
             )
         if x.device != self.x.device:
             raise ValueError(f"x is on {x.device}; the graph reads its input on {self.x.device}")
-        if x.data_ptr() != self.x.data_ptr():
-            self.x.copy_(x)
-        return self.replay()
+        return self._replay(x if x.data_ptr() != self.x.data_ptr() else None)
 
     def replay(self) -> torch.Tensor:
         """Run the captured call on whatever :attr:`x` holds now; returns :attr:`out`. Errors
         are not read here (that synchronises): call :meth:`check_errors` now and then."""
+        return self._replay(None)
+
+    def _replay(self, src: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`replay`, ``src`` first copied into :attr:`x` once the previous call (which may
+        still read :attr:`x`) is behind the stream that copies."""
         pipe = self.pipeline
         with pipe._lock:
             pipe._usable()
-            if self.plan is not None and self.plan.stale:
-                raise RuntimeError("this graph's plan was left inconsistent by a failed call: capture it again")
+            pipe.check_weights()  # a weight's storage swapped: the graph would read freed memory
+            if self.plan is not None and self.plan.stale:  # a failed eager call left it so
+                pipe.reset(self.plan)
             if pipe._replicas:
                 pipe._refresh_replicas()
             callers = pipe._current_streams()
@@ -192,11 +205,11 @@ class GraphedCall:
             waits = [] if [c.cuda_stream for c in callers] == pipe._after_done else pipe._done
             for ev in [c.record_event() for c in callers[1:]] + waits:
                 first.wait_event(ev)
-            if torch.cuda.current_device() == first.device.index:  # the graph replays on the current stream
+            here = torch.cuda.current_device() == first.device.index
+            with contextlib.nullcontext() if here else torch.cuda.device(first.device):
+                if src is not None:  # on the stream the graph replays on (the current one)
+                    self.x.copy_(src)
                 self.graph.replay()
-            else:
-                with torch.cuda.device(first.device):
-                    self.graph.replay()
             if self._done is None:
                 self._done = torch.cuda.Event()
             done = self._done
@@ -361,8 +374,8 @@ class Pipeline:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_ns = int(timeout_s * 1e9)
         self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
-        if self.host_timeout_s <= 0:
-            raise ValueError(f"host_timeout_s must be positive, got {host_timeout_s}")
+        if self.host_timeout_s <= timeout_s:  # else a wait that ends in time would read as a hang
+            raise ValueError(f"host_timeout_s={host_timeout_s} must exceed timeout_s={timeout_s}")
         if not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
@@ -383,7 +396,7 @@ class Pipeline:
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
         self._weight_spans = [(w.device, *span(w)) for w in self.weights]  # an out must not overlap one
-        self._weight_ptrs = [w.data_ptr() for w in self.weights]  # the storage the launches are bound to
+        self._weight_layouts = [_layout(w) for w in self.weights]  # the storage the launches are bound to
         # each stage's output columns (half of its weight's with a gated epilogue)
         self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
@@ -453,9 +466,9 @@ class Pipeline:
             self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
             self._kernel_streams = list(dict.fromkeys(self.streams))  # each once: a call joins back from them
             self._join_events = [torch.cuda.Event() for _ in self._kernel_streams]
-            # capture() captures on a stream of its own, on stage 0's device: launches bound per
-            # stream (matmul's, with their split tails' buffers) are then this pipeline's alone
+            # capture() captures on a stream of its own, on stage 0's device
             self._capture_stream = torch.cuda.Stream(self.devices[0])
+        self._capture_owner = new_capture_owner()  # captured GEMMs' buffers: this pipeline's alone
         # one GPU and one kernel stream (no loopback): an eager call queues its work on the caller's
         # stream itself, as a graph replay does (_launch_direct)
         self._direct = self.on_gpu and len(self.distinct_devices) == 1 and not self.loopback and segment is None
@@ -595,10 +608,13 @@ class Pipeline:
         return self.free_on_one_device and self._per_height
 
     def _one_after_another(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``)."""
+        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``).
+        Captured, with launches of this pipeline's own (their split tails' buffers: graphs of
+        another pipeline, whose replays this one does not order, never share them)."""
         last = len(self.weights) - 1
-        for s, w in enumerate(self.weights):
-            x = matmul(x, w, out=out if s == last else None)
+        with captures_owned_by(self._capture_owner):
+            for s, w in enumerate(self.weights):
+                x = matmul(x, w, out=out if s == last else None)
         return x
 
     def _call_one_after_another(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -764,36 +780,38 @@ class Pipeline:
         ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
         earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
-        cands = self.end_candidates(M, factors)  # refuses a pipeline without ends="balanced"
-        if not self.on_gpu:
-            raise RuntimeError("tune_ends times CUDA graphs: it needs the stages on GPUs")
-        if M in self._plans:
-            raise RuntimeError(f"tune_ends({M}) must come before the first call on {M} rows (it builds their plan)")
-        w0 = self.weights[0]
-        x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
-        out = torch.empty(M, self.out_cols[-1], dtype=w0.dtype, device=self.devices[-1])
-        plans, graphs, methods = {}, [], []
-        for cand in cands:
-            plan = plans[cand] = self._build_plan(M, *cand)
-            self._launch(plan, x, out)  # compiles; checked below
-            self.check_errors(plan)
-            self._wait()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.devices[0]), torch.cuda.graph(g):
-                self._launch(plan, x, out)
-            graphs.append(g)
-            methods.append(Method(f"{cand[0]},{cand[1]}", g.replay))
-        times = time_interleaved(methods, [d.index for d in self.devices], reps, warmup)
-        for plan in plans.values():
-            self.check_errors(plan)
-        del graphs  # before the plans they point at
-        medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
-        best = faster_by(medians, self.ends_for(M), margin)
-        self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
-        self.tuning[M] = medians
-        self.tuned_ends[M] = best
-        self._keep(M, plans[best])
-        return best
+        with self._lock:  # the candidates' launches share the pipeline's streams and events
+            cands = self.end_candidates(M, factors)  # refuses a pipeline without ends="balanced"
+            if not self.on_gpu:
+                raise RuntimeError("tune_ends times CUDA graphs: it needs the stages on GPUs")
+            if M in self._plans:
+                raise RuntimeError(f"tune_ends({M}) must come before the first call on {M} rows (it builds their plan)")
+            w0 = self.weights[0]
+            x = torch.randn(M, w0.shape[0], device=self.devices[0]).to(w0.dtype)
+            out = torch.empty(M, self.out_cols[-1], dtype=w0.dtype, device=self.devices[-1])
+            plans, graphs, methods = {}, [], []
+            for cand in cands:
+                plan = plans[cand] = self._build_plan(M, *cand)
+                self._launch(plan, x, out)  # compiles; checked below
+                self.check_errors(plan)
+                self._wait()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.device(self.devices[0]), torch.cuda.graph(g):
+                    self._launch(plan, x, out)
+                graphs.append(g)
+                methods.append(Method(f"{cand[0]},{cand[1]}", g.replay))
+            times = time_interleaved(methods, [d.index for d in self.devices], reps, warmup)
+            for plan in plans.values():
+                self.check_errors(plan)
+            medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
+            del graphs, methods, g  # before the plans they point at
+            best = faster_by(medians, self.ends_for(M), margin)
+            self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
+            plans[best].pinned = False  # its graphs are gone
+            self.tuning[M] = medians
+            self.tuned_ends[M] = best
+            self._keep(M, plans[best])
+            return best
 
     # -- state -------------------------------------------------------------------------------
     def rows_for(self, M: int) -> int:
@@ -804,11 +822,12 @@ class Pipeline:
         """The plan that serves inputs of ``M`` rows, of :meth:`rows_for` ``(M)`` rows (built on
         first use; the :attr:`max_plans` most recently used are kept)."""
         B = self.rows_for(M)
-        plan = self._plans.get(B)
-        if plan is None:
-            plan = self._keep(B, self._build_plan(B, *self.ends_for(B)))
-        self._plans.move_to_end(B)
-        return plan
+        with self._lock:
+            plan = self._plans.get(B)
+            if plan is None:
+                plan = self._keep(B, self._build_plan(B, *self.ends_for(B)))
+            self._plans.move_to_end(B)
+            return plan
 
     def _keep(self, M: int, plan: Plan) -> Plan:
         """Keep ``plan`` for ``M`` rows; free the least recently used unpinned plans beyond
@@ -822,8 +841,10 @@ class Pipeline:
         if evict:
             self._wait()  # a call in flight may still use their buffers
             unread = [p for p in (self._plans.pop(m) for m in evict) if self._pending.pop(p, None) is not None]
-            for p in unread:  # its last call's errors are not lost with it
-                self._raise_if_failed(p, [e.cpu().tolist() for e in p.errors])
+            failed = [(p.M, self.error_messages(self._read(p.errors))) for p in unread]
+            failed = [f"a call with the plan for {M} rows failed: " + "; ".join(m) for M, m in failed if m]
+            if failed:  # their last calls' errors are not lost with them
+                raise PipelineTimeout(". ".join(failed) + ". Those plans are freed; the next call starts clean.")
         return plan
 
     def _build_plan(self, M: int, R: int, D: int) -> Plan:
@@ -994,28 +1015,45 @@ class Pipeline:
         return s >= 0 and self._group_of[s] is self._group_of[t]
 
     def reset(self, plan: Plan | None = None) -> None:
-        """Wait for every device (bounded), then zero counters, rings, epochs, error words, chain
-        kernels' tickets and split tails' arrival counters."""
+        """Wait for the pipeline's work (bounded), then zero counters, rings, epochs, error
+        words, chain kernels' tickets and split tails' arrival counters (on the pipeline's own
+        streams, and wait for that: not behind the caller's later work)."""
         with self._lock:
             self._wait()
             for p in [plan] if plan else self._plans.values():
                 for t in p.state():
-                    t.zero_()
+                    with self._own_stream(t):
+                        t.zero_()
                 p.epoch = 0
                 p.stale = False
             for p in [plan] if plan else list(self._pending):
                 self._pending.pop(p, None)
             self._wait()
 
+    def _own_stream(self, t: torch.Tensor):
+        """A context in which ``t``'s device's current stream is one of the pipeline's own (idle
+        once :meth:`_wait` returned): a copy or fill of ``t`` there queues behind nothing of the
+        caller's."""
+        if not self.on_gpu or t.device not in self.devices:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.streams[self.devices.index(t.device)])
+
+    def _read(self, tensors: list[torch.Tensor]) -> list[list[int]]:
+        """The values of small device tensors (error words), after :meth:`_wait`."""
+        out = []
+        for t in tensors:
+            with self._own_stream(t):
+                out.append(t.cpu().tolist())
+        return out
+
     def _wait(self) -> None:
-        """Wait until every stage's stream and every device's current stream is done, at most
-        :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`."""
+        """Wait until the pipeline's work is done: every stage's stream and the last call's end
+        (on whichever stream issued it: an eager call on one GPU runs on the caller's), at most
+        :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`.
+        Whatever the caller queued after the last call is not waited for."""
         if not self.on_gpu:
             return
-        streams = [(f"stage {s}", st) for s, st in enumerate(self.streams)]
-        streams += [("the caller's stream", torch.cuda.current_stream(d)) for d in self.distinct_devices]
-        events = [(who, st.device, st.record_event()) for who, st in streams]
-        # and the last call's end, on whichever stream issued it (an eager call on one GPU runs there)
+        events = [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
         events += [("the last call", self.devices[0], ev) for ev in self._done]
         self._wait_for(events)
 
@@ -1035,10 +1073,27 @@ class Pipeline:
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
-    def _capturing(self) -> bool:
-        """Whether the current stream is being captured into a CUDA graph (no event queries,
-        waits or cross-capture event waits are allowed then)."""
-        return self.on_gpu and torch.cuda.is_current_stream_capturing()
+    def _capturing(self, every_device: bool = False) -> bool:
+        """Whether a call now is captured into a CUDA graph (no event queries, waits or
+        cross-capture event waits are allowed then): whether the current stream of stage 0's
+        device, which a call forks from and joins back to, is capturing. ``every_device``: also
+        refuse a capture on another stage device's current stream (the call would run outside
+        it, or fail inside it)."""
+        if not self.on_gpu:
+            return False
+        here, first = torch.cuda.current_device(), self._device_indices[0]
+        if here == first and not every_device:
+            return torch.cuda.is_current_stream_capturing()
+        capturing = {}
+        for index in self._device_indices if every_device else [first]:
+            with contextlib.nullcontext() if index == here else torch.cuda.device(index):
+                capturing[index] = torch.cuda.is_current_stream_capturing()
+        if every_device and any(c for i, c in capturing.items() if i != first) and not capturing[first]:
+            raise RuntimeError(
+                f"a capture on another device's stream than cuda:{first}'s: capture a call of this Pipeline on "
+                f"the current stream of cuda:{first}, where its stage 0 runs (its call forks from and joins back to it)"
+            )
+        return capturing[first]
 
     def _usable(self) -> None:
         if self._broken:
@@ -1046,12 +1101,14 @@ class Pipeline:
 
     # -- running -----------------------------------------------------------------------------
     def check_weights(self) -> None:
-        """Refuse a call after a weight's storage changed (``w.data = ...``, ``w.set_(...)``): the
-        plans' launches are bound to the old storage. Changes of the values in place are fine."""
-        if [w.data_ptr() for w in self.weights] != self._weight_ptrs:
+        """Refuse a call or replay after a weight's storage or layout changed (``w.data = ...``,
+        ``w.set_(...)``, ``w.t_()``): the plans' launches and graphs are bound to the old ones.
+        Changes of the values in place are fine."""
+        if [_layout(w) for w in self.weights] != self._weight_layouts:
             raise RuntimeError(
-                "a weight's storage changed since this Pipeline was built (w.data = ... or w.set_): its plans "
-                "are bound to the old storage; build a new Pipeline (in-place updates of the values are fine)"
+                "a weight's storage or layout changed since this Pipeline was built (w.data = ..., w.set_, an "
+                "in-place view op): its plans are bound to the old storage; build a new Pipeline (in-place "
+                "updates of the values are fine)"
             )
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -1097,20 +1154,29 @@ class Pipeline:
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)
-            if not self._capturing():  # no event queries there
+            capturing = self._capturing(every_device=True)
+            if not capturing:  # no event queries there
                 self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
             if self.one_after_another:
                 out = self._call_one_after_another(x, out)
-                if check and not self._capturing():
+                if check and not capturing:
                     self._wait()
                 return out
+            if capturing:  # no plan built (host copies) nor reset (waits) inside a capture
+                held = self._plans.get(self.rows_for(M))
+                if held is None or held.stale:
+                    raise RuntimeError(
+                        f"a call on {M} rows captured in a CUDA graph needs its plan built and clean: call the "
+                        f"pipeline once on {M} rows outside the capture first"
+                        + (" (a failed call left the plan inconsistent)" if held is not None else "")
+                    )
             plan = self.plan(M)
             self._refresh_replicas()
             if out is None:
                 out = torch.empty(M, self.out_cols[-1], dtype=last.dtype, device=self.devices[-1])
             self._launch(plan, x, out)
-            if check and not self._capturing():
+            if check and not capturing:
                 self.check_errors(plan)
             return out
 
@@ -1167,8 +1233,9 @@ class Pipeline:
         if plan.stale:
             self.reset(plan)
         capturing = self._capturing()
+        pinned = plan.pinned
         if capturing:
-            plan.pinned = True  # a graph now points at its buffers
+            plan.pinned = True  # a graph now points at its buffers (unless the capture fails below)
         elif (
             self._direct and only is None and not delay_cycles and advance_epoch
             and torch.cuda.current_device() == self._device_indices[0]
@@ -1224,6 +1291,8 @@ class Pipeline:
                     torch.cuda.set_stream(saved[self._device_indices.index(self.devices[s].index)])
         except BaseException:
             plan.stale = True
+            if capturing:  # the failed capture's graph is discarded
+                plan.pinned = pinned
             if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work
                 for ev, st in zip(joins, self._kernel_streams):
                     ev.record(st)
@@ -1304,9 +1373,10 @@ class Pipeline:
         """Compile every kernel of ``plan`` for a call with operands like ``x`` and ``out`` (their
         dtype and ``out``'s row stride), launching nothing: the first call then launches at once.
         No-op under the interpreter."""
-        for launch in plan.launches:
-            with torch.cuda.device(self.devices[launch.stream]) if self.on_gpu else contextlib.nullcontext():
-                launch.run(x, out, None, compile_only=True)
+        with self._lock:
+            for launch in plan.launches:
+                with torch.cuda.device(self.devices[launch.stream]) if self.on_gpu else contextlib.nullcontext():
+                    launch.run(x, out, None, compile_only=True)
 
     def _current_streams(self) -> list:
         """The current stream of every stage's device (none on the CPU)."""
@@ -1317,8 +1387,15 @@ class Pipeline:
         :mod:`ctapipelining.trace`)."""
         if not self.trace:
             raise RuntimeError("this pipeline was built without trace=True")
-        self._wait()
-        return [t.cpu().numpy() for t in self.plan(M).traces]
+        with self._lock:
+            if self.rows_for(M) not in self._plans:
+                raise ValueError(f"no call on {M} rows yet: nothing traced")
+            self._wait()
+            traces = []
+            for t in self.plan(M).traces:
+                with self._own_stream(t):
+                    traces.append(t.cpu().numpy())
+            return traces
 
     def check_errors(self, plan: Plan | None = None) -> None:
         """Wait for every device (bounded: :class:`PipelineHung`), then read the error words of
@@ -1328,7 +1405,7 @@ class Pipeline:
             self._wait()
             for p in [plan] if plan else list(self._plans.values()):
                 self._pending.pop(p, None)
-                self._raise_if_failed(p, [e.cpu().tolist() for e in p.errors])
+                self._raise_if_failed(p, self._read(p.errors))
 
     def _raise_finished_errors(self) -> None:
         """Raise an earlier call's timeout if that call has finished (never waits): its error

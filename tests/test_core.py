@@ -65,12 +65,13 @@ def test_bad_out_is_refused_before_any_state_changes():
     pipe = Pipeline(ws, config=SMALL)
     x = torch.randn(24, 16).half()
     bad = {
-        "strides": torch.empty(16, 24).half().t(),  # transposed: column-major
+        "row-major": torch.empty(16, 24).half().t(),  # transposed: column-major
         "16-byte aligned": torch.empty(24 * 16 + 1).half()[1:].view(24, 16),
-        "row-major with rows": torch.empty(24, 32).half()[:, :15],  # wrong shape and stride
+        r"must be a \[24, 16\]": torch.empty(24, 32).half()[:, :15],  # wrong shape
+        "16 bytes apart": torch.empty(24, 20).half()[:, :16],  # rows 40 bytes apart
     }
-    for out in bad.values():
-        with pytest.raises(ValueError, match="out must"):
+    for match, out in bad.items():
+        with pytest.raises(ValueError, match=match):
             pipe(x, out=out)
     with pytest.raises(ValueError, match="shares memory with x"):
         pipe(x, out=x)
@@ -91,8 +92,9 @@ def test_out_that_overlaps_x_is_refused():
 
 def test_out_on_a_weight_and_a_weights_new_storage_are_refused():
     """An ``out`` that overlaps a weight is refused; a weight whose values change in place is
-    used as it is now; one whose storage was swapped (``w.data = ...``) is refused before
-    anything launches (the plans' launches are bound to the old storage)."""
+    used as it is now; one whose storage was swapped (``w.data = ...``) or whose layout changed
+    in place (``w.t_()``) is refused before anything launches (the plans' launches are bound to
+    the old storage)."""
     ws = chain(16, 32, 16)
     pipe = Pipeline(ws, config=SMALL)
     x = torch.randn(24, 16).half()
@@ -103,9 +105,15 @@ def test_out_on_a_weight_and_a_weights_new_storage_are_refused():
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
     epoch = int(pipe.plan(24).epochs[0])
     ws[0].data = ws[0].clone()
-    with pytest.raises(RuntimeError, match="storage changed"):
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
         pipe(x)
     assert int(pipe.plan(24).epochs[0]) == epoch, "a refused call advanced the epoch"
+    square = chain(16, 16, 16)  # a transpose in place keeps the address and the shape
+    pipe = Pipeline(square, config=SMALL)
+    pipe(x)
+    square[1].t_()
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
+        pipe(x)
 
 
 def test_a_launch_that_fails_part_way_leaves_the_plan_to_be_reset():
@@ -212,8 +220,13 @@ class _NeverDone:
 
 
 def test_host_waits_are_bounded_and_a_hung_pipeline_refuses_calls():
+    """A host wait past ``host_timeout_s`` marks the pipeline unusable; a host bound no longer
+    than the devices' own (``timeout_s``) is refused: a wait that ends in time would read as a
+    hang."""
     ws = chain(16, 16, 16)
-    pipe = Pipeline(ws, config=SMALL, host_timeout_s=0.05)
+    with pytest.raises(ValueError, match="host_timeout_s=0.5 must exceed timeout_s=0.5"):
+        Pipeline(ws, config=SMALL, timeout_s=0.5, host_timeout_s=0.5)
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
     with pytest.raises(PipelineHung, match="stage 1 on cuda:1 did not finish within host_timeout_s=0.05 s"):
         pipe._wait_for([("stage 1", "cuda:1", _NeverDone())])
     with pytest.raises(PipelineHung, match="unusable"):
@@ -270,6 +283,18 @@ def test_an_evicted_plan_s_unread_timeout_is_raised_not_lost():
     assert list(pipe._plans) == [40]
     y = pipe(torch.randn(40, 16).half(), check=True)
     assert not y.isnan().any()
+
+
+def test_plans_evicted_together_raise_each_unread_timeout():
+    """Two plans whose calls timed out unread, evicted by one new plan: one error names both."""
+    ws = chain(16, 32, 16)
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05, max_plans=2, row_buckets=0)
+    for M in (24, 32):  # a consumer alone each: times out
+        pipe._launch(pipe.plan(M), torch.randn(M, 16).half(), torch.empty(M, 16).half(), only=[1])
+    pipe.max_plans = 1
+    with pytest.raises(PipelineTimeout, match="plan for 24 rows failed.*plan for 32 rows failed"):
+        pipe.plan(40)
+    assert list(pipe._plans) == [40]
 
 
 def test_operands_with_unaligned_rows_or_empty_weights_are_refused():

@@ -121,7 +121,10 @@ def test_stream_k_shares_the_last_two_rounds_over_every_cta():
 
 
 @given(
-    tiles=st.integers(1, 3000), ctas=st.integers(1, 200), k_tiles=st.integers(1, 300), min_k=st.integers(1, 32),
+    tiles=st.integers(1, 3000),
+    ctas=st.integers(1, 200),
+    k_tiles=st.integers(1, 300),
+    min_k=st.integers(1, 32),
     stream=st.booleans(),
 )
 def test_a_tail_s_items_cover_its_k_steps_once_in_order(tiles, ctas, k_tiles, min_k, stream):

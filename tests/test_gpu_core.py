@@ -87,9 +87,10 @@ def test_calls_from_two_streams_are_ordered(policy):
     x1, x2 = rand(4096, 4096), rand(4096, 4096)
     out1 = torch.empty(4096, 4096, dtype=torch.bfloat16, device=D1)
     torch.cuda.synchronize()
-    pipe._launch(plan, x1, out1, delay_cycles={1: 100_000_000})  # ~50 ms before call 1's consumer
     other = torch.cuda.Stream("cuda:0")
-    other.wait_stream(torch.cuda.current_stream("cuda:0"))  # x2 is ready; nothing else is waited for
+    other.wait_stream(torch.cuda.current_stream("cuda:0"))  # x2 is ready; waited before call 1, so that
+    # only the pipeline orders call 2 after it (the current stream waits for call 1 from here on)
+    pipe._launch(plan, x1, out1, delay_cycles={1: 100_000_000})  # ~50 ms before call 1's consumer
     with torch.cuda.stream(other):
         out2 = pipe(x2)
     torch.cuda.synchronize()
@@ -177,21 +178,23 @@ def test_bound_launches_follow_each_calls_x_and_out():
 
 
 def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
-    """A consumer with no producer and a 3 s deadline: the host gives up after 0.3 s with a
-    clear error, and the pipeline refuses further calls; the GPU ends the kernel by itself."""
+    """A consumer that starts ~1 s late (a sleep queued before it on its stream, as a kernel that
+    runs on and on would): the host gives up after 0.3 s with a clear error, and the pipeline
+    refuses further calls; the GPU ends the work by itself."""
     ws = [rand(2048, 2048, device=d, scale=2048**-0.5) for d in ["cuda:0", D1]]
-    pipe = Pipeline(ws, loopback=True, timeout_s=3.0, host_timeout_s=0.3)
+    pipe = Pipeline(ws, loopback=True, timeout_s=0.1, host_timeout_s=0.3)
     x = rand(2048, 2048)
     plan = pipe.plan(2048)
     pipe(x, check=True)
-    pipe._launch(plan, x, torch.empty(2048, 2048, dtype=torch.bfloat16, device=D1), only=[1])
+    out = torch.empty(2048, 2048, dtype=torch.bfloat16, device=D1)
+    pipe._launch(plan, x, out, delay_cycles={1: 2_000_000_000})
     t0 = time.perf_counter()
     with pytest.raises(PipelineHung, match=f"stage 1 on {D1} did not finish within host_timeout_s=0.3 s"):
         pipe.check_errors()
     assert time.perf_counter() - t0 < 1.5
     with pytest.raises(PipelineHung, match="unusable"):
         pipe(x)
-    torch.cuda.synchronize()  # the kernel's own deadline ends it
+    torch.cuda.synchronize()  # the sleep ends, the consumer runs
 
 
 @pytest.mark.parametrize("M", [2048, 2000, 37, 1])

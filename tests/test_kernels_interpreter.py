@@ -310,7 +310,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     assert small is not None and grown is not small and shared is grown
     assert small.workspace.numel() == 3 * 16 * 16 and grown.counters.numel() == 2
     for _ in range(2):
-        for M, K, N in shapes + shapes[::-1]:
+        for M, _K, N in shapes + shapes[::-1]:
             a, b, y = first[M]
             out = torch.full((M, N), float("nan"), dtype=torch.float16)
             matmul(a, b, out=out, config=SPLIT)
@@ -319,7 +319,8 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
             assert int(small.counters.abs().sum()) == int(grown.counters.abs().sum()) == 0
     captured = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, True)
     assert captured.tail.shared is None and captured.tail.workspace.data_ptr() not in (
-        small.workspace.data_ptr(), grown.workspace.data_ptr()
+        small.workspace.data_ptr(),
+        grown.workspace.data_ptr(),
     )
 
 
