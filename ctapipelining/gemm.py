@@ -923,7 +923,8 @@ def matmul(
     """Plain persistent GEMM ``a @ b`` (both hooks off), with an optional fused ``epilogue``
     (:class:`~ctapipelining.epilogue.Epilogue`; ``residual``: the matrix it adds, of the
     output's shape, when it adds one). ``out`` (row-major, rows may be padded, not overlapping
-    ``a``, ``b`` or ``residual``, or ``residual`` itself: ``out += ...`` in place) may be on a
+    ``a``, ``b`` or ``residual``; or ``residual`` itself, then without padded rows: ``out +=
+    ...`` in place) may be on a
     peer GPU (peer access is enabled here, or a
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With a split tail the epilogue
     applies to each tail tile once its K-slices are summed. A residual is copied into

@@ -23,11 +23,20 @@ place as PyTorch counts it (``w.mul_(2)``, ``w.copy_(...)``: the tensor's versio
 CUDA-graph capture it refuses instead), or was replaced by another tensor; a change PyTorch does
 not count (through ``w.data``, or in an inference-mode tensor) needs :meth:`~LlamaMLP.refresh`,
 and a graph replay runs no Python, so it follows nothing (call the block once, or ``refresh()``,
-before replaying: the weights are laid out in place, and the graph reads the new ones).
+before replaying: the weights are laid out in place, and the graph reads the new ones). The
+custom operator (below) writes none of its inputs, so inside it (a compiled model) a changed
+source is refused, not followed: ``forward`` follows it before the operator when nothing traces
+the call; otherwise call the block once eagerly, or ``refresh()``. What an epilogue derives from
+a laid-out weight (a GPT block's column sums) follows an in-place change of that weight at the
+next call. Two CUDA graphs that capture the same call of a block on one stream share its
+launches' buffers (norm statistics, split tails): do not replay them at the same time on two
+streams (capture such graphs on separate streams).
 Under ``torch.compile``, ``torch.jit.trace``, ``torch.func`` transforms or a dispatch mode (or
 for a tensor subclass, or one that asks for a gradient) ``forward`` calls the custom operator
 ``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
-shapes), so a compiled model traces through the block without a graph break; an eager call runs
+shapes), so a compiled model traces through the block without a graph break (the operator
+names its block by a key unique to the process: a program traced in one process and loaded in
+another finds no block and says so); an eager call runs
 the kernels directly (the operator's dispatch is host time before the first kernel starts).
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
@@ -39,14 +48,17 @@ few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-import itertools
+import uuid
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from .gemm import check_tensor, check_weight, launch_checked, matmul, signature, tma_ready
+from .gemm import check_tensor, check_weight, launch_checked, matmul, overlaps, signature, tma_ready
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
@@ -65,7 +77,30 @@ UP_CONFIG = EPILOGUE_CONFIG
 
 
 _BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks
-_KEYS = itertools.count()
+_IN_OPERATOR = contextvars.ContextVar("in_operator", default=False)  # an operator's body: no writes to inputs
+
+
+def _new_key(kind: str) -> str:
+    """An operator key no other block or stack has, in this process or another (a program
+    exported in one process and loaded in another finds no block under it, rather than another
+    block that happens to share a counter's value)."""
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def _operator_body():
+    token = _IN_OPERATOR.set(True)
+    try:
+        yield
+    finally:
+        _IN_OPERATOR.reset(token)
+
+
+def _missing(what: str, key: str) -> RuntimeError:
+    return RuntimeError(
+        f"no {what} {key!r} in this process (it was freed, or the program calling it was traced in another "
+        "process: build the model here and trace or export it again)"
+    )
 
 
 @torch.library.custom_op("ctapipelining::mlp_block", mutates_args=())
@@ -74,8 +109,9 @@ def mlp_block(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, block: s
     laid-out weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
     mlp = _BLOCKS.get(block)
     if mlp is None:
-        raise RuntimeError(f"no fused MLP block {block!r} (it was freed)")
-    return mlp._run(x, w_in, w_out)
+        raise _missing("fused MLP block", block)
+    with _operator_body():  # its schema mutates nothing: a moved source is refused, not followed
+        return mlp._run(x, w_in, w_out)
 
 
 @mlp_block.register_fake
@@ -102,13 +138,16 @@ def _direct(x: torch.Tensor) -> bool:
     whatever records or transforms the call must see the operator (a trace of the launches
     would hold only the torch ops around them), a fake tensor needs its fake implementation,
     and a gradient its refusal."""
+    return type(x) is torch.Tensor and not (x.requires_grad and torch.is_grad_enabled()) and not _tracing()
+
+
+def _tracing() -> bool:
+    """Whether something records or transforms the calls now (:func:`_direct`)."""
     return (
-        type(x) is torch.Tensor
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-        and torch.utils._python_dispatch._get_current_dispatch_mode() is None
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()
+        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
     )
 
 
@@ -128,16 +167,17 @@ class FusedMLP(torch.nn.Module):
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
         self._source_versions = None
         self._epi = None  # (the buffers' addresses, first epilogue, second): rebuilt when they move
+        self._derived = None  # the buffers' versions the epilogues' derived tensors follow (_buffer_versions)
         self._register()
 
     def _register(self) -> None:
         """Give this block its own key in the operator's registry."""
-        self._key = f"mlp_block_{next(_KEYS)}"
+        self._key = _new_key("mlp_block")
         _BLOCKS[self._key] = self
 
     def __getstate__(self) -> dict:  # the epilogues are rebuilt from the buffers (they hold jit functions)
         self._follow_source()  # the copy starts in step with its source
-        return {**self.__dict__, "_epi": None}
+        return {**self.__dict__, "_epi": None, "_source_versions": None}  # (weak references: not copied)
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
@@ -151,22 +191,35 @@ class FusedMLP(torch.nn.Module):
         a source whose shape, dtype or device changed needs a new block."""
         check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
         check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
-        for name, t in tensors.items():
+        for name, t in tensors.items():  # every check before any copy: a refused refresh changes nothing
             old = self._buffers.get(name)
-            if name not in self._buffers:
-                self.register_buffer(name, t, persistent=False)
-            elif (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
-                t.shape, t.dtype, t.device
+            if name in self._buffers and (
+                (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
+                    t.shape, t.dtype, t.device
+                )
             ):  # fmt: skip
                 raise ValueError(
                     f"{type(self).__name__}.refresh: the source's {name} changed shape, dtype or device; "
                     "build a new block"
                 )
+        for name, t in tensors.items():
+            old = self._buffers.get(name)
+            if name not in self._buffers:
+                self.register_buffer(name, t, persistent=False)
             elif old is not None:
                 with torch.inference_mode() if old.is_inference() else torch.no_grad():
                     old.copy_(t)
         if self._epi is not None:  # in place too: a captured graph holds these epilogues
             self._update_epilogues(*self._epi[1:])
+            self._derived = self._buffer_versions()
+
+    def _buffer_versions(self) -> tuple | None:
+        """The laid-out buffers' version counters, where an epilogue derives something from them
+        (:meth:`_update_epilogues`; None where none does, or a buffer is an inference tensor)."""
+        if type(self)._update_epilogues is FusedMLP._update_epilogues:
+            return None
+        ts = [t for t in self._buffers.values() if t is not None]
+        return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
 
     def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
         """Bring what the epilogues derive from the weights up to date, in place (nothing here)."""
@@ -195,6 +248,17 @@ class FusedMLP(torch.nn.Module):
             first.check(w_in.shape[1], w_in.dtype, w_in.device, self.in_config.block_n)
             second.check(w_out.shape[1], w_out.dtype, w_out.device, self.out_config.block_n)
             self._epi = (key, first, second)
+            self._derived = self._buffer_versions()
+        elif self._derived is not None and self._buffer_versions() != self._derived:
+            # a laid-out buffer changed in place (``block.w_in.mul_(2)``): what the epilogues
+            # derive from it (a GPT block's column sums) follows, in place
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the block's laid-out weights changed in place since its epilogues were derived from them: "
+                    "call the block once outside the CUDA-graph capture"
+                )
+            self._update_epilogues(*self._epi[1:])
+            self._derived = self._buffer_versions()
         return self._epi[1], self._epi[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +269,8 @@ class FusedMLP(torch.nn.Module):
         rows = x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
             return self._run(rows, self.w_in, self.w_out).reshape(x.shape)
+        if not _tracing():  # here, not in the operator, which writes none of its inputs
+            self._follow_source()
         return mlp_block(rows, self.w_in, self.w_out, self._key).reshape(x.shape)
 
     def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,6 +314,18 @@ class FusedMLP(torch.nn.Module):
             launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             launch_checked(h, w_out, y, self.out_config, second, residual=y)
             return y
+        if out is not None:  # what the second GEMM would refuse, refused before the first writes
+            if (
+                out.shape != rows.shape
+                or (out.dtype, out.device) != (rows.dtype, rows.device)
+                or not out.is_contiguous()
+            ):
+                raise ValueError(
+                    f"out must be a contiguous {list(rows.shape)} {rows.dtype} tensor on {rows.device} (the "
+                    f"residual is added onto it in place), got {list(out.shape)} {out.dtype} on {out.device}"
+                )
+            if h is not None and overlaps(out, h):
+                raise ValueError("out and h share memory")
         y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
@@ -275,22 +353,33 @@ class FusedMLP(torch.nn.Module):
         self._source_versions = self._versions()
 
     def _versions(self) -> tuple:
-        """Each source weight's memory and version counter (PyTorch moves it at each in-place
-        change; an inference-mode tensor has none: only its replacement is seen)."""
+        """Each source weight's storage (held weakly: a storage freed and another allocated at
+        its address is not taken for it), address and version counter (PyTorch moves it at each
+        in-place change; an inference-mode tensor has none: only its replacement is seen)."""
         return tuple(
-            (t.data_ptr(), None if t.is_inference() else t._version) for t in self._source_weights() if t is not None
+            (StorageWeakRef(t.untyped_storage()), t.data_ptr(), None if t.is_inference() else t._version)
+            for t in self._source_weights()
+            if t is not None
+        )
+
+    def _source_moved(self) -> bool:
+        if self._source is None:
+            return False
+        now, then = self._versions(), self._source_versions
+        return len(now) != len(then) or any(
+            a[1:] != b[1:] or b[0].expired() or a[0].cdata != b[0].cdata for a, b in zip(now, then)
         )
 
     def _follow_source(self) -> None:
         """Lay the weights out again if a source weight was replaced or changed in place since
-        (its version moved); inside a CUDA-graph capture, refuse instead (the copy would be
-        captured, not run)."""
-        if self._source is None or self._versions() == self._source_versions:
+        (its version moved); inside a CUDA-graph capture or the custom operator, refuse instead
+        (the copy would be captured, not run; the operator writes none of its inputs)."""
+        if not self._source_moved():
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _IN_OPERATOR.get() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "a weight of the block's source module changed since it was laid out: call the block "
-                "once outside the CUDA-graph capture (or refresh()) to lay it out again"
+                "once eagerly outside any CUDA-graph capture or compiled region (or refresh()) to lay it out again"
             )
         self.refresh()
 
@@ -310,6 +399,25 @@ def _check_block(ws: dict, shapes: dict, optional: tuple[str, ...] = ()) -> None
     present = [t for t in ws.values() if t is not None]
     if len({t.dtype for t in present}) != 1 or len({t.device for t in present}) != 1:
         raise ValueError("the block's weights must share one dtype and one device")
+
+
+def _check_norm(norm: torch.nn.Module, expected, what: str) -> None:
+    """Refuse a ``transformers`` norm module that does not compute ``expected`` (float32 rows
+    -> float32 rows: what the fold assumes, with the epsilon read from the module), probed on
+    rows of several magnitudes, a tiny one (where the epsilon weighs) and a zero one among them:
+    a norm of another form (``(1 + weight)``, an epsilon under another name) would otherwise
+    fold into a block that computes something else."""
+    w = norm.weight
+    scale = torch.tensor([[1.0], [20.0], [1e-3], [0.0]])
+    x = (torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) * scale).to(w.device, w.dtype)
+    with torch.no_grad():
+        got, want = norm(x).float(), expected(x.float())
+    err = (got - want).norm(dim=-1)
+    if not bool((err <= 0.02 * want.norm(dim=-1) + 1e-3).all()):
+        raise ValueError(
+            f"{type(norm).__name__} does not compute {what} (relative error per probe row "
+            f"{[round(float(e), 3) for e in err / want.norm(dim=-1).clamp_min(1e-6)]}): it does not fold here"
+        )
 
 
 class LlamaMLP(FusedMLP):
@@ -361,6 +469,11 @@ class LlamaMLP(FusedMLP):
             if getattr(mlp, name).bias is not None:
                 raise ValueError(f"{name} has a bias: a Llama MLP has none")
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        weight = norm.weight.detach().float()
+        _check_norm(
+            norm, lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight,
+            f"x * rsqrt(mean(x^2) + {eps:g}) * weight",
+        )  # fmt: skip
         block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
         block._source = (mlp, norm)
         block._source_versions = block._versions()
@@ -442,7 +555,14 @@ class GPTMLP(FusedMLP):
         act = getattr(mlp, "act", None)
         if type(act).__name__ not in GELU_TANH:
             raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
-        block = cls(*cls._hf_weights(mlp, norm), float(norm.eps), **configs)
+        eps, (H,) = float(norm.eps), norm.weight.shape
+        _check_norm(
+            norm, lambda x: torch.nn.functional.layer_norm(
+                x, (H,), norm.weight.detach().float(), None if norm.bias is None else norm.bias.detach().float(), eps
+            ),
+            f"a LayerNorm with eps {eps:g}",
+        )  # fmt: skip
+        block = cls(*cls._hf_weights(mlp, norm), eps, **configs)
         block._source = (mlp, norm)
         block._source_versions = block._versions()
         return block
@@ -469,8 +589,9 @@ def mlp_stack(x: torch.Tensor, weights: list[torch.Tensor], stack: str) -> torch
     weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
     st = _STACKS.get(stack)
     if st is None:
-        raise RuntimeError(f"no pipelined MLP stack {stack!r} (it was freed)")
-    return st._run(x)
+        raise _missing("pipelined MLP stack", stack)
+    with _operator_body():  # its schema mutates nothing: a moved source is refused, not followed
+        return st._run(x)
 
 
 @mlp_stack.register_fake
@@ -541,7 +662,7 @@ class MLPStack(torch.nn.Module):
         self._pipeline_kw = pipeline_kw
         self._built = None  # (the weights' addresses, the Pipeline): rebuilt when they move
         self._pipeline()  # builds and checks it now
-        self._key = f"mlp_stack_{next(_KEYS)}"
+        self._key = _new_key("mlp_stack")
         _STACKS[self._key] = self
 
     def __getstate__(self) -> dict:
@@ -549,7 +670,7 @@ class MLPStack(torch.nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        self._key = f"mlp_stack_{next(_KEYS)}"
+        self._key = _new_key("mlp_stack")
         _STACKS[self._key] = self
 
     def _weights(self) -> list[torch.Tensor]:
@@ -587,6 +708,9 @@ class MLPStack(torch.nn.Module):
         rows = x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
             return self._run(rows).reshape(x.shape)
+        if not _tracing():  # here, not in the operator, which writes none of its inputs
+            for b in self.blocks:
+                b._follow_source()
         return mlp_stack(rows, self._weights(), self._key).reshape(x.shape)
 
     def blocks_apart(self) -> bool:

@@ -197,6 +197,58 @@ def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     torch.cuda.synchronize()  # the sleep ends, the consumer runs
 
 
+def test_host_waits_do_not_wait_for_the_callers_later_work():
+    """A call, then ~1 s of the caller's own work queued after it on the same stream: checking
+    the call waits for the call only (well within a 0.3 s host bound), and the pipeline stays
+    usable; both on the direct path (one GPU) and through the stage streams (loopback)."""
+    for loopback in (False, True):
+        ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
+        pipe = Pipeline(ws, timeout_s=0.1, host_timeout_s=0.3, loopback=loopback, always_pipelined=True)
+        x = rand(1024, 1024)
+        pipe(x, check=True)
+        y = pipe(x)
+        torch.cuda._sleep(2_000_000_000)  # the caller's own work, after the call
+        t0 = time.perf_counter()
+        pipe.check_errors()
+        assert time.perf_counter() - t0 < 0.3, loopback
+        torch.cuda.synchronize()
+        assert torch.equal(y, pipe.sequential(x)) and torch.equal(pipe(x, check=True), y)
+
+
+def test_a_graph_refuses_a_replay_after_a_weights_storage_swap():
+    """A replay after ``w.data = ...`` would read the freed storage: refused, as a call is."""
+    ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws, always_pipelined=True)
+    graphed = pipe.capture(512)
+    x = rand(512, 1024)
+    assert torch.equal(graphed(x), pipe.sequential(x))
+    ws[1].data = ws[1].clone()
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
+        graphed(x)
+
+
+def test_a_call_captured_before_its_plan_exists_is_refused():
+    """Under a capture of the caller's own, a call on a height without a plan would build one
+    (host copies inside the capture): refused with what to do; after one call outside, the
+    captured call replays right."""
+    ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
+    pipe = Pipeline(ws, always_pipelined=True)
+    x, out = rand(384, 1024), torch.empty(384, 1024, dtype=torch.bfloat16, device="cuda:0")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="call the pipeline once on 384 rows outside the capture"):
+        with torch.cuda.graph(graph):
+            pipe(x, out=out)
+    pipe(x, out=out, check=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pipe(x, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    pipe.check_errors()
+    assert torch.equal(out, pipe.sequential(x))
+
+
 @pytest.mark.parametrize("M", [2048, 2000, 37, 1])
 def test_cached_launch_equals_tritons_launch_path(M):
     """The plain GEMM's later calls go through the raw launch (tensor maps kept per tensor,
