@@ -43,6 +43,28 @@ def test_plots_and_plot_only_cli(tmp_path, capsys):
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
+def test_figure_4_draws_the_reduction_against_each_chunk(results, tmp_path, monkeypatch):
+    """Figure 4's bars: per micro-batching chunk at the largest height, ``100 (1 - cta /
+    microbatch)`` with the fastest chain line, in chunk order."""
+    import matplotlib.axes
+
+    drawn = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "bar",
+        lambda ax, x, h, *a, **k: drawn.append((list(x), list(h))) or real_bar(ax, x, h, *a, **k),
+    )
+    bench.plot(results, tmp_path)
+    sums = results["summaries"]
+    seq = max(s["seq"] for s in sums if s["method"] == "microbatch")
+    cta = min(s["median_ms"] for s in sums if s["seq"] == seq and s["method"].startswith("cta_"))
+    mb = sorted((s for s in sums if s["seq"] == seq and s["method"] == "microbatch"), key=lambda s: s["chunk"])
+    (x, heights), *_ = drawn
+    assert x == [str(s["chunk"]) for s in mb]
+    assert heights == pytest.approx([100 * (1 - cta / s["median_ms"]) for s in mb])
+
+
 def test_plots_without_a_tp_line(results, tmp_path):
     """Chains of more than 2 GPUs have no TP baseline: the plots must still be drawn."""
     no_tp = dict(results, gpus=4, summaries=[s for s in results["summaries"] if not s["method"].startswith("tp")])
@@ -118,10 +140,29 @@ def test_headline_takes_the_strongest_baselines_and_keeps_replicas_apart():
         dict(method="dp_replicas", seq=4096, chunk=None, median_ms=1.05),
     ]
     (h,) = bench.headline(rows)
+    assert h["floor_ms"] == 1.0 and h["cta_over_floor"] == 1.1
+    (h,) = bench.headline(rows + [dict(method="floor_triton_graph", seq=4096, chunk=None, median_ms=0.9)])
+    assert h["floor_ms"] == 0.9 and h["cta_over_floor"] == round(1.1 / 0.9, 4)  # the faster floor
     assert h["best_microbatch"] == "microbatch_ours" and h["best_microbatch_ms"] == 1.25
     assert h["tp_method"] == "tp_overlap" and h["cta_over_tp"] == round(1.1 / 1.4, 4)
     assert h["cta_weights_placed_once_ms"] == 1.2 and h["cta_replicated_ms"] == 1.1
     assert h["cta_replicated_over_dp"] == round(1.1 / 1.05, 4)
+
+
+def test_a_rows_summary_gives_its_spread():
+    """``Row.summary`` (what results.json keeps per line): median, min, max, the 10th and 90th
+    percentiles (exclusive method) and the count; one sample gives that sample throughout."""
+    s = bench.Row("m", 1, [float(i) for i in range(1, 11)]).summary()
+    assert (s["median_ms"], s["min_ms"], s["max_ms"], s["p10_ms"], s["p90_ms"], s["n"]) == (
+        5.5,
+        1.0,
+        10.0,
+        1.1,
+        9.9,
+        10,
+    )
+    s = bench.Row("m", 1, [3.0]).summary()
+    assert (s["median_ms"], s["min_ms"], s["max_ms"], s["p10_ms"], s["p90_ms"], s["n"]) == (3.0, 3.0, 3.0, 3.0, 3.0, 1)
 
 
 def test_median_ci_takes_the_binomial_order_statistics():
@@ -164,6 +205,20 @@ def test_decision_pairs_each_setting_with_its_strongest_baselines():
     assert repl["dp_replicas"]["ratio"] == 0.8 and repl["floor"]["ratio"] == 1.2
     text = bench.decision_table(bench.decision(raw))
     assert "microbatch 0.900 [0.900, 0.900] (microbatch_ours/1024)" in text
+
+
+def test_decision_ratios_pair_the_runs_of_each_repetition():
+    """A baseline whose time varies a lot between repetitions, and a chain at 0.85x or 0.95x of
+    it in alternate repetitions: the paired ratios are 0.85 and 0.95 (median 0.9, interval
+    [0.85, 0.95]); runs matched in any other way would give other ratios."""
+    base = [1 + 0.05 * ((7 * i) % 30) for i in range(30)]
+    chain = [b * (0.85 if i % 2 == 0 else 0.95) for i, b in enumerate(base)]
+    raw = [
+        dict(method="microbatch_ours", seq=2048, chunk=512, ms=base),
+        dict(method="cta_static_graph", seq=2048, chunk=None, ms=chain),
+    ]
+    (row,) = bench.decision(raw)
+    assert row["microbatch"] == dict(line="microbatch_ours/512", ratio=0.9, ci95=[0.85, 0.95])
 
 
 def test_fewer_layers_than_gpus_is_refused_before_looking_for_gpus(tmp_path, capsys):

@@ -269,7 +269,7 @@ def test_chain_order_places_the_tail_slices_of_the_last_stage():
     order = _decode(deps.chain_order(2, [4, 4], 1, 2, tail))
     last = [q for s, q in order if s == 1]
     assert last == list(range(6 + 2 * 3))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="chain_order: bad shape"):
         deps.chain_order(2, [4, 0], 1, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lag must be >= 0"):
         deps.chain_order(2, [4, 4], 1, -1)

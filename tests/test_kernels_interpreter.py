@@ -145,6 +145,45 @@ def test_lone_consumer_times_out_and_recovers(policy):
     assert rel_err(y, chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
+def test_a_consumer_takes_nothing_its_producer_left_in_an_earlier_run():
+    """After a clean run, a consumer launched alone finds the ring's slots and the counters
+    full to the last run's level, one short of this run's: it waits for this run's and times
+    out, writes nothing, and (``workqueue``) claims one position per CTA (a slot or counter
+    accepted a run early would let it compute from last run's input)."""
+    ws = [torch.randn(16, 64).half(), torch.randn(64, 48).half()]
+    for policy in ("workqueue", "static"):
+        pipe = Pipeline(ws, policy=policy, config=SMALL, timeout_s=0.05, row_buckets=0)
+        x = torch.randn(40, 16).half()
+        pipe(x, check=True)
+        plan = pipe.plan(40)
+        link = plan.links[0]
+        head = int(link.head.sum())
+        out = torch.full((40, 48), float("nan")).half()
+        pipe._launch(plan, x, out, only=[1])
+        claimed = int(link.head.sum()) - head  # (before the error's reset zeroes the ring)
+        with pytest.raises(PipelineTimeout, match="stage 1 on cpu"):
+            pipe.check_errors(plan)
+        assert out.isnan().all(), policy
+        if policy == "workqueue":
+            assert claimed == 4  # the interpreter's 4 CTAs, one claim each
+
+
+def test_a_counter_one_short_of_its_target_is_waited_for():
+    """A static consumer whose counter holds one signal fewer than this run needs: it times
+    out reporting the counter's value, and writes nothing."""
+    ws = [torch.randn(16, 64).half(), torch.randn(64, 48).half()]
+    pipe = Pipeline(ws, config=SMALL, timeout_s=0.05, row_buckets=0)
+    x = torch.randn(40, 16).half()
+    plan = pipe.plan(40)
+    link = plan.links[0]
+    link.counters.copy_(link.need_consumer.to(link.counters.dtype) - 1)  # this run (epoch 1) needs need
+    out = torch.full((40, 48), float("nan")).half()
+    pipe._launch(plan, x, out, only=[1])
+    with pytest.raises(PipelineTimeout, match=r"counter \d+ was \d+"):
+        pipe.check_errors(plan)
+    assert out.isnan().all()
+
+
 def test_workqueue_head_behind_its_epoch_is_reported_not_read():
     """A call launched without its consumer leaves the ring's head a run behind: the next
     consumer claims positions before its run's first. It must report that (never index the

@@ -34,3 +34,23 @@ def test_fixed_order_and_rest_before_each_timed_run():
         timing.time_interleaved(_methods([]), [], reps=1, warmup=0, order="random")
     with pytest.raises(ValueError, match="rest_ms"):
         timing.time_interleaved(_methods([]), [], reps=1, warmup=0, rest_ms=-1)
+
+
+def test_each_timed_run_is_synchronised_on_every_device_rested_before_and_timed_to_its_end(monkeypatch):
+    """Per timed run: prepare, synchronise every device, rest, run, synchronise every device;
+    the time spans the run and the synchronisation after it (the GPU work), not the rest."""
+    import torch
+
+    log = []
+
+    def fake_sync(d):  # a device that takes 2 ms to finish its work
+        log.append(f"sync{d}")
+        real_sleep(0.002)
+
+    real_sleep = timing.time.sleep
+    monkeypatch.setattr(torch.cuda, "synchronize", fake_sync)
+    monkeypatch.setattr(timing.time, "sleep", lambda s: log.append(f"rest{s:g}"))
+    method = timing.Method("m", lambda: log.append("run"), lambda i: log.append("prep"))
+    times = timing.time_interleaved([method], [0, 1], reps=2, warmup=0, rest_ms=5)
+    assert log == ["prep", "sync0", "sync1", "rest0.005", "run", "sync0", "sync1"] * 2
+    assert all(t >= 2 * 2.0 for t in times["m"])  # the two synchronisations after the run are timed

@@ -34,6 +34,17 @@ def test_summary_recovers_the_planted_costs():
     assert s["T3_fetch_when_ready"]["n"] == 8
 
 
+def test_fetch_time_counts_only_tiles_whose_input_was_ready_when_they_began_to_wait():
+    """T3 (a consumer's cost to take a ready tile) leaves out tiles that began waiting before
+    their input's last signal (their wait includes the producer's lateness): half the tiles
+    here, whose waits begin 20 us earlier; T2 does not depend on when the wait began."""
+    prod, cons, dep = synthetic()
+    cons[1::2, trace.WAIT] -= 20_000
+    s = trace.summarize([prod, cons], [dep], [0.0, 5_000.0])
+    assert s["T3_fetch_when_ready"]["n"] == 4 and s["T3_fetch_when_ready"]["max_us"] == pytest.approx(2.0)
+    assert s["T2_signal_to_consumer_start"]["median_us"] == pytest.approx(12.0)
+
+
 def test_wrong_clock_offset_shows_up():
     prod, cons, dep = synthetic()
     s = trace.summarize([prod, cons], [dep], [0.0, 0.0])
