@@ -267,9 +267,9 @@ class Pipeline:
         K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
         stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
-    host_timeout_s : how long the host waits for the devices to finish (a check, a reset)
-        before it raises :class:`PipelineHung` and refuses further calls; default
-        ``max(10, 10 * timeout_s)``.
+    host_timeout_s : how long the host waits for the pipeline's work to finish (a check, a
+        reset; not the caller's work queued after it) before it raises :class:`PipelineHung`
+        and refuses further calls; more than ``timeout_s``; default ``max(10, 10 * timeout_s)``.
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
     sm_budget : the most SMs the pipeline's kernels hold on each GPU at once (default: all), so
@@ -1398,7 +1398,7 @@ class Pipeline:
             return traces
 
     def check_errors(self, plan: Plan | None = None) -> None:
-        """Wait for every device (bounded: :class:`PipelineHung`), then read the error words of
+        """Wait for the pipeline's work (bounded: :class:`PipelineHung`), then read the error words of
         ``plan`` (default: every plan); on a timeout reset that plan and raise
         :class:`PipelineTimeout` naming device, stage, CTA and tile."""
         with self._lock:
