@@ -801,8 +801,7 @@ class DistributedPipeline:
         """What ``dp``'s error words say (read from the GPU: call after :meth:`_wait`)."""
         msgs = []
         for seg, p in zip(self.segments, dp.plans):
-            words = [e.cpu().tolist() for e in p.errors]
-            msgs += [f"(plan of {dp.M} rows) {m}" for m in seg.error_messages(words)]
+            msgs += [f"(plan of {dp.M} rows) {m}" for m in seg.error_messages(seg._read(p.errors))]
         return msgs
 
     def reset(self) -> None:
@@ -828,8 +827,13 @@ class DistributedPipeline:
         self._meet("reset done", None, error)
 
     def _wait(self) -> None:
+        """Every segment's work, and this rank's current stream: the heap's zeroing, the calls'
+        handshakes and graph replays queue there (bounded, as the segments' waits are)."""
         for seg in self.segments:
             seg._wait()
+        if self.on_gpu:
+            done = torch.cuda.current_stream(self.device).record_event()
+            self.segments[0]._wait_for([("the caller's stream", self.device, done)])
 
     def _hung(self) -> str | None:
         """:meth:`_wait`, its :class:`~ctapipelining.pipeline.PipelineHung` as a message (so the
@@ -870,6 +874,8 @@ class DistributedGraphedCall:
     def replay(self) -> torch.Tensor | None:
         with self.pipeline._lock:
             self.pipeline._usable()
+            for seg in self.pipeline.segments:  # a weight's storage swapped: the graph would read freed memory
+                seg.check_weights()
             with torch.cuda.device(self.pipeline.device):
                 self.graph.replay()
         return self.out

@@ -36,7 +36,8 @@ for a tensor subclass, or one that asks for a gradient) ``forward`` calls the cu
 ``torch.ops.ctapipelining.mlp_block`` (``torch.library``, with a fake implementation for
 shapes), so a compiled model traces through the block without a graph break (the operator
 names its block by a key unique to the process: a program traced in one process and loaded in
-another finds no block and says so); an eager call runs
+another finds no block and says so; so a compiled graph differs from process to process, and
+compilation caches kept across processes miss); an eager call runs
 the kernels directly (the operator's dispatch is host time before the first kernel starts).
 
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
@@ -324,8 +325,8 @@ class FusedMLP(torch.nn.Module):
                     f"out must be a contiguous {list(rows.shape)} {rows.dtype} tensor on {rows.device} (the "
                     f"residual is added onto it in place), got {list(out.shape)} {out.dtype} on {out.device}"
                 )
-            if h is not None and overlaps(out, h):
-                raise ValueError("out and h share memory")
+            if overlaps(out, *[t for t in (h, w_out, second.bias) if t is not None]):
+                raise ValueError("out shares memory with h or the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
@@ -408,6 +409,8 @@ def _check_norm(norm: torch.nn.Module, expected, what: str) -> None:
     a norm of another form (``(1 + weight)``, an epsilon under another name) would otherwise
     fold into a block that computes something else."""
     w = norm.weight
+    if w.is_meta:  # (deferred initialisation: nothing to probe yet)
+        return
     scale = torch.tensor([[1.0], [20.0], [1e-3], [0.0]])
     x = (torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) * scale).to(w.device, w.dtype)
     with torch.no_grad():
@@ -684,8 +687,9 @@ class MLPStack(torch.nn.Module):
     def _pipeline(self):
         from .pipeline import Pipeline  # nn is imported by the package's users; the pipeline only here
 
-        for b in self.blocks:  # each lays its weights out again, in place, if its source changed
-            b._follow_source()
+        for b in self.blocks:  # each lays its weights out again, in place, if its source changed,
+            b._follow_source()  # and brings what its epilogues derive from them up to date
+            b._epilogues()
         weights = self._weights()
         key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
             (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None

@@ -269,7 +269,9 @@ class Pipeline:
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     host_timeout_s : how long the host waits for the pipeline's work to finish (a check, a
         reset; not the caller's work queued after it) before it raises :class:`PipelineHung`
-        and refuses further calls; more than ``timeout_s``; default ``max(10, 10 * timeout_s)``.
+        and refuses further calls; more than ``timeout_s`` (a GPU whose stages run as several
+        kernels one after another may wait ``timeout_s`` in each: give it that many, and the
+        calls a check may find queued); default ``max(10, 10 * timeout_s)``.
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
     sm_budget : the most SMs the pipeline's kernels hold on each GPU at once (default: all), so
@@ -491,6 +493,10 @@ class Pipeline:
         self._after_done: list[int] = []  # per device, the current stream (raw handle) that waited for them
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
+        # a call was captured in a graph of the caller's own: its replays run on the caller's
+        # streams unseen (no end recorded), so host waits also wait for those streams (_wait)
+        self._in_callers_graphs = False
+        self._capturing_own = False  # capture() or tune_ends() captures (their replays record an end, or sync)
 
     def _check_epilogues(self) -> None:
         """Each stage's epilogue fits its GEMM and its place in the chain (docstring)."""
@@ -548,17 +554,24 @@ class Pipeline:
             self._refresh_replicas(force=True)
 
     def _refresh_replicas(self, force: bool = False) -> None:
-        """Copy each weight whose replica is out of date (changed in place since) again."""
-        for rec in self._replicas:
-            w, copy, version = rec
-            if force or w._version != version:
-                if self._capturing():
-                    raise RuntimeError(
-                        "a weight changed in place since its replica was made: call the pipeline once outside "
-                        "the CUDA-graph capture to refresh it"
-                    )
-                copy.copy_(w)
-                rec[2] = w._version
+        """Copy each weight whose replica is out of date (changed in place since) again, after
+        the previous call (which may still read the replica) on the caller's streams."""
+        stale = [rec for rec in self._replicas if force or rec[0]._version != rec[2]]
+        if stale and self._capturing():
+            raise RuntimeError(
+                "a weight changed in place since its replica was made: call the pipeline once outside "
+                "the CUDA-graph capture to refresh it"
+            )
+        if stale and self.on_gpu:
+            callers = self._current_streams()
+            if [c.cuda_stream for c in callers] != self._after_done:
+                for c in callers:  # (the copies run on their source's and wait for their target's stream)
+                    for ev in self._done:
+                        c.wait_event(ev)
+        for rec in stale:
+            w, copy, _ = rec
+            copy.copy_(w)
+            rec[2] = w._version
 
     @classmethod
     def on_devices(cls, weights: list[torch.Tensor], devices: list[int] | None = None, **kw) -> Pipeline:
@@ -1040,21 +1053,39 @@ class Pipeline:
 
     def _read(self, tensors: list[torch.Tensor]) -> list[list[int]]:
         """The values of small device tensors (error words), after :meth:`_wait`."""
-        out = []
+        return [t.tolist() for t in self._to_host(tensors)]
+
+    def _to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of device tensors (error words, stamps), after :meth:`_wait`: copied on the
+        pipeline's own streams into pinned memory and waited for by event, at most
+        :attr:`host_timeout_s` (a stage stream may be shared: torch hands streams out of a pool)."""
+        if not self.on_gpu:
+            return list(tensors)
+        host, events = [], []
         for t in tensors:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             with self._own_stream(t):
-                out.append(t.cpu().tolist())
-        return out
+                h.copy_(t, non_blocking=True)
+                events.append(("a copy to the host", t.device, torch.cuda.current_stream(t.device).record_event()))
+            host.append(h)
+        self._wait_for(events)
+        return host
 
     def _wait(self) -> None:
         """Wait until the pipeline's work is done: every stage's stream and the last call's end
         (on whichever stream issued it: an eager call on one GPU runs on the caller's), at most
         :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`.
-        Whatever the caller queued after the last call is not waited for."""
+        Whatever the caller queued after the last call is not waited for, unless a call was
+        captured in a graph of the caller's own (its replays run on the caller's streams and
+        record no end): then the current stream of every device is waited for too."""
         if not self.on_gpu:
             return
         events = [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
         events += [("the last call", self.devices[0], ev) for ev in self._done]
+        if self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
+            events += [
+                ("the caller's stream", d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices
+            ]
         self._wait_for(events)
 
     def _wait_for(self, events: list) -> None:
@@ -1157,6 +1188,8 @@ class Pipeline:
             capturing = self._capturing(every_device=True)
             if not capturing:  # no event queries there
                 self._raise_finished_errors()
+            elif not self._capturing_own:
+                self._in_callers_graphs = True
             M, last = x.shape[0], self.weights[-1]
             if self.one_after_another:
                 out = self._call_one_after_another(x, out)
@@ -1201,11 +1234,21 @@ class Pipeline:
         with self._lock:
             out = self(x, out=out, check=True)  # the warm-up call (checks out's shape, dtype and device too)
             self._wait()
+            plan = None if self.one_after_another else self.plan(M)
+            pinned = plan is not None and plan.pinned
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph, stream=self._capture_stream):
-                self(x, out=out)
+            self._capturing_own = True  # its replays record their end (GraphedCall)
+            try:
+                with torch.cuda.device(self.devices[0]), torch.cuda.graph(graph, stream=self._capture_stream):
+                    self(x, out=out)
+            except BaseException:
+                if plan is not None:  # no graph points at it
+                    plan.pinned = pinned
+                raise
+            finally:
+                self._capturing_own = False
             self._wait()
-            return GraphedCall(self, None if self.one_after_another else self.plan(M), graph, x, out)
+            return GraphedCall(self, plan, graph, x, out)
 
     def _launch(
         self,
@@ -1391,11 +1434,7 @@ class Pipeline:
             if self.rows_for(M) not in self._plans:
                 raise ValueError(f"no call on {M} rows yet: nothing traced")
             self._wait()
-            traces = []
-            for t in self.plan(M).traces:
-                with self._own_stream(t):
-                    traces.append(t.cpu().numpy())
-            return traces
+            return [t.numpy() for t in self._to_host(self.plan(M).traces)]
 
     def check_errors(self, plan: Plan | None = None) -> None:
         """Wait for the pipeline's work (bounded: :class:`PipelineHung`), then read the error words of

@@ -164,7 +164,7 @@ def test_plain_split_tail(M, K, N, padded, stream_k):
     for _ in range(20):
         assert torch.equal(matmul(a, b, config=cfg), out)
     stream = torch.cuda.current_stream().cuda_stream
-    launch = _plain_launch(M, N, K, cfg, a.device, stream, None, False)
+    launch = _plain_launch(M, N, K, cfg, a.device, stream, None, 0)
     assert launch.tail.split == split and int(launch.tail.counters.abs().sum()) == 0
     whole = matmul(a, b, config=dataclasses.replace(cfg, split_tail=False, stream_k=False))
     differs = (whole != out).nonzero()[:, 0].unique()  # rows with a difference

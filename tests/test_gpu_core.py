@@ -194,7 +194,8 @@ def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     assert time.perf_counter() - t0 < 1.5
     with pytest.raises(PipelineHung, match="unusable"):
         pipe(x)
-    torch.cuda.synchronize()  # the sleep ends, the consumer runs
+    for d in range(NGPU):  # the sleep ends, the consumer runs (before this test's buffers are freed)
+        torch.cuda.synchronize(d)
 
 
 def test_host_waits_do_not_wait_for_the_callers_later_work():
@@ -222,6 +223,7 @@ def test_a_graph_refuses_a_replay_after_a_weights_storage_swap():
     graphed = pipe.capture(512)
     x = rand(512, 1024)
     assert torch.equal(graphed(x), pipe.sequential(x))
+    assert not pipe._in_callers_graphs  # capture()'s replays record their end
     ws[1].data = ws[1].clone()
     with pytest.raises(RuntimeError, match="storage or layout changed"):
         graphed(x)
@@ -230,7 +232,8 @@ def test_a_graph_refuses_a_replay_after_a_weights_storage_swap():
 def test_a_call_captured_before_its_plan_exists_is_refused():
     """Under a capture of the caller's own, a call on a height without a plan would build one
     (host copies inside the capture): refused with what to do; after one call outside, the
-    captured call replays right."""
+    captured call replays right, and checking it waits for the replay (which records no end of
+    its own: the host waits then cover the caller's current streams)."""
     ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
     pipe = Pipeline(ws, always_pipelined=True)
     x, out = rand(384, 1024), torch.empty(384, 1024, dtype=torch.bfloat16, device="cuda:0")
@@ -242,10 +245,10 @@ def test_a_call_captured_before_its_plan_exists_is_refused():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pipe(x, out=out)
+    assert pipe._in_callers_graphs  # host waits now wait for the caller's streams too
     out.fill_(float("nan"))
     graph.replay()
-    torch.cuda.synchronize()
-    pipe.check_errors()
+    pipe.check_errors()  # waits for the replay on the current stream
     assert torch.equal(out, pipe.sequential(x))
 
 
@@ -257,7 +260,7 @@ def test_cached_launch_equals_tritons_launch_path(M):
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
     cfg = plain_config(M)  # what matmul runs (narrow tiles for few rows)
-    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None, False)
+    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None, 0)
     assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))
@@ -312,9 +315,11 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
         with torch.cuda.graph(graph, stream=side):
             matmul(a, b, out=y)
             matmul(a2, b2, out=y2, config=PLAIN_CONFIG)
-    captured = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, side.cuda_stream, None, True)
+    captured = gemm._plain_launch(
+        640, 8192, 2048, PLAIN_CONFIG, a.device, side.cuda_stream, None, gemm._CAPTURE_OWNER.get()
+    )
     stream = torch.cuda.current_stream().cuda_stream
-    own = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, stream, None, False)
+    own = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, stream, None, 0)
     assert captured in gemm._CAPTURED and not any(captured is gemm._BOUND[k][0]() for k in gemm._BOUND)
     assert captured.tail is not None and captured.tail.shared is None and own.tail.shared is not None
     captured.tail.counters.fill_(3)

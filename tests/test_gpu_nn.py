@@ -67,7 +67,7 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
     from ctapipelining.gemm import _plain_launch
 
     stream = torch.cuda.current_stream().cuda_stream
-    first = _plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0], False)
+    first = _plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0], 0)
     assert first.stats._compiled and all(raw is not None for raw in first.stats._compiled.values())
     x = torch.randn(4096, H, device="cuda").bfloat16()
     graph_follows_its_source(block, x, lambda: mlp.down_proj.weight.mul_(2))

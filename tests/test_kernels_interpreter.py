@@ -344,7 +344,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     for M, K, N in shapes:
         a, b = torch.randn(M, K).half(), (torch.randn(K, N) * K**-0.5).half()
         first[M] = (a, b, matmul(a, b, config=SPLIT))
-    launches = [gemm._plain_launch(M, N, K, SPLIT, cpu, 0, None, False) for M, K, N in shapes]
+    launches = [gemm._plain_launch(M, N, K, SPLIT, cpu, 0, None, 0) for M, K, N in shapes]
     small, grown, shared = (lc.tail.shared for lc in launches)
     assert small is not None and grown is not small and shared is grown
     assert small.workspace.numel() == 3 * 16 * 16 and grown.counters.numel() == 2
@@ -356,7 +356,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
             assert torch.equal(out, y)
             assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
             assert int(small.counters.abs().sum()) == int(grown.counters.abs().sum()) == 0
-    captured = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, True)
+    captured = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, gemm._CAPTURE_OWNER.get())
     assert captured.tail.shared is None and captured.tail.workspace.data_ptr() not in (
         small.workspace.data_ptr(),
         grown.workspace.data_ptr(),
@@ -373,7 +373,7 @@ def test_a_stream_k_share_stores_a_whole_tile_as_usual():
     assert [s for s in split.segments(1, 3) if s[2] - s[1] == 3] == [(2, 0, 3)]
     a, b = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
     want = matmul(a, b, config=STREAM_K)
-    counters = gemm._plain_launch(M, N, K, STREAM_K, torch.device("cpu"), 0, None, False).tail.counters
+    counters = gemm._plain_launch(M, N, K, STREAM_K, torch.device("cpu"), 0, None, 0).tail.counters
     counters[2] = 7
     try:
         assert torch.equal(matmul(a, b, config=STREAM_K), want)
@@ -399,7 +399,7 @@ def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(mo
 
     a, b = torch.randn(48, 64).half(), torch.randn(64, 32).half()
     matmul(a, b, config=SPLIT)  # binds the launch (a split tail of 2 x 2 slices)
-    counters = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, False).tail.counters
+    counters = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, 0).tail.counters
     monkeypatch.setattr(gemm.GemmLaunch, "__call__", stopped)
     with pytest.raises(RuntimeError, match="stopped midway"):
         matmul(a, b, config=SPLIT)

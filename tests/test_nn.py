@@ -165,25 +165,29 @@ def test_a_source_storage_freed_and_replaced_at_its_address_is_seen():
     assert block._source_moved()
 
 
-def test_a_gpt_blocks_column_sums_follow_its_laid_out_weight_changed_in_place():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_gpt_blocks_column_sums_follow_its_laid_out_weight_changed_in_place(stacked):
     """The column sums the LayerNorm fold subtracts are derived from the laid-out first weight:
-    an in-place change of ``block.w_in`` brings them up to date at the next call."""
-    from ctapipelining.epilogue import column_sums
+    after an in-place change of ``block.w_in`` the next call (of the block, or of a pipelined
+    stack of it) equals a copy of the block made after the change, whose epilogues are built
+    afresh (rows whose mean is 30x their spread: stale sums would be far off)."""
+    import copy
 
-    mlp, norm = gpt_block()
-    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
-    x = (torch.randn(9, H) + 3).half()
-    block(x)
+    blocks = [GPTMLP.from_hf(*gpt_block(seed), up_config=SMALL, down_config=SMALL) for seed in (0, 1)]
+    x = (torch.randn(9, H) + 30).half()
+    run = GPTStack(blocks, config=SMALL, always_pipelined=True) if stacked else blocks[0]
+    run(x)
     with torch.no_grad():
-        block.w_in.mul_(1.5)
-    block(x)
-    assert torch.equal(block._epilogues()[0].col_sum, column_sums(block.w_in))
+        blocks[0].w_in.mul_(1.5)
+    fresh = [copy.deepcopy(b) for b in blocks]
+    want = fresh[1](fresh[0](x)) if stacked else fresh[0](x)
+    assert rel(run(x), want) < (2e-3 if stacked else 1e-6)
 
 
 def test_a_refused_refresh_changes_nothing_and_run_checks_out_before_writing():
     """A refresh whose source changed in two ways, one refused (a bias gone), leaves every
     laid-out buffer as it was; ``run`` with an ``out`` the second GEMM would refuse (padded
-    rows) refuses before the first GEMM writes anything."""
+    rows, or its own weight) refuses before the first GEMM writes anything."""
     mlp, norm = gpt_block()
     block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
     before = {k: v.clone() for k, v in block._buffers.items() if v is not None}
@@ -200,6 +204,10 @@ def test_a_refused_refresh_changes_nothing_and_run_checks_out_before_writing():
     with pytest.raises(ValueError, match="out must be a contiguous"):
         llama.run(rows, out, h)
     assert out.isnan().all() and h.isnan().all()
+    w_out = llama.w_out.clone()
+    with pytest.raises(ValueError, match="out shares memory"):
+        llama.run(rows, llama.w_out[:8])  # the second GEMM's own weight: refused before the first writes it
+    assert torch.equal(llama.w_out, w_out)
 
 
 def test_block_takes_any_leading_shape_and_refreshes_from_its_source():
