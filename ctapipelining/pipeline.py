@@ -1113,7 +1113,7 @@ class Pipeline:
         if not self.on_gpu:
             return False
         here, first = torch.cuda.current_device(), self._device_indices[0]
-        if here == first and not every_device:
+        if here == first and (not every_device or len(self._device_indices) == 1):
             return torch.cuda.is_current_stream_capturing()
         capturing = {}
         for index in self._device_indices if every_device else [first]:
