@@ -604,6 +604,8 @@ def get_policy(policy: Policy | str) -> Policy:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         return POLICIES[policy]
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy or one of {sorted(POLICIES)}, got {policy!r}")
     return policy
 
 

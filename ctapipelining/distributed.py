@@ -328,7 +328,7 @@ class DistributedPipeline:
         try:
             self._check_local(weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s,
                               max_plans, row_buckets, sm_budget, loopback)  # fmt: skip
-        except (ValueError, TypeError, fabric.SymmetricMemoryError) as e:
+        except Exception as e:  # noqa: BLE001 (any error: raised on every rank after the gather)
             local_error = f"{type(e).__name__}: {e}"
         device = weights[0].device if not local_error and weights else None
         mine = {
@@ -603,15 +603,20 @@ class DistributedPipeline:
         return dp.links.get(stages[0]), dp.links.get(stages[-1] + 1)
 
     def _evict(self, keep: int) -> None:
-        """Free the least recently used unpinned plans beyond :attr:`max_plans` (collective:
-        every rank frees the same plans at the same call, after its GPU is done with them, so no
-        producer still writes into a heap that goes)."""
-        evict = [m for m, p in self._plans.items() if not p.pinned and m != keep]
-        evict = evict[: max(0, len(self._plans) - self.max_plans)]
-        if not evict:
-            return
-        self._meet("free plans", evict, self._hung())
-        for m in evict:
+        """Free the least recently used plans beyond :attr:`max_plans`, the same ones on every
+        rank (collective, after each plan built, which every rank builds at the same call): rank
+        0's order of use decides (the ranks' orders may differ: a call one rank refused), no plan
+        a graph points at on any rank goes, and a plan some rank no longer holds goes everywhere
+        (its heap is gone there). Each rank frees them once its GPU is done with them, so no
+        producer still writes into a heap that goes."""
+        mine = [(m, p.pinned) for m, p in self._plans.items() if m != keep]
+        every = self._meet("free plans", mine, self._hung())
+        pinned = {m for held in every for m, pin in held if pin}
+        everywhere = set.intersection(*[{m for m, _ in held} for held in every])
+        partial = {m for held in every for m, _ in held} - everywhere - pinned
+        candidates = [m for m, _ in every[0] if m in everywhere and m not in pinned]  # least recently used first
+        evict = partial | set(candidates[: max(0, len(everywhere) + 1 - self.max_plans)])
+        for m in [m for m in self._plans if m in evict]:
             dp = self._plans.pop(m)
             self._unread += self._messages(dp)  # its last calls' errors are not lost with it
             for seg, p in zip(self.segments, dp.plans):
@@ -655,8 +660,8 @@ class DistributedPipeline:
         None. Does not synchronise and does not read the error words: call
         :meth:`check_errors` on every rank (``check=True``: here, collectively)."""
         with self._lock:
-            self._usable()
             try:
+                self._usable()
                 for seg in self.segments:  # its launches are bound to its weights' storage
                     seg.check_weights()
                 M = self._rows(x, rows)
@@ -723,11 +728,18 @@ class DistributedPipeline:
         with self._lock:
             out = self(x, rows=None if self.is_first else M, out=out, check=True)
             self._wait()
+            dp = self.plan(M)
+            pinned = [p.pinned for p in dp.plans]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.device), torch.cuda.graph(graph):
-                self(x, rows=None if self.is_first else M, out=out)
+            try:
+                with torch.cuda.device(self.device), torch.cuda.graph(graph):
+                    self(x, rows=None if self.is_first else M, out=out)
+            except BaseException:
+                for p, pin in zip(dp.plans, pinned):  # no graph points at them
+                    p.pinned = pin
+                raise
             self._wait()
-            return DistributedGraphedCall(self, self.plan(M), graph, x, out)
+            return DistributedGraphedCall(self, dp, graph, x, out)
 
     def sequential(self, x: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor | None:
         """The same stages one after another, no pipelining (collective: each rank's result goes
@@ -785,17 +797,27 @@ class DistributedPipeline:
                 msgs = self._unread + [m for dp in self._plans.values() for m in self._messages(dp)]
             except PipelineHung as e:
                 hung, msgs = str(e), [f"rank {self.rank}: {e}"]
+            broken = next((seg._broken for seg in self.segments if seg._broken), None)
+            if broken and not hung:  # an earlier hang: this rank refuses calls the others make
+                hung = broken
+                msgs.append(f"rank {self.rank} is unusable: {broken}")
             if self._out_of_step:
                 msgs.append(self._out_of_step + ": its calls no longer paired with the other ranks'")
-            every = self._meet("check errors", msgs)
-            failed = [m for r in every for m in r]
+            every = self._meet("check errors", (msgs, hung is not None))
+            failed = [m for ms, _ in every for m in ms]
             if not failed:
                 return
-            self._reset(zero=hung is None)
-            text = "; ".join(failed)
-            if hung:
-                raise PipelineHung(text)
-            raise PipelineTimeout(f"a call failed: {text}. State reset on every rank; the next call starts clean.")
+            if any(h for _, h in every):
+                # a GPU that did not finish may still write into its peers' heaps: no rank zeroes
+                # its state under it; the chain cannot run without that rank: none runs it again
+                self._reset(zero=False)
+                for seg in self.segments:
+                    seg._broken = seg._broken or "a rank's GPU did not finish (" + "; ".join(failed) + ")"
+                raise PipelineHung("; ".join(failed) + "; every rank now refuses calls")
+            self._reset(zero=True)
+            raise PipelineTimeout(
+                f"a call failed: {'; '.join(failed)}. State reset on every rank; the next call starts clean."
+            )
 
     def _messages(self, dp: DistributedPlan) -> list[str]:
         """What ``dp``'s error words say (read from the GPU: call after :meth:`_wait`)."""
@@ -872,11 +894,17 @@ class DistributedGraphedCall:
     out: torch.Tensor | None
 
     def replay(self) -> torch.Tensor | None:
-        with self.pipeline._lock:
-            self.pipeline._usable()
-            for seg in self.pipeline.segments:  # a weight's storage swapped: the graph would read freed memory
-                seg.check_weights()
-            with torch.cuda.device(self.pipeline.device):
+        """Replay on the current stream (the pipeline's host waits wait for it there)."""
+        pipe = self.pipeline
+        with pipe._lock:
+            try:
+                pipe._usable()
+                for seg in pipe.segments:  # a weight's storage swapped: the graph would read freed memory
+                    seg.check_weights()
+            except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
+                pipe._out_of_step = f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
+                raise
+            with torch.cuda.device(pipe.device):
                 self.graph.replay()
         return self.out
 
@@ -886,6 +914,7 @@ class DistributedGraphedCall:
             if self.x is None:
                 raise ValueError("only the first rank gives the input")
             if x.shape != self.x.shape or x.dtype != self.x.dtype or x.device != self.x.device:
+                self.pipeline._out_of_step = f"rank {self.pipeline.rank} refused a replay (a wrong x)"
                 raise ValueError(f"this graph reads x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device}")
             self.x.copy_(x)
         return self.replay()
