@@ -399,6 +399,7 @@ class DistributedPipeline:
         self._building: DistributedPlan | None = None
         self._lock = threading.RLock()
         self._unread: list[str] = []  # errors of freed plans, reported at the next check_errors
+        self._replayed: torch.cuda.Event | None = None  # the last graph replay's end
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
 
     def _check_local(
@@ -506,7 +507,8 @@ class DistributedPipeline:
             heap = fabric.shared_heap(layout.nbytes, self.group, self._meet)
         error = None
         try:
-            heap.local.zero_()
+            with self._own_stream():  # waited for below (the segments' streams)
+                heap.local.zero_()
             dp = self._bind_plan(B, heap, layout)
             self._wait()
         except Exception as e:  # noqa: BLE001 (raised on every rank below)
@@ -838,24 +840,29 @@ class DistributedPipeline:
         GPU that did not finish: ``zero=False``; it stays unusable), meet again."""
         self._meet("reset", None, error)  # a rank whose GPU hung: every rank raises
         if zero:
-            for dp in self._plans.values():
-                dp.heap.local.zero_()
-                for c in dp.calls:
-                    c.zero_()
-                for seg, p in zip(self.segments, dp.plans):
-                    seg.reset(p)
+            with self._own_stream():  # waited for by _hung (the segments' streams)
+                for dp in self._plans.values():
+                    dp.heap.local.zero_()
+                    for c in dp.calls:
+                        c.zero_()
+                    for seg, p in zip(self.segments, dp.plans):
+                        seg.reset(p)
             error = self._hung()
         self._unread, self._out_of_step = [], None
         self._meet("reset done", None, error)
 
     def _wait(self) -> None:
-        """Every segment's work, and this rank's current stream: the heap's zeroing, the calls'
-        handshakes and graph replays queue there (bounded, as the segments' waits are)."""
+        """Every segment's work (calls, handshakes, the heap's zeroing) and the last graph
+        replay's end (bounded, as the segments' waits are)."""
         for seg in self.segments:
             seg._wait()
-        if self.on_gpu:
-            done = torch.cuda.current_stream(self.device).record_event()
-            self.segments[0]._wait_for([("the caller's stream", self.device, done)])
+        if self._replayed is not None:
+            self.segments[0]._wait_for([("the last replay", self.device, self._replayed)])
+
+    def _own_stream(self):
+        """A context in which this rank's current stream is its first segment's (waited for by
+        :meth:`_wait`), not the caller's."""
+        return torch.cuda.stream(self.segments[0].streams[0]) if self.on_gpu else contextlib.nullcontext()
 
     def _hung(self) -> str | None:
         """:meth:`_wait`, its :class:`~ctapipelining.pipeline.PipelineHung` as a message (so the
@@ -892,6 +899,7 @@ class DistributedGraphedCall:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor | None
     out: torch.Tensor | None
+    _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
 
     def replay(self) -> torch.Tensor | None:
         """Replay on the current stream (the pipeline's host waits wait for it there)."""
@@ -906,6 +914,10 @@ class DistributedGraphedCall:
                 raise
             with torch.cuda.device(pipe.device):
                 self.graph.replay()
+                if self._done is None:
+                    self._done = torch.cuda.Event()
+                self._done.record()  # on the stream it replayed on
+            pipe._replayed = self._done
         return self.out
 
     def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -159,6 +159,7 @@ class FusedMLP(torch.nn.Module):
     say what each GEMM's epilogue does (:meth:`_make_epilogues`)."""
 
     hidden: int
+    _norm_kind: str  # what a source norm computes: "rms" or "layer" (_check_norm)
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -167,6 +168,7 @@ class FusedMLP(torch.nn.Module):
         self.in_config, self.out_config = in_config, out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
         self._source_versions = None
+        self._norm_unchecked = False  # a source norm on the meta device, probed at refresh (_check_norm)
         self._epi = None  # (the buffers' addresses, first epilogue, second): rebuilt when they move
         self._derived = None  # the buffers' versions the epilogues' derived tensors follow (_buffer_versions)
         self._register()
@@ -325,7 +327,8 @@ class FusedMLP(torch.nn.Module):
                     f"out must be a contiguous {list(rows.shape)} {rows.dtype} tensor on {rows.device} (the "
                     f"residual is added onto it in place), got {list(out.shape)} {out.dtype} on {out.device}"
                 )
-            if overlaps(out, *[t for t in (h, w_out, second.bias) if t is not None]):
+            bias = None if second.bias is None else second.bias.view(1, -1)
+            if overlaps(out, *[t for t in (h, w_out, bias) if t is not None]):
                 raise ValueError("out shares memory with h or the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
@@ -350,6 +353,8 @@ class FusedMLP(torch.nn.Module):
         weights."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
+        if self._norm_unchecked:  # built on the meta device: the norm is probed once it is real
+            self._norm_unchecked = not _check_norm(self._source[1], self._norm_kind, self.eps)
         self._lay_out(*self._source_weights())
         self._source_versions = self._versions()
 
@@ -366,9 +371,13 @@ class FusedMLP(torch.nn.Module):
     def _source_moved(self) -> bool:
         if self._source is None:
             return False
-        now, then = self._versions(), self._source_versions
+        now, then = [t for t in self._source_weights() if t is not None], self._source_versions
         return len(now) != len(then) or any(
-            a[1:] != b[1:] or b[0].expired() or a[0].cdata != b[0].cdata for a, b in zip(now, then)
+            t.data_ptr() != ptr
+            or (None if t.is_inference() else t._version) != version
+            or ref.expired()
+            or ref.cdata != t.untyped_storage()._cdata
+            for t, (ref, ptr, version) in zip(now, then)
         )
 
     def _follow_source(self) -> None:
@@ -402,15 +411,29 @@ def _check_block(ws: dict, shapes: dict, optional: tuple[str, ...] = ()) -> None
         raise ValueError("the block's weights must share one dtype and one device")
 
 
-def _check_norm(norm: torch.nn.Module, expected, what: str) -> None:
-    """Refuse a ``transformers`` norm module that does not compute ``expected`` (float32 rows
-    -> float32 rows: what the fold assumes, with the epsilon read from the module), probed on
-    rows of several magnitudes, a tiny one (where the epsilon weighs) and a zero one among them:
-    a norm of another form (``(1 + weight)``, an epsilon under another name) would otherwise
-    fold into a block that computes something else."""
-    w = norm.weight
-    if w.is_meta:  # (deferred initialisation: nothing to probe yet)
-        return
+def _check_norm(norm: torch.nn.Module, kind: str, eps: float) -> bool:
+    """Refuse a ``transformers`` norm module that does not compute what the fold assumes
+    (``kind`` ``"rms"``: ``x * rsqrt(mean(x^2) + eps) * weight``; ``"layer"``: a LayerNorm, with
+    the epsilon read from the module), probed on rows of several magnitudes, a tiny one (where
+    the epsilon weighs) and a zero one among them: a norm of another form (``(1 + weight)``, an
+    epsilon under another name) would otherwise fold into a block that computes something else.
+    Returns False for a module on the meta device (deferred initialisation: nothing to probe
+    yet; the block probes it when it lays its weights out again, :meth:`FusedMLP.refresh`)."""
+    w, b = norm.weight, getattr(norm, "bias", None)
+    if w.is_meta:
+        return False
+    if kind == "rms":
+        what = f"x * rsqrt(mean(x^2) + {eps:g}) * weight"
+
+        def expected(x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.detach().float()
+    else:
+        what = f"a LayerNorm with eps {eps:g}"
+
+        def expected(x):
+            bias = None if b is None else b.detach().float()
+            return torch.nn.functional.layer_norm(x, (w.shape[0],), w.detach().float(), bias, eps)
+
     scale = torch.tensor([[1.0], [20.0], [1e-3], [0.0]])
     x = (torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) * scale).to(w.device, w.dtype)
     with torch.no_grad():
@@ -421,6 +444,7 @@ def _check_norm(norm: torch.nn.Module, expected, what: str) -> None:
             f"{type(norm).__name__} does not compute {what} (relative error per probe row "
             f"{[round(float(e), 3) for e in err / want.norm(dim=-1).clamp_min(1e-6)]}): it does not fold here"
         )
+    return True
 
 
 class LlamaMLP(FusedMLP):
@@ -428,6 +452,8 @@ class LlamaMLP(FusedMLP):
     ``torch.nn.Linear``'s layout: ``w_gate``, ``w_up`` ``[I, H]``, ``w_down`` ``[H, I]``, the
     RMSNorm's ``norm_weight`` ``[H]`` and ``eps``. All on one device, one dtype (bf16, or fp16).
     ``forward(x)`` takes ``[..., H]`` and returns the block's output of that shape."""
+
+    _norm_kind = "rms"  # what its source norm must compute (_check_norm)
 
     def __init__(
         self,
@@ -472,13 +498,9 @@ class LlamaMLP(FusedMLP):
             if getattr(mlp, name).bias is not None:
                 raise ValueError(f"{name} has a bias: a Llama MLP has none")
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        weight = norm.weight.detach().float()
-        _check_norm(
-            norm, lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight,
-            f"x * rsqrt(mean(x^2) + {eps:g}) * weight",
-        )  # fmt: skip
+        checked = _check_norm(norm, cls._norm_kind, eps)
         block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
-        block._source = (mlp, norm)
+        block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
 
@@ -504,6 +526,8 @@ class GPTMLP(FusedMLP):
     ``b_2`` ``[H]``, the LayerNorm's ``norm_weight`` and ``norm_bias`` ``[H]`` (``None``: no
     bias) and ``eps``. The activation is GELU's tanh form (GPT-2's ``gelu_new``). All on one
     device, one dtype. ``forward(x)`` takes ``[..., H]`` and returns the block's output."""
+
+    _norm_kind = "layer"
 
     def __init__(
         self,
@@ -558,15 +582,10 @@ class GPTMLP(FusedMLP):
         act = getattr(mlp, "act", None)
         if type(act).__name__ not in GELU_TANH:
             raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
-        eps, (H,) = float(norm.eps), norm.weight.shape
-        _check_norm(
-            norm, lambda x: torch.nn.functional.layer_norm(
-                x, (H,), norm.weight.detach().float(), None if norm.bias is None else norm.bias.detach().float(), eps
-            ),
-            f"a LayerNorm with eps {eps:g}",
-        )  # fmt: skip
+        eps = float(norm.eps)
+        checked = _check_norm(norm, cls._norm_kind, eps)
         block = cls(*cls._hf_weights(mlp, norm), eps, **configs)
-        block._source = (mlp, norm)
+        block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
 
@@ -688,8 +707,9 @@ class MLPStack(torch.nn.Module):
         from .pipeline import Pipeline  # nn is imported by the package's users; the pipeline only here
 
         for b in self.blocks:  # each lays its weights out again, in place, if its source changed,
-            b._follow_source()  # and brings what its epilogues derive from them up to date
-            b._epilogues()
+            b._follow_source()
+            if b._buffer_versions() is not None:  # and brings what its epilogues derive from them up to date
+                b._epilogues()
         weights = self._weights()
         key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
             (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
@@ -721,14 +741,18 @@ class MLPStack(torch.nn.Module):
         """Whether a call runs the blocks one after another, each as it runs alone: every block
         on one device and nothing that asks for the pipeline there (no ``config``, loopback,
         trace or SM budget, and not ``always_pipelined``; see the class docstring)."""
-        return self.config is None and self._pipeline().free_on_one_device
+        return self._apart(self._pipeline())
+
+    def _apart(self, pipeline) -> bool:
+        return self.config is None and pipeline.free_on_one_device
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.blocks_apart():
+        pipeline = self._pipeline()
+        if self._apart(pipeline):
             for b in self.blocks:
                 rows = b._run(rows, b.w_in, b.w_out)
             return rows
-        return self._pipeline()(rows)
+        return pipeline(rows)
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise (the

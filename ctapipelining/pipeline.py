@@ -131,6 +131,9 @@ def faster_by(medians: dict, default, margin: float):
     return best if medians[best] < (1 - margin) * medians[default] else default
 
 
+CALLERS_STREAM = "the caller's stream"  # a host wait's name for the caller's current stream
+
+
 class PipelineTimeout(RuntimeError):
     """A stage waited past its deadline for an input that never came."""
 
@@ -568,6 +571,7 @@ class Pipeline:
                 for c in callers:  # (the copies run on their source's and wait for their target's stream)
                     for ev in self._done:
                         c.wait_event(ev)
+                self._after_done = [c.cuda_stream for c in callers]
         for rec in stale:
             w, copy, _ = rec
             copy.copy_(w)
@@ -1083,9 +1087,7 @@ class Pipeline:
         events = [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
         events += [("the last call", self.devices[0], ev) for ev in self._done]
         if self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
-            events += [
-                ("the caller's stream", d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices
-            ]
+            events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
         self._wait_for(events)
 
     def _wait_for(self, events: list) -> None:
@@ -1095,6 +1097,12 @@ class Pipeline:
         pause = 1e-5
         for who, device, ev in events:
             while not ev.query():
+                if time.monotonic() > deadline and who == CALLERS_STREAM:
+                    raise TimeoutError(  # the caller's own work (its graphs' replays, its kernels): not ours
+                        f"{who} on {device} did not finish within host_timeout_s={self.host_timeout_s:g} s (a call "
+                        "of this pipeline was captured in a graph of yours, whose replays run there: the host waits "
+                        "for them; the pipeline stays usable)"
+                    )
                 if time.monotonic() > deadline:
                     self._broken = (
                         f"{who} on {device} did not finish within host_timeout_s={self.host_timeout_s:g} s "
@@ -1188,11 +1196,10 @@ class Pipeline:
             capturing = self._capturing(every_device=True)
             if not capturing:  # no event queries there
                 self._raise_finished_errors()
-            elif not self._capturing_own:
-                self._in_callers_graphs = True
             M, last = x.shape[0], self.weights[-1]
             if self.one_after_another:
                 out = self._call_one_after_another(x, out)
+                self._captured_by_caller(capturing)
                 if check and not capturing:
                     self._wait()
                 return out
@@ -1209,9 +1216,17 @@ class Pipeline:
             if out is None:
                 out = torch.empty(M, self.out_cols[-1], dtype=last.dtype, device=self.devices[-1])
             self._launch(plan, x, out)
+            self._captured_by_caller(capturing)
             if check and not capturing:
                 self.check_errors(plan)
             return out
+
+    def _captured_by_caller(self, capturing: bool) -> None:
+        """After a call captured in a graph of the caller's own (not :meth:`capture`'s): its
+        replays run on the caller's streams and record no end, so from now on host waits also
+        wait for those streams (:meth:`_wait`)."""
+        if capturing and not self._capturing_own:
+            self._in_callers_graphs = True
 
     def capture(self, M: int, out: torch.Tensor | None = None) -> GraphedCall:
         """Capture one call on ``M`` rows in a CUDA graph, after an eager warm-up call (which

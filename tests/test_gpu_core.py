@@ -241,14 +241,18 @@ def test_a_call_captured_before_its_plan_exists_is_refused():
     with pytest.raises(RuntimeError, match="call the pipeline once on 384 rows outside the capture"):
         with torch.cuda.graph(graph):
             pipe(x, out=out)
+    assert not pipe._in_callers_graphs  # (nothing was captured)
     pipe(x, out=out, check=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pipe(x, out=out)
     assert pipe._in_callers_graphs  # host waits now wait for the caller's streams too
     out.fill_(float("nan"))
+    torch.cuda._sleep(400_000_000)  # ~0.2 s before the replay starts
     graph.replay()
+    end = torch.cuda.current_stream().record_event()
     pipe.check_errors()  # waits for the replay on the current stream
+    assert end.query(), "check_errors returned before the replay it checks had run"
     assert torch.equal(out, pipe.sequential(x))
 
 

@@ -104,27 +104,55 @@ def test_the_norms_epsilon_weighs_on_tiny_rows_and_a_zero_row_stays_finite(kind)
     assert (err <= torch.maximum(2 * their_err, 1e-3 * ref.norm(dim=-1))).all(), (err, their_err)
 
 
+class OnePlus(torch.nn.Module):
+    """An RMSNorm ``x_hat * (offset + weight)`` (Gemma's and Qwen3-Next's: offset 1), its
+    epsilon kept under ``eps_name``."""
+
+    def __init__(self, eps_name, eps, offset):
+        super().__init__()
+        self.weight, self.offset, self.e = torch.nn.Parameter(0.1 * torch.randn(H).half()), offset, eps
+        setattr(self, eps_name, eps)
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.e)
+        return (xf * (self.offset + self.weight.float())).half()
+
+
 def test_a_norm_of_another_form_is_refused_when_building_from_transformers():
     """A norm the fold would get wrong: a Gemma/Qwen3-Next-style RMSNorm (``x_hat * (1 +
     weight)``), and one whose epsilon is kept under a name the block does not read (1e-2 in
     ``epsilon``, read as 1e-6): refused, naming what it does not compute."""
     mlp, _ = hf_block()
 
-    class OnePlus(torch.nn.Module):
-        def __init__(self, eps_name, eps, offset):
-            super().__init__()
-            self.weight, self.offset, self.e = torch.nn.Parameter(0.1 * torch.randn(H).half()), offset, eps
-            setattr(self, eps_name, eps)
-
-        def forward(self, x):
-            xf = x.float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.e)
-            return (xf * (self.offset + self.weight.float())).half()
-
     for norm in (OnePlus("variance_epsilon", 1e-6, 1.0), OnePlus("epsilon", 1e-2, 0.0)):
         with pytest.raises(ValueError, match="does not compute x \\* rsqrt"):
             LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
     LlamaMLP.from_hf(mlp, OnePlus("variance_epsilon", 1e-2, 0.0), gate_up_config=SMALL, down_config=SMALL)
+
+
+def test_a_norm_built_on_the_meta_device_is_probed_once_it_is_real():
+    """Deferred initialisation: a block built from modules on the meta device builds (nothing
+    to probe yet); once the modules (and the block, ``to_empty``) hold real memory, laying the
+    weights out again probes the norm, and a norm of another form is refused then."""
+    real_mlp, real_norm = hf_block()
+    for kind in ("one plus", "llama"):
+        with torch.device("meta"):
+            mlp, norm = hf_block()
+            norm = OnePlus("variance_epsilon", 1e-5, 1.0) if kind == "one plus" else norm
+        block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+        mlp.to_empty(device="cpu").load_state_dict(real_mlp.state_dict())
+        norm.to_empty(device="cpu")
+        block.to_empty(device="cpu")
+        with torch.no_grad():
+            norm.weight.copy_(real_norm.weight)
+        if kind == "one plus":
+            with pytest.raises(ValueError, match="does not compute"):
+                block.refresh()
+            continue
+        block.refresh()
+        x = torch.randn(5, H).half()
+        assert rel(block(x), reference(mlp, norm, x)) < 5e-3
 
 
 def test_the_operator_writes_none_of_its_inputs_and_a_moved_source_is_followed_outside_it():
@@ -208,6 +236,11 @@ def test_a_refused_refresh_changes_nothing_and_run_checks_out_before_writing():
     with pytest.raises(ValueError, match="out shares memory"):
         llama.run(rows, llama.w_out[:8])  # the second GEMM's own weight: refused before the first writes it
     assert torch.equal(llama.w_out, w_out)
+    gpt = GPTMLP.from_hf(*gpt_block(), up_config=SMALL, down_config=SMALL)
+    b_out = gpt.b_out.clone()
+    with pytest.raises(ValueError, match="out shares memory"):
+        gpt.run(rows[:1], gpt.b_out.view(1, H))  # the second GEMM's bias
+    assert torch.equal(gpt.b_out, b_out)
 
 
 def test_block_takes_any_leading_shape_and_refreshes_from_its_source():
