@@ -27,9 +27,11 @@ knows where to write without asking.
 Handshake (:mod:`ctapipelining.kernels.handshake`): nothing orders the ranks' streams, so each
 segment brackets its call with a one-CTA *gate* (wait until the previous segment has started
 this call, and the next has finished the one before; then say "started") and a *finish* ("no
-longer reading my input"). A consumer's deadline therefore counts from when its producer runs,
-however late its rank started (compiling, descheduled), and a producer never overwrites an
-input its consumer still reads. The gate's waits are bounded by ``start_timeout_s``.
+longer reading my input"). A consumer's deadline therefore counts from when its producer's gate
+runs, however late its rank started (compiling, descheduled; the host queues the segment's
+kernels right after the gate, so a host stalled between the two for longer than ``timeout_s``
+still times the consumer out), and a producer never overwrites an input its consumer still
+reads. The gate's waits are bounded by ``start_timeout_s``.
 
 Errors are collective: a call does not read the error words; :meth:`DistributedPipeline.check_errors`
 (every rank calls it, or ``check=True`` on a call) gathers every rank's words, and if any stage
@@ -44,7 +46,7 @@ a segment with the stage before it (a block's GEMMs stay on one rank).
 
 Plan building, eviction and the error check are collective: every rank must make the same calls
 (the same row counts, in the same order); building a plan checks that the ranks agree on its
-height, and each call's gate checks its rows.
+height; calls on different row counts whose plans both exist show up as a start timeout.
 """
 
 from __future__ import annotations
