@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ctapipelining.distributed import DistributedPipeline
 from ctapipelining.kernels.gemm import PIPELINE_CONFIG
-from ctapipelining.pipeline import Pipeline
+from ctapipelining.pipeline import Pipeline, PipelineTimeout
 from ctapipelining.timing import environment, median_ci
 
 
@@ -105,7 +105,7 @@ def main() -> None:
     dist.barrier()
 
     # a late first rank: the others' consumers wait in their gates, not in their kernels' deadlines
-    late_right = None
+    late_right, late_timeout = None, None
     if args.late > 0:  # (with one rank nobody waits for it, but the calls run the same way)
         late_right = True
         for _ in range(3):
@@ -114,7 +114,10 @@ def main() -> None:
                 time.sleep(args.late)
             got = pipe(x, rows=rows)
             late_right = late_right and (got is None or torch.equal(got, ref))
-        pipe.check_errors()  # raises on every rank if anything timed out
+        try:
+            pipe.check_errors()  # raises on every rank if anything timed out (and resets them all)
+        except PipelineTimeout as e:
+            late_timeout = str(e)
     dist.barrier()
 
     graphed = pipe.capture(args.rows)
@@ -150,7 +153,9 @@ def main() -> None:
             "blocks": {"intermediate": args.inter} if args.blocks else None,
             "bitwise_equal_sequential": same_sequential if world == 1 else "on the last rank",
             "bitwise_equal_one_process": same_single,
-            "late_first_rank": None if late_right is None else {"seconds": args.late, "calls": 3, "no_timeout": True},
+            "late_first_rank": None if late_right is None else {
+                "seconds": args.late, "calls": 3, "no_timeout": late_timeout is None, "timeout": late_timeout,
+            },
             "median_ms": {k: statistics.median(v) for k, v in times.items()},
             "distributed_over_one_process": {"median": med, "ci95": [lo, hi]},
             "times_ms": times, "env": environment(),
