@@ -292,6 +292,62 @@ def test_two_ranks_in_two_processes(tmp_path):
         assert settings.startswith("refused rank 1 was built with") and "must pass the same" in settings
 
 
+def _eviction(rank, store, result):
+    import datetime
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    # ranks that free different plans meet in different collectives: fail in a minute, not hang
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        ws = _weights([32, 48, 32])
+        pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, max_plans=2, row_buckets=0)
+        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(4)).half()
+
+        def call(M, refuse=False):
+            if not refuse:  # (a refusing rank refuses before it looks up the plan)
+                pipe.plan(M)
+            if rank == 0:
+                pipe(x[:M])
+            dist.barrier()
+            y = None
+            if rank == 1:
+                try:
+                    y = pipe(rows=M, out=torch.empty(M, 32) if refuse else None)
+                except ValueError:
+                    pass
+            dist.barrier()
+            return y
+
+        call(16), call(32)
+        pipe.check_errors()
+        call(16, refuse=True)  # rank 0 used plan 16 last, rank 1 plan 32: their orders now differ
+        try:
+            pipe.check_errors()
+        except PipelineTimeout:
+            pass
+        pipe.plan(48)  # frees one plan: the same on both ranks
+        kept = list(pipe._plans)
+        y = call(16)
+        pipe.check_errors()
+        ref = pipe.sequential(x[:16] if rank == 0 else None, rows=None if rank == 0 else 16)
+        result[rank] = (kept, rank == 0 or torch.equal(y, ref))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
+    """A call one rank refused leaves the ranks' orders of use apart; the next plan built frees
+    the same plan on both (rank 0's order), and a call on the freed height builds it again on
+    both and is right."""
+    result = mp.Manager().dict()
+    mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    (kept0, _), (kept1, right) = result[0], result[1]
+    assert sorted(kept0) == sorted(kept1) and len(kept0) == 2 and right, dict(result)
+
+
 def _three_ranks(rank, store, result):
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
