@@ -104,7 +104,10 @@ def test_world_size_one_through_the_heap_equals_the_pipeline(world1, policy):
 
 
 @pytest.mark.interpreter
-def test_a_consumer_whose_producer_never_starts_times_out_on_every_rank_then_recovers(world1):
+def test_a_segment_whose_producer_never_starts_times_out_in_its_gate_then_recovers(world1):
+    """One rank, two segments (loopback): the second launched alone waits in its gate for the
+    first's start, times out naming the call count, and after the reset (counts and heap at
+    zero) a call is right. (Two ranks: test_two_ranks_in_two_processes.)"""
     ws = _weights([32, 48, 32])
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
     x = torch.randn(40, 32).half()
