@@ -66,7 +66,7 @@ from .epilogue import Epilogue
 from .gemm import check_out, check_weight, num_sms, overlaps
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
-from .pipeline import MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
+from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -389,7 +389,7 @@ class DistributedPipeline:
                         ),
                     )  # fmt: skip
                 )
-        except (ValueError, TypeError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 (raised on every rank after the gather)
             error = f"{type(e).__name__}: {e}"
         errors = [None] * self.world
         dist.all_gather_object(errors, {"error": error}, group=self.group)
@@ -402,6 +402,9 @@ class DistributedPipeline:
         self._lock = threading.RLock()
         self._unread: list[str] = []  # errors of freed plans, reported at the next check_errors
         self._replayed: torch.cuda.Event | None = None  # the last graph replay's end
+        # a call captured in a graph of the caller's own (not capture()'s): its replays record no
+        # end, so host waits also wait for the current stream (_wait)
+        self._in_callers_graphs, self._capturing_own = False, False
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
 
     def _check_local(
@@ -509,9 +512,9 @@ class DistributedPipeline:
             heap = fabric.shared_heap(layout.nbytes, self.group, self._meet)
         error = None
         try:
-            with self._own_stream():  # waited for below (the segments' streams)
+            with self._own_stream():  # the heap's zeroing and the plan's fills: waited for below
                 heap.local.zero_()
-            dp = self._bind_plan(B, heap, layout)
+                dp = self._bind_plan(B, heap, layout)
             self._wait()
         except Exception as e:  # noqa: BLE001 (raised on every rank below)
             error = f"{type(e).__name__}: {e}"
@@ -620,9 +623,10 @@ class DistributedPipeline:
         partial = {m for held in every for m, _ in held} - everywhere - pinned
         candidates = [m for m, _ in every[0] if m in everywhere and m not in pinned]  # least recently used first
         evict = partial | set(candidates[: max(0, len(everywhere) + 1 - self.max_plans)])
-        for m in [m for m in self._plans if m in evict]:
+        going = [m for m in self._plans if m in evict]
+        self._unread += [msg for m in going for msg in self._messages(self._plans[m])]  # not lost with them
+        for m in going:
             dp = self._plans.pop(m)
-            self._unread += self._messages(dp)  # its last calls' errors are not lost with it
             for seg, p in zip(self.segments, dp.plans):
                 seg._plans.pop(m, None)
                 seg._pending.pop(p, None)
@@ -675,9 +679,13 @@ class DistributedPipeline:
                 if self.is_last and out is None:
                     out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
                 self._run(dp, x, out, M)
+                if self._capturing() and not self._capturing_own:
+                    self._in_callers_graphs = True
             except BaseException as e:
                 # the other ranks made (or are making) this call: ours no longer pair with theirs
-                self._out_of_step = f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})"
+                self._out_of_step = (
+                    self._out_of_step or f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})"
+                )
                 raise
             if check and not self._capturing():
                 self.check_errors()
@@ -696,6 +704,8 @@ class DistributedPipeline:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
                     stream.wait_event(fork)
+                    if self._replayed is not None and not self._capturing():  # a replay from another stream
+                        stream.wait_event(self._replayed)
                 self._gate(dp, k, rows)
                 a = x if dp.inputs[k] is None else dp.inputs[k]
                 c = out if dp.outputs[k] is None else dp.outputs[k]
@@ -735,6 +745,7 @@ class DistributedPipeline:
             dp = self.plan(M)
             pinned = [p.pinned for p in dp.plans]
             graph = torch.cuda.CUDAGraph()
+            self._capturing_own = True  # its replays record their end
             try:
                 with torch.cuda.device(self.device), torch.cuda.graph(graph):
                     self(x, rows=None if self.is_first else M, out=out)
@@ -742,6 +753,8 @@ class DistributedPipeline:
                 for p, pin in zip(dp.plans, pinned):  # no graph points at them
                     p.pinned = pin
                 raise
+            finally:
+                self._capturing_own = False
             self._wait()
             return DistributedGraphedCall(self, dp, graph, x, out)
 
@@ -842,14 +855,17 @@ class DistributedPipeline:
         GPU that did not finish: ``zero=False``; it stays unusable), meet again."""
         self._meet("reset", None, error)  # a rank whose GPU hung: every rank raises
         if zero:
-            with self._own_stream():  # waited for by _hung (the segments' streams)
-                for dp in self._plans.values():
-                    dp.heap.local.zero_()
-                    for c in dp.calls:
-                        c.zero_()
-                    for seg, p in zip(self.segments, dp.plans):
-                        seg.reset(p)
-            error = self._hung()
+            try:
+                with self._own_stream():  # waited for by _hung (the segments' streams)
+                    for dp in self._plans.values():
+                        dp.heap.local.zero_()
+                        for c in dp.calls:
+                            c.zero_()
+                        for seg, p in zip(self.segments, dp.plans):
+                            seg.reset(p)
+                error = self._hung()
+            except Exception as e:  # noqa: BLE001 (every rank raises it below, none left in the meet)
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
         self._unread, self._out_of_step = [], None
         self._meet("reset done", None, error)
 
@@ -858,8 +874,10 @@ class DistributedPipeline:
         replay's end (bounded, as the segments' waits are)."""
         for seg in self.segments:
             seg._wait()
-        if self._replayed is not None:
-            self.segments[0]._wait_for([("the last replay", self.device, self._replayed)])
+        events = [] if self._replayed is None else [("the last replay", self.device, self._replayed)]
+        if self._in_callers_graphs:  # (running out there raises TimeoutError: the caller's work)
+            events.append((CALLERS_STREAM, self.device, torch.cuda.current_stream(self.device).record_event()))
+        self.segments[0]._wait_for(events)
 
     def _own_stream(self):
         """A context in which this rank's current stream is its first segment's (waited for by
@@ -912,9 +930,14 @@ class DistributedGraphedCall:
                 for seg in pipe.segments:  # a weight's storage swapped: the graph would read freed memory
                     seg.check_weights()
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
-                pipe._out_of_step = f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
+                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
                 raise
             with torch.cuda.device(pipe.device):
+                first = torch.cuda.current_stream()
+                for ev in [e for seg in pipe.segments for e in seg._done] + [pipe._replayed] * (
+                    pipe._replayed is not None
+                ):
+                    first.wait_event(ev)  # after the last eager call or replay, from whichever stream
                 self.graph.replay()
                 if self._done is None:
                     self._done = torch.cuda.Event()
@@ -926,9 +949,14 @@ class DistributedGraphedCall:
         """First rank: copy ``x`` in (the shape and dtype of :attr:`x`), then replay."""
         if x is not None:
             if self.x is None:
+                pipe = self.pipeline
+                pipe._out_of_step = (
+                    pipe._out_of_step or f"rank {pipe.rank} refused a replay (an x not the first rank's)"
+                )
                 raise ValueError("only the first rank gives the input")
             if x.shape != self.x.shape or x.dtype != self.x.dtype or x.device != self.x.device:
-                self.pipeline._out_of_step = f"rank {self.pipeline.rank} refused a replay (a wrong x)"
+                pipe = self.pipeline
+                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay (a wrong x)"
                 raise ValueError(f"this graph reads x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device}")
             self.x.copy_(x)
         return self.replay()

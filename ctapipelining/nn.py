@@ -160,6 +160,7 @@ class FusedMLP(torch.nn.Module):
 
     hidden: int
     _norm_kind: str  # what a source norm computes: "rms" or "layer" (_check_norm)
+    _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -419,6 +420,8 @@ def _check_norm(norm: torch.nn.Module, kind: str, eps: float) -> bool:
     epsilon under another name) would otherwise fold into a block that computes something else.
     Returns False for a module on the meta device (deferred initialisation: nothing to probe
     yet; the block probes it when it lays its weights out again, :meth:`FusedMLP.refresh`)."""
+    if kind not in ("rms", "layer"):
+        raise ValueError(f"kind must be 'rms' or 'layer', got {kind!r}")
     w, b = norm.weight, getattr(norm, "bias", None)
     if w.is_meta:
         return False

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from ctapipelining import deps
 from ctapipelining.distributed import ALIGN, DistributedPipeline, Placement, heap_layout
 from ctapipelining.kernels.gemm import GemmConfig
-from ctapipelining.pipeline import Pipeline, PipelineTimeout
+from ctapipelining.pipeline import Pipeline, PipelineHung, PipelineTimeout
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_stages=2, num_warps=4)
 
@@ -291,7 +291,9 @@ def test_two_ranks_in_two_processes(tmp_path):
         assert after == "after timeout True" and after_refusal == "after refusal True"
         assert "rank 1 refused or failed a call (ValueError: out must be" in refusal
         assert "the previous segment's call had 40 rows, this one 41" in rows
-        assert met == "met out of step" and "out of step" in check_met and after_met == "after a refused new plan True"
+        assert met == "met out of step" and "met the others in a different step" in check_met
+        assert "rank 1 refused or failed a call (ValueError" in check_met  # the first reason, not nested ones
+        assert after_met == "after a refused new plan True"
         assert settings.startswith("refused rank 1 was built with") and "must pass the same" in settings
 
 
@@ -349,6 +351,47 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     (kept0, _), (kept1, right) = result[0], result[1]
     assert sorted(kept0) == sorted(kept1) and len(kept0) == 2 and right, dict(result)
+
+
+def _a_rank_hung(rank, store, result):
+    import datetime
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        ws = _weights([32, 48, 32])
+        pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0)
+        pipe.plan(16)
+        if rank == 1:  # its GPU did not finish at an earlier wait (as a PipelineHung leaves it)
+            pipe.segments[0]._broken = "stage 0 on cpu did not finish within host_timeout_s"
+        lines = []
+        for step in ("check", "call"):
+            try:
+                if step == "check":
+                    pipe.check_errors()
+                else:
+                    pipe(torch.randn(16, 32).half()) if rank == 0 else pipe(rows=16)
+                lines.append("no error")
+            except PipelineHung as e:
+                lines.append("hung: " + str(e))
+        result[rank] = lines
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_a_rank_whose_gpu_hung_makes_every_rank_raise_and_refuse(tmp_path):
+    """A rank whose GPU did not finish: the next check raises PipelineHung on every rank, naming
+    that rank (none zeroes its state under that GPU's kernels), and every rank then refuses
+    calls (the chain cannot run without it)."""
+    result = mp.Manager().dict()
+    mp.spawn(_a_rank_hung, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    for rank in (0, 1):
+        check, call = result[rank]
+        assert check.startswith("hung: ") and "rank 1 is unusable" in check, (rank, check)
+        assert call.startswith("hung: ") and "unusable" in call, (rank, call)
 
 
 def _three_ranks(rank, store, result):
