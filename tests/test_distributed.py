@@ -297,14 +297,19 @@ def test_two_ranks_in_two_processes(tmp_path):
         assert settings.startswith("refused rank 1 was built with") and "must pass the same" in settings
 
 
-def _eviction(rank, store, result):
+def _two_cpu_ranks(rank, store):
+    """Join a two-rank gloo group under the interpreter; ranks that meet in different
+    collectives fail in a minute rather than hang."""
     import datetime
 
     os.environ["TRITON_INTERPRET"] = "1"
-    # ranks that free different plans meet in different collectives: fail in a minute, not hang
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
+
+
+def _eviction(rank, store, result):
+    _two_cpu_ranks(rank, store)
     try:
         ws = _weights([32, 48, 32])
         pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, max_plans=2, row_buckets=0)
@@ -354,12 +359,7 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
 
 
 def _a_rank_hung(rank, store, result):
-    import datetime
-
-    os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
+    _two_cpu_ranks(rank, store)
     try:
         ws = _weights([32, 48, 32])
         pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0)
