@@ -736,6 +736,8 @@ class DistributedPipeline:
             raise RuntimeError("capture needs CUDA devices (CUDA graphs do not exist on the CPU)")
         if not isinstance(M, int) or isinstance(M, bool) or M < 1:
             raise ValueError(f"M must be a positive int, got {M!r}")
+        if self._capturing():
+            raise RuntimeError("capture() makes a checked call first: call it outside any CUDA-graph capture")
         x = None
         if self.is_first:
             x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)
@@ -808,19 +810,21 @@ class DistributedPipeline:
         rank whose GPU did not finish raises :class:`~ctapipelining.pipeline.PipelineHung` (and
         the others learn why they raise)."""
         with self._lock:
-            hung = None
+            hung, waited = None, None
             try:
                 self._wait()
                 msgs = self._unread + [m for dp in self._plans.values() for m in self._messages(dp)]
             except PipelineHung as e:
                 hung, msgs = str(e), [f"rank {self.rank}: {e}"]
+            except TimeoutError as e:  # the caller's stream (its own graphs' replays): raised on every rank
+                waited, msgs = f"rank {self.rank}: {e}", []
             broken = next((seg._broken for seg in self.segments if seg._broken), None)
             if broken and not hung:  # an earlier hang: this rank refuses calls the others make
                 hung = broken
                 msgs.append(f"rank {self.rank} is unusable: {broken}")
             if self._out_of_step:
                 msgs.append(self._out_of_step + ": its calls no longer paired with the other ranks'")
-            every = self._meet("check errors", (msgs, hung is not None))
+            every = self._meet("check errors", (msgs, hung is not None), waited)
             failed = [m for ms, _ in every for m in ms]
             if not failed:
                 return
@@ -866,7 +870,8 @@ class DistributedPipeline:
                 error = self._hung()
             except Exception as e:  # noqa: BLE001 (every rank raises it below, none left in the meet)
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._unread, self._out_of_step = [], None
+        self._unread = []
+        self._out_of_step = f"a reset failed ({error}): check_errors() again on every rank" if error else None
         self._meet("reset done", None, error)
 
     def _wait(self) -> None:
@@ -889,7 +894,7 @@ class DistributedPipeline:
         rank still joins the next collective)."""
         try:
             self._wait()
-        except PipelineHung as e:
+        except (PipelineHung, TimeoutError) as e:  # (TimeoutError: the caller's stream; not a hang)
             return f"rank {self.rank}: {e}"
         return None
 
@@ -904,7 +909,11 @@ class DistributedPipeline:
             )
 
     def _capturing(self) -> bool:
-        return self.on_gpu and torch.cuda.is_current_stream_capturing()
+        """Whether the current stream of this rank's GPU is being captured into a graph."""
+        if not self.on_gpu:
+            return False
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(eq=False)
@@ -922,44 +931,50 @@ class DistributedGraphedCall:
     _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
 
     def replay(self) -> torch.Tensor | None:
-        """Replay on the current stream (the pipeline's host waits wait for it there)."""
+        """Replay on the current stream (the pipeline's host waits wait for it there), on
+        whatever :attr:`x` holds: a fill by hand must come after the previous replay or call."""
+        return self._replay(None)
+
+    def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """First rank: copy ``x`` in (the shape and dtype of :attr:`x`, once the previous call no
+        longer reads it), then replay."""
+        return self._replay(x)
+
+    def _replay(self, src: torch.Tensor | None) -> torch.Tensor | None:
         pipe = self.pipeline
         with pipe._lock:
             try:
                 pipe._usable()
+                if src is not None and self.x is None:
+                    raise ValueError("only the first rank gives the input")
+                if src is not None and (src.shape, src.dtype, src.device) != (
+                    self.x.shape,
+                    self.x.dtype,
+                    self.x.device,
+                ):
+                    raise ValueError(f"this graph reads x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device}")
                 for seg in pipe.segments:  # a weight's storage swapped: the graph would read freed memory
                     seg.check_weights()
+                if pipe._capturing():  # its waits on events recorded outside would break the capture
+                    raise RuntimeError("a DistributedGraphedCall replays outside CUDA-graph captures")
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
                 raise
             with torch.cuda.device(pipe.device):
                 first = torch.cuda.current_stream()
-                for ev in [e for seg in pipe.segments for e in seg._done] + [pipe._replayed] * (
-                    pipe._replayed is not None
-                ):
-                    first.wait_event(ev)  # after the last eager call or replay, from whichever stream
+                for seg in pipe.segments:  # after the last eager call (its finish kernels included)
+                    for st in seg._kernel_streams:
+                        first.wait_stream(st)
+                if pipe._replayed is not None:  # and the last replay, from whichever stream
+                    first.wait_event(pipe._replayed)
+                if src is not None:
+                    self.x.copy_(src)
                 self.graph.replay()
                 if self._done is None:
                     self._done = torch.cuda.Event()
                 self._done.record()  # on the stream it replayed on
             pipe._replayed = self._done
         return self.out
-
-    def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
-        """First rank: copy ``x`` in (the shape and dtype of :attr:`x`), then replay."""
-        if x is not None:
-            if self.x is None:
-                pipe = self.pipeline
-                pipe._out_of_step = (
-                    pipe._out_of_step or f"rank {pipe.rank} refused a replay (an x not the first rank's)"
-                )
-                raise ValueError("only the first rank gives the input")
-            if x.shape != self.x.shape or x.dtype != self.x.dtype or x.device != self.x.device:
-                pipe = self.pipeline
-                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay (a wrong x)"
-                raise ValueError(f"this graph reads x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device}")
-            self.x.copy_(x)
-        return self.replay()
 
 
 def _check_ranks(every: list[dict]) -> None:
