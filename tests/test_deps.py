@@ -86,6 +86,9 @@ def test_policies_and_epoch_arithmetic():
     assert deps.get_policy("workqueue").uses_queue
     with pytest.raises(ValueError, match="unknown policy"):
         deps.get_policy("fifo")
+    for bad in (None, 3):  # (a DistributedPipeline's rank would fail later, alone, on .name)
+        with pytest.raises(TypeError, match="policy must be a Policy"):
+            deps.get_policy(bad)
     # 4 consumer tiles: position 5 is lap 2 (epoch 2), so it holds 2*4 + tile
     assert deps.slot_value(5, 4, 3) == 11
     assert deps.head_base(3, num_tiles=4, num_ctas=2) == 12
