@@ -405,6 +405,9 @@ class DistributedPipeline:
         # a call captured in a graph of the caller's own (not capture()'s): its replays record no
         # end, so host waits also wait for the current stream (_wait)
         self._in_callers_graphs, self._capturing_own = False, False
+        self._stream_ends = [  # (stream, event) per segment kernel stream: what a replay waits for
+            (st, torch.cuda.Event()) for seg in self.segments for st in getattr(seg, "_kernel_streams", [])
+        ]
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
 
     def _check_local(
@@ -751,13 +754,18 @@ class DistributedPipeline:
             try:
                 with torch.cuda.device(self.device), torch.cuda.graph(graph):
                     self(x, rows=None if self.is_first else M, out=out)
-            except BaseException:
+            except BaseException as e:
+                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+            else:
+                failure = self._hung()
+            finally:
+                self._capturing_own = False
+            try:
+                self._meet("captured", None, failure)  # a capture that failed on one rank fails on every rank
+            except RuntimeError:
                 for p, pin in zip(dp.plans, pinned):  # no graph points at them
                     p.pinned = pin
                 raise
-            finally:
-                self._capturing_own = False
-            self._wait()
             return DistributedGraphedCall(self, dp, graph, x, out)
 
     def sequential(self, x: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor | None:
@@ -807,8 +815,11 @@ class DistributedPipeline:
         """Collective: wait for this rank's GPU (bounded), gather every rank's errors; if a stage
         failed anywhere (or a rank refused a call), reset every rank (collectively) and raise
         :class:`~ctapipelining.pipeline.PipelineTimeout` on every rank, naming each failure. A
-        rank whose GPU did not finish raises :class:`~ctapipelining.pipeline.PipelineHung` (and
-        the others learn why they raise)."""
+        rank whose GPU did not finish makes every rank raise
+        :class:`~ctapipelining.pipeline.PipelineHung` (none resets; every rank then refuses
+        calls). A rank whose wait for its caller's stream ran out (replays of a call captured in
+        a graph of the caller's own) makes every rank raise ``TimeoutError``, nothing read or
+        reset: check again once that work is done."""
         with self._lock:
             hung, waited = None, None
             try:
@@ -824,11 +835,14 @@ class DistributedPipeline:
                 msgs.append(f"rank {self.rank} is unusable: {broken}")
             if self._out_of_step:
                 msgs.append(self._out_of_step + ": its calls no longer paired with the other ranks'")
-            every = self._meet("check errors", (msgs, hung is not None), waited)
-            failed = [m for ms, _ in every for m in ms]
-            if not failed:
+            every = self._meet("check errors", (msgs, hung is not None, waited))
+            failed = [m for ms, _, _ in every for m in ms]
+            waits = [w for _, _, w in every if w]
+            if not failed and not waits:
                 return
-            if any(h for _, h in every):
+            if waits and not any(h for _, h, _ in every):  # the caller's work: nothing read, reset or broken
+                raise TimeoutError("; ".join(waits) + (f" (and: {'; '.join(failed)})" if failed else ""))
+            if any(h for _, h, _ in every):
                 # a GPU that did not finish may still write into its peers' heaps: no rank zeroes
                 # its state under it; the chain cannot run without that rank: none runs it again
                 self._reset(zero=False)
@@ -870,9 +884,12 @@ class DistributedPipeline:
                 error = self._hung()
             except Exception as e:  # noqa: BLE001 (every rank raises it below, none left in the meet)
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._unread = []
-        self._out_of_step = f"a reset failed ({error}): check_errors() again on every rank" if error else None
-        self._meet("reset done", None, error)
+        self._unread, self._out_of_step = [], None
+        try:
+            self._meet("reset done", None, error)
+        except RuntimeError as e:  # on every rank: calls wait for a reset that works
+            self._out_of_step = f"a reset failed ({e}): check_errors() again on every rank"
+            raise
 
     def _wait(self) -> None:
         """Every segment's work (calls, handshakes, the heap's zeroing) and the last graph
@@ -912,6 +929,8 @@ class DistributedPipeline:
         """Whether the current stream of this rank's GPU is being captured into a graph."""
         if not self.on_gpu:
             return False
+        if torch.cuda.current_device() == self.device.index:
+            return torch.cuda.is_current_stream_capturing()
         with torch.cuda.device(self.device):
             return torch.cuda.is_current_stream_capturing()
 
@@ -960,19 +979,24 @@ class DistributedGraphedCall:
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
                 raise
-            with torch.cuda.device(pipe.device):
-                first = torch.cuda.current_stream()
-                for seg in pipe.segments:  # after the last eager call (its finish kernels included)
-                    for st in seg._kernel_streams:
-                        first.wait_stream(st)
-                if pipe._replayed is not None:  # and the last replay, from whichever stream
-                    first.wait_event(pipe._replayed)
-                if src is not None:
-                    self.x.copy_(src)
-                self.graph.replay()
-                if self._done is None:
-                    self._done = torch.cuda.Event()
-                self._done.record()  # on the stream it replayed on
+            try:
+                with torch.cuda.device(pipe.device):
+                    first = torch.cuda.current_stream()
+                    for st, ev in pipe._stream_ends:  # after the last eager call (its finish kernels too)
+                        ev.record(st)
+                        first.wait_event(ev)
+                    if pipe._replayed is not None:  # and the last replay, from whichever stream
+                        first.wait_event(pipe._replayed)
+                    if src is not None:
+                        with torch.no_grad():
+                            self.x.copy_(src)
+                    self.graph.replay()
+                    if self._done is None:
+                        self._done = torch.cuda.Event()
+                    self._done.record()  # on the stream it replayed on
+            except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
+                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} failed a replay ({type(e).__name__}: {e})"
+                raise
             pipe._replayed = self._done
         return self.out
 
