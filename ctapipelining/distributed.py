@@ -746,25 +746,30 @@ class DistributedPipeline:
             x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)
         with self._lock:
             out = self(x, rows=None if self.is_first else M, out=out, check=True)
-            self._wait()
             dp = self.plan(M)
             pinned = [p.pinned for p in dp.plans]
             graph = torch.cuda.CUDAGraph()
-            self._capturing_own = True  # its replays record their end
-            try:
-                with torch.cuda.device(self.device), torch.cuda.graph(graph):
-                    self(x, rows=None if self.is_first else M, out=out)
-            except BaseException as e:
-                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
-            else:
-                failure = self._hung()
-            finally:
-                self._capturing_own = False
+            caller = torch.cuda.current_stream(self.device)  # (a failed capture may leave torch's current)
+            failure = self._hung()
+            if failure is None:
+                self._capturing_own = True  # its replays record their end
+                try:
+                    with torch.cuda.device(self.device), torch.cuda.graph(graph):
+                        self(x, rows=None if self.is_first else M, out=out)
+                except BaseException as e:
+                    cause = f" (after {type(e.__context__).__name__}: {e.__context__})" if e.__context__ else ""
+                    failure = f"rank {self.rank}: {type(e).__name__}: {e}{cause}"
+                    torch.cuda.set_stream(caller)
+                else:
+                    failure = self._hung()
+                finally:
+                    self._capturing_own = False
             try:
                 self._meet("captured", None, failure)  # a capture that failed on one rank fails on every rank
-            except RuntimeError:
+            except RuntimeError as e:
                 for p, pin in zip(dp.plans, pinned):  # no graph points at them
                     p.pinned = pin
+                self._out_of_step = self._out_of_step or f"a capture failed ({e}): check_errors() on every rank"
                 raise
             return DistributedGraphedCall(self, dp, graph, x, out)
 
@@ -829,6 +834,8 @@ class DistributedPipeline:
                 hung, msgs = str(e), [f"rank {self.rank}: {e}"]
             except TimeoutError as e:  # the caller's stream (its own graphs' replays): raised on every rank
                 waited, msgs = f"rank {self.rank}: {e}", []
+            except Exception as e:  # noqa: BLE001 (a CUDA error, sticky: as a hang, on every rank)
+                hung, msgs = f"{type(e).__name__}: {e}", [f"rank {self.rank}: {type(e).__name__}: {e}"]
             broken = next((seg._broken for seg in self.segments if seg._broken), None)
             if broken and not hung:  # an earlier hang: this rank refuses calls the others make
                 hung = broken
@@ -884,12 +891,13 @@ class DistributedPipeline:
                 error = self._hung()
             except Exception as e:  # noqa: BLE001 (every rank raises it below, none left in the meet)
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._unread, self._out_of_step = [], None
+        self._out_of_step = None
         try:
             self._meet("reset done", None, error)
         except RuntimeError as e:  # on every rank: calls wait for a reset that works
             self._out_of_step = f"a reset failed ({e}): check_errors() again on every rank"
             raise
+        self._unread = []  # (kept if the reset failed: read again at the next check)
 
     def _wait(self) -> None:
         """Every segment's work (calls, handshakes, the heap's zeroing) and the last graph
@@ -911,8 +919,8 @@ class DistributedPipeline:
         rank still joins the next collective)."""
         try:
             self._wait()
-        except (PipelineHung, TimeoutError) as e:  # (TimeoutError: the caller's stream; not a hang)
-            return f"rank {self.rank}: {e}"
+        except Exception as e:  # noqa: BLE001 (PipelineHung; TimeoutError: the caller's stream; a CUDA error)
+            return f"rank {self.rank}: {type(e).__name__}: {e}"
         return None
 
     def _usable(self) -> None:
