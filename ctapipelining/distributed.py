@@ -402,6 +402,7 @@ class DistributedPipeline:
         self._lock = threading.RLock()
         self._unread: list[str] = []  # errors of freed plans, reported at the next check_errors
         self._replayed: torch.cuda.Event | None = None  # the last graph replay's end
+        self._replay_start: torch.cuda.Event | None = None  # and its start (behind the caller's earlier work)
         # a call captured in a graph of the caller's own (not capture()'s): its replays record no
         # end, so host waits also wait for the current stream (_wait)
         self._in_callers_graphs, self._capturing_own = False, False
@@ -904,7 +905,12 @@ class DistributedPipeline:
         replay's end (bounded, as the segments' waits are)."""
         for seg in self.segments:
             seg._wait()
-        events = [] if self._replayed is None else [("the last replay", self.device, self._replayed)]
+        events = []
+        if self._replayed is not None:  # the caller's work before it is the caller's: not a hang of ours
+            events += [
+                (CALLERS_STREAM, self.device, self._replay_start),
+                ("the last replay", self.device, self._replayed),
+            ]
         if self._in_callers_graphs:  # (running out there raises TimeoutError: the caller's work)
             events.append((CALLERS_STREAM, self.device, torch.cuda.current_stream(self.device).record_event()))
         self.segments[0]._wait_for(events)
@@ -956,6 +962,7 @@ class DistributedGraphedCall:
     x: torch.Tensor | None
     out: torch.Tensor | None
     _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
+    _start: torch.cuda.Event | None = field(default=None, repr=False)  # and its start
 
     def replay(self) -> torch.Tensor | None:
         """Replay on the current stream (the pipeline's host waits wait for it there), on
@@ -998,14 +1005,15 @@ class DistributedGraphedCall:
                     if src is not None:
                         with torch.no_grad():
                             self.x.copy_(src)
+                    if self._start is None:
+                        self._start, self._done = torch.cuda.Event(), torch.cuda.Event()
+                    self._start.record()
                     self.graph.replay()
-                    if self._done is None:
-                        self._done = torch.cuda.Event()
                     self._done.record()  # on the stream it replayed on
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} failed a replay ({type(e).__name__}: {e})"
                 raise
-            pipe._replayed = self._done
+            pipe._replayed, pipe._replay_start = self._done, self._start
         return self.out
 
 
