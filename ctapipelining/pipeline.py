@@ -197,6 +197,8 @@ class GraphedCall:
         pipe = self.pipeline
         with pipe._lock:
             pipe._usable()
+            if pipe._capturing(every_device=True):  # its waits on events recorded outside would break it
+                raise RuntimeError("a GraphedCall replays outside captures: capture pipe(x, out=...) itself instead")
             pipe.check_weights()  # a weight's storage swapped: the graph would read freed memory
             if self.plan is not None and self.plan.stale:  # a failed eager call left it so
                 pipe.reset(self.plan)
@@ -856,7 +858,7 @@ class Pipeline:
         if evict and self._capturing():
             evict = []  # no waiting inside a capture: evict at a later call
         if evict:
-            self._wait()  # a call in flight may still use their buffers
+            self._wait(callers=False)  # a call in flight may still use their buffers (no graph uses them)
             unread = [p for p in (self._plans.pop(m) for m in evict) if self._pending.pop(p, None) is not None]
             failed = [(p.M, self.error_messages(self._read(p.errors))) for p in unread]
             failed = [f"a call with the plan for {M} rows failed: " + "; ".join(m) for M, m in failed if m]
@@ -1041,11 +1043,13 @@ class Pipeline:
                 for t in p.state():
                     with self._own_stream(t):
                         t.zero_()
+            if self.on_gpu:  # the zeroing's end, on the streams it ran on (nothing of the caller's)
+                self._wait_for([(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)])
+            for p in [plan] if plan else self._plans.values():
                 p.epoch = 0
                 p.stale = False
             for p in [plan] if plan else list(self._pending):
                 self._pending.pop(p, None)
-            self._wait()
 
     def _own_stream(self, t: torch.Tensor):
         """A context in which ``t``'s device's current stream is one of the pipeline's own (idle
@@ -1075,7 +1079,7 @@ class Pipeline:
         self._wait_for(events)
         return host
 
-    def _wait(self) -> None:
+    def _wait(self, callers: bool = True) -> None:
         """Wait until the pipeline's work is done: every stage's stream and the last call's end
         (on whichever stream issued it: an eager call on one GPU runs on the caller's), at most
         :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`.
@@ -1086,7 +1090,7 @@ class Pipeline:
             return
         events = [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
         events += [("the last call", self.devices[0], ev) for ev in self._done]
-        if self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
+        if callers and self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
             events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
         self._wait_for(events)
 
@@ -1124,7 +1128,8 @@ class Pipeline:
         if here == first and (not every_device or len(self._device_indices) == 1):
             return torch.cuda.is_current_stream_capturing()
         capturing = {}
-        for index in self._device_indices if every_device else [first]:
+        devices = self._device_indices + ([here] if every_device and here not in self._device_indices else [])
+        for index in devices if every_device else [first]:
             with contextlib.nullcontext() if index == here else torch.cuda.device(index):
                 capturing[index] = torch.cuda.is_current_stream_capturing()
         if every_device and any(c for i, c in capturing.items() if i != first) and not capturing[first]:
@@ -1471,15 +1476,22 @@ class Pipeline:
                 failed = any(flag for flag in plan.err_flags)
             else:  # the interpreter ran it to the end
                 failed = any(e[0] for e in plan.errors)
-            del self._pending[plan]
-            if failed:
-                self.check_errors(plan)  # the device's words (the host copy may be older), reset, raise
+            if not failed:
+                del self._pending[plan]
+            else:  # the device's words (the host copy may be older), reset, raise (pending until then)
+                self.check_errors(plan)
 
     def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:
         msgs = self.error_messages(words)
         if not msgs:
             return
-        self.reset(plan)
+        try:
+            self.reset(plan)
+        except TimeoutError as e:  # the caller's stream: the next call resets the plan first
+            plan.stale = True
+            raise PipelineTimeout(
+                f"a call with the plan for {plan.M} rows failed: " + "; ".join(msgs) + f". Not reset yet ({e})."
+            ) from e
         raise PipelineTimeout(
             f"a call with the plan for {plan.M} rows failed: "
             + "; ".join(msgs)
