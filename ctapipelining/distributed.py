@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from . import deps, fabric
 from .epilogue import Epilogue
-from .gemm import check_out, check_weight, num_sms, overlaps
+from .gemm import capturing_on, check_out, check_weight, num_sms, overlaps
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
 from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
@@ -596,7 +596,7 @@ class DistributedPipeline:
         steps = {w for w, _, _ in every}
         if len(steps) > 1:
             doing = ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(every))
-            self._out_of_step = self._out_of_step or f"rank {self.rank} met the others in a different step ({doing})"
+            self._mark_out_of_step(f"rank {self.rank} met the others in a different step ({doing})")
             raise RuntimeError(
                 f"the ranks are out of step ({doing}); a call one of them refused or failed: call check_errors() "
                 "on every rank (it reports this and resets them all)"
@@ -687,9 +687,7 @@ class DistributedPipeline:
                     self._in_callers_graphs = True
             except BaseException as e:
                 # the other ranks made (or are making) this call: ours no longer pair with theirs
-                self._out_of_step = (
-                    self._out_of_step or f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})"
-                )
+                self._mark_out_of_step(f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})")
                 raise
             if check and not self._capturing():
                 self.check_errors()
@@ -770,7 +768,7 @@ class DistributedPipeline:
             except RuntimeError as e:
                 for p, pin in zip(dp.plans, pinned):  # no graph points at them
                     p.pinned = pin
-                self._out_of_step = self._out_of_step or f"a capture failed ({e}): check_errors() on every rank"
+                self._mark_out_of_step(f"a capture failed ({e}): check_errors() on every rank")
                 raise
             return DistributedGraphedCall(self, dp, graph, x, out)
 
@@ -939,14 +937,13 @@ class DistributedPipeline:
                 "every rank (it reports this and resets them all) before the next call"
             )
 
+    def _mark_out_of_step(self, why: str) -> None:
+        """This rank's calls no longer pair with the other ranks' (the first reason is kept)."""
+        self._out_of_step = self._out_of_step or why
+
     def _capturing(self) -> bool:
         """Whether the current stream of this rank's GPU is being captured into a graph."""
-        if not self.on_gpu:
-            return False
-        if torch.cuda.current_device() == self.device.index:
-            return torch.cuda.is_current_stream_capturing()
-        with torch.cuda.device(self.device):
-            return torch.cuda.is_current_stream_capturing()
+        return self.on_gpu and capturing_on(self.device.index)
 
 
 @dataclass(eq=False)
@@ -991,10 +988,6 @@ class DistributedGraphedCall:
                     seg.check_weights()
                 if pipe._capturing():  # its waits on events recorded outside would break the capture
                     raise RuntimeError("a DistributedGraphedCall replays outside CUDA-graph captures")
-            except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
-                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} refused a replay ({type(e).__name__}: {e})"
-                raise
-            try:
                 with torch.cuda.device(pipe.device):
                     first = torch.cuda.current_stream()
                     for st, ev in pipe._stream_ends:  # after the last eager call (its finish kernels too)
@@ -1011,7 +1004,7 @@ class DistributedGraphedCall:
                     self.graph.replay()
                     self._done.record()  # on the stream it replayed on
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
-                pipe._out_of_step = pipe._out_of_step or f"rank {pipe.rank} failed a replay ({type(e).__name__}: {e})"
+                pipe._mark_out_of_step(f"rank {pipe.rank} refused or failed a replay ({type(e).__name__}: {e})")
                 raise
             pipe._replayed, pipe._replay_start = self._done, self._start
         return self.out

@@ -807,7 +807,7 @@ def _plain_launch(
     )
 
 
-def _capturing(index: int) -> bool:
+def capturing_on(index: int) -> bool:
     """Whether the current stream of CUDA device ``index`` is being captured into a graph."""
     if index == torch.cuda.current_device():
         return torch.cuda.is_current_stream_capturing()
@@ -956,7 +956,7 @@ def matmul(
     index = a.get_device() if type(a) in types and a.is_cuda else -1
     if (
         plain and index >= 0 and type(b) in types and (out is None or type(out) in types)
-        and not _capturing(index)  # a capture binds a launch of its own (launch_checked)
+        and not capturing_on(index)  # a capture binds a launch of its own (launch_checked)
     ):  # fmt: skip
         stream = torch._C._cuda_getCurrentRawStream(index)
         key = (signature(a), signature(b), None if out is None else signature(out), config, stream)

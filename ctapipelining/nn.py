@@ -97,6 +97,12 @@ def _operator_body():
         _IN_OPERATOR.reset(token)
 
 
+def _capture_underway() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (where a block's own
+    in-place updates would be captured, not run)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _missing(what: str, key: str) -> RuntimeError:
     return RuntimeError(
         f"no {what} {key!r} in this process (it was freed, or the program calling it was traced in another "
@@ -217,10 +223,14 @@ class FusedMLP(torch.nn.Module):
             self._update_epilogues(*self._epi[1:])
             self._derived = self._buffer_versions()
 
+    def _derives(self) -> bool:
+        """Whether an epilogue derives something from the laid-out weights (:meth:`_update_epilogues`)."""
+        return type(self)._update_epilogues is not FusedMLP._update_epilogues
+
     def _buffer_versions(self) -> tuple | None:
         """The laid-out buffers' version counters, where an epilogue derives something from them
         (:meth:`_update_epilogues`; None where none does, or a buffer is an inference tensor)."""
-        if type(self)._update_epilogues is FusedMLP._update_epilogues:
+        if not self._derives():
             return None
         ts = [t for t in self._buffers.values() if t is not None]
         return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
@@ -256,7 +266,7 @@ class FusedMLP(torch.nn.Module):
         elif self._derived is not None and self._buffer_versions() != self._derived:
             # a laid-out buffer changed in place (``block.w_in.mul_(2)``): what the epilogues
             # derive from it (a GPT block's column sums) follows, in place
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if _capture_underway():
                 raise RuntimeError(
                     "the block's laid-out weights changed in place since its epilogues were derived from them: "
                     "call the block once outside the CUDA-graph capture"
@@ -387,7 +397,7 @@ class FusedMLP(torch.nn.Module):
         (the copy would be captured, not run; the operator writes none of its inputs)."""
         if not self._source_moved():
             return
-        if _IN_OPERATOR.get() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _IN_OPERATOR.get() or _capture_underway():
             raise RuntimeError(
                 "a weight of the block's source module changed since it was laid out: call the block "
                 "once eagerly outside any CUDA-graph capture or compiled region (or refresh()) to lay it out again"
@@ -711,7 +721,7 @@ class MLPStack(torch.nn.Module):
 
         for b in self.blocks:  # each lays its weights out again, in place, if its source changed,
             b._follow_source()
-            if b._buffer_versions() is not None:  # and brings what its epilogues derive from them up to date
+            if b._derives():  # and brings what its epilogues derive from them up to date
                 b._epilogues()
         weights = self._weights()
         key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(

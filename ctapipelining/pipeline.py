@@ -90,6 +90,7 @@ from .gemm import (
     GemmLaunch,
     TailBuffers,
     captures_owned_by,
+    capturing_on,
     check_out,
     check_tensor,
     check_weight,
@@ -140,6 +141,11 @@ class PipelineTimeout(RuntimeError):
 
 class PipelineHung(RuntimeError):
     """A stage's kernels did not finish within the host's bound: the pipeline is unusable."""
+
+
+def _failed(M: int, msgs: list[str]) -> str:
+    """What a call on the plan for ``M`` rows whose error words say ``msgs`` is reported as."""
+    return f"a call with the plan for {M} rows failed: " + "; ".join(msgs)
 
 
 def _layout(w: torch.Tensor) -> tuple:
@@ -567,13 +573,10 @@ class Pipeline:
                 "a weight changed in place since its replica was made: call the pipeline once outside "
                 "the CUDA-graph capture to refresh it"
             )
-        if stale and self.on_gpu:
+        if stale and self.on_gpu:  # (the copies run on their source's and wait for their target's stream)
             callers = self._current_streams()
-            if [c.cuda_stream for c in callers] != self._after_done:
-                for c in callers:  # (the copies run on their source's and wait for their target's stream)
-                    for ev in self._done:
-                        c.wait_event(ev)
-                self._after_done = [c.cuda_stream for c in callers]
+            self._after_last_call(callers)
+            self._after_done = [c.cuda_stream for c in callers]
         for rec in stale:
             w, copy, _ = rec
             copy.copy_(w)
@@ -861,7 +864,7 @@ class Pipeline:
             self._wait(callers=False)  # a call in flight may still use their buffers (no graph uses them)
             unread = [p for p in (self._plans.pop(m) for m in evict) if self._pending.pop(p, None) is not None]
             failed = [(p.M, self.error_messages(self._read(p.errors))) for p in unread]
-            failed = [f"a call with the plan for {M} rows failed: " + "; ".join(m) for M, m in failed if m]
+            failed = [_failed(M, msgs) for M, msgs in failed if msgs]
             if failed:  # their last calls' errors are not lost with them
                 raise PipelineTimeout(". ".join(failed) + ". Those plans are freed; the next call starts clean.")
         return plan
@@ -1039,13 +1042,14 @@ class Pipeline:
         streams, and wait for that: not behind the caller's later work)."""
         with self._lock:
             self._wait()
-            for p in [plan] if plan else self._plans.values():
+            plans = [plan] if plan else list(self._plans.values())
+            for p in plans:
                 for t in p.state():
                     with self._own_stream(t):
                         t.zero_()
             if self.on_gpu:  # the zeroing's end, on the streams it ran on (nothing of the caller's)
                 self._wait_for([(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)])
-            for p in [plan] if plan else self._plans.values():
+            for p in plans:
                 p.epoch = 0
                 p.stale = False
             for p in [plan] if plan else list(self._pending):
@@ -1127,11 +1131,8 @@ class Pipeline:
         here, first = torch.cuda.current_device(), self._device_indices[0]
         if here == first and (not every_device or len(self._device_indices) == 1):
             return torch.cuda.is_current_stream_capturing()
-        capturing = {}
         devices = self._device_indices + ([here] if every_device and here not in self._device_indices else [])
-        for index in devices if every_device else [first]:
-            with contextlib.nullcontext() if index == here else torch.cuda.device(index):
-                capturing[index] = torch.cuda.is_current_stream_capturing()
+        capturing = {index: capturing_on(index) for index in (devices if every_device else [first])}
         if every_device and any(c for i, c in capturing.items() if i != first) and not capturing[first]:
             raise RuntimeError(
                 f"a capture on another device's stream than cuda:{first}'s: capture a call of this Pipeline on "
@@ -1420,10 +1421,16 @@ class Pipeline:
         :meth:`_launch_direct`, :meth:`_call_one_after_another`), made to wait for the previous
         call's end unless that call was issued from it."""
         caller = torch.cuda.current_stream(self._device_indices[0])
-        if [caller.cuda_stream] != self._after_done:
-            for ev in self._done:
-                caller.wait_event(ev)
+        self._after_last_call([caller])
         return caller
+
+    def _after_last_call(self, callers: list) -> None:
+        """Make the streams ``callers`` wait for the previous call's end, unless they are the
+        streams that waited for it already."""
+        if [c.cuda_stream for c in callers] != self._after_done:
+            for c in callers:
+                for ev in self._done:
+                    c.wait_event(ev)
 
     def _end_call_on(self, caller: torch.cuda.Stream) -> None:
         """Record the end of a call queued on ``caller`` for the next call to order itself after
@@ -1489,14 +1496,8 @@ class Pipeline:
             self.reset(plan)
         except TimeoutError as e:  # the caller's stream: the next call resets the plan first
             plan.stale = True
-            raise PipelineTimeout(
-                f"a call with the plan for {plan.M} rows failed: " + "; ".join(msgs) + f". Not reset yet ({e})."
-            ) from e
-        raise PipelineTimeout(
-            f"a call with the plan for {plan.M} rows failed: "
-            + "; ".join(msgs)
-            + ". State reset; the next call starts clean."
-        )
+            raise PipelineTimeout(_failed(plan.M, msgs) + f". Not reset yet ({e}).") from e
+        raise PipelineTimeout(_failed(plan.M, msgs) + ". State reset; the next call starts clean.")
 
     def error_messages(self, words: list[list[int]]) -> list[str]:
         """What the error words ``words`` (one per stage, :data:`ERR_FIELDS`) say, one line per
