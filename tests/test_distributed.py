@@ -358,10 +358,20 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     assert sorted(kept0) == sorted(kept1) and len(kept0) == 2 and right, dict(result)
 
 
+class _Unreadable(list):
+    def __iter__(self):
+        raise RuntimeError("this config cannot be read")
+
+
 def _a_rank_hung(rank, store, result):
     _two_cpu_ranks(rank, store)
     try:
         ws = _weights([32, 48, 32])
+        try:  # an error of neither ValueError's nor TypeError's type, on one rank only: raised on both
+            DistributedPipeline([ws[rank]], config=_Unreadable() if rank == 1 else CFG)
+            refused = "built"
+        except ValueError as e:
+            refused = str(e)
         pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0)
         pipe.plan(16)
         if rank == 1:  # its GPU did not finish at an earlier wait (as a PipelineHung leaves it)
@@ -376,7 +386,7 @@ def _a_rank_hung(rank, store, result):
                 lines.append("no error")
             except PipelineHung as e:
                 lines.append("hung: " + str(e))
-        result[rank] = lines
+        result[rank] = [refused] + lines
     finally:
         dist.destroy_process_group()
 
@@ -385,11 +395,13 @@ def _a_rank_hung(rank, store, result):
 def test_a_rank_whose_gpu_hung_makes_every_rank_raise_and_refuse(tmp_path):
     """A rank whose GPU did not finish: the next check raises PipelineHung on every rank, naming
     that rank (none zeroes its state under that GPU's kernels), and every rank then refuses
-    calls (the chain cannot run without it)."""
+    calls (the chain cannot run without it). Before that, a construction one rank refuses with
+    an error of any type is refused on both ranks, naming the rank and the error."""
     result = mp.Manager().dict()
     mp.spawn(_a_rank_hung, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     for rank in (0, 1):
-        check, call = result[rank]
+        refused, check, call = result[rank]
+        assert refused == "rank 1: RuntimeError: this config cannot be read", (rank, refused)
         assert check.startswith("hung: ") and "rank 1 is unusable" in check, (rank, check)
         assert call.startswith("hung: ") and "unusable" in call, (rank, call)
 
