@@ -30,3 +30,25 @@ def test_each_pair_is_enabled_once_and_then_capture_is_fine(fake_cuda):
 def test_a_pair_without_p2p_is_named(fake_cuda):
     with pytest.raises(fabric.PeerAccessError, match=r"cuda:1 cannot access cuda:2's memory"):
         fabric.enable_peer_access([0, 1, 2])
+
+
+def test_a_shared_heap_whose_peer_fails_leaves_no_file(monkeypatch):
+    """A rank's shared-memory file is removed when a later step of the heap's setup fails (a peer
+    whose file cannot be mapped), and the failure is raised; nothing is left in /dev/shm."""
+    import os
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    created = []
+
+    def meet(what, value, error):
+        if error:
+            raise RuntimeError(f"{what}: {error}")
+        created.append(value)
+        return [value, os.path.join(os.path.dirname(value), "no-such-dir", "peer")]
+
+    with pytest.raises(RuntimeError, match="map the heap"):
+        fabric.shared_heap(4096, None, meet)
+    assert len(created) == 1 and created[0] and not os.path.exists(created[0])
