@@ -156,6 +156,29 @@ def test_a_refused_call_puts_the_rank_out_of_step_until_every_rank_checks(world1
 
 
 @pytest.mark.interpreter
+def test_a_reset_that_fails_keeps_the_rank_out_of_step_until_one_works(world1, monkeypatch):
+    """A reset whose zeroing fails raises on every rank and leaves the rank refusing calls (its
+    heap may hold the failed call's counts); the next check reports the timeout again, resets,
+    and calls are right after it."""
+    ws = _weights([32, 48, 32])
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
+    x = torch.randn(40, 32).half()
+    pipe(x)
+    pipe._run(pipe.plan(40), x, torch.empty(40, 32).half(), 40, only=[1])  # times out
+    seg = pipe.segments[1]
+    monkeypatch.setattr(seg, "reset", lambda plan: (_ for _ in ()).throw(RuntimeError("the zeroing failed")))
+    with pytest.raises(RuntimeError, match="rank 0: RuntimeError: the zeroing failed"):
+        pipe.check_errors()
+    with pytest.raises(RuntimeError, match="a reset failed .*the zeroing failed.*check_errors"):
+        pipe(x)
+    monkeypatch.undo()
+    with pytest.raises(PipelineTimeout, match="stage 1 on rank 0.*a reset failed"):
+        pipe.check_errors()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    pipe.check_errors()
+
+
+@pytest.mark.interpreter
 def test_a_freed_plans_errors_are_not_lost(world1):
     ws = _weights([32, 48, 32])
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, max_plans=1, row_buckets=0)
