@@ -66,7 +66,7 @@ from .epilogue import Epilogue
 from .gemm import capturing_on, check_out, check_weight, num_sms, overlaps
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
-from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
+from .pipeline import CALLERS_EARLIER, CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -906,7 +906,7 @@ class DistributedPipeline:
         events = []
         if self._replayed is not None:  # the caller's work before it is the caller's: not a hang of ours
             events += [
-                (CALLERS_STREAM, self.device, self._replay_start),
+                (CALLERS_EARLIER, self.device, self._replay_start),
                 ("the last replay", self.device, self._replayed),
             ]
         if self._in_callers_graphs:  # (running out there raises TimeoutError: the caller's work)

@@ -43,7 +43,10 @@ and a timed-out wait surfaces as :class:`PipelineTimeout` at a later call, once 
 timed out has finished, or at :meth:`Pipeline.check_errors` (which waits). A result is known
 good only then. No error is lost: error words are sticky until read. Host waits are bounded
 too: a device that does not finish within ``host_timeout_s`` raises :class:`PipelineHung`,
-after which the pipeline refuses further calls.
+after which the pipeline refuses further calls. The caller's own work is timed apart: what it
+queued before the last call that has not finished within ``host_timeout_s`` raises
+``TimeoutError`` and leaves the pipeline usable (check again once it is done); what it queued
+after the call is not waited for.
 
 Stages may share a GPU (on one GPU, every stage). Consecutive stages on one GPU with the same
 configuration run at the same time in one chain kernel (:mod:`ctapipelining.kernels.chain`; at most
@@ -133,6 +136,15 @@ def faster_by(medians: dict, default, margin: float):
 
 
 CALLERS_STREAM = "the caller's stream"  # a host wait's name for the caller's current stream
+# and for the point of the caller's stream where the last call (or replay) starts: what was queued
+# there before it is the caller's (or an earlier call's), not the last call's
+CALLERS_EARLIER = "the work queued before the last call"
+_CALLERS_WORK = {  # running out there raises TimeoutError, saying why the host waits for it
+    CALLERS_STREAM: "a call of this pipeline was captured in a graph of yours, whose replays run there: the host "
+    "waits for them",
+    CALLERS_EARLIER: "the caller's work, or an earlier call's, queued on the stream before the call: "
+    "check again once it is done",
+}
 
 
 class PipelineTimeout(RuntimeError):
@@ -218,6 +230,7 @@ class GraphedCall:
                 first.wait_event(ev)
             here = torch.cuda.current_device() == first.device.index
             with contextlib.nullcontext() if here else torch.cuda.device(first.device):
+                pipe._start_call_on(first)
                 if src is not None:  # on the stream the graph replays on (the current one)
                     self.x.copy_(src)
                 self.graph.replay()
@@ -279,7 +292,8 @@ class Pipeline:
         stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
     host_timeout_s : how long the host waits for the pipeline's work to finish (a check, a
-        reset; not the caller's work queued after it) before it raises :class:`PipelineHung`
+        reset; the caller's work queued before the call has a bound of its own, after it none)
+        before it raises :class:`PipelineHung`
         and refuses further calls; more than ``timeout_s`` (a GPU whose stages run as several
         kernels one after another may wait ``timeout_s`` in each: give it that many, and the
         calls a check may find queued); default ``max(10, 10 * timeout_s)``.
@@ -501,6 +515,7 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
+        self._started: list = []  # (device, event): the last call's start on each caller stream
         self._after_done: list[int] = []  # per device, the current stream (raw handle) that waited for them
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
@@ -649,6 +664,7 @@ class Pipeline:
         if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
             return self._one_after_another(x, out)
         caller = self._caller_after_last_call()
+        self._start_call_on(caller)
         try:
             return self._one_after_another(x, out)
         finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
@@ -1087,12 +1103,15 @@ class Pipeline:
         """Wait until the pipeline's work is done: every stage's stream and the last call's end
         (on whichever stream issued it: an eager call on one GPU runs on the caller's), at most
         :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`.
+        First the last call's start on the caller's streams, at most :attr:`host_timeout_s` more:
+        what was queued before it is the caller's (running out there raises ``TimeoutError``).
         Whatever the caller queued after the last call is not waited for, unless a call was
         captured in a graph of the caller's own (its replays run on the caller's streams and
         record no end): then the current stream of every device is waited for too."""
         if not self.on_gpu:
             return
-        events = [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
+        events = [(CALLERS_EARLIER, device, ev) for device, ev in self._started]
+        events += [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
         events += [("the last call", self.devices[0], ev) for ev in self._done]
         if callers and self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
             events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
@@ -1105,11 +1124,10 @@ class Pipeline:
         pause = 1e-5
         for who, device, ev in events:
             while not ev.query():
-                if time.monotonic() > deadline and who == CALLERS_STREAM:
+                if time.monotonic() > deadline and who in _CALLERS_WORK:
                     raise TimeoutError(  # the caller's own work (its graphs' replays, its kernels): not ours
-                        f"{who} on {device} did not finish within host_timeout_s={self.host_timeout_s:g} s (a call "
-                        "of this pipeline was captured in a graph of yours, whose replays run there: the host waits "
-                        "for them; the pipeline stays usable)"
+                        f"{who} on {device} did not finish within host_timeout_s={self.host_timeout_s:g} s "
+                        f"({_CALLERS_WORK[who]}; the pipeline stays usable)"
                     )
                 if time.monotonic() > deadline:
                     self._broken = (
@@ -1119,6 +1137,8 @@ class Pipeline:
                     raise PipelineHung(self._broken + "; this Pipeline refuses further calls")
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
+            if who == CALLERS_EARLIER:  # the pipeline's own work starts there: its bound too
+                deadline = time.monotonic() + self.host_timeout_s
 
     def _capturing(self, every_device: bool = False) -> bool:
         """Whether a call now is captured into a CUDA graph (no event queries, waits or
@@ -1316,6 +1336,7 @@ class Pipeline:
             forks, joins = (self._fork_events, self._join_events) if self.on_gpu else ([], [])
             for ev, c in zip(forks, callers):
                 ev.record(c)
+            self._started = [(c.device, ev) for ev, c in zip(forks, callers)]
         # and the end of the previous call, unless every caller stream has waited for it already
         # (the fork points then follow it; torch's streams come from pools and are never freed,
         # so a handle names one stream; an external stream freed and another created under its
@@ -1396,6 +1417,7 @@ class Pipeline:
         caller = self._caller_after_last_call()
         stream = caller.cuda_stream
         kernels = [None] * len(self.weights)
+        self._start_call_on(caller)
         try:
             for s in range(len(self.weights)):
                 if s == self._group_of[s][0]:  # the stages of a chain kernel share one epoch
@@ -1432,6 +1454,13 @@ class Pipeline:
                 for ev in self._done:
                     c.wait_event(ev)
 
+    def _start_call_on(self, caller: torch.cuda.Stream) -> None:
+        """Record the start of a call queued on ``caller`` (after the previous call's end): a
+        host wait tells the caller's earlier work from the call's (:meth:`_wait`)."""
+        start = self._fork_events[0]
+        start.record(caller)
+        self._started = [(caller.device, start)]
+
     def _end_call_on(self, caller: torch.cuda.Stream) -> None:
         """Record the end of a call queued on ``caller`` for the next call to order itself after
         (one event, recorded again by every such call)."""
@@ -1464,7 +1493,8 @@ class Pipeline:
             return [t.numpy() for t in self._to_host(self.plan(M).traces)]
 
     def check_errors(self, plan: Plan | None = None) -> None:
-        """Wait for the pipeline's work (bounded: :class:`PipelineHung`), then read the error words of
+        """Wait for the pipeline's work (bounded: :class:`PipelineHung`; the caller's work queued
+        before the last call, bounded apart: ``TimeoutError``), then read the error words of
         ``plan`` (default: every plan); on a timeout reset that plan and raise
         :class:`PipelineTimeout` naming device, stage, CTA and tile."""
         with self._lock:

@@ -216,6 +216,27 @@ def test_host_waits_do_not_wait_for_the_callers_later_work():
         assert torch.equal(y, pipe.sequential(x)) and torch.equal(pipe(x, check=True), y)
 
 
+def test_the_callers_earlier_work_is_not_read_as_a_hang():
+    """~1 s of the caller's own work queued before a call (eager on the direct path, eager
+    through the stage streams, a graph replay), checked within a 0.3 s host bound: the check
+    raises TimeoutError naming the work queued before the call, the pipeline stays usable, and
+    once that work is done the check passes and the call was right."""
+    for kind in ("direct", "loopback", "replay"):
+        ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
+        pipe = Pipeline(ws, timeout_s=0.1, host_timeout_s=0.3, loopback=kind == "loopback", always_pipelined=True)
+        x = rand(1024, 1024)
+        graphed = pipe.capture(1024) if kind == "replay" else None
+        pipe(x, check=True)
+        torch.cuda._sleep(2_000_000_000)  # the caller's own work, before the call
+        y = graphed(x) if graphed else pipe(x)
+        with pytest.raises(TimeoutError, match="the work queued before the last call"):
+            pipe.check_errors()
+        assert pipe._broken is None, kind
+        torch.cuda.synchronize()
+        pipe.check_errors()
+        assert torch.equal(y, pipe.sequential(x)) and torch.equal(pipe(x, check=True), y), kind
+
+
 def test_a_graph_refuses_a_replay_after_a_weights_storage_swap():
     """A replay after ``w.data = ...`` would read the freed storage: refused, as a call is."""
     ws = [rand(1024, 1024, scale=1024**-0.5) for _ in range(2)]
