@@ -960,6 +960,12 @@ class DistributedGraphedCall:
     out: torch.Tensor | None
     _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
     _start: torch.cuda.Event | None = field(default=None, repr=False)  # and its start
+    # the stream x and out were allocated on (the capture's current stream; a raw handle)
+    _home: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.pipeline.on_gpu:
+            self._home = torch.cuda.current_stream(self.pipeline.device).cuda_stream
 
     def replay(self) -> torch.Tensor | None:
         """Replay on the current stream (the pipeline's host waits wait for it there), on
@@ -1003,6 +1009,10 @@ class DistributedGraphedCall:
                     self._start.record()
                     self.graph.replay()
                     self._done.record()  # on the stream it replayed on
+                    if first.cuda_stream != self._home:  # freed later: not before this replay ends
+                        for t in (self.x, self.out):
+                            if t is not None:
+                                t.record_stream(first)
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._mark_out_of_step(f"rank {pipe.rank} refused or failed a replay ({type(e).__name__}: {e})")
                 raise

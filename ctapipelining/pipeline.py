@@ -183,7 +183,9 @@ class GraphedCall:
     or replay, and those streams wait for it, so the caller may fill ``x`` and read ``out`` on
     its own streams (a fill of ``x`` by hand must come after the previous replay: on the stream
     it was issued from, or one that waited for it; ``graphed(x)`` orders its copy itself).
-    Replays do not read the error words: call :meth:`check_errors`.
+    Replays do not read the error words: call :meth:`check_errors`. Replayed from another
+    stream than the capture's, its ``x`` and ``out`` are freed (with it) only after that
+    replay ends.
     """
 
     pipeline: Pipeline
@@ -192,6 +194,11 @@ class GraphedCall:
     x: torch.Tensor
     out: torch.Tensor
     _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
+    # the stream each of x and out was allocated on (the capture's current streams; raw handles)
+    _homes: tuple = field(default=(), init=False, repr=False)
+
+    def __post_init__(self):
+        self._homes = tuple(torch.cuda.current_stream(t.device).cuda_stream for t in (self.x, self.out))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Copy ``x`` (the shape, dtype and device of :attr:`x`) in, replay, return :attr:`out`."""
@@ -242,6 +249,10 @@ class GraphedCall:
                 c.wait_event(done)
             pipe._done = [done]
             pipe._after_done = [c.cuda_stream for c in callers]
+            for t, home in zip((self.x, self.out), self._homes):  # freed later: not before this replay ends
+                c = callers[pipe._device_indices.index(t.device.index)]
+                if c.cuda_stream != home:
+                    t.record_stream(c)
         return self.out
 
     def check_errors(self) -> None:
