@@ -263,7 +263,8 @@ class DistributedPipeline:
         tensors under the Triton interpreter). Rank 0 holds the first stages, the last rank the
         last; every rank holds at least one.
     group : the process group (default: the world). GPU ranks need one host and peer access
-        between consecutive ranks' GPUs.
+        between consecutive ranks' GPUs. The ranks' host collectives (errors, plans, resets)
+        run on a gloo group of the same ranks, made here (collective) unless ``group`` is gloo.
     policy, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
         :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
     config : this rank's stages' tiles (:class:`GemmConfig`), or a list of one per stage
@@ -317,12 +318,18 @@ class DistributedPipeline:
             raise RuntimeError("DistributedPipeline needs torch.distributed: call init_process_group first (torchrun)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        # the host's collectives (the gathers below, every _meet) on a gloo group of the same
+        # ranks: they exchange host objects, and must complete while a GPU does not finish (an
+        # NCCL collective would queue behind its kernels)
+        ranks = dist.get_process_group_ranks(self.group)
+        gloo = dist.get_backend(self.group) == "gloo"
+        self._host_group = self.group if gloo else dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
         if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and dist.get_backend(self.group) == "nccl":
             current = torch.cuda.current_device()
-            if current != first_weight.device.index:  # NCCL's object collectives (the gather below) run there
+            if current != first_weight.device.index:  # NCCL's collectives (sequential's sends) run there
                 raise RuntimeError(
                     f"rank {self.rank}'s weights are on {first_weight.device} but the current CUDA device is "
                     f"cuda:{current}: call torch.cuda.set_device({first_weight.device.index}) first"
@@ -344,7 +351,7 @@ class DistributedPipeline:
             "error": local_error,
         }  # fmt: skip
         every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, mine, group=self._host_group)
         _raise_any(every)
         self.placement = Placement.of([e["stages"] for e in every], loopback)
         _check_ranks(every)
@@ -392,7 +399,7 @@ class DistributedPipeline:
         except Exception as e:  # noqa: BLE001 (raised on every rank after the gather)
             error = f"{type(e).__name__}: {e}"
         errors = [None] * self.world
-        dist.all_gather_object(errors, {"error": error}, group=self.group)
+        dist.all_gather_object(errors, {"error": error}, group=self._host_group)
         _raise_any(errors)
         self.num_stages = self.placement.num_stages
         self.out_features = self.placement.cols(self.num_stages - 1)
@@ -590,7 +597,7 @@ class DistributedPipeline:
         call the others made) find out instead of exchanging each other's data; an ``error`` of
         any rank is raised on every rank."""
         every = [None] * self.world
-        dist.all_gather_object(every, (what, payload, error), group=self.group)
+        dist.all_gather_object(every, (what, payload, error), group=self._host_group)
         if not all(isinstance(e, tuple) and len(e) == 3 for e in every):  # a rank inside another library's collective
             every = [e if isinstance(e, tuple) and len(e) == 3 else ("another collective", None, None) for e in every]
         steps = {w for w, _, _ in every}

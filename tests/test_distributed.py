@@ -179,6 +179,21 @@ def test_a_reset_that_fails_keeps_the_rank_out_of_step_until_one_works(world1, m
 
 
 @pytest.mark.interpreter
+def test_an_nccl_groups_host_collectives_run_on_a_gloo_group_of_its_ranks(world1, monkeypatch):
+    """With a group of another backend (NCCL on GPUs) the errors, plans and resets are
+    exchanged on a gloo group of the same ranks, so a stuck GPU cannot hold them."""
+    real = dist.get_backend
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    ws = _weights([32, 48, 32])
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
+    assert pipe._host_group is not pipe.group and real(pipe._host_group) == "gloo"
+    assert dist.get_process_group_ranks(pipe._host_group) == dist.get_process_group_ranks(pipe.group)
+    x = torch.randn(40, 32).half()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    pipe.check_errors()
+
+
+@pytest.mark.interpreter
 def test_a_freed_plans_errors_are_not_lost(world1):
     ws = _weights([32, 48, 32])
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, max_plans=1, row_buckets=0)
