@@ -64,9 +64,10 @@ import torch.distributed as dist
 from . import deps, fabric
 from .epilogue import Epilogue
 from .gemm import capturing_on, check_out, check_weight, num_sms, overlaps
+from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
-from .pipeline import CALLERS_EARLIER, CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
+from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -409,7 +410,11 @@ class DistributedPipeline:
         self._lock = threading.RLock()
         self._unread: list[str] = []  # errors of freed plans, reported at the next check_errors
         self._replayed: torch.cuda.Event | None = None  # the last graph replay's end
-        self._replay_start: torch.cuda.Event | None = None  # and its start (behind the caller's earlier work)
+        # the unfinished calls and replays of every segment, in one order: a host wait tells the
+        # caller's work queued before one from the rank's own (Pipeline._wait)
+        self._in_flight = InFlight(f"a call or replay on rank {self.rank}")
+        for seg in self.segments:
+            seg._in_flight = self._in_flight
         # a call captured in a graph of the caller's own (not capture()'s): its replays record no
         # end, so host waits also wait for the current stream (_wait)
         self._in_callers_graphs, self._capturing_own = False, False
@@ -828,8 +833,9 @@ class DistributedPipeline:
         :class:`~ctapipelining.pipeline.PipelineTimeout` on every rank, naming each failure. A
         rank whose GPU did not finish makes every rank raise
         :class:`~ctapipelining.pipeline.PipelineHung` (none resets; every rank then refuses
-        calls). A rank whose wait for its caller's stream ran out (replays of a call captured in
-        a graph of the caller's own) makes every rank raise ``TimeoutError``, nothing read or
+        calls). A rank whose wait for its caller's work ran out (queued before a call or replay,
+        or replays of a call captured in a graph of the caller's own) makes every rank raise
+        ``TimeoutError``, nothing read or
         reset: check again once that work is done."""
         with self._lock:
             hung, waited = None, None
@@ -838,7 +844,7 @@ class DistributedPipeline:
                 msgs = self._unread + [m for dp in self._plans.values() for m in self._messages(dp)]
             except PipelineHung as e:
                 hung, msgs = str(e), [f"rank {self.rank}: {e}"]
-            except TimeoutError as e:  # the caller's stream (its own graphs' replays): raised on every rank
+            except TimeoutError as e:  # the caller's work (before a call, its graphs' replays): on every rank
                 waited, msgs = f"rank {self.rank}: {e}", []
             except Exception as e:  # noqa: BLE001 (a CUDA error, sticky: as a hang, on every rank)
                 hung, msgs = f"{type(e).__name__}: {e}", [f"rank {self.rank}: {type(e).__name__}: {e}"]
@@ -906,19 +912,14 @@ class DistributedPipeline:
         self._unread = []  # (kept if the reset failed: read again at the next check)
 
     def _wait(self) -> None:
-        """Every segment's work (calls, handshakes, the heap's zeroing) and the last graph
-        replay's end (bounded, as the segments' waits are)."""
+        """Every call and graph replay in flight, then every segment's streams (handshakes, the
+        heap's zeroing): the segments' waits, bounded (the calls and replays are theirs too)."""
         for seg in self.segments:
             seg._wait()
-        events = []
-        if self._replayed is not None:  # the caller's work before it is the caller's: not a hang of ours
-            events += [
-                (CALLERS_EARLIER, self.device, self._replay_start),
-                ("the last replay", self.device, self._replayed),
-            ]
         if self._in_callers_graphs:  # (running out there raises TimeoutError: the caller's work)
-            events.append((CALLERS_STREAM, self.device, torch.cuda.current_stream(self.device).record_event()))
-        self.segments[0]._wait_for(events)
+            self.segments[0]._wait_for(
+                [(CALLERS_STREAM, self.device, torch.cuda.current_stream(self.device).record_event())]
+            )
 
     def _own_stream(self):
         """A context in which this rank's current stream is its first segment's (waited for by
@@ -930,7 +931,7 @@ class DistributedPipeline:
         rank still joins the next collective)."""
         try:
             self._wait()
-        except Exception as e:  # noqa: BLE001 (PipelineHung; TimeoutError: the caller's stream; a CUDA error)
+        except Exception as e:  # noqa: BLE001 (PipelineHung; TimeoutError: the caller's work; a CUDA error)
             return f"rank {self.rank}: {type(e).__name__}: {e}"
         return None
 
@@ -965,8 +966,6 @@ class DistributedGraphedCall:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor | None
     out: torch.Tensor | None
-    _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
-    _start: torch.cuda.Event | None = field(default=None, repr=False)  # and its start
     # the stream x and out were allocated on (the capture's current stream; a raw handle)
     _home: int | None = field(default=None, init=False, repr=False)
 
@@ -1011,11 +1010,9 @@ class DistributedGraphedCall:
                     if src is not None:
                         with torch.no_grad():
                             self.x.copy_(src)
-                    if self._start is None:
-                        self._start, self._done = torch.cuda.Event(), torch.cuda.Event()
-                    self._start.record()
+                    start = pipe._in_flight.record([first])
                     self.graph.replay()
-                    self._done.record()  # on the stream it replayed on
+                    done = pipe._in_flight.record([first])  # on the stream it replayed on
                     if first.cuda_stream != self._home:  # freed later: not before this replay ends
                         for t in (self.x, self.out):
                             if t is not None:
@@ -1023,7 +1020,8 @@ class DistributedGraphedCall:
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._mark_out_of_step(f"rank {pipe.rank} refused or failed a replay ({type(e).__name__}: {e})")
                 raise
-            pipe._replayed, pipe._replay_start = self._done, self._start
+            pipe._in_flight.add([(pipe.device, *start)], [(pipe.device, *done)])
+            pipe._replayed = done[0]
         return self.out
 
 

@@ -43,10 +43,11 @@ and a timed-out wait surfaces as :class:`PipelineTimeout` at a later call, once 
 timed out has finished, or at :meth:`Pipeline.check_errors` (which waits). A result is known
 good only then. No error is lost: error words are sticky until read. Host waits are bounded
 too: a device that does not finish within ``host_timeout_s`` raises :class:`PipelineHung`,
-after which the pipeline refuses further calls. The caller's own work is timed apart: what it
-queued before the last call that has not finished within ``host_timeout_s`` raises
-``TimeoutError`` and leaves the pipeline usable (check again once it is done); what it queued
-after the call is not waited for.
+after which the pipeline refuses further calls. The caller's own work is timed apart (the host
+waits for each call's start, then its end: :mod:`ctapipelining.inflight`): what it queued before
+a call that has not finished within ``host_timeout_s`` raises ``TimeoutError`` and leaves the
+pipeline usable (check again once it is done); what it queued after the last call is not
+waited for.
 
 Stages may share a GPU (on one GPU, every stage). Consecutive stages on one GPU with the same
 configuration run at the same time in one chain kernel (:mod:`ctapipelining.kernels.chain`; at most
@@ -107,6 +108,7 @@ from .gemm import (
     tail_split,
     tma_ready,
 )
+from .inflight import CALLERS_EARLIER, InFlight
 from .kernels.chain import MAX_STAGES
 from .kernels.gemm import (
     ENDS_CONFIG,
@@ -136,14 +138,10 @@ def faster_by(medians: dict, default, margin: float):
 
 
 CALLERS_STREAM = "the caller's stream"  # a host wait's name for the caller's current stream
-# and for the point of the caller's stream where the last call (or replay) starts: what was queued
-# there before it is the caller's (or an earlier call's), not the last call's
-CALLERS_EARLIER = "the work queued before the last call"
 _CALLERS_WORK = {  # running out there raises TimeoutError, saying why the host waits for it
     CALLERS_STREAM: "a call of this pipeline was captured in a graph of yours, whose replays run there: the host "
     "waits for them",
-    CALLERS_EARLIER: "the caller's work, or an earlier call's, queued on the stream before the call: "
-    "check again once it is done",
+    CALLERS_EARLIER: "the caller's own work, queued on its stream before the call: check again once it is done",
 }
 
 
@@ -193,7 +191,6 @@ class GraphedCall:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     out: torch.Tensor
-    _done: torch.cuda.Event | None = field(default=None, repr=False)  # each replay's end, recorded again
     # the stream each of x and out was allocated on (the capture's current streams; raw handles)
     _homes: tuple = field(default=(), init=False, repr=False)
 
@@ -237,17 +234,15 @@ class GraphedCall:
                 first.wait_event(ev)
             here = torch.cuda.current_device() == first.device.index
             with contextlib.nullcontext() if here else torch.cuda.device(first.device):
-                pipe._start_call_on(first)
+                start = pipe._in_flight.record([first])
                 if src is not None:  # on the stream the graph replays on (the current one)
                     self.x.copy_(src)
                 self.graph.replay()
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            done = self._done
-            done.record(first)
+                done = pipe._in_flight.record([first])
+            pipe._in_flight.add([(first.device, *start)], [(first.device, *done)])
             for c in callers[1:]:
-                c.wait_event(done)
-            pipe._done = [done]
+                c.wait_event(done[0])
+            pipe._done = done
             pipe._after_done = [c.cuda_stream for c in callers]
             for t, home in zip((self.x, self.out), self._homes):  # freed later: not before this replay ends
                 c = callers[pipe._device_indices.index(t.device.index)]
@@ -302,12 +297,12 @@ class Pipeline:
         K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
         stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
-    host_timeout_s : how long the host waits for the pipeline's work to finish (a check, a
-        reset; the caller's work queued before the call has a bound of its own, after it none)
-        before it raises :class:`PipelineHung`
-        and refuses further calls; more than ``timeout_s`` (a GPU whose stages run as several
-        kernels one after another may wait ``timeout_s`` in each: give it that many, and the
-        calls a check may find queued); default ``max(10, 10 * timeout_s)``.
+    host_timeout_s : how long the host waits for each call in flight to finish once it has
+        started (a check, a reset), before it raises :class:`PipelineHung` and refuses further
+        calls; the caller's work queued before a call gets as long again (``TimeoutError``),
+        after the last call none. More than ``timeout_s`` (a GPU whose stages run as several
+        kernels one after another may wait ``timeout_s`` in each: give it that many); default
+        ``max(10, 10 * timeout_s)``.
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
         least recently used is freed first, never one a captured graph points at.
     sm_budget : the most SMs the pipeline's kernels hold on each GPU at once (default: all), so
@@ -499,11 +494,7 @@ class Pipeline:
             self.streams = [torch.cuda.Stream(d) if self.loopback else own[d] for d in self.devices]
             self._raw_streams = [st.cuda_stream for st in self.streams]
             self._device_indices = [d.index for d in self.distinct_devices]
-            # an eager call's fork and join points, recorded again by every call (no event is
-            # created on the hot path); a query then answers for the latest call, which ends last
-            self._fork_events = [torch.cuda.Event() for _ in self.distinct_devices]
             self._kernel_streams = list(dict.fromkeys(self.streams))  # each once: a call joins back from them
-            self._join_events = [torch.cuda.Event() for _ in self._kernel_streams]
             # capture() captures on a stream of its own, on stage 0's device
             self._capture_stream = torch.cuda.Stream(self.devices[0])
         self._capture_owner = new_capture_owner()  # captured GEMMs' buffers: this pipeline's alone
@@ -526,7 +517,9 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
-        self._started: list = []  # (device, event): the last call's start on each caller stream
+        # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
+        # which host waits tell the caller's work from the pipeline's (_wait)
+        self._in_flight = InFlight()
         self._after_done: list[int] = []  # per device, the current stream (raw handle) that waited for them
         self._pending: dict[Plan, list] = {}  # plan -> its last eager call's end events, words unread
         self._broken: str | None = None  # why this pipeline refuses calls (a device did not finish)
@@ -675,11 +668,11 @@ class Pipeline:
         if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
             return self._one_after_another(x, out)
         caller = self._caller_after_last_call()
-        self._start_call_on(caller)
+        start = self._in_flight.record([caller])
         try:
             return self._one_after_another(x, out)
         finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
-            self._end_call_on(caller)
+            self._end_call_on(caller, start)
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;
@@ -880,7 +873,9 @@ class Pipeline:
 
     def _keep(self, M: int, plan: Plan) -> Plan:
         """Keep ``plan`` for ``M`` rows; free the least recently used unpinned plans beyond
-        :attr:`max_plans`, once the devices are done with them (bounded wait)."""
+        :attr:`max_plans`, once the devices are done with them (bounded wait: where the caller's
+        work queued before a call does not finish in time, ``TimeoutError``, the plans freed at
+        the next new plan instead)."""
         self._plans[M] = plan
         evict = [m for m, p in self._plans.items() if not p.pinned and m != M][
             : max(0, len(self._plans) - self.max_plans)
@@ -1111,26 +1106,26 @@ class Pipeline:
         return host
 
     def _wait(self, callers: bool = True) -> None:
-        """Wait until the pipeline's work is done: every stage's stream and the last call's end
-        (on whichever stream issued it: an eager call on one GPU runs on the caller's), at most
-        :attr:`host_timeout_s`; else mark the pipeline unusable and raise :class:`PipelineHung`.
-        First the last call's start on the caller's streams, at most :attr:`host_timeout_s` more:
-        what was queued before it is the caller's (running out there raises ``TimeoutError``).
+        """Wait until the pipeline's work is done: every unfinished call's start and end in the
+        order they were made (:mod:`ctapipelining.inflight`), then every stage's stream, each
+        at most :attr:`host_timeout_s` after the one before it: a start that does not come in
+        time is held up by the caller's own work queued before the call (``TimeoutError``), an
+        end or a stage stream by the pipeline's (mark it unusable, raise :class:`PipelineHung`).
         Whatever the caller queued after the last call is not waited for, unless a call was
         captured in a graph of the caller's own (its replays run on the caller's streams and
         record no end): then the current stream of every device is waited for too."""
         if not self.on_gpu:
             return
-        events = [(CALLERS_EARLIER, device, ev) for device, ev in self._started]
+        events = self._in_flight.events()
         events += [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
-        events += [("the last call", self.devices[0], ev) for ev in self._done]
         if callers and self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
             events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
         self._wait_for(events)
 
     def _wait_for(self, events: list) -> None:
-        """Poll ``(who, device, event)`` until each event's ``query()`` is true, at most
-        :attr:`host_timeout_s` in all; else mark the pipeline unusable and raise."""
+        """Poll ``(who, device, event)`` in order until each event's ``query()`` is true, each at
+        most :attr:`host_timeout_s` after the one before it; else raise ``TimeoutError`` for the
+        caller's work, or mark the pipeline unusable and raise :class:`PipelineHung`."""
         deadline = time.monotonic() + self.host_timeout_s
         pause = 1e-5
         for who, device, ev in events:
@@ -1148,8 +1143,7 @@ class Pipeline:
                     raise PipelineHung(self._broken + "; this Pipeline refuses further calls")
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
-            if who == CALLERS_EARLIER:  # the pipeline's own work starts there: its bound too
-                deadline = time.monotonic() + self.host_timeout_s
+            deadline = time.monotonic() + self.host_timeout_s  # the next event's bound starts here
 
     def _capturing(self, every_device: bool = False) -> bool:
         """Whether a call now is captured into a CUDA graph (no event queries, waits or
@@ -1342,12 +1336,9 @@ class Pipeline:
         # is ordered with the stages; under capture only the capturing stream (stage 0's device)
         callers = saved[:1] if capturing else saved
         if capturing:  # events of their own, recorded into the graph
-            forks, joins = [c.record_event() for c in callers], [torch.cuda.Event() for _ in self._kernel_streams]
-        else:
-            forks, joins = (self._fork_events, self._join_events) if self.on_gpu else ([], [])
-            for ev, c in zip(forks, callers):
-                ev.record(c)
-            self._started = [(c.device, ev) for ev, c in zip(forks, callers)]
+            forks = [c.record_event() for c in callers]
+        else:  # the call's start (what runs before it on the callers is the caller's work)
+            forks = self._in_flight.record(callers) if self.on_gpu else []
         # and the end of the previous call, unless every caller stream has waited for it already
         # (the fork points then follow it; torch's streams come from pools and are never freed,
         # so a handle names one stream; an external stream freed and another created under its
@@ -1390,11 +1381,7 @@ class Pipeline:
             if capturing:  # the failed capture's graph is discarded
                 plan.pinned = pinned
             if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work
-                for ev, st in zip(joins, self._kernel_streams):
-                    ev.record(st)
-                for caller in callers:
-                    for ev in joins:
-                        caller.wait_event(ev)
+                joins = self._joined(callers, forks)
                 self._done, self._after_done = joins, [c.cuda_stream for c in callers]
             raise
         finally:
@@ -1402,21 +1389,35 @@ class Pipeline:
                 torch.cuda.set_stream(st)
             if device is not None:
                 torch.cuda.set_device(device)
-        if self.on_gpu:  # after every stage's waits: a join recorded earlier would order this call's stages
-            for ev, st in zip(joins, self._kernel_streams):
-                ev.record(st)
-            done = joins
+        if self.on_gpu and capturing:  # after every stage's waits: a join recorded earlier would order them
+            done = [st.record_event() for st in self._kernel_streams]
+            for caller in callers:
+                for ev in done:
+                    caller.wait_event(ev)
+        elif self.on_gpu:
+            done = self._joined(callers, forks)
         if advance_epoch:
             plan.epoch += 1
-        for caller in callers:
-            for ev in done:
-                caller.wait_event(ev)
         if not capturing:
             if self.on_gpu:
                 self._done = done
                 self._after_done = [c.cuda_stream for c in callers]
             self._pending[plan] = self._done
         return kernels
+
+    def _joined(self, callers: list, forks: list) -> list:
+        """The end of an eager call through the stage streams (an event on each kernel stream),
+        recorded with its start ``forks`` (on ``callers``) as a call in flight; the callers wait
+        for it."""
+        joins = self._in_flight.record(self._kernel_streams)
+        self._in_flight.add(
+            [(c.device, ev) for c, ev in zip(callers, forks)],
+            [(st.device, ev) for st, ev in zip(self._kernel_streams, joins)],
+        )
+        for caller in callers:
+            for ev in joins:
+                caller.wait_event(ev)
+        return joins
 
     def _launch_direct(self, plan: Plan, x, out) -> list:
         """:meth:`_launch` of an eager call on one GPU with one kernel stream: every stream
@@ -1428,7 +1429,7 @@ class Pipeline:
         caller = self._caller_after_last_call()
         stream = caller.cuda_stream
         kernels = [None] * len(self.weights)
-        self._start_call_on(caller)
+        start = self._in_flight.record([caller])
         try:
             for s in range(len(self.weights)):
                 if s == self._group_of[s][0]:  # the stages of a chain kernel share one epoch
@@ -1442,9 +1443,9 @@ class Pipeline:
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:
             plan.stale = True
-            self._end_call_on(caller)  # what was queued stays ordered before the caller's next work
+            self._end_call_on(caller, start)  # what was queued stays ordered before the caller's next work
             raise
-        self._end_call_on(caller)
+        self._end_call_on(caller, start)
         plan.epoch += 1
         self._pending[plan] = self._done
         return kernels
@@ -1465,19 +1466,13 @@ class Pipeline:
                 for ev in self._done:
                     c.wait_event(ev)
 
-    def _start_call_on(self, caller: torch.cuda.Stream) -> None:
-        """Record the start of a call queued on ``caller`` (after the previous call's end): a
-        host wait tells the caller's earlier work from the call's (:meth:`_wait`)."""
-        start = self._fork_events[0]
-        start.record(caller)
-        self._started = [(caller.device, start)]
-
-    def _end_call_on(self, caller: torch.cuda.Stream) -> None:
-        """Record the end of a call queued on ``caller`` for the next call to order itself after
-        (one event, recorded again by every such call)."""
-        done = self._join_events[0]
-        done.record(caller)
-        self._done, self._after_done = [done], [caller.cuda_stream]
+    def _end_call_on(self, caller: torch.cuda.Stream, start: list) -> None:
+        """Record the end of a call queued on ``caller`` (whose start, recorded there after the
+        previous call's end, is ``start``): a call in flight, which the next call orders itself
+        after."""
+        done = self._in_flight.record([caller])
+        self._in_flight.add([(caller.device, *start)], [(caller.device, *done)])
+        self._done, self._after_done = done, [caller.cuda_stream]
 
     def compile(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
         """Compile every kernel of ``plan`` for a call with operands like ``x`` and ``out`` (their
@@ -1535,7 +1530,7 @@ class Pipeline:
             return
         try:
             self.reset(plan)
-        except TimeoutError as e:  # the caller's stream: the next call resets the plan first
+        except TimeoutError as e:  # the caller's work: the next call resets the plan first
             plan.stale = True
             raise PipelineTimeout(_failed(plan.M, msgs) + f". Not reset yet ({e}).") from e
         raise PipelineTimeout(_failed(plan.M, msgs) + ". State reset; the next call starts clean.")

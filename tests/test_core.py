@@ -233,6 +233,62 @@ def test_host_waits_are_bounded_and_a_hung_pipeline_refuses_calls():
         pipe(torch.randn(8, 16).half())
 
 
+class _FakeEvent:
+    """A CUDA event's host side: done once the fake stream's clock passes its time."""
+
+    clock = 0
+
+    def __init__(self):
+        self.at = None
+
+    def record(self, stream):
+        self.at = stream.pop(0)  # when the work queued before it on the stream ends
+
+    def query(self):
+        return self.at is not None and self.at <= _FakeEvent.clock
+
+
+def test_a_host_wait_names_whose_work_holds_it_up(monkeypatch):
+    """Calls in flight are waited for in the order they were made, start (the caller's work
+    queued before the call) then end (the call's kernels): the first that does not finish
+    decides. A hung call followed by later calls is the pipeline's (PipelineHung: unusable),
+    the caller's work before a call is the caller's (TimeoutError: still usable); finished
+    calls but the newest give their events back for later calls."""
+    from ctapipelining import inflight
+
+    monkeypatch.setattr(inflight.torch.cuda, "Event", _FakeEvent)
+    ws = chain(16, 16, 16)
+    for late, expect in (("end", PipelineHung), ("start", TimeoutError)):
+        pipe = Pipeline(ws, config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
+        calls, dev = pipe._in_flight, "cuda:0"
+        _FakeEvent.clock = 10
+        # three calls on one stream: each event's time is when the work before it ends; the
+        # second call's end (or the caller's work before it) never comes, so neither does later work
+        never = 10**9
+        times = {"end": [1, 2, 3, never, never, never], "start": [1, 2, never, never, never, never]}[late]
+        stream = list(times)
+        for _ in range(3):
+            start = calls.record([stream])
+            calls.add([(dev, *start)], [(dev, *calls.record([stream]))])
+        with pytest.raises(expect) as e:
+            pipe._wait_for(calls.events())
+        if late == "end":
+            assert "a call of this pipeline on cuda:0 did not finish" in str(e.value) and pipe._broken
+        else:
+            assert "the work queued before a call on cuda:0 did not finish" in str(e.value)
+            assert "the caller's own work" in str(e.value) and pipe._broken is None
+    # finished calls but the newest are pruned, their events recorded again
+    calls = inflight.InFlight()
+    stream = [1, 2, 3, 4, 5, 6]
+    firsts = calls.record([stream]) + calls.record([stream])
+    calls.add([(dev, firsts[0])], [(dev, firsts[1])])
+    second = calls.record([stream])
+    calls.add([(dev, *second)], [(dev, *calls.record([stream]))])
+    third = calls.record([stream])  # both earlier calls finished (clock 10): the first's events come back
+    assert third[0] in firsts and len(calls._calls) == 1
+    assert [who for who, _, _ in calls.events()] == [inflight.CALLERS_EARLIER, "a call of this pipeline"]
+
+
 def test_errors_are_asynchronous_and_never_lost():
     """A call that times out returns; its error is raised by the next call (before it
     launches anything) or by check_errors, and the call after that is right."""

@@ -189,7 +189,7 @@ def test_host_wait_is_bounded_and_a_hung_pipeline_refuses_calls():
     out = torch.empty(2048, 2048, dtype=torch.bfloat16, device=D1)
     pipe._launch(plan, x, out, delay_cycles={1: 2_000_000_000})
     t0 = time.perf_counter()
-    with pytest.raises(PipelineHung, match=f"stage 1 on {D1} did not finish within host_timeout_s=0.3 s"):
+    with pytest.raises(PipelineHung, match=f"a call of this pipeline on {D1} did not finish within host_timeout_s=0.3"):
         pipe.check_errors()
     assert time.perf_counter() - t0 < 1.5
     with pytest.raises(PipelineHung, match="unusable"):
@@ -229,12 +229,21 @@ def test_the_callers_earlier_work_is_not_read_as_a_hang():
         pipe(x, check=True)
         torch.cuda._sleep(2_000_000_000)  # the caller's own work, before the call
         y = graphed(x) if graphed else pipe(x)
-        with pytest.raises(TimeoutError, match="the work queued before the last call"):
+        with pytest.raises(TimeoutError, match="the work queued before a call"):
             pipe.check_errors()
         assert pipe._broken is None, kind
         torch.cuda.synchronize()
         pipe.check_errors()
         assert torch.equal(y, pipe.sequential(x)) and torch.equal(pipe(x, check=True), y), kind
+    # a call of the pipeline's own that does not finish (a stage delayed ~1 s), with a later call
+    # queued behind it: the pipeline's (PipelineHung), not the caller's work before the later call
+    pipe = Pipeline(ws, timeout_s=0.1, host_timeout_s=0.3, always_pipelined=True)
+    pipe(x, check=True)
+    pipe._launch(pipe.plan(1024), x, torch.empty_like(y), delay_cycles={0: 2_000_000_000})
+    pipe(x)
+    with pytest.raises(PipelineHung, match="a call of this pipeline on cuda:0 did not finish"):
+        pipe.check_errors()
+    torch.cuda.synchronize()
 
 
 def test_a_graph_refuses_a_replay_after_a_weights_storage_swap():
