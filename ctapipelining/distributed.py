@@ -708,26 +708,28 @@ class DistributedPipeline:
     def _run(self, dp: DistributedPlan, x, out, rows: int, only: list[int] | None = None) -> None:
         """Launch this rank's segments of one call on ``rows`` rows, each on its own stream: gate,
         the segment's kernels, finish. ``only`` (tests): the local segments to launch."""
-        caller = torch.cuda.current_stream(self.device) if self.on_gpu else None
-        fork = caller.record_event() if caller is not None else None
-        ran = []
-        for k, seg in enumerate(self.segments):
-            if only is not None and k not in only:
-                continue
-            stream = seg.streams[0] if self.on_gpu else None
+        ks = [k for k in range(len(self.segments)) if only is None or k in only]
+        streams = [self.segments[k].streams[0] if self.on_gpu else None for k in ks]
+        if self.on_gpu:  # every stream waits before any launch records events (from the pool)
+            caller = torch.cuda.current_stream(self.device)
+            fork = caller.record_event()
+            replayed = None if self._capturing() else self._replayed  # a replay from another stream
+            for stream in streams:
+                stream.wait_event(fork)
+                if replayed is not None:
+                    stream.wait_event(replayed)
+            if replayed is not None and only is None:  # every segment stream waited for it
+                self._replayed = None  # (its event goes back to the pool: not waited for again)
+        for k, stream in zip(ks, streams):
+            seg = self.segments[k]
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None:
-                    stream.wait_event(fork)
-                    if self._replayed is not None and not self._capturing():  # a replay from another stream
-                        stream.wait_event(self._replayed)
                 self._gate(dp, k, rows)
                 a = x if dp.inputs[k] is None else dp.inputs[k]
                 c = out if dp.outputs[k] is None else dp.outputs[k]
                 seg._launch(dp.plans[k], a, c)
                 if dp.consumed_in[k] is not None:
                     finish[(1,)](dp.calls[k], dp.consumed_in[k], num_warps=HANDSHAKE_WARPS)
-            ran.append(stream)
-        for stream in ran:
+        for stream in streams:
             if stream is not None:
                 caller.wait_stream(stream)
 

@@ -1,13 +1,13 @@
 """The calls a pipeline queued that have not finished, so that a host wait can tell whose work
 holds it up.
 
-Each call records its start on the caller's streams, once the previous call's end is behind them
-(what runs there before it is the caller's work, or a call's of another library), and its end on
-the streams its kernels ran on (the pipeline's own work). Waiting for these events in the order
-the calls were made, the first one that does not finish names who is late: a start, the caller
-(``TimeoutError``: nothing of ours is stuck); an end, the pipeline (its kernels still run). Events
-of finished calls are recorded again by later calls (no event is created per call once the pool
-holds enough).
+Each call records its start on the streams it is issued from, before its own work (what runs
+there before it, past the previous call's end, is the caller's work, or another library's), and
+its end on the streams its kernels ran on (the pipeline's own work). Waiting for these events in
+the order the calls were made, the first one that does not finish names who is late: a start,
+the caller (``TimeoutError``: nothing of ours is stuck); an end, the pipeline (its kernels still
+run). Events of finished calls are recorded again by later calls on the same device (no event is
+created per call once the pools hold enough).
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ class InFlight:
     def __init__(self, name: str = "a call of this pipeline"):
         self.name = name  # what a host wait calls an end
         self._calls: collections.deque = collections.deque()
-        self._free: list = []  # events of finished calls, to record again
+        self._free: dict = {}  # device -> events of finished calls there, to record again (an event keeps its device)
 
     def record(self, streams: list) -> list:
-        """An event recorded on each of ``streams`` now (from the pool where it can)."""
-        self._prune()
+        """An event recorded on each of ``streams`` now (from its device's pool where it can;
+        an empty pool first takes back the events of finished calls)."""
         events = []
         for st in streams:
-            ev = self._free.pop() if self._free else torch.cuda.Event()
+            pool = self._free.get(st.device)
+            if not pool:
+                self._prune()
+                pool = self._free.get(st.device)
+            ev = pool.pop() if pool else torch.cuda.Event()
             ev.record(st)
             events.append(ev)
         return events
@@ -46,7 +50,8 @@ class InFlight:
         """Return the events of finished calls but the newest to the pool."""
         while len(self._calls) > 1 and all(ev.query() for _, ev in self._calls[0][1]):
             starts, ends = self._calls.popleft()
-            self._free += [ev for _, ev in starts + ends]
+            for device, ev in starts + ends:
+                self._free.setdefault(device, []).append(ev)
 
     def events(self) -> list:
         """``(who, device, event)`` to wait for, in the order the calls were made."""

@@ -297,10 +297,11 @@ class Pipeline:
         K-slices applies the epilogue to the whole tile (and stores its rows' sums for a next
         stage's norm) before it signals it. Not with prefill or drain rows.
     timeout_s : how long a CTA waits for an input before it gives up and reports.
-    host_timeout_s : how long the host waits for each call in flight to finish once it has
-        started (a check, a reset), before it raises :class:`PipelineHung` and refuses further
-        calls; the caller's work queued before a call gets as long again (``TimeoutError``),
-        after the last call none. More than ``timeout_s`` (a GPU whose stages run as several
+    host_timeout_s : how long a host wait (a check, a reset) waits for each call in flight's
+        start, then its end, each counted from the one before: an end that does not come raises
+        :class:`PipelineHung` (the pipeline refuses further calls), a start ``TimeoutError``
+        (the caller's work queued before the call); the caller's work after the last call is
+        not waited for. More than ``timeout_s`` (a GPU whose stages run as several
         kernels one after another may wait ``timeout_s`` in each: give it that many); default
         ``max(10, 10 * timeout_s)``.
     max_plans : plan heights whose plans (buffers, scoreboards, bound launches) are kept; the
@@ -874,8 +875,8 @@ class Pipeline:
     def _keep(self, M: int, plan: Plan) -> Plan:
         """Keep ``plan`` for ``M`` rows; free the least recently used unpinned plans beyond
         :attr:`max_plans`, once the devices are done with them (bounded wait: where the caller's
-        work queued before a call does not finish in time, ``TimeoutError``, the plans freed at
-        the next new plan instead)."""
+        work queued before a call in flight does not finish in time, the call raises
+        ``TimeoutError``, the plan kept, the others freed at the next new plan instead)."""
         self._plans[M] = plan
         evict = [m for m, p in self._plans.items() if not p.pinned and m != M][
             : max(0, len(self._plans) - self.max_plans)
@@ -1383,6 +1384,7 @@ class Pipeline:
             if self.on_gpu and not capturing:  # what was queued stays ordered before the caller's next work
                 joins = self._joined(callers, forks)
                 self._done, self._after_done = joins, [c.cuda_stream for c in callers]
+                self._pending[plan] = self._done  # (its error words' copies, where queued, end there)
             raise
         finally:
             for st in saved:
@@ -1444,6 +1446,7 @@ class Pipeline:
         except BaseException:
             plan.stale = True
             self._end_call_on(caller, start)  # what was queued stays ordered before the caller's next work
+            self._pending[plan] = self._done  # (its error words' copies, where queued, end there)
             raise
         self._end_call_on(caller, start)
         plan.epoch += 1
@@ -1500,7 +1503,7 @@ class Pipeline:
 
     def check_errors(self, plan: Plan | None = None) -> None:
         """Wait for the pipeline's work (bounded: :class:`PipelineHung`; the caller's work queued
-        before the last call, bounded apart: ``TimeoutError``), then read the error words of
+        before a call in flight, bounded apart: ``TimeoutError``), then read the error words of
         ``plan`` (default: every plan); on a timeout reset that plan and raise
         :class:`PipelineTimeout` naming device, stage, CTA and tile."""
         with self._lock:

@@ -234,18 +234,29 @@ def test_host_waits_are_bounded_and_a_hung_pipeline_refuses_calls():
 
 
 class _FakeEvent:
-    """A CUDA event's host side: done once the fake stream's clock passes its time."""
+    """A CUDA event's host side: done once the clock passes the end of the work queued before it
+    on its stream; bound to the device it was first recorded on, as a CUDA event is."""
 
     clock = 0
 
     def __init__(self):
-        self.at = None
+        self.at, self.device = None, None
 
     def record(self, stream):
-        self.at = stream.pop(0)  # when the work queued before it on the stream ends
+        if self.device not in (None, stream.device):
+            raise RuntimeError(f"Event device {self.device} does not match recording stream's device")
+        self.device, self.at = stream.device, stream.pop(0)
 
     def query(self):
         return self.at is not None and self.at <= _FakeEvent.clock
+
+
+class _FakeStream(list):
+    """The times at which the work before each next event on a stream ends."""
+
+    def __init__(self, device, times):
+        super().__init__(times)
+        self.device = device
 
 
 def test_a_host_wait_names_whose_work_holds_it_up(monkeypatch):
@@ -253,23 +264,23 @@ def test_a_host_wait_names_whose_work_holds_it_up(monkeypatch):
     queued before the call) then end (the call's kernels): the first that does not finish
     decides. A hung call followed by later calls is the pipeline's (PipelineHung: unusable),
     the caller's work before a call is the caller's (TimeoutError: still usable); finished
-    calls but the newest give their events back for later calls."""
+    calls but the newest give their events back, each to its own device's pool."""
     from ctapipelining import inflight
 
     monkeypatch.setattr(inflight.torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.clock = 10
     ws = chain(16, 16, 16)
+    never = 10**9
     for late, expect in (("end", PipelineHung), ("start", TimeoutError)):
         pipe = Pipeline(ws, config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
-        calls, dev = pipe._in_flight, "cuda:0"
-        _FakeEvent.clock = 10
-        # three calls on one stream: each event's time is when the work before it ends; the
-        # second call's end (or the caller's work before it) never comes, so neither does later work
-        never = 10**9
-        times = {"end": [1, 2, 3, never, never, never], "start": [1, 2, never, never, never, never]}[late]
-        stream = list(times)
+        calls = pipe._in_flight
+        # three calls on one stream; the second call's end (or the caller's work before it)
+        # never comes, so neither does anything queued after it
+        times = {"end": [1, 2, 3, never], "start": [1, 2, never, never]}[late]
+        stream = _FakeStream("cuda:0", times + [never] * 2)
         for _ in range(3):
             start = calls.record([stream])
-            calls.add([(dev, *start)], [(dev, *calls.record([stream]))])
+            calls.add([("cuda:0", *start)], [("cuda:0", *calls.record([stream]))])
         with pytest.raises(expect) as e:
             pipe._wait_for(calls.events())
         if late == "end":
@@ -277,16 +288,20 @@ def test_a_host_wait_names_whose_work_holds_it_up(monkeypatch):
         else:
             assert "the work queued before a call on cuda:0 did not finish" in str(e.value)
             assert "the caller's own work" in str(e.value) and pipe._broken is None
-    # finished calls but the newest are pruned, their events recorded again
+    # calls on two devices (a start on each caller stream, an end on each kernel stream): many
+    # calls, every event recorded again only on its own device, the finished ones given back
     calls = inflight.InFlight()
-    stream = [1, 2, 3, 4, 5, 6]
-    firsts = calls.record([stream]) + calls.record([stream])
-    calls.add([(dev, firsts[0])], [(dev, firsts[1])])
-    second = calls.record([stream])
-    calls.add([(dev, *second)], [(dev, *calls.record([stream]))])
-    third = calls.record([stream])  # both earlier calls finished (clock 10): the first's events come back
-    assert third[0] in firsts and len(calls._calls) == 1
-    assert [who for who, _, _ in calls.events()] == [inflight.CALLERS_EARLIER, "a call of this pipeline"]
+    callers = [_FakeStream("cuda:0", range(1, 100)), _FakeStream("cuda:1", range(1, 100))]
+    kernels = [_FakeStream("cuda:0", range(1, 100)), _FakeStream("cuda:1", range(1, 100))]
+    made = set()
+    for _ in range(8):
+        starts, ends = calls.record(callers), calls.record(kernels)
+        made |= set(map(id, starts + ends))
+        calls.add(
+            [(st.device, ev) for st, ev in zip(callers, starts)], [(st.device, ev) for st, ev in zip(kernels, ends)]
+        )
+    assert len(calls._calls) <= 2 and len(made) <= 12  # (the pools refill once they run dry)
+    assert [who for who, _, _ in calls.events()][-4:] == [inflight.CALLERS_EARLIER] * 2 + [calls.name] * 2
 
 
 def test_errors_are_asynchronous_and_never_lost():
