@@ -195,7 +195,8 @@ class GraphedCall:
     _homes: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self):
-        self._homes = tuple(torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0 for t in (self.x, self.out))
+        home = [torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0 for t in (self.x, self.out)]
+        self._homes = tuple(home)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Copy ``x`` (the shape, dtype and device of :attr:`x`) in, replay, return :attr:`out`."""
