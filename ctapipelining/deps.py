@@ -430,6 +430,11 @@ class TailSplit:
         return range(self.item_of(tile * k_tiles, k_tiles), self.item_of((tile + 1) * k_tiles - 1, k_tiles) + 1)
 
 
+# the least part of a round stream-K must save: about a partial sum's cost (Calibration.tail_slice_ns,
+# ~4 us, against a 128 x 256 tile's ~90 us over K = 8192, is 1/20 of a round)
+STREAM_K_MIN_GAIN = 1 / 16
+
+
 def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int, stream: bool = False) -> TailSplit | None:
     """How to share the end of ``num_tiles`` tiles' persistent loop on ``num_ctas`` CTAs
     (:class:`TailSplit`): the partial last round split into slices of at least ``min_slice_k``
@@ -438,13 +443,16 @@ def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int, st
     partial one over all CTAs, each item at least ``min_slice_k`` K-steps (a segment, where a
     share crosses tiles, may be shorter). None when there is no partial round, or no two
     slices of a tile fit, or (stream-K) the items leave CTAs idle past the full rounds (K too
-    short for every CTA to take ``min_slice_k`` steps)."""
+    short for every CTA to take ``min_slice_k`` steps), or the partial round is so nearly full
+    that sharing it saves less than :data:`STREAM_K_MIN_GAIN` of a round."""
     if min_slice_k < 1:
         raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
     part = num_tiles % num_ctas
     if part == 0:
         return None
     if stream:
+        if num_ctas - part < STREAM_K_MIN_GAIN * num_ctas:  # the round's idle CTAs: what sharing saves
+            return None
         tiles = min(num_tiles, num_ctas + part)
         items = min(num_ctas, tiles * k_tiles // min_slice_k)
         # every CTA busy past the full rounds, or (one partial round) more CTAs than its tiles

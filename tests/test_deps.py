@@ -117,6 +117,8 @@ def test_stream_k_shares_the_last_two_rounds_over_every_cta():
     assert deps.split_tail(32, 132, 128, 16, stream=True) == deps.TailSplit(0, 32, 132)  # one partial round: split-K
     assert deps.split_tail(4092, 132, 128, 16, stream=True) is None  # whole rounds
     assert deps.split_tail(160, 132, 8, 16, stream=True) is None  # too few K-steps for every CTA
+    assert deps.split_tail(263, 132, 128, 16, stream=True) is None  # 131 of 132 busy: under 1/16 saved
+    assert deps.split_tail(255, 132, 128, 16, stream=True) == deps.TailSplit(0, 255, 132)  # 123: 9 idle
     with pytest.raises(ValueError, match="more items than"):  # an item without K-steps would never arrive
         deps.TailSplit(0, 1, 4).most_segments(2)
     with pytest.raises(ValueError, match="a chain order places whole slices"):
