@@ -1217,7 +1217,9 @@ class Pipeline:
         last stage's device (``out`` if given). Does not synchronise: a timeout of this call
         raises :class:`PipelineTimeout` at a later call or at :meth:`check_errors`; an earlier
         call's is raised here, before anything is launched. ``check=True`` waits for this call
-        and checks it (the result is then known good)."""
+        and checks it (the result is then known good). A call on a new plan height beyond
+        ``max_plans`` waits for the calls in flight before it frees a plan (bounded, as
+        :meth:`check_errors` waits)."""
         if self.segment is not None:
             raise RuntimeError("this pipeline is a segment of a longer chain: call its DistributedPipeline")
         with self._lock:
