@@ -1014,7 +1014,7 @@ class DistributedGraphedCall:
                             self.x.copy_(src)
                     start = pipe._in_flight.record([first])
                     self.graph.replay()
-                    done = pipe._in_flight.record([first])  # on the stream it replayed on
+                    done = pipe._in_flight.end_on(first, start)  # on the stream it replayed on
                     if first.cuda_stream != self._home:  # freed later: not before this replay ends
                         for t in (self.x, self.out):
                             if t is not None:
@@ -1022,7 +1022,6 @@ class DistributedGraphedCall:
             except BaseException as e:  # the other ranks replay theirs: ours no longer pair with theirs
                 pipe._mark_out_of_step(f"rank {pipe.rank} refused or failed a replay ({type(e).__name__}: {e})")
                 raise
-            pipe._in_flight.add([(pipe.device, *start)], [(pipe.device, *done)])
             pipe._replayed = done[0]
         return self.out
 

@@ -46,6 +46,13 @@ class InFlight:
         """A call whose starts and ends (``(device, event)`` each) were recorded."""
         self._calls.append((starts, ends))
 
+    def end_on(self, stream, start: list) -> list:
+        """Record the end of a call issued on ``stream`` alone (its start ``start``, from
+        :meth:`record`) and add the call; returns the end (one event)."""
+        done = self.record([stream])
+        self.add([(stream.device, *start)], [(stream.device, *done)])
+        return done
+
     def _prune(self) -> None:
         """Return the events of finished calls but the newest to the pool."""
         while len(self._calls) > 1 and all(ev.query() for _, ev in self._calls[0][1]):

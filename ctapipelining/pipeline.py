@@ -239,8 +239,7 @@ class GraphedCall:
                 if src is not None:  # on the stream the graph replays on (the current one)
                     self.x.copy_(src)
                 self.graph.replay()
-                done = pipe._in_flight.record([first])
-            pipe._in_flight.add([(first.device, *start)], [(first.device, *done)])
+                done = pipe._in_flight.end_on(first, start)
             for c in callers[1:]:
                 c.wait_event(done[0])
             pipe._done = done
@@ -1476,9 +1475,7 @@ class Pipeline:
         """Record the end of a call queued on ``caller`` (whose start, recorded there after the
         previous call's end, is ``start``): a call in flight, which the next call orders itself
         after."""
-        done = self._in_flight.record([caller])
-        self._in_flight.add([(caller.device, *start)], [(caller.device, *done)])
-        self._done, self._after_done = done, [caller.cuda_stream]
+        self._done, self._after_done = self._in_flight.end_on(caller, start), [caller.cuda_stream]
 
     def compile(self, plan: Plan, x: torch.Tensor, out: torch.Tensor) -> None:
         """Compile every kernel of ``plan`` for a call with operands like ``x`` and ``out`` (their

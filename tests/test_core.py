@@ -280,7 +280,7 @@ def test_a_host_wait_names_whose_work_holds_it_up(monkeypatch):
         stream = _FakeStream("cuda:0", times + [never] * 2)
         for _ in range(3):
             start = calls.record([stream])
-            calls.add([("cuda:0", *start)], [("cuda:0", *calls.record([stream]))])
+            calls.end_on(stream, start)
         with pytest.raises(expect) as e:
             pipe._wait_for(calls.events())
         if late == "end":
