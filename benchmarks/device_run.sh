@@ -127,8 +127,9 @@ for step in $STEPS; do
     *) echo "unknown step $step (see the list at the top of $0)" ;;
   esac
 done
-# everything but env.txt and gpu-tests.log travels in one tarball (the list is made before the
-# tarball exists, so the tarball is never in it)
-cd "$OUT" && find . -type f ! -name env.txt ! -name gpu-tests.log -printf '%P\n' > ../.out-files \
-  && [ -s ../.out-files ] && tar czf all.tar.gz --remove-files -T ../.out-files && find . -type d -empty -delete
+# everything but env.txt, gpu-tests.log and earlier tarballs travels in one tarball: all.tar.gz, or
+# all-2.tar.gz, ... where a call ran this script more than once
+cd "$OUT" && find . -type f ! -name env.txt ! -name gpu-tests.log ! -name 'all*.tar.gz' -printf '%P\n' > ../.out-files \
+  && [ -s ../.out-files ] && { tarball=all.tar.gz n=1; while [ -e "$tarball" ]; do n=$((n + 1)) tarball=all-$n.tar.gz; done
+    tar czf "$tarball" --remove-files -T ../.out-files && find . -type d -empty -delete; }
 rm -f ../.out-files; ls -R

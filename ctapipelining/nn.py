@@ -375,14 +375,20 @@ class FusedMLP(torch.nn.Module):
         in-place change; an inference-mode tensor has none: only its replacement is seen)."""
         return tuple(
             (StorageWeakRef(t.untyped_storage()), t.data_ptr(), None if t.is_inference() else t._version)
-            for t in self._source_weights()
+            for t in self._source_tensors()
             if t is not None
         )
+
+    def _source_tensors(self) -> tuple:
+        """The source module's own tensors whose changes :meth:`_versions` follows: its
+        parameters themselves, never views of them (a view made inside a compiled region's
+        runtime does not share its base's version counter)."""
+        return self._source_weights()
 
     def _source_moved(self) -> bool:
         if self._source is None:
             return False
-        now, then = [t for t in self._source_weights() if t is not None], self._source_versions
+        now, then = [t for t in self._source_tensors() if t is not None], self._source_versions
         return len(now) != len(then) or any(
             t.data_ptr() != ptr
             or (None if t.is_inference() else t._version) != version
@@ -603,9 +609,11 @@ class GPTMLP(FusedMLP):
         return block
 
     @staticmethod
-    def _hf_weights(mlp, norm):
+    def _hf_weights(mlp, norm, raw: bool = False):
+        """The block's weights from the modules (``raw``: each layer's weight as the layer keeps it)."""
+
         def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in]
-            w = layer.weight.t() if type(layer).__name__ == "Conv1D" else layer.weight
+            w = layer.weight.t() if type(layer).__name__ == "Conv1D" and not raw else layer.weight
             return w, layer.bias
 
         (w_1, b_1), (w_2, b_2) = linear(mlp.c_fc), linear(mlp.c_proj)
@@ -613,6 +621,9 @@ class GPTMLP(FusedMLP):
 
     def _source_weights(self):
         return self._hf_weights(*self._source)
+
+    def _source_tensors(self):
+        return self._hf_weights(*self._source, raw=True)
 
 
 _STACKS: weakref.WeakValueDictionary[str, MLPStack] = weakref.WeakValueDictionary()  # the stack operator's

@@ -395,6 +395,26 @@ def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
     assert torch.equal(compiled(x), block(x * 2) + 1)
 
 
+def test_a_source_changed_before_the_block_was_built_is_not_taken_for_moved_inside_a_compiled_graph():
+    """A GPT block keeps its ``Conv1D`` weights' transposes; a compiled graph's runtime runs the
+    operator below autograd's view tracking, where a view made of a weight does not share its
+    version counter. A source changed in place before the block was built (version 1) then
+    still reads as unchanged there, and a change after it still reads as a change."""
+    mlp, norm = gpt_block()
+    with torch.no_grad():
+        mlp.c_fc.weight.mul_(1.5)  # its version moves to 1
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = torch.randn(3, H).half()
+    want = block(x)
+    with torch._C._AutoDispatchBelowADInplaceOrView():  # as Inductor's runtime calls the operator
+        assert not block._source_moved()
+        assert torch.equal(block(x), want)
+    with torch.no_grad():
+        mlp.c_proj.weight.mul_(2)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        assert block._source_moved()
+
+
 def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_through_it(monkeypatch):
     """An eager call on a plain tensor skips the operator's dispatch (host time before the first
     kernel) and equals the operator's result; a fake tensor (what a compiler traces with) and an
