@@ -71,13 +71,12 @@ if os.environ.get("OLD_PACKAGE_PARENT"):
 
 
 TAILS = {"_split": dict(split_tail=True), "": dict(split_tail=False)}  # name suffix: the tail's fields
-STREAM_K = {"_sk": dict(split_tail=True, stream_k=True)}  # a chain kernel's claims are whole slices: plain only
 
 
 def candidates(tiles: list[tuple], group_m: int, variants=({},), tails=TAILS, **fixed) -> dict[str, GemmConfig]:
     """``name: config`` for each ``(block_m, block_n, block_k, num_stages, num_warps)`` of
-    ``tiles``, with each of ``tails`` (name suffix ``_split``: the partial round split; ``_sk``:
-    stream-K; none: whole tiles), in each of ``variants`` (other fields: a ``wait_parts`` of 1
+    ``tiles``, with each of ``tails`` (name suffix ``_split``: the partial round split; none:
+    whole tiles), in each of ``variants`` (other fields: a ``wait_parts`` of 1
     adds ``_wp1`` to the name, a variant's ``group_m`` of 8 ``_g8``; ``group_m`` itself names
     nothing)."""
     out = {}
@@ -94,7 +93,7 @@ def candidates(tiles: list[tuple], group_m: int, variants=({},), tails=TAILS, **
 CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
     [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4),
      (64, 128, 64, 5, 4), (64, 128, 128, 4, 4)],
-    group_m=8, tails=TAILS | STREAM_K,
+    group_m=8,
 )  # fmt: skip
 # group_m 4 and wait_parts 8 (PIPELINE_CONFIG's), each also waiting for whole rows (the combined
 # order places a tile's input rows about a round before it: its parts are then mostly written),

@@ -3,12 +3,10 @@ against the same GEMM plain and in cuBLAS, graph-replayed, paired (one H200; def
 Llama-70B MLP at M = 4096). The down GEMM's residual two ways: loaded by the epilogue on 128 x
 128 tiles (as a pipeline stage does), and added onto the output by TMA on the plain GEMM's tiles
 (``matmul``). Each plain GEMM, and each with its whole epilogue, also with its last partial
-round split along K (``_split``: the summing CTA applies the epilogue), with its last two
-rounds shared by every CTA (``_sk``, stream-K), and on 128 x 128 tiles (``_n128``). The whole
-block (:class:`ctapipelining.nn.LlamaMLP`, ``block``; ``block_sk``: both GEMMs stream-K)
-against its two cuBLAS GEMMs in one graph (``gemms_cublas``), and, with OLD_PARENT (a folder
-holding an older tree as ``ctapipelining_old``), the old tree's block (``block_old``) in the
-same run.
+round split along K (``_split``: the summing CTA applies the epilogue), and on 128 x 128
+tiles (``_n128``). The whole block (:class:`ctapipelining.nn.LlamaMLP`, ``block``) against its
+two cuBLAS GEMMs in one graph (``gemms_cublas``), and, with OLD_PARENT (a folder holding an
+older tree as ``ctapipelining_old``), the old tree's block (``block_old``) in the same run.
 
 usage: python3 benchmarks/mlp_parts.py OUT_DIR [REPS] [SHAPES] [OLD_PARENT]
 
@@ -60,7 +58,6 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
     y = torch.empty(M, H, device="cuda").bfloat16()
     cfg3 = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
     split3 = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
-    sk3 = dataclasses.replace(PLAIN_CONFIG, split_tail=True, stream_k=True)
     n128 = dataclasses.replace(cfg3, block_n=128, num_stages=4)
     gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
     res = Epilogue(residual=True)
@@ -74,8 +71,6 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
         "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
         "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
         "gu_gated_rms_split": lambda: matmul(x, gu, out=half, config=split3, epilogue=gated_rms),
-        "gu_plain_sk": lambda: matmul(x, gu, out=full, config=sk3),
-        "gu_gated_rms_sk": lambda: matmul(x, gu, out=half, config=sk3, epilogue=gated_rms),
         "down_cublas": lambda: torch.mm(h, down, out=y),
         "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
         "down_plain3_split": lambda: matmul(h, down, out=y, config=split3),
@@ -83,16 +78,11 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
         "down_res_load_n128": lambda: load(h, down, y, residual=x),
         "down_res_add3": lambda: matmul(h, down, out=y, config=cfg3, epilogue=res, residual=x),
         "down_res_add3_split": lambda: matmul(h, down, out=y, config=split3, epilogue=res, residual=x),
-        "down_plain_sk": lambda: matmul(h, down, out=y, config=sk3),
-        "down_res_add_sk": lambda: matmul(h, down, out=y, config=sk3, epilogue=res, residual=x),
     }
     w_gate, w_up = ((torch.randn(INTER, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
     w_down = (torch.randn(H, INTER, device="cuda") * INTER**-0.5).bfloat16()
     g = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
-    blocks = {
-        "block": LlamaMLP(w_gate, w_up, w_down, g),
-        "block_sk": LlamaMLP(w_gate, w_up, w_down, g, gate_up_config=sk3, down_config=sk3),
-    }
+    blocks = {"block": LlamaMLP(w_gate, w_up, w_down, g)}
     if old_block is not None:
         blocks["block_old"] = old_block(w_gate, w_up, w_down, g)
     with torch.no_grad():
@@ -109,10 +99,9 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
               if k.split("_")[0] == base.split("_")[0]}  # fmt: skip
     for name in blocks:
         ratios[f"{name}/gemms_cublas"] = round(med[name] / med["gemms_cublas"], 4)
-    for name, base in (("block", "block_old"), ("block_sk", "block")):
-        if name in times and base in times:
-            med_, lo, hi = median_ci([p / q for p, q in zip(times[name], times[base])])
-            ratios[f"{name}/{base}"] = {"median": med_, "ci95": [lo, hi]}
+    if "block_old" in times:
+        med_, lo, hi = median_ci([p / q for p, q in zip(times["block"], times["block_old"])])
+        ratios["block/block_old"] = {"median": med_, "ci95": [lo, hi]}
     print(H, INTER, M, json.dumps({"median_ms": med, "ratios": ratios}, indent=1), flush=True)
     return {"median_ms": med, "ratios": ratios}
 

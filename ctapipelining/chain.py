@@ -133,7 +133,7 @@ class ChainLaunch:
             self.split = None  # a ring's tiles come in readiness order: nothing to split at the end
         self.tail = None if self.split is None else TailBuffers.create(self.split, config, device)
         self.order = torch.from_numpy(self._order_codes(num_ctas)).to(device)
-        tail = None if self.tail is None else tail_bundle(self.tail, _cdiv(stages[-1].K, config.block_k))
+        tail = None if self.tail is None else tail_bundle(self.tail)
         claims = self.positions if self.split is None else self.positions - self.split.tiles + self.split.items
         # how far a run moves the ticket: every CTA claims one more than an even share
         self.claims_per_run = num_ctas * (_cdiv(claims, num_ctas) + 1)

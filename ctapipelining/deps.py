@@ -347,7 +347,7 @@ TAIL_MIN_SLICE_K = 16  # K-steps a split tail's slice has at least on a GPU (sho
 
 @dataclass(frozen=True)
 class TailSplit:
-    """The end of a persistent loop, its tiles' K-steps shared evenly by the CTAs.
+    """The last, partial round of a persistent loop, split along K over the CTAs it leaves idle.
 
     A persistent GEMM of ``T`` tiles on ``P`` CTAs runs ``T // P`` full rounds and then one
     round of ``T % P`` tiles. That round takes about a whole tile time however few tiles it
@@ -356,111 +356,58 @@ class TailSplit:
     work. In a two-stage chain both stages pay it on the critical path (the consumer's last
     row-blocks wait for the producer's last round, then run their own last round).
 
-    Here the last ``tiles`` positions of the tile order (from ``first_pos``) are run as
-    ``items`` work items instead, item ``i`` taking steps ``[i * L // items, (i + 1) * L //
-    items)`` of their ``L = tiles * k_tiles`` K-steps in a row (tile after tile, ``items <=
-    L``): a *segment* of each tile it touches. A tile whose K loop one item runs whole is
-    stored as usual; otherwise each segment writes an fp32 partial tile to a workspace (in
-    :attr:`slots`), and the CTA that stores the last partial of a tile (an arrival counter
-    says which) adds the partials in item order and writes and signals the tile. The order is
+    Here each of those ``tiles`` tail tiles is cut into ``splits`` slices of its K loop, one
+    per CTA (``tiles * splits <= P``). Each slice writes an fp32 partial tile to a workspace
+    (slot ``item``); the CTA that stores the last partial of a tile (an arrival counter says
+    which) adds the partials in slice order and writes and signals the tile. The order is
     fixed, so the result does not depend on which CTA arrives last; it differs in rounding
     from the unsplit tile.
 
-    Two layouts (:func:`split_tail`): the partial round alone, each of its tiles in
-    ``splits`` equal slices (``items = tiles * splits <= P``: the CTAs it leaves idle); or
-    *stream-K*, the last full round and the partial one over all ``P`` CTAs, each an equal
-    share (about ``(P + T % P) / P`` tiles' work, a tile in at most a few segments), which
-    also spreads the partial round's fraction of a tile time over every CTA.
+    Positions ``[first_pos, first_pos + tiles)`` of the tile order are the tail; item
+    ``i < tiles * splits`` (run by CTA ``i``) is slice ``i % splits`` of tail tile ``i // splits``.
+    (Sharing the last full round too, stream-K, measured slower on an H200: at 640-1024 rows no
+    stream-K configuration was the plain GEMM's fastest, and a Llama-8B block at 4096 rows with
+    both GEMMs stream-K took 1.10x as long;
+    ``benchmarks/results/2026-12-05-h200-suite/e1b2825/configs-parts-output.txt``.)
     """
 
     first_pos: int
     tiles: int
-    items: int
+    splits: int
 
     def __post_init__(self):
-        if self.first_pos < 0 or self.tiles < 1 or self.items < 1:
-            raise ValueError(f"a TailSplit needs first_pos >= 0, tiles >= 1 and items >= 1, got {self}")
+        if self.first_pos < 0 or self.tiles < 1 or self.splits < 2:
+            raise ValueError(f"a TailSplit needs first_pos >= 0, tiles >= 1 and splits >= 2, got {self}")
+
+    @property
+    def items(self) -> int:
+        """Work items (K-slices), one per CTA; also the workspace's partial tiles."""
+        return self.tiles * self.splits
 
     def check(self, k_tiles: int) -> None:
-        """Raise a clear error unless every item has K-steps to run (``items <= tiles * k_tiles``):
-        an item without any would never arrive, and its tile would never be summed."""
-        if self.items > self.tiles * k_tiles:
-            raise ValueError(f"{self} has more items than its {self.tiles} x {k_tiles} K-steps")
+        """Raise a clear error unless every slice has K-steps to run (``splits <= k_tiles``): a
+        slice without any would never arrive, and its tile would never be summed."""
+        if self.splits > k_tiles:
+            raise ValueError(f"{self} has more slices a tile than its {k_tiles} K-steps")
 
-    @property
-    def splits(self) -> int:
-        """Slices per tail tile where every item runs one slice of one tile and every tile has
-        two or more (``items`` a multiple of ``tiles``, at least twice; what a chain kernel's
-        order needs); else 0 (an item may run a whole tile, stored as usual)."""
-        return 0 if self.items % self.tiles or self.items < 2 * self.tiles else self.items // self.tiles
-
-    @property
-    def slots(self) -> int:
-        """Partial tiles the workspace holds: one per item where items are whole slices (slot
-        ``item``); else one per (tile, item) pair that can meet (slot ``tile + item``, the tile
-        counted from the first: unique, as an item's segments follow the previous item's)."""
-        return self.items if self.splits else self.tiles + self.items - 1
-
-    def item_of(self, step: int, k_tiles: int) -> int:
-        """The item that runs K-step ``step`` of the tail (counted over its tiles in a row)."""
-        return ((step + 1) * self.items - 1) // (self.tiles * k_tiles)
-
-    def segments(self, item: int, k_tiles: int) -> list[tuple[int, int, int]]:
-        """``(position, k_begin, k_end)`` of each segment of work item ``item``, in order (K in
-        BLOCK_K steps)."""
-        total = self.tiles * k_tiles
-        step, end = item * total // self.items, (item + 1) * total // self.items
-        out = []
-        while step < end:
-            j = step // k_tiles
-            stop = min(end, (j + 1) * k_tiles)
-            out.append((self.first_pos + j, step - j * k_tiles, stop - j * k_tiles))
-            step = stop
-        return out
-
-    def most_segments(self, k_tiles: int) -> int:
-        """The most tiles one item's share touches (a kernel's loop bound): 1 exactly where the
-        items are whole slices (:attr:`splits`), which also decides the workspace's layout."""
-        self.check(k_tiles)
-        return 1 if self.splits else max(2, *(len(self.segments(i, k_tiles)) for i in range(self.items)))
-
-    def items_of(self, tile: int, k_tiles: int) -> range:
-        """The items that run a segment of tail tile ``tile`` (counted from the first), in the
-        order their partials are added."""
-        return range(self.item_of(tile * k_tiles, k_tiles), self.item_of((tile + 1) * k_tiles - 1, k_tiles) + 1)
+    def slice_of(self, item: int, k_tiles: int) -> tuple[int, int, int]:
+        """``(position, k_begin, k_end)`` of work item ``item`` (K in BLOCK_K steps)."""
+        j, part = divmod(item, self.splits)
+        return self.first_pos + j, part * k_tiles // self.splits, (part + 1) * k_tiles // self.splits
 
 
-# the least part of a round stream-K must save: about a partial sum's cost (Calibration.tail_slice_ns,
-# ~4 us, against a 128 x 256 tile's ~90 us over K = 8192, is 1/20 of a round)
-STREAM_K_MIN_GAIN = 1 / 16
-
-
-def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int, stream: bool = False) -> TailSplit | None:
-    """How to share the end of ``num_tiles`` tiles' persistent loop on ``num_ctas`` CTAs
-    (:class:`TailSplit`): the partial last round split into slices of at least ``min_slice_k``
-    K-steps each (shorter slices are mostly pipeline fill and make the final sum read more
-    partials), over the CTAs it leaves idle; or (``stream``) the last full round and the
-    partial one over all CTAs, each item at least ``min_slice_k`` K-steps (a segment, where a
-    share crosses tiles, may be shorter). None when there is no partial round, or no two
-    slices of a tile fit, or (stream-K) the items leave CTAs idle past the full rounds (K too
-    short for every CTA to take ``min_slice_k`` steps), or the partial round is so nearly full
-    that sharing it saves less than :data:`STREAM_K_MIN_GAIN` of a round."""
+def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
+    """How to split the partial last round of ``num_tiles`` tiles on ``num_ctas`` CTAs, each
+    slice at least ``min_slice_k`` K-steps long (shorter slices are mostly pipeline fill and
+    make the final sum read more partials); None when there is no partial round or no split
+    of at least 2 slices fits."""
     if min_slice_k < 1:
         raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
-    part = num_tiles % num_ctas
-    if part == 0:
+    tiles = num_tiles % num_ctas
+    if num_tiles <= num_ctas or tiles == 0:
         return None
-    if stream:
-        if num_ctas - part < STREAM_K_MIN_GAIN * num_ctas:  # the round's idle CTAs: what sharing saves
-            return None
-        tiles = min(num_tiles, num_ctas + part)
-        items = min(num_ctas, tiles * k_tiles // min_slice_k)
-        # every CTA busy past the full rounds, or (one partial round) more CTAs than its tiles
-        return TailSplit(num_tiles - tiles, tiles, items) if items >= min(num_ctas, tiles + 1) else None
-    if num_tiles <= num_ctas:
-        return None
-    splits = min(num_ctas // part, k_tiles // min_slice_k)
-    return TailSplit(num_tiles - part, part, part * splits) if splits >= 2 else None
+    splits = min(num_ctas // tiles, k_tiles // min_slice_k)
+    return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None
 
 
 def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: int) -> TailSplit | None:
@@ -472,7 +419,7 @@ def last_stage_tail(tiles: list[int], num_ctas: int, k_tiles: int, min_slice_k: 
     before = sum(tiles[:-1])
     if split is None or split.first_pos < before:
         return None
-    return TailSplit(split.first_pos - before, split.tiles, split.items)
+    return TailSplit(split.first_pos - before, split.tiles, split.splits)
 
 
 STAGE_SHIFT = 24  # a chain order's code: stage << STAGE_SHIFT | the stage's own position
@@ -514,8 +461,6 @@ def chain_order(
             raise ValueError(f"stage {s} has {tiles} tiles: at most {(1 << STAGE_SHIFT) - 1} in a chain order")
         q_tile = np.arange(tiles)
         if s == S - 1 and tail is not None:
-            if not tail.splits:
-                raise ValueError(f"a chain order places whole slices of tail tiles, and {tail} has none")
             slices = np.arange(tail.items)
             q_tile = np.concatenate([np.arange(tail.first_pos), tail.first_pos + slices // tail.splits])
         rows.append(list(tile_order(TileGrid(num_m, num_n, 1, 1), group_m)[q_tile] // num_n))

@@ -137,7 +137,7 @@ def signal_bundle(sg: SignalHook | None) -> Signal | None:
 @dataclass
 class TailBuffers:
     """A split tail's state (:class:`ctapipelining.deps.TailSplit`), on the GEMM's device:
-    ``workspace`` fp32 ``[slots, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
+    ``workspace`` fp32 ``[tiles * splits, BLOCK_M * BLOCK_N]`` partial tiles and ``counters``
     int32 ``[tiles]`` arrivals, zero between launches (the last slice of a tile rearms its
     counter; an owner zeroes them after a launch that timed out). ``shared``: the stream's
     buffers these are views of (:meth:`on_stream`), kept alive here."""
@@ -149,7 +149,7 @@ class TailBuffers:
 
     @classmethod
     def create(cls, split: deps.TailSplit, config: GemmConfig, device: torch.device) -> TailBuffers:
-        ws = torch.empty(split.slots, config.block_m * config.block_n, dtype=torch.float32, device=device)
+        ws = torch.empty(split.items, config.block_m * config.block_n, dtype=torch.float32, device=device)
         return cls(split, ws, torch.zeros(split.tiles, dtype=torch.int32, device=device))
 
     @classmethod
@@ -160,7 +160,7 @@ class TailBuffers:
         buffers grow to the largest tail asked for; launches bound before keep the smaller ones
         they view. Held weakly here: they go with the last launch that views them."""
         key = (device, stream)
-        size = split.slots * config.block_m * config.block_n
+        size = split.items * config.block_m * config.block_n
         held = _STREAM_TAILS.get(key)
         if held is None or held.workspace.numel() < size or held.counters.numel() < split.tiles:
             old = (0, 0) if held is None else (held.workspace.numel(), held.counters.numel())
@@ -169,7 +169,7 @@ class TailBuffers:
                 torch.zeros(max(split.tiles, old[1]), dtype=torch.int32, device=device),
             )
             _STREAM_TAILS[key] = held
-        ws = held.workspace[:size].view(split.slots, config.block_m * config.block_n)
+        ws = held.workspace[:size].view(split.items, config.block_m * config.block_n)
         return cls(split, ws, held.counters[: split.tiles], held)
 
 
@@ -184,11 +184,9 @@ class _StreamTail:
 _STREAM_TAILS: weakref.WeakValueDictionary[tuple, _StreamTail] = weakref.WeakValueDictionary()
 
 
-def tail_bundle(tail: TailBuffers, k_tiles: int) -> Tail:
-    """The kernel's :class:`~ctapipelining.kernels.gemm.Tail` bundle of ``tail`` (a GEMM of
-    ``k_tiles`` K-steps)."""
-    split = tail.split
-    return Tail(tail.workspace, tail.counters, split.first_pos, split.items, tl.constexpr(split.most_segments(k_tiles)))
+def tail_bundle(tail: TailBuffers) -> Tail:
+    """The kernel's :class:`~ctapipelining.kernels.gemm.Tail` bundle of ``tail``."""
+    return Tail(tail.workspace, tail.counters, tail.split.first_pos, tail.split.splits)
 
 
 @functools.cache
@@ -215,13 +213,13 @@ def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
     with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
     dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Each
-    item has at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
+    slice has at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
     interpreter, whose sizes are small, any number."""
     if not config.split_tail:
         return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
     min_k = 1 if interpreting() else deps.TAIL_MIN_SLICE_K
-    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), min_k, stream=config.stream_k)
+    return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), min_k)
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -533,7 +531,7 @@ class GemmLaunch:
         check_wait(wait, err, K)
         if split is None:
             split = tail_split(M, N, K, cfg, num_ctas)
-        elif not (split.items <= num_ctas and split.items <= split.tiles * _cdiv(K, cfg.block_k)
+        elif not (split.items <= num_ctas and split.splits <= _cdiv(K, cfg.block_k)
                   and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)):  # fmt: skip
             raise ValueError(f"{split} is not a tail of {M} x {N} (K={K}) on {num_ctas} CTAs")
         if split is not None and wait is not None and wait.queue:
@@ -543,10 +541,10 @@ class GemmLaunch:
         elif split is not None and tail.split != split:
             raise ValueError(f"tail buffers are for {tail.split}, this launch splits {split}")
         elif split is not None and not (
-            tail.workspace.shape == (split.slots, cfg.block_m * cfg.block_n) and tail.workspace.dtype == torch.float32
+            tail.workspace.shape == (split.items, cfg.block_m * cfg.block_n) and tail.workspace.dtype == torch.float32
             and tail.counters.shape == (split.tiles,) and tail.counters.dtype == torch.int32
         ):  # fmt: skip
-            raise ValueError(f"tail buffers of {split} must be fp32 [{split.slots}, {cfg.block_m * cfg.block_n}] "
+            raise ValueError(f"tail buffers of {split} must be fp32 [{split.items}, {cfg.block_m * cfg.block_n}] "
                              f"and int32 [{split.tiles}]")  # fmt: skip
         self.M, self.N, self.K, self.config, self.num_ctas, self.tail = M, N, K, cfg, num_ctas, tail
         self.stream = stream
@@ -568,7 +566,7 @@ class GemmLaunch:
         bundles = (
             wait_bundle(wait, cfg),
             signal_bundle(signal),
-            None if split is None else tail_bundle(tail, _cdiv(K, cfg.block_k)),
+            None if split is None else tail_bundle(tail),
             # a call binds its residual
             OFF if epilogue is None else epilogue.bundle(**self._epi_args),
             epoch if wait is not None or signal is not None else None,
@@ -753,16 +751,15 @@ def launch_gemm(a, b, c, config: GemmConfig, num_ctas: int, **hooks):
     return GemmLaunch(M, b.shape[1], K, config, num_ctas, a.device, **hooks)(a, b, c)
 
 
-def persistent_grid(tiles: int, ctas: int, config: GemmConfig) -> int:
+def persistent_grid(tiles: int, ctas: int) -> int:
     """CTAs of a persistent GEMM of ``tiles`` tiles given ``ctas`` SMs: one per SM, fewer when
-    there are fewer tiles; with stream-K every one (fewer tiles than SMs: all share their
-    K-steps, a split-K)."""
-    return ctas if config.stream_k else max(1, min(ctas, tiles))
+    there are fewer tiles."""
+    return max(1, min(ctas, tiles))
 
 
 def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
     """Persistent grid of the plain GEMM: :func:`persistent_grid` on every SM of ``device``."""
-    return persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), num_sms(device), config)
+    return persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), num_sms(device))
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction

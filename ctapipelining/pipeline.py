@@ -689,7 +689,7 @@ class Pipeline:
         group = self._group_of[s]
         cfg = (configs or self.configs)[s]
         if cfg.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
-            return dataclasses.replace(cfg, split_tail=False, stream_k=False)
+            return dataclasses.replace(cfg, split_tail=False)
         return cfg
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
@@ -762,7 +762,7 @@ class Pipeline:
             shapes = [tuple(self.weights[t].shape) for t in group]
             split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows, configs[group[0]]))
             if split is None:
-                cfg = dataclasses.replace(cfg, split_tail=False, stream_k=False)
+                cfg = dataclasses.replace(cfg, split_tail=False)
             else:
                 grid = max(grid, split.items)
         launch = GemmLaunch(
@@ -1037,7 +1037,7 @@ class Pipeline:
     def _grid(self, s: int, rows: int, N: int, cfg: GemmConfig) -> int:
         """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream, in
         ``cfg``'s tiles: :func:`~ctapipelining.gemm.persistent_grid` on the stage's share of SMs."""
-        return persistent_grid(-(-rows // cfg.block_m) * -(-N // cfg.block_n), self._sm_share(s), cfg)
+        return persistent_grid(-(-rows // cfg.block_m) * -(-N // cfg.block_n), self._sm_share(s))
 
     def _chain_grid(self, group: list[int], rows: int, cfg: GemmConfig) -> int:
         """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows, in

@@ -517,31 +517,23 @@ def simulate_cta(
     return CtaResult(max(ends) + cal.launch_ns, ends, traces)
 
 
-def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = False, stream_k: bool = False) -> float:
-    """Our persistent GEMM alone (GPU time); ``split_tail``: its last tiles' K-steps shared by
-    work items (:func:`ctapipelining.deps.split_tail`: the partial last round over the CTAs it
-    leaves idle, or, ``stream_k``, the last two rounds over every CTA), each segment taking
-    its share of a tile time, a split tile done when its last segment is plus
-    :attr:`Calibration.tail_slice_ns` per segment (the sum of its partials)."""
+def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = False) -> float:
+    """Our persistent GEMM alone (GPU time); ``split_tail``: its partial last round split along
+    K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), each tail tile done
+    when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice."""
     cal = cal.for_gemm(M, K, N)
     grid = deps.TileGrid(M, N, cal.block_m, cal.block_n)
-    stream_k = stream_k and split_tail
-    # the kernel's grid (ctapipelining.gemm.persistent_grid): every SM with stream-K
-    P, k_tiles = cal.num_sms if stream_k else min(cal.num_sms, grid.num_tiles), -(-K // cal.block_k)
-    split = deps.split_tail(grid.num_tiles, P, k_tiles, deps.TAIL_MIN_SLICE_K, stream_k) if split_tail else None
+    P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // cal.block_k)
+    split = deps.split_tail(grid.num_tiles, P, k_tiles, deps.TAIL_MIN_SLICE_K) if split_tail else None
     if split is None:
         rows = _gemm_stage(grid, K, cal, None, "static", 0.0, False, False)
         return float(rows[:, 3].max()) + cal.launch_ns
     t_tile = cal.tile_ns(K)
     free = [(split.first_pos - pid + P - 1) // P * t_tile for pid in range(P)]  # after the full rounds
-    arrived: dict[int, list[float]] = {}  # tail tile -> when each of its segments ended
-    for i in range(split.items):
-        t = free[i]
-        for pos, k0, k1 in split.segments(i, k_tiles):
-            t += (k1 - k0) / k_tiles * t_tile
-            arrived.setdefault(pos, []).append(t)
-    done = [max(ts) + (len(ts) > 1) * len(ts) * cal.tail_slice_ns for ts in arrived.values()]
-    return max(max(free), max(done)) + cal.launch_ns
+    ends = [
+        free[i] + (k1 - k0) / k_tiles * t_tile for i in range(split.items) for _, k0, k1 in [split.slice_of(i, k_tiles)]
+    ]
+    return max(max(free), max(ends) + split.splits * cal.tail_slice_ns) + cal.launch_ns
 
 
 def table_config(name: str, M: int) -> dict:
@@ -557,10 +549,10 @@ def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, config: 
     with split tails, or each in ``config`` (e.g. ``table_config(GEMM_TABLE, M)``, the one
     :func:`~ctapipelining.gemm.matmul` runs for ``M`` rows)."""
     if config is not None:
-        cal, split, stream = cal.with_config(config), config["split_tail"], config.get("stream_k", False)
+        cal, split = cal.with_config(config), config["split_tail"]
     else:
-        split, stream = True, False
-    return sum(simulate_gemm(M, k, n, cal, split, stream) for k, n in zip(dims, dims[1:]))
+        split = True
+    return sum(simulate_gemm(M, k, n, cal, split) for k, n in zip(dims, dims[1:]))
 
 
 def simulate_chain_kernel(

@@ -73,8 +73,7 @@ def test_trace_mode_is_free_when_off(report):
 
 
 def test_split_tail_keeps_the_main_loop_pipelined_and_adds_only_gpu_scope_atomics(report):
-    """The split tail (whole slices, or stream-K's shares) is a second K loop after the
-    persistent one: the same shared memory
+    """The split tail is a second K loop after the persistent one: the same shared memory
     (both loops software-pipelined), an arrival counter (acq_rel) and its rearm at GPU scope,
     partials read through L2, and no system-scope or spin instruction of its own."""
     for name, base in [
@@ -82,7 +81,6 @@ def test_split_tail_keeps_the_main_loop_pipelined_and_adds_only_gpu_scope_atomic
         ("plain+ordinary_store+split_tail", "plain+ordinary_store"),
         ("signal_static+split_tail", "signal_static"),
         ("wait_static+split_tail", "wait_static"),
-        ("plain+stream_k", "plain"),  # a share over up to 3 tiles: a loop over segments, not 3 copies
     ]:
         r, b = report[name], report[base]
         assert r["smem"] == b["smem"], name

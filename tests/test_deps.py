@@ -97,69 +97,39 @@ def test_policies_and_epoch_arithmetic():
 def test_split_tail_h200_workload():
     """X[16384, 8192] @ [8192, 8192], 128x256x64 tiles, 132 SMs: 31 rounds + 4 tiles."""
     split = deps.split_tail(4096, 132, 128, 16)
-    assert split == deps.TailSplit(first_pos=4092, tiles=4, items=32)
-    assert split.splits == 8 and split.slots == 32 and split.most_segments(128) == 1
-    assert split.segments(0, 128) == [(4092, 0, 16)] and split.segments(31, 128) == [(4095, 112, 128)]
-    assert list(split.items_of(1, 128)) == list(range(8, 16))
+    assert split == deps.TailSplit(first_pos=4092, tiles=4, splits=8)
+    assert split.items == 32
+    assert split.slice_of(0, 128) == (4092, 0, 16) and split.slice_of(31, 128) == (4095, 112, 128)
+    assert deps.split_tail(160, 132, 128, 16) == deps.TailSplit(132, 28, 4)  # 640 rows: 28 tiles on 112 CTAs
 
 
-def test_stream_k_shares_the_last_two_rounds_over_every_cta():
-    """X[640, 8192] @ [8192, 8192] on 128x256 tiles: 160 tiles on 132 CTAs, one round and 28
-    tiles. Split, the 28 take 4 slices on 112 CTAs (a quarter round); stream-K, every CTA takes
-    155 of the 160 x 128 K-steps (the work's 1.21 rounds), a tile and a part of the next."""
-    assert deps.split_tail(160, 132, 128, 16) == deps.TailSplit(132, 28, 112)
-    split = deps.split_tail(160, 132, 128, 16, stream=True)
-    assert split == deps.TailSplit(0, 160, 132) and split.splits == 0
-    assert split.segments(0, 128) == [(0, 0, 128), (1, 0, 27)]
-    assert split.segments(1, 128) == [(1, 27, 128), (2, 0, 54)]
-    assert list(split.items_of(1, 128)) == [0, 1] and list(split.items_of(0, 128)) == [0]
-    assert deps.split_tail(4096, 132, 128, 16, stream=True) == deps.TailSplit(4096 - 136, 136, 132)
-    assert deps.split_tail(32, 132, 128, 16, stream=True) == deps.TailSplit(0, 32, 132)  # one partial round: split-K
-    assert deps.split_tail(4092, 132, 128, 16, stream=True) is None  # whole rounds
-    assert deps.split_tail(160, 132, 8, 16, stream=True) is None  # too few K-steps for every CTA
-    assert deps.split_tail(263, 132, 128, 16, stream=True) is None  # 131 of 132 busy: under 1/16 saved
-    assert deps.split_tail(255, 132, 128, 16, stream=True) == deps.TailSplit(0, 255, 132)  # 123: 9 idle
-    with pytest.raises(ValueError, match="more items than"):  # an item without K-steps would never arrive
-        deps.TailSplit(0, 1, 4).most_segments(2)
-    with pytest.raises(ValueError, match="a chain order places whole slices"):
-        deps.chain_order(2, [4, 4], 1, 2, deps.TailSplit(6, 2, 3))
+def test_a_tail_split_without_two_slices_a_tile_or_with_a_slice_of_no_k_steps_is_refused():
+    """A slice without K-steps would never arrive, and its tile would never be summed."""
+    for bad in [(-1, 2, 2), (0, 0, 2), (0, 2, 1)]:
+        with pytest.raises(ValueError, match="a TailSplit needs"):
+            deps.TailSplit(*bad)
+    with pytest.raises(ValueError, match="more slices a tile than its 2 K-steps"):
+        deps.TailSplit(0, 1, 4).check(2)
+    deps.TailSplit(0, 1, 4).check(4)
 
 
-@given(
-    tiles=st.integers(1, 3000),
-    ctas=st.integers(1, 200),
-    k_tiles=st.integers(1, 300),
-    min_k=st.integers(1, 32),
-    stream=st.booleans(),
-)
-def test_a_tail_s_items_cover_its_k_steps_once_in_order(tiles, ctas, k_tiles, min_k, stream):
-    """Whatever the layout: the items' segments cover each tail tile's K-steps exactly once, in
-    item order (the order its partials are summed: ``items_of``); no item is shorter than
-    ``min_k`` steps, no two (tile, item) pairs share a workspace slot (in the kernel's layout),
-    the items fit the grid, and whole slices touch one tile each."""
-    split = deps.split_tail(tiles, ctas, k_tiles, min_k, stream)
+@given(tiles=st.integers(1, 5000), ctas=st.integers(1, 200), k_tiles=st.integers(1, 300), min_k=st.integers(1, 32))
+def test_split_tail_covers_each_tail_tile_once_and_fits_the_grid(tiles, ctas, k_tiles, min_k):
+    split = deps.split_tail(tiles, ctas, k_tiles, min_k)
     if split is None:
         return
-    assert split.first_pos + split.tiles == tiles and 2 <= split.items <= ctas
-    if not stream:
-        assert split.first_pos == tiles - tiles % ctas and split.splits >= 2
-    covered, slots = {}, set()
+    split.check(k_tiles)
+    assert split.first_pos == tiles - tiles % ctas and split.first_pos % ctas == 0
+    assert 2 <= split.splits and split.items <= ctas  # every slice has a CTA that is idle after the full rounds
+    covered = {}
     for i in range(split.items):
-        segs = split.segments(i, k_tiles)
-        assert sum(k1 - k0 for _, k0, k1 in segs) >= min_k
-        for pos, k0, k1 in segs:
-            assert split.first_pos <= pos < tiles and 0 <= k0 < k1 <= k_tiles
-            covered.setdefault(pos, []).append((i, k0, k1))
-            slot = i if split.splits else pos - split.first_pos + i  # the kernel's layout
-            assert 0 <= slot < split.slots and slot not in slots
-            slots.add(slot)
-    most = max(len(split.segments(i, k_tiles)) for i in range(split.items))
-    assert most <= split.most_segments(k_tiles) and (most == 1 or not split.splits)
-    for pos in range(split.first_pos, tiles):
-        runs = covered[pos]
-        assert [i for i, _, _ in runs] == list(split.items_of(pos - split.first_pos, k_tiles))
-        assert runs[0][1] == 0 and runs[-1][2] == k_tiles
-        assert all(a[2] == b[1] for a, b in zip(runs, runs[1:]))
+        pos, k0, k1 = split.slice_of(i, k_tiles)
+        assert split.first_pos <= pos < tiles and k1 - k0 >= min_k
+        covered.setdefault(pos, []).append((k0, k1))
+    for pos in range(split.first_pos, tiles):  # the slices of a tile tile its K exactly, in order
+        ranges = covered[pos]
+        assert ranges[0][0] == 0 and ranges[-1][1] == k_tiles
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_split_tail_none_without_a_partial_round_or_room():
@@ -270,7 +240,7 @@ def test_chain_order_interleaves_so_the_last_stage_starts_early():
 
 
 def test_chain_order_places_the_tail_slices_of_the_last_stage():
-    tail = deps.TailSplit(first_pos=6, tiles=2, items=6)
+    tail = deps.TailSplit(first_pos=6, tiles=2, splits=3)
     order = _decode(deps.chain_order(2, [4, 4], 1, 2, tail))
     last = [q for s, q in order if s == 1]
     assert last == list(range(6 + 2 * 3))

@@ -142,20 +142,18 @@ def test_signals_bitwise(policy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stream_k", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("M,K,N", [(16384, 8192, 8192), (3000, 5000, 7000), (640, 8192, 8192)])
-def test_plain_split_tail(M, K, N, padded, stream_k):
-    """The partial last round split along K (or, ``stream_k``, the last two rounds' K-steps
-    shared by every CTA): right, NaN-free, the same on every call (the partials are summed in
-    item order, whichever CTA arrives last), the arrival counters rearmed, and different from
+def test_plain_split_tail(M, K, N, padded):
+    """The partial last round split along K: right, NaN-free, the same on every call (the
+    partials are summed in slice order, whichever CTA arrives last), the arrival counters rearmed, and different from
     the unsplit GEMM only in the tail tiles (rounding of the partial sums). ``padded``: the
     output's rows are padded, so tiles are written with ordinary stores."""
     from ctapipelining.gemm import _plain_launch
 
-    cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True, stream_k=stream_k)
+    cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
     split = tail_split(M, N, K, cfg, num_sms(torch.device("cuda:0")))
-    assert split is not None and (split.splits == 0) == stream_k
+    assert split is not None
     a, b = rand(M, K, device="cuda:0"), rand(K, N, device="cuda:0", scale=K**-0.5)
     out = torch.full((M, N + 8 * padded), float("nan"), dtype=torch.bfloat16, device="cuda:0")[:, :N]
     matmul(a, b, out=out, config=cfg)
@@ -166,7 +164,7 @@ def test_plain_split_tail(M, K, N, padded, stream_k):
     stream = torch.cuda.current_stream().cuda_stream
     launch = _plain_launch(M, N, K, cfg, a.device, stream, None, 0)
     assert launch.tail.split == split and int(launch.tail.counters.abs().sum()) == 0
-    whole = matmul(a, b, config=dataclasses.replace(cfg, split_tail=False, stream_k=False))
+    whole = matmul(a, b, config=dataclasses.replace(cfg, split_tail=False))
     differs = (whole != out).nonzero()[:, 0].unique()  # rows with a difference
     tail_rows = set()
     for pos in range(split.first_pos, split.first_pos + split.tiles):
@@ -176,16 +174,15 @@ def test_plain_split_tail(M, K, N, padded, stream_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stream_k", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_split_tail_pipeline_bitwise(policy, padded, stream_k):
-    """Split tails in producers (both policies) and static consumers (or stream-K tails):
+def test_split_tail_pipeline_bitwise(policy, padded):
+    """Split tails in producers (both policies) and static consumers:
     NaN-poisoned buffers, full size and ragged, eager and replayed from a CUDA graph, counters
     rearmed. ``padded``: the output's rows are padded (the last stage writes them with ordinary
     stores)."""
     ws = weights([8192, 8192, 8192], ["cuda:0", D1])
-    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, stream_k=stream_k)
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
     pipe = Pipeline(ws, loopback=True, policy=policy, config=cfg, row_buckets=0)  # plans of exactly 3100 rows: ragged
     for M in (16384, 3100):  # 4096 tiles on 132 CTAs: 4 left over; ragged 3100: 800 tiles, 8 left over
         plan = pipe.plan(M)
@@ -200,9 +197,8 @@ def test_split_tail_pipeline_bitwise(policy, padded, stream_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stream_k", [False, True])
-def test_split_tail_lone_consumer_times_out_and_recovers(stream_k):
-    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True, stream_k=stream_k)
+def test_split_tail_lone_consumer_times_out_and_recovers():
+    cfg = dataclasses.replace(PIPELINE_CONFIG, split_tail=True)
     ws = weights([2048, 2048, 2048], ["cuda:0", D1])
     pipe = Pipeline(ws, loopback=True, policy="static", config=cfg, timeout_s=0.2)
     M = 3000 if NGPU >= 2 else 1152  # a partial last round that splits: 132 CTAs, or 66 in loopback

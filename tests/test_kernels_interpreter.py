@@ -19,7 +19,6 @@ pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
 TOLERANCES = {torch.float16: 2e-3}
 SPLIT = dataclasses.replace(SMALL, split_tail=True)  # the interpreter runs 4 CTAs
-STREAM_K = dataclasses.replace(SPLIT, stream_k=True)
 
 
 def rel_err(y, ref):
@@ -304,29 +303,18 @@ def test_matmul_on_the_tables_narrow_tiles(split):
     assert (out.float() - a.float() @ b.float()).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize(
-    "cfg,M,K,N",
-    [(SPLIT, 48, 64, 32), (SPLIT, 37, 80, 40)]
-    + [(STREAM_K, *mkn) for mkn in [(48, 64, 32), (37, 80, 40), (112, 48, 16), (16, 64, 40)]],
-    ids=["split-2x2", "split-1x4", "stream_k-1.5", "stream_k-1.25", "stream_k-1.75", "stream_k-split_k"],
-)  # fmt: skip
-def test_split_tail_matmul(M, K, N, cfg):
-    """The tail in whole slices (2 tiles x 2, 1 x 4), or stream-K, every CTA's share crossing
-    tiles (tiles a CTA: 6 on 4 CTAs, 1.5 each; 5, 1.25 each; 7 tiles of 3 K-steps, 1.75 each,
-    a share holding a whole tile between two parts; 3 tiles on all 4 CTAs, 0.75 each): every
-    tile written, near float64, bitwise repeatable."""
-    from ctapipelining.gemm import grid_size
-
-    ctas = grid_size(M, N, cfg, torch.device("cpu"))
-    assert ctas == 4  # stream-K takes every CTA, however few the tiles
-    split = tail_split(M, N, K, cfg, ctas)
-    assert split is not None and (split.splits == 0) == cfg.stream_k
+@pytest.mark.parametrize("M,K,N", [(48, 64, 32), (37, 80, 40)], ids=["2x2", "1x4"])
+def test_split_tail_matmul(M, K, N):
+    """The tail in whole slices (2 tiles x 2, 1 x 4): every tile written, near float64, bitwise
+    repeatable."""
+    split = tail_split(M, N, K, SPLIT, 4)
+    assert split is not None and split.items == 4
     a, b = torch.randn(M, K).half(), torch.randn(K, N).half()
     out = torch.full((M, N), float("nan"), dtype=torch.float16)
-    matmul(a, b, out=out, config=cfg)
+    matmul(a, b, out=out, config=SPLIT)
     assert not out.isnan().any()
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
-    assert torch.equal(matmul(a, b, config=cfg), out)  # partials summed in a fixed order
+    assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
 def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
@@ -363,25 +351,6 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     )
 
 
-def test_a_stream_k_share_stores_a_whole_tile_as_usual():
-    """7 tiles of 3 K-steps on 4 CTAs: item 1 runs tail tile 2 whole, which is stored as a tile
-    is, without its arrival counter (a sentinel there stays, and the tile is right)."""
-    from ctapipelining import gemm
-
-    M, K, N = 112, 48, 16
-    split = tail_split(M, N, K, STREAM_K, 4)
-    assert [s for s in split.segments(1, 3) if s[2] - s[1] == 3] == [(2, 0, 3)]
-    a, b = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
-    want = matmul(a, b, config=STREAM_K)
-    counters = gemm._plain_launch(M, N, K, STREAM_K, torch.device("cpu"), 0, None, 0).tail.counters
-    counters[2] = 7
-    try:
-        assert torch.equal(matmul(a, b, config=STREAM_K), want)
-        assert counters.tolist() == [0, 0, 7, 0, 0, 0, 0]
-    finally:
-        counters.zero_()  # the stream's counters: other launches share them
-
-
 def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(monkeypatch):
     """A launch bound to a stream's buffers refuses a call on another stream before launching;
     an interpreted kernel stopped midway (here: made to raise after counting) leaves the
@@ -407,35 +376,34 @@ def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(mo
 
 
 def test_a_given_split_tail_and_its_buffers_are_checked():
-    """A split whose items would not all have K-steps (one would never arrive, and its tile would
-    never be summed), or buffers of another size than the split's slots and tiles, are refused
-    before anything is launched."""
+    """A split with more slices a tile than K-steps (a slice would never arrive, and its tile
+    would never be summed), or buffers of another size than the split's slices and tiles, are
+    refused before anything is launched."""
     from ctapipelining.gemm import GemmLaunch, TailBuffers
 
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="is not a tail of"):  # 3 tiles of 2 K-steps, 7 items
-        GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=deps.TailSplit(0, 3, 7))
-    split = deps.TailSplit(0, 3, 4)  # stream-K-like: 6 K-steps over 4 items, slots 3 + 4 - 1
-    assert split.slots == 6 and split.most_segments(2) == 2
+    with pytest.raises(ValueError, match="is not a tail of"):  # 1 tile of 2 K-steps in 3 slices
+        GemmLaunch(16, 16, 32, SPLIT, 8, cpu, split=deps.TailSplit(0, 1, 3))
+    with pytest.raises(ValueError, match="is not a tail of"):  # 3 tiles on 4 CTAs: 6 slices
+        GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=deps.TailSplit(0, 3, 2))
+    split = deps.TailSplit(0, 3, 2)  # 3 tiles of 2 K-steps, 2 slices each, on 8 CTAs
     good = TailBuffers.create(split, SMALL, cpu)
     assert tuple(good.workspace.shape) == (6, 16 * 16)
-    GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=split, tail=good)
-    small = TailBuffers(split, good.workspace[:4], good.counters)  # sized as whole slices would be
+    GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=good)
+    small = TailBuffers(split, good.workspace[:4], good.counters)
     with pytest.raises(ValueError, match=r"must be fp32 \[6, 256\]"):
-        GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=split, tail=small)
+        GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=small)
 
 
-@pytest.mark.parametrize("cfg", [SPLIT, STREAM_K], ids=["split", "stream_k"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["workqueue", "static"])
-def test_split_tail_pipeline_matches_sequential(policy, padded, cfg):
+def test_split_tail_pipeline_matches_sequential(policy, padded):
     """Producers split their tails under both policies, a static consumer too (a workqueue
     consumer runs whole tiles in readiness order); arrival counters are rearmed every run.
     M=20: 2 row-blocks; stages 0 and 2 have 2 x 3 tiles on 4 CTAs, a 2-tile tail (K=64: 2
-    slices), or stream-K, all 6 tiles shared by the 4 CTAs (the consumer waits before each
-    segment)."""
+    slices)."""
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 48), (48, 64), (64, 48)]]
-    pipe = Pipeline(ws, policy=policy, config=cfg)
+    pipe = Pipeline(ws, policy=policy, config=SPLIT)
     plan = pipe.plan(20)
     assert plan.tails[0] is not None and plan.tails[1] is None  # stage 1: 8 tiles on 4 CTAs, no tail
     assert (plan.tails[2] is None) == (policy == "workqueue") == (not pipe.stage_config(2).split_tail)
@@ -448,22 +416,21 @@ def test_split_tail_pipeline_matches_sequential(policy, padded, cfg):
         assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
 
-@pytest.mark.parametrize("cfg", [SPLIT, STREAM_K], ids=["split", "stream_k"])
-def test_split_tail_consumer_times_out_and_recovers(cfg):
+def test_split_tail_consumer_times_out_and_recovers():
     ws = [torch.randn(16, 64).half(), (torch.randn(64, 32) / 8).half()]
-    pipe = Pipeline(ws, policy="static", config=cfg, timeout_s=0.05)
+    pipe = Pipeline(ws, policy="static", config=SPLIT, timeout_s=0.05)
     x = torch.randn(48, 16).half()
     plan = pipe.plan(48)
     assert plan.tails[1] is not None and any(t is plan.tails[1].counters for t in plan.state())
     pipe._launch(plan, x, torch.empty(48, 32).half(), only=[1])
-    # the interpreter's CTAs time out one after another, each at its first segment, so none
-    # arrives; on a GPU some segments of a tile may have arrived before another timed out
+    # the interpreter's CTAs time out one after another, each before its slice, so none
+    # arrives; on a GPU some slices of a tile may have arrived before another timed out
     plan.tails[1].counters.fill_(1)
     with pytest.raises(PipelineTimeout, match="stage 1 on cpu"):
         pipe.check_errors(plan)
     assert int(plan.tails[1].counters.abs().sum()) == 0  # the reset rearms them
     y = pipe(x)
-    assert torch.equal(y, matmul(matmul(x, ws[0], config=cfg), ws[1], config=cfg))
+    assert torch.equal(y, matmul(matmul(x, ws[0], config=SPLIT), ws[1], config=SPLIT))
 
 
 PARTS = SMALL

@@ -408,21 +408,6 @@ def test_split_tail_model():
     assert got < sim.simulate_gemm(16384, 8192, 8192, CAL)
 
 
-def test_stream_k_model():
-    """640 rows, 160 tiles on 132 SMs: stream-K gives every CTA 155-156 of the 160 x 128 K-steps
-    (1.21 tiles' work, a split tile done when its second segment is, plus two slices' cost),
-    where the split partial round takes a round and a quarter; with fewer tiles than SMs (128
-    rows, 32 tiles) it takes every SM; at whole rounds it changes nothing."""
-    t = CAL.tile_ns(8192)
-    got = sim.simulate_gemm(640, 8192, 8192, CAL, split_tail=True, stream_k=True) - CAL.launch_ns
-    assert 155 / 128 * t <= got <= 156 / 128 * t + 2 * CAL.tail_slice_ns
-    assert got + CAL.launch_ns < sim.simulate_gemm(640, 8192, 8192, CAL, split_tail=True)
-    assert sim.simulate_gemm(128, 8192, 8192, CAL, True, True) < 0.6 * sim.simulate_gemm(128, 8192, 8192, CAL, True)
-    whole = sim.simulate_gemm(132 * 128 // 4, 8192, 8192, CAL)  # 1056 tiles: eight whole rounds
-    assert sim.simulate_gemm(132 * 128 // 4, 8192, 8192, CAL, True, True) == whole
-    assert sim.simulate_gemm(640, 8192, 8192, CAL, stream_k=True) == sim.simulate_gemm(640, 8192, 8192, CAL)
-
-
 def test_chain_kernel_model_with_a_split_tail():
     """At 640 rows (320 positions on 132 SMs: a third round of 56 tiles in the last stage, split
     in two) the split tail saves half a tile round less its slices' cost (a fifth of a round left);

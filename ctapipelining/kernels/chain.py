@@ -89,10 +89,10 @@ class Stage(NamedTuple):
 @triton.jit
 def _span(stage, tail, num_m, LAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """The positions of ``stage`` in the combined order: its tiles, or, for the last stage with
-    a split tail, its whole tiles and then its tail's work items (each one K-slice of a tile)."""
+    a split tail, its whole tiles and then each tail tile's ``splits`` K-slices."""
     tiles = num_m * tl.cdiv(stage.N, BLOCK_N)
     if tail is not None and LAST:
-        tiles = tail.first + tail.items
+        tiles = tail.first + (tiles - tail.first) * tail.splits
     return tiles
 
 

@@ -96,11 +96,9 @@ def compile_norm(center: bool, copy: bool = False, cols: int = 4096):
 def compile_variant(
     wait: bool, signal: bool, queue: bool, block=(128, 256, 64), num_warps=8, num_stages=3, *,
     tma_store: bool = True, trace: bool = False, split_tail: bool = False, wait_parts: int = 1,
-    epilogue: str | None = None, tail_segments: int = 1,
+    epilogue: str | None = None,
 ):  # fmt: skip
     """Compile one variant of :func:`gemm_kernel` for sm_90; a hook that is off is ``None``.
-    ``tail_segments``: the most tiles a split tail's item touches (1: whole slices; 3:
-    stream-K's last two rounds).
     ``epilogue``: ``"gated_rms"`` (Llama's first GEMM: RMSNorm folded, SiLU-gated) or
     ``"bias_residual"`` (a GELU, a bias and a residual)."""
     bm, bn, bk = block
@@ -131,8 +129,7 @@ def compile_variant(
     else:
         off("signal")
     if split_tail:
-        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32", "constexpr")
-        const[(names.index("tail"), 4)] = tail_segments
+        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
     else:
         off("tail")
     sig["epi"] = _epilogue_sig(epilogue, names.index("epi"), const)
@@ -196,8 +193,7 @@ def compile_chain(
         bundles.append(Stage("i32", "i32", wait, signal, "*i64", "*i64" if trace else "constexpr", "i32", epi))
     sig["stages"] = tuple(bundles)
     if split_tail:
-        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32", "constexpr")
-        const[(names.index("tail"), 4)] = 1  # whole slices: a chain order claims them
+        sig["tail"] = Tail("*fp32", "*i32", "i32", "i32")
     else:
         sig["tail"], const["tail"] = "constexpr", None
     sig |= dict(M="i32", c_rows="i32", stride_cm="i32", ticket="*i64", order="*i32", epoch_ptr="*i64", timeout_ns="i64")
@@ -277,7 +273,6 @@ def report() -> dict:
     builds += [(name + "+split_tail", VARIANTS[name], {"split_tail": True}) for name in ("plain", "signal_static")]
     builds += [("plain+ordinary_store+split_tail", VARIANTS["plain"], {"split_tail": True, "tma_store": False})]
     builds += [("wait_static+split_tail", VARIANTS["wait_static"], {"split_tail": True})]
-    builds += [("plain+stream_k", VARIANTS["plain"], {"split_tail": True, "tail_segments": 3})]
     builds += [("wait_static+parts", VARIANTS["wait_static"], {"wait_parts": 4})]
     builds += [("wait_signal_static+parts", VARIANTS["wait_signal_static"], {"wait_parts": 4})]
     chains = {  # name: (stages, first stage waits on another GPU, last signals one, queue), options

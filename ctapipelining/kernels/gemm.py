@@ -20,10 +20,9 @@ persistent GEMM), wrap the compute body (:func:`_mma_tile`):
   CTA's last tile after its loop.
 
 ``tail`` (:class:`Tail`, :func:`_split_tail`, :class:`ctapipelining.deps.TailSplit`) changes
-the schedule, not the protocol: the persistent loop runs the full rounds, and the last tiles'
-K loops are shared evenly by work items (the partial last round's tiles as K-slices by the
-CTAs that would otherwise idle; or, stream-K, the last full round and the partial one by every
-CTA), a tile's partials summed in a fixed order.
+the schedule, not the protocol: the persistent loop runs the full rounds, and the partial last
+round's tiles are computed as K-slices by the CTAs that would otherwise idle, then summed in a
+fixed order.
 """
 
 import dataclasses
@@ -58,11 +57,7 @@ class GemmConfig:
     it matters to a producer). ``num_stages``: TMA pipeline depth. ``num_warps``: warps per CTA.
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle
     (:class:`ctapipelining.deps.TailSplit`; plain and ``static`` kernels and producers; a
-    ``workqueue`` consumer's order is dynamic). ``stream_k`` (with ``split_tail``): the last
-    full round joins the partial one, and every CTA takes an equal share of their K-steps
-    (stream-K: a CTA runs one tile and a part of the next, say, where the split partial round
-    keeps whole slices on the idle CTAs); a chain kernel, whose claims are whole slices,
-    splits its last stage's partial round instead. ``wait_parts``: a ``static`` consumer waits for
+    ``workqueue`` consumer's order is dynamic). ``wait_parts``: a ``static`` consumer waits for
     its input rows in this many pieces of the producer's columns, each just before the
     K-steps that read it, so a tile starts while its rows' right-hand columns are still being
     written (1: the whole row-block before the tile; :func:`ctapipelining.deps.build_dependency`,
@@ -82,7 +77,6 @@ class GemmConfig:
     num_warps: int = 8
     split_tail: bool = False
     wait_parts: int = 1
-    stream_k: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "group_m", "num_stages", "num_warps", "wait_parts"):
@@ -93,8 +87,6 @@ class GemmConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two, got {value}")
-        if self.stream_k and not self.split_tail:
-            raise ValueError("GemmConfig.stream_k shares a split tail over every CTA: set split_tail=True too")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory a CTA needs: the TMA load ring and the TMA store's staging tile."""
@@ -189,11 +181,10 @@ class Protocol(NamedTuple):
 class Tail(NamedTuple):
     """A split tail's kernel arguments (:class:`ctapipelining.deps.TailSplit`)."""
 
-    workspace: object  # *fp32 [slots, BLOCK_M * BLOCK_N]: the segments' partial tiles (TailSplit.slots)
-    counters: object  # *i32 [tiles]: segments arrived per tail tile (back to 0 after each launch)
+    workspace: object  # *fp32 [tiles * splits, BLOCK_M * BLOCK_N]: the slices' partial tiles
+    counters: object  # *i32 [tiles]: slices arrived per tail tile (back to 0 after each launch)
     first: object  # tile-order position of the first tail tile (the end of the full rounds)
-    items: object  # work items the tail's K-steps are shared by
-    SEGMENTS: tl.constexpr  # at least the most tiles an item's share touches; 1 exactly for whole slices
+    splits: object  # K-slices per tail tile
 
 
 @triton.jit
@@ -382,82 +373,6 @@ def _run_tile(
 
 
 @triton.jit
-def _add_partial(
-    acc, tail, j, item, first_item, count, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr
-):  # fmt: skip
-    """Store ``acc``, item ``item``'s partial of tail tile ``j`` (whose ``count`` segments are
-    items ``first_item`` on), and arrive; the tile's last to arrive sums them all in item order
-    (:func:`_split_tail` has the ordering argument). Returns ``(the sum, whether this CTA
-    arrived last)``, CTA-uniform. Slots: an item's own (whole slices, ``SEGMENTS == 1``), or
-    ``item + j`` (a stream-K share crosses tiles: unique, as an item's segments follow the
-    previous item's)."""
-    slot0 = first_item
-    if tail.SEGMENTS > 1:
-        slot0 += j
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    partials = tail.workspace + slot0 * (BLOCK_M * BLOCK_N)
-    tl.store(partials + (item - first_item) * (BLOCK_M * BLOCK_N) + offs, acc)
-    cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
-    arrived = tl.atomic_add(tail.counters + j, 1, sem="acq_rel", scope="gpu") + 1
-    last = arrived == count
-    if last:
-        tl.atomic_xchg(tail.counters + j, 0, sem="relaxed", scope="gpu")  # all segments are in: rearm
-        cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for u in range(0, count):  # in item order, whoever came last
-            acc += tl.load(partials + u * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-    return acc, last
-
-
-@triton.jit
-def _tail_segment(
-    op, prot, tail, j, k0, k1, item, total, num_m, num_n, wait, signal, epi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """K-steps ``[k0, k1)`` of tail tile ``j`` (counted from the first), run by work item
-    ``item`` of ``tail`` (``total``: the tail's K-steps, int64); :func:`_split_tail`. Returns
-    whether its waits held (CTA-uniform)."""
-    tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
-    t_wait = _now(prot.trace_ptr)
-    ready = True
-    c0 = 0
-    if wait is not None:
-        c0 = tl.load(wait.counter_of_tile + tile)
-        ready = cta_all(_poll_before(wait, c0, prot.epoch, prot.timeout_ns, True, BLOCK_K, INTERPRET), INTERPRET)
-    if ready:
-        if wait is not None:
-            fence_proxy_async(INTERPRET)
-        t_start = _now(prot.trace_ptr)
-        pm = tile // num_n
-        pn = tile % num_n
-        acc, _, _ = _mma_tile(
-            op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
-        )
-        # the items that run a segment of tile j (deps.TailSplit.items_of), in 64 bits: the
-        # products reach tiles * k_tiles * items
-        first_step = j.to(tl.int64) * op.k_tiles
-        first_item = ((first_step + 1) * tail.items - 1) // total
-        count = ((first_step + op.k_tiles) * tail.items - 1) // total - first_item + 1
-        whole = count == 1  # a stream-K share may run a whole tile: stored as usual
-        if tail.SEGMENTS == 1:
-            whole = False  # whole slices: every tile has two or more
-        last = whole
-        if not whole:
-            acc, last = _add_partial(acc, tail, j, item, first_item, count, BLOCK_M, BLOCK_N, INTERPRET)
-        if last:  # (one finishing site: the epilogue is inlined once)
-            _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
-            t_stored = _now(prot.trace_ptr)
-            if signal is not None:
-                _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
-            _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
-    else:
-        if wait is not None:
-            _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
-    return ready
-
-
-@triton.jit
 def _split_tail(
     op, prot, tail, item, num_m, num_n, alive, wait, signal, epi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -465,36 +380,59 @@ def _split_tail(
 ):  # fmt: skip
     """After the full rounds: work item ``item`` of the split tail (:class:`Tail`,
     :class:`ctapipelining.deps.TailSplit`) of ``op`` (the plain kernel's CTA ``i`` runs item
-    ``i``; a chain kernel's CTAs claim them). ``epi``: the GEMM's epilogue, applied to each
-    whole tile by the CTA that sums its partials.
+    ``i``; a chain kernel's CTAs claim them). ``epi``: the GEMM's epilogue, applied by the CTA
+    that sums a tile's slices, to the whole tile.
 
-    The item runs K-steps ``[item * L // items, (item + 1) * L // items)`` of the tail's ``L``
-    (its tiles' K loops in a row), one segment of each tile they touch, at most
-    ``tail.SEGMENTS`` (:func:`_tail_segment`), each after waiting for the tile's input in a
-    consumer (every part of it, one vote). A segment that is not its tile's whole K loop
-    stores its fp32 partial in ``workspace`` (:func:`_add_partial`). Ordering: every
-    thread's partial stores, a CTA barrier, then one thread's ``atom.add.acq_rel.gpu`` on the
-    tile's arrival counter (release: the partials before the count). The CTA that brings the
-    count to the tile's number of segments has acquired every other segment's release; after
-    a second barrier its threads read all partials from L2 (``.cg``), add them in item order
-    (so the sum does not depend on who came last), store and signal the tile, and set the
-    counter back to 0 for the next launch. Returns whether its waits held (CTA-uniform;
-    ``alive`` if the item has no work).
+    Item ``i`` computes K-slice ``i % splits`` of tail tile ``j = i // splits`` (after waiting
+    for its input, in a consumer: every part of it, one vote) and stores the fp32 partial in
+    ``workspace`` (slot ``i``). Ordering: every thread's partial stores, a CTA barrier, then
+    one thread's ``atom.add.acq_rel.gpu`` on the tile's arrival counter (release: the partials
+    before the count). The CTA that brings the count to ``splits`` has acquired every other
+    slice's release; after a second barrier its threads read all partials from L2 (``.cg``),
+    add them in slice order (so the sum does not depend on who came last), store and signal
+    the tile, and set the counter back to 0 for the next launch. Returns whether its waits
+    held (CTA-uniform; ``alive`` if the item has no slice).
     """
-    total = (num_m * num_n - tail.first).to(tl.int64) * op.k_tiles
-    step = (item.to(tl.int64) * total // tail.items).to(tl.int32)
-    end = ((item.to(tl.int64) + 1) * total // tail.items).to(tl.int32)
-    end = tl.where((item < tail.items) & alive, end, step)  # items past the last have no work
+    j = item // tail.splits
     ready = alive
-    for _ in range(tail.SEGMENTS):
-        if step < end:  # CTA-uniform: so are step, end and ready
-            j = step // op.k_tiles
-            stop = tl.minimum(end, (j + 1) * op.k_tiles)
-            ready = _tail_segment(
-                op, prot, tail, j, step - j * op.k_tiles, stop - j * op.k_tiles, item, total, num_m, num_n, wait,
-                signal, epi, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
-            )  # fmt: skip
-            step = tl.where(ready, stop, end)  # timed out (recorded in err_ptr): leave
+    if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
+        part = item % tail.splits
+        tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
+        t_wait = _now(prot.trace_ptr)
+        ready = True
+        c0 = 0
+        if wait is not None:
+            c0 = tl.load(wait.counter_of_tile + tile)
+            ready = cta_all(_poll_before(wait, c0, prot.epoch, prot.timeout_ns, True, BLOCK_K, INTERPRET), INTERPRET)
+        if ready:
+            if wait is not None:
+                fence_proxy_async(INTERPRET)
+            t_start = _now(prot.trace_ptr)
+            pm = tile // num_n
+            pn = tile % num_n
+            k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
+            acc, _, _ = _mma_tile(
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+            )
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            partials = tail.workspace + (j * tail.splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
+            tl.store(partials + part * (BLOCK_M * BLOCK_N) + offs, acc)
+            cta_barrier(INTERPRET)  # every thread's partial before thread 0's release
+            arrived = tl.atomic_add(tail.counters + j, 1, sem="acq_rel", scope="gpu") + 1
+            if arrived == tail.splits:
+                tl.atomic_xchg(tail.counters + j, 0, sem="relaxed", scope="gpu")  # all slices are in: rearm
+                cta_barrier(INTERPRET)  # thread 0's acquire before every thread's reads
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in range(tail.splits):  # in slice order, whoever came last
+                    acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+                _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
+                t_stored = _now(prot.trace_ptr)
+                if signal is not None:
+                    _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
+                _record(prot.trace_ptr, tile, t_wait, t_start, t_stored)
+        else:
+            if wait is not None:
+                _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
     return ready
 
 
