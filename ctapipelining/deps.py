@@ -385,8 +385,8 @@ class TailSplit:
         return self.tiles * self.splits
 
     def check(self, k_tiles: int) -> None:
-        """Raise a clear error unless every slice has K-steps to run (``splits <= k_tiles``): a
-        slice without any would never arrive, and its tile would never be summed."""
+        """Raise a clear error unless every slice has K-steps to run (``splits <= k_tiles``; an
+        empty slice is a CTA's work for nothing)."""
         if self.splits > k_tiles:
             raise ValueError(f"{self} has more slices a tile than its {k_tiles} K-steps")
 

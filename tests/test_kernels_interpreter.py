@@ -376,9 +376,10 @@ def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(mo
 
 
 def test_a_given_split_tail_and_its_buffers_are_checked():
-    """A split with more slices a tile than K-steps (a slice would never arrive, and its tile
-    would never be summed), or buffers of another size than the split's slices and tiles, are
-    refused before anything is launched."""
+    """A split that is not the partial round of this grid (another first tile: tiles left
+    unwritten), more slices than CTAs, more slices a tile than K-steps (empty slices: work for
+    nothing), or buffers of another size than the split's slices and tiles, are refused before
+    anything is launched."""
     from ctapipelining.gemm import GemmLaunch, TailBuffers
 
     cpu = torch.device("cpu")
@@ -390,9 +391,42 @@ def test_a_given_split_tail_and_its_buffers_are_checked():
     good = TailBuffers.create(split, SMALL, cpu)
     assert tuple(good.workspace.shape) == (6, 16 * 16)
     GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=good)
+    with pytest.raises(ValueError, match="is not a tail of"):  # its tile is the last of 3, not the first
+        GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=deps.TailSplit(1, 1, 2))
     small = TailBuffers(split, good.workspace[:4], good.counters)
     with pytest.raises(ValueError, match=r"must be fp32 \[6, 256\]"):
         GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=small)
+    for counters in (good.counters[:2], good.counters.long()):
+        with pytest.raises(ValueError, match=r"and int32 \[3\]"):
+            GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=TailBuffers(split, good.workspace, counters))
+
+
+def test_each_slice_s_partial_has_a_workspace_slot_of_its_own():
+    """After a launch, workspace slot ``i`` holds slice ``i``'s fp32 partial tile (its rows and
+    columns over its K-steps), so no two slices share a slot (a shared slot would be
+    overwritten before the tile is summed, whatever order the CTAs run in)."""
+    from ctapipelining import gemm
+
+    M, K, N = 48, 64, 32  # 3 x 2 tiles of 16 x 16 on 4 CTAs: 2 tail tiles in 2 slices of 2 K-steps
+    a, b = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
+    matmul(a, b, config=SPLIT)
+    launch = gemm._plain_launch(M, N, K, SPLIT, torch.device("cpu"), 0, None, 0)
+    split, bm, bn, bk = launch.tail.split, SPLIT.block_m, SPLIT.block_n, SPLIT.block_k
+    assert split.items == 4
+    num_m, num_n = -(-M // bm), -(-N // bn)
+    for i in range(split.items):
+        pos, k0, k1 = split.slice_of(i, -(-K // bk))
+        tile = deps.grouped_tile(pos, num_m, num_n, SPLIT.group_m)
+        pm, pn = divmod(tile, num_n)
+        rows = torch.zeros(bm, K, dtype=torch.float16)  # past M: zeros (TMA reads zeros there)
+        got_rows = a[pm * bm : (pm + 1) * bm]
+        rows[: got_rows.shape[0]] = got_rows
+        cols = torch.zeros(K, bn, dtype=torch.float16)
+        got_cols = b[:, pn * bn : (pn + 1) * bn]
+        cols[:, : got_cols.shape[1]] = got_cols
+        want = rows[:, k0 * bk : k1 * bk].float() @ cols[k0 * bk : k1 * bk].float()
+        got = launch.tail.workspace[i].view(bm, bn)
+        assert (got - want).abs().max() < 1e-2, i
 
 
 @pytest.mark.parametrize("padded", [False, True])
