@@ -226,3 +226,24 @@ def test_fewer_layers_than_gpus_is_refused_before_looking_for_gpus(tmp_path, cap
         cli.main(["bench", "--gpus", "2", "--layers", "1", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert "--layers 1: fewer than the 2 GPUs" in capsys.readouterr().err
+
+
+def test_the_device_script_run_twice_in_one_call_keeps_both_runs_files(tmp_path):
+    """``benchmarks/device_run.sh`` packs what a run wrote into a tarball; run again into the
+    same folder (two runs in one device call), it packs the second run's files into a tarball of
+    their own and leaves the first's as it was."""
+    import subprocess
+    import tarfile
+
+    root, out = Path(__file__).parent.parent, tmp_path / "out"
+    for i in (1, 2):
+        (out / "sub").mkdir(parents=True, exist_ok=True)
+        (out / f"run{i}.log").write_text(f"run {i}")
+        (out / "sub" / f"part{i}.json").write_text("{}")
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "STEPS": "none"}
+        subprocess.run(
+            ["bash", str(root / "benchmarks/device_run.sh")], cwd=root, env=env, check=True, capture_output=True
+        )
+    packed = {p.name: sorted(tarfile.open(p).getnames()) for p in out.glob("*.tar.gz")}
+    assert packed == {"all.tar.gz": ["run1.log", "sub/part1.json"], "all-2.tar.gz": ["run2.log", "sub/part2.json"]}
+    assert sorted(p.name for p in out.iterdir()) == ["all-2.tar.gz", "all.tar.gz"]
