@@ -36,6 +36,8 @@ PATTERNS = {
     "vote": r"bar\.red\.and\.pred",
     "st_shared_b16": r"st\.shared\.b16",  # a tile stored into shared memory an element at a time
     "stmatrix": r"stmatrix\.sync",
+    "tanh_approx": r"tanh\.approx\.f32",  # the special-function unit's tanh (an activation's)
+    "ex2_approx": r"ex2\.approx",
 }
 VARIANTS = {  # name: (wait, signal, queue)
     "plain": (False, False, False),
@@ -248,11 +250,34 @@ def unfenced_loads(ptx: str) -> int:
 
 
 def flattened(ttgir: str) -> bool:
-    """Whether the loop that runs the MMAs also carries a tile's coordinates (``pm``, ``pn``):
-    the persistent loop and the K loop fused into one (``tl.range(..., flatten=True)``), so the
-    next tile's loads are issued during this tile's last steps. A loop in the body (an
-    epilogue's) keeps the compiler from fusing them."""
-    return any("scf.for" in line and "#mma>" in line and "%pm" in line for line in ttgir.splitlines())
+    """Whether the persistent loop and the K loop are fused into one (``tl.range(...,
+    flatten=True)``), so the next tile's loads are issued during this tile's last steps: the
+    loops that carry an MMA accumulator lie in no other loop (``scf.for`` or ``scf.while``).
+    A loop in the body (an epilogue's, a wait's spin) keeps the compiler from fusing them,
+    which leaves the K loop inside the persistent one. (The printer closes a loop at the
+    indentation of its first line.)"""
+    open_loops, mma_loops = [], 0
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        closes = line.lstrip().startswith("}") and "do {" not in line  # a while's condition ends "} do {"
+        if open_loops and closes and indent == open_loops[-1]:
+            open_loops.pop()
+        if "scf.for" in line or "scf.while" in line:
+            if "scf.for" in line and "#mma>" in line:
+                mma_loops += 1
+                if open_loops:
+                    return False
+            open_loops.append(indent)
+    return mma_loops > 0
+
+
+def carries_row_vector(ttgir: str) -> bool:
+    """Whether a loop that carries an MMA accumulator also carries a vector of one fp32 per row
+    of the tile: an epilogue's row scales loaded before the K loop."""
+    return any(
+        "scf.for" in line and "#mma>" in line and re.search(r"tensor<\d+xf32, #ttg\.slice<\{dim = 1", line)
+        for line in ttgir.splitlines()
+    )
 
 
 def _summary(k) -> dict:
@@ -262,6 +287,7 @@ def _summary(k) -> dict:
         "smem": k.metadata.shared,
         "unfenced_loads": unfenced_loads(ptx),
         "flattened": flattened(k.asm["ttgir"]),
+        "row_vector_carried": carries_row_vector(k.asm["ttgir"]),
     }
 
 

@@ -85,17 +85,33 @@ class Epilogue(NamedTuple):
     ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
 
 
+INTERPRETED: tl.constexpr = tl.constexpr(triton.knobs.runtime.interpret)  # as Triton decided for these functions
+
+
+@triton.jit
+def tanh(x):
+    """``tanh`` of an fp32 tile. On a GPU the special-function unit's one instruction
+    (``tanh.approx.f32``, relative error below 2^-10.9: 8x finer than bf16's rounding, the
+    precision the tile is stored in), where ``exp`` and a division would take two; the
+    epilogue of a gated GEMM is bound by that unit (16 results a clock per SM)."""
+    if INTERPRETED:  # no inline PTX in the interpreter
+        return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
 @triton.jit
 def silu(x):
-    """``x * sigmoid(x)`` (Llama's MLP, gated)."""
-    return x / (1.0 + tl.exp(-x))
+    """``x * sigmoid(x)`` (Llama's MLP, gated), as ``x * (1 + tanh(x / 2)) / 2``: one
+    special-function instruction an element (:func:`tanh`)."""
+    return x * (0.5 + 0.5 * tanh(0.5 * x))
 
 
 @triton.jit
 def gelu(x):
     """The tanh approximation of GELU (GPT-2's MLP)."""
     inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    return 0.5 * x * (1.0 + tanh(inner))
 
 
 GATE_RUN: tl.constexpr = tl.constexpr(8)  # a gated B's columns: runs of this many gate columns, then as many up
@@ -147,7 +163,10 @@ def norm_rows(
 @triton.jit
 def rms_scale(epi, offs_m, rows):
     """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares;
-    0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite)."""
+    0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite). A tile whose
+    input needs no wait loads them before its K loop, where the loads' latency hides behind the
+    loop (at the end of the tile it stalls every warp of the CTA); a waiting tile's row sums
+    arrive with its input rows, so it loads them after."""
     sq = tl.zeros(offs_m.shape, dtype=tl.float32)
     for j in tl.static_range(epi.SQ_PARTS):
         sq += tl.load(epi.row_sq + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0)
@@ -172,10 +191,11 @@ def layer_norm_stats(epi, offs_m, rows):
 
 
 @triton.jit
-def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
+def apply(epi, acc, pm, pn, rows, n_out, scale, BLOCK_M: tl.constexpr):
     """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
-    the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
-    ``acc`` itself with nothing to do)."""
+    the output's extent, for masks; ``scale``: an RMSNorm's row scales loaded before the K loop
+    (:func:`rms_scale`), or None to load them here). Returns the tile to store (half as wide
+    with ``GATED``; ``acc`` itself with nothing to do)."""
     offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     IN_N: tl.constexpr = acc.shape[1]
     n_in = n_out * 2 if epi.GATED is not None else n_out  # the GEMM's columns
@@ -185,7 +205,9 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
         acc -= mean[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
         acc = acc * rstd[:, None]
     elif epi.row_sq is not None:
-        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
+        if scale is None:
+            scale = rms_scale(epi, offs_m, rows)
+        acc = acc * scale[:, None]
     if epi.row_shift is not None:
         shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
         acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
