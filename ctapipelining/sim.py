@@ -69,17 +69,15 @@ What is modelled
   ``benchmarks/results/2026-12-05-h200-default/``, two machines), with the tile time traced on
   a third H200 (``benchmarks/results/2026-12-01-h200-chain/trace_640.npz``), from 640 rows on:
   the chain, in its table's tiles or on 128 x 256 tiles, against our GEMMs one after another
-  within 3.5% (at 768 rows, 2.9% and 3.5%; 2.6% elsewhere), the chain against the loopback
-  within 2%, and a split last round against none within 2.4%. At 768 rows the measured ratio
-  itself moves by more than that between machines: the chain on 128 x 256 tiles over our
-  GEMMs is 1.054-1.064 in the three runs of ``benchmarks/results/2026-12-01-h200-chain/`` and
-  ``run11-parts/``, 1.031 in ``2026-12-05-h200-default/``, and the model's 1.067 is within 1.3%
-  of the first four. At 128 rows the chain in its table's tiles against our GEMMs is within
-  2% (its consumer tiles, bound by HBM, pay for each part they check); the chain on 128 x 256
-  tiles errs by 16-19%: a round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the
-  model has no clocks). With the packaged calibration's tile time instead (``ctapipelining sim
-  --validate-shared ... --tables``): up to 3.8% from 640 rows on (768 rows), 1.4-1.9% for the
-  chain at 128 rows, 30-34% for the 128 x 256 tiles at 128 rows.
+  within 2.9% (the largest at 768 rows, where the measured ratio itself moves by 2.5% between
+  machines: 1.031 in ``2026-12-05-h200-default/``, 1.054-1.064 in the other four runs), the
+  chain against the loopback within 2%, and a split last round against none within 2.4%. At
+  128 rows the chain in its table's tiles against our GEMMs is within 2% (its consumer tiles,
+  bound by HBM, pay for each part they check); the chain on 128 x 256 tiles errs by 16-19%: a
+  round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the model has no clocks). With
+  the packaged calibration's tile time instead (``ctapipelining sim --validate-shared ...
+  --tables``): up to 3.2% from 640 rows on (768 rows), 1.4-1.9% for the chain at 128 rows,
+  30-34% for the 128 x 256 tiles at 128 rows.
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -192,8 +190,10 @@ class Calibration:
     chain_tile_factor: float = 1.009  # a chain kernel's tile over the GEMM's
     chain_fixed_ns: float = 12_700.0  # a chain kernel's own cost (its ticket's first and last claims)
     # a split tail's cost per slice beyond its share of K (its partial's write and read in the sum,
-    # its pipeline fill), fitted on our two GEMMs at 640 and 768 rows (shared_gpu-956d730.json, same folder)
-    tail_slice_ns: float = 4_000.0
+    # its pipeline fill), fitted on the chain over our GEMMs one after another at 640 and 768 rows in
+    # the five one-GPU runs (shared_gpu-*.json in the same folder, 2026-12-01-h200-configs/run11-parts/,
+    # 2026-12-05-h200-default/; validate_shared): within 2.9% in each
+    tail_slice_ns: float = 4_500.0
     # the same in a chain kernel's split tail, whose kernel holds the last stage's body twice (more
     # registers, its slices waiting on a producer's last rows), fitted on the chain with and without
     # a split tail at 640 rows (benchmarks/results/2026-12-01-h200-configs/run6-table/shared_gpu.json);

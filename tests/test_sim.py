@@ -275,15 +275,15 @@ SHARED = Path(__file__).parents[1] / "benchmarks/results/2026-12-01-h200-chain"
 @pytest.mark.skipif(not SHARED.exists(), reason="needs the committed one-GPU results")
 @pytest.mark.parametrize("run", ["shared_gpu-956d730.json", "shared_gpu-fcd43a4.json", "shared_gpu-ef5dd46.json"])
 def test_shared_gpu_model_predicts_the_chain_kernel_against_sequential(run):
-    """Two stages on one H200, six row counts, three runs on different machines (the first
-    fitted on, at 640 and 768 rows): the chain kernel over our GEMMs one after another within
-    3.5% (2.6% in the first two runs, 3.3% at 128 rows in the third); over the loopback within
-    8% (7.7% at 128 rows: the model has no clocks, and a loopback's idle SMs let the others
-    clock up)."""
+    """Two stages on one H200, six row counts, three runs on different machines (among the five
+    ``Calibration.tail_slice_ns`` is fitted on, at 640 and 768 rows): the chain kernel over our
+    GEMMs one after another within 3% from 640 rows on (2.3% the largest), within 3.5% at 128
+    rows (2.5-3.3%); over the loopback within 8% (7.7% at 128 rows: the model has no clocks,
+    and a loopback's idle SMs let the others clock up)."""
     rows = sim.validate_shared(CAL, SHARED / run, tile_ns=sim.traced_tile_ns(SHARED / "trace_640.npz"))
     assert {r["seq"] for r in rows} == {128, 640, 768, 1024, 2048, 16384}
     seq = [r for r in rows if r["ratio"] == "chain/ours_seq"]
-    assert all(abs(r["error_pct"]) < 3.5 for r in seq), seq
+    assert all(abs(r["error_pct"]) < (3.5 if r["seq"] == 128 else 3) for r in seq), seq
     loop = [r for r in rows if r["ratio"] == "chain/loopback"]
     assert all(abs(r["error_pct"]) < 8 for r in loop), loop
 
@@ -296,9 +296,8 @@ def test_shared_gpu_model_predicts_the_chain_in_the_tables_configurations(run):
     """Two runs of the current configuration tables on two machines (``chain`` in its table's
     tiles per plan height, our GEMMs one after another in the plain GEMM's table, ``chain_wide``
     on 128 x 256 tiles at every height), with the traced tile time of another H200: from 640 rows
-    on, either chain over our GEMMs one after another within 4.5% (the largest, 3.5%, at 768
-    rows, where the plain GEMM's tail split in two costs more than modelled), ``chain_wide``
-    over the loopback and a split last round over none within 3%. At 128 rows, where a round of
+    on, either chain over our GEMMs one after another, ``chain_wide`` over the loopback and a
+    split last round over none within 3% (the largest, 2.8%, at 768 rows). At 128 rows, where a round of
     64 x 128 tiles streams the whole weight matrix (``Calibration.hbm_gbps``; each part a
     consumer checks mid-loop stalls it, ``Calibration.part_check_ns``), the chain over our GEMMs
     within 3% (1.4-2.0%); ``chain_wide``'s 32 busy SMs clock up beyond the model, which predicts
@@ -308,7 +307,7 @@ def test_shared_gpu_model_predicts_the_chain_in_the_tables_configurations(run):
     )
     by = {(r["seq"], r["ratio"]): r["error_pct"] for r in rows}
     for M in (640, 768, 1024, 2048, 16384):
-        assert abs(by[M, "chain/ours_seq"]) < 4.5 and abs(by[M, "chain_wide/ours_seq"]) < 4.5, M
+        assert abs(by[M, "chain/ours_seq"]) < 3 and abs(by[M, "chain_wide/ours_seq"]) < 3, M
         assert abs(by[M, "chain_wide/loopback"]) < 3 and abs(by[M, "chain_split/chain_wide"]) < 3, M
     assert abs(by[128, "chain/ours_seq"]) < 3, by[128, "chain/ours_seq"]
     assert by[128, "chain_wide/ours_seq"] < 25, by[128, "chain_wide/ours_seq"]
