@@ -384,11 +384,20 @@ class TailSplit:
         """Work items (K-slices), one per CTA; also the workspace's partial tiles."""
         return self.tiles * self.splits
 
-    def check(self, k_tiles: int) -> None:
-        """Raise a clear error unless every slice has K-steps to run (``splits <= k_tiles``; an
-        empty slice is a CTA's work for nothing)."""
-        if self.splits > k_tiles:
-            raise ValueError(f"{self} has more slices a tile than its {k_tiles} K-steps")
+    def check(self, num_tiles: int, num_ctas: int, k_tiles: int) -> None:
+        """Raise a clear error unless this splits the tail of ``num_tiles`` tiles of ``k_tiles``
+        K-steps on ``num_ctas`` CTAs: its tiles end the tile order, each slice has a CTA
+        (``items <= num_ctas``) and K-steps to run (``splits <= k_tiles``; an empty slice is a
+        CTA's work for nothing)."""
+        why = None
+        if self.first_pos + self.tiles != num_tiles:
+            why = f"its tiles {self.first_pos}-{self.first_pos + self.tiles - 1} are not the last"
+        elif self.items > num_ctas:
+            why = f"{self.items} slices"
+        elif self.splits > k_tiles:
+            why = f"more slices a tile than its {k_tiles} K-steps"
+        if why is not None:
+            raise ValueError(f"{self} is not a tail of {num_tiles} tiles on {num_ctas} CTAs: {why}")
 
     def slice_of(self, item: int, k_tiles: int) -> tuple[int, int, int]:
         """``(position, k_begin, k_end)`` of work item ``item`` (K in BLOCK_K steps)."""

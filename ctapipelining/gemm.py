@@ -531,9 +531,8 @@ class GemmLaunch:
         check_wait(wait, err, K)
         if split is None:
             split = tail_split(M, N, K, cfg, num_ctas)
-        elif not (split.items <= num_ctas and split.splits <= _cdiv(K, cfg.block_k)
-                  and split.first_pos + split.tiles == _cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n)):  # fmt: skip
-            raise ValueError(f"{split} is not a tail of {M} x {N} (K={K}) on {num_ctas} CTAs")
+        else:
+            split.check(_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n), num_ctas, _cdiv(K, cfg.block_k))
         if split is not None and wait is not None and wait.queue:
             raise ValueError("a workqueue consumer runs tiles in readiness order and cannot split its tail")
         if split is not None and tail is None:

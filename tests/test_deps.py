@@ -103,14 +103,20 @@ def test_split_tail_h200_workload():
     assert deps.split_tail(160, 132, 128, 16) == deps.TailSplit(132, 28, 4)  # 640 rows: 28 tiles on 112 CTAs
 
 
-def test_a_tail_split_without_two_slices_a_tile_or_with_a_slice_of_no_k_steps_is_refused():
-    """A slice without K-steps would never arrive, and its tile would never be summed."""
+def test_a_tail_split_that_is_not_its_grids_tail_is_refused():
+    """Fewer than two slices a tile is no split; a slice without K-steps or without a CTA would
+    never arrive, and its tile would never be summed; tiles that do not end the tile order would
+    be computed twice (by the full rounds too) and others never."""
     for bad in [(-1, 2, 2), (0, 0, 2), (0, 2, 1)]:
         with pytest.raises(ValueError, match="a TailSplit needs"):
             deps.TailSplit(*bad)
     with pytest.raises(ValueError, match="more slices a tile than its 2 K-steps"):
-        deps.TailSplit(0, 1, 4).check(2)
-    deps.TailSplit(0, 1, 4).check(4)
+        deps.TailSplit(0, 1, 4).check(1, 4, 2)
+    deps.TailSplit(0, 1, 4).check(1, 4, 4)
+    with pytest.raises(ValueError, match="4 slices"):  # one CTA a slice
+        deps.TailSplit(0, 1, 4).check(1, 3, 4)
+    with pytest.raises(ValueError, match="are not the last"):  # the tail ends the tile order
+        deps.TailSplit(0, 1, 4).check(2, 4, 4)
 
 
 @given(tiles=st.integers(1, 5000), ctas=st.integers(1, 200), k_tiles=st.integers(1, 300), min_k=st.integers(1, 32))
@@ -118,7 +124,7 @@ def test_split_tail_covers_each_tail_tile_once_and_fits_the_grid(tiles, ctas, k_
     split = deps.split_tail(tiles, ctas, k_tiles, min_k)
     if split is None:
         return
-    split.check(k_tiles)
+    split.check(tiles, ctas, k_tiles)
     assert split.first_pos == tiles - tiles % ctas and split.first_pos % ctas == 0
     assert 2 <= split.splits and split.items <= ctas  # every slice has a CTA that is idle after the full rounds
     covered = {}
