@@ -271,15 +271,6 @@ def flattened(ttgir: str) -> bool:
     return mma_loops > 0
 
 
-def carries_row_vector(ttgir: str) -> bool:
-    """Whether a loop that carries an MMA accumulator also carries a vector of one fp32 per row
-    of the tile: an epilogue's row scales loaded before the K loop."""
-    return any(
-        "scf.for" in line and "#mma>" in line and re.search(r"tensor<\d+xf32, #ttg\.slice<\{dim = 1", line)
-        for line in ttgir.splitlines()
-    )
-
-
 def _summary(k) -> dict:
     ptx = k.asm["ptx"]
     counts = {p: len(re.findall(rx, ptx)) for p, rx in PATTERNS.items()}
@@ -287,7 +278,6 @@ def _summary(k) -> dict:
         "smem": k.metadata.shared,
         "unfenced_loads": unfenced_loads(ptx),
         "flattened": flattened(k.asm["ttgir"]),
-        "row_vector_carried": carries_row_vector(k.asm["ttgir"]),
     }
 
 

@@ -163,10 +163,7 @@ def norm_rows(
 @triton.jit
 def rms_scale(epi, offs_m, rows):
     """``rsqrt(mean(a_row ** 2) + eps)`` of rows ``offs_m`` from their partial sums of squares;
-    0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite). A tile whose
-    input needs no wait loads them before its K loop, where the loads' latency hides behind the
-    loop (at the end of the tile it stalls every warp of the CTA); a waiting tile's row sums
-    arrive with its input rows, so it loads them after."""
+    0 for rows past ``rows`` (a bucketed plan's, which nobody reads: kept finite)."""
     sq = tl.zeros(offs_m.shape, dtype=tl.float32)
     for j in tl.static_range(epi.SQ_PARTS):
         sq += tl.load(epi.row_sq + offs_m * epi.SQ_PARTS + j, mask=offs_m < rows, other=0.0)
@@ -191,11 +188,10 @@ def layer_norm_stats(epi, offs_m, rows):
 
 
 @triton.jit
-def apply(epi, acc, pm, pn, rows, n_out, scale, BLOCK_M: tl.constexpr):
+def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
-    the output's extent, for masks; ``scale``: an RMSNorm's row scales loaded before the K loop
-    (:func:`rms_scale`), or None to load them here). Returns the tile to store (half as wide
-    with ``GATED``; ``acc`` itself with nothing to do)."""
+    the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
+    ``acc`` itself with nothing to do)."""
     offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     IN_N: tl.constexpr = acc.shape[1]
     n_in = n_out * 2 if epi.GATED is not None else n_out  # the GEMM's columns
@@ -205,9 +201,7 @@ def apply(epi, acc, pm, pn, rows, n_out, scale, BLOCK_M: tl.constexpr):
         acc -= mean[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]
         acc = acc * rstd[:, None]
     elif epi.row_sq is not None:
-        if scale is None:
-            scale = rms_scale(epi, offs_m, rows)
-        acc = acc * scale[:, None]
+        acc = acc * rms_scale(epi, offs_m, rows)[:, None]
     if epi.row_shift is not None:
         shift = tl.load(epi.row_shift + offs_m, mask=offs_m < rows, other=0.0)
         acc -= shift[:, None] * tl.load(epi.col_sum + cols_in, mask=cols_in < n_in, other=0.0)[None, :]

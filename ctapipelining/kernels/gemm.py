@@ -299,13 +299,12 @@ def _out_cols(op, epi):
 
 
 @triton.jit
-def _store_tile(op, acc, pm, pn, epi, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue (``scale``: an RMSNorm's
-    row scales loaded before the K loop, or None): an asynchronous TMA
+def _store_tile(op, acc, pm, pn, epi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write tile (pm, pn) of C (:class:`Operands`), after its epilogue: an asynchronous TMA
     store (clipped to C's rows by the descriptor), or ordinary stores masked to ``c_rows`` x
     the output's columns (half of ``N`` with a gated epilogue); then, if the epilogue asks, the
     stored rows' sums of squares (:func:`.epilogue.store_sums`)."""
-    acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), scale, BLOCK_M)
+    acc = epilogue.apply(epi, acc, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M)
     OUT_N: tl.constexpr = acc.shape[1]
     if op.c_desc is not None:
         stored = acc.to(op.c_desc.dtype)
@@ -356,9 +355,6 @@ def _run_tile(
     signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
-    scale = None
-    if wait is None and epi.row_sq is not None and epi.row_sum is None:  # an RMSNorm's, ready: load it now
-        scale = epilogue.rms_scale(epi, (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64), op.c_rows)
     t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
         op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
@@ -366,7 +362,7 @@ def _run_tile(
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
-        _store_tile(op, acc, pm, pn, epi, scale, BLOCK_M, BLOCK_N)
+        _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
         if signal is not None:
             pending = tile  # signalled a quarter into the next tile, or after the loop
         _record(prot.trace_ptr, tile, t_wait, t_start, _now(prot.trace_ptr))
@@ -429,7 +425,7 @@ def _split_tail(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in range(tail.splits):  # in slice order, whoever came last
                     acc += tl.load(partials + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                _store_tile(op, acc, pm, pn, epi, None, BLOCK_M, BLOCK_N)
+                _store_tile(op, acc, pm, pn, epi, BLOCK_M, BLOCK_N)
                 t_stored = _now(prot.trace_ptr)
                 if signal is not None:
                     _signal_pending(tile, prot.epoch, signal, op.c_desc is not None, QUEUE, INTERPRET)
