@@ -393,7 +393,7 @@ class TailSplit:
         if self.first_pos + self.tiles != num_tiles:
             why = f"its tiles {self.first_pos}-{self.first_pos + self.tiles - 1} are not the last"
         elif self.items > num_ctas:
-            why = f"{self.items} slices"
+            why = f"{self.items} slices for {num_ctas} CTAs"
         elif self.splits > k_tiles:
             why = f"more slices a tile than its {k_tiles} K-steps"
         if why is not None:

@@ -69,7 +69,7 @@ What is modelled
   ``benchmarks/results/2026-12-05-h200-default/``, two machines), with the tile time traced on
   a third H200 (``benchmarks/results/2026-12-01-h200-chain/trace_640.npz``), from 640 rows on:
   the chain, in its table's tiles or on 128 x 256 tiles, against our GEMMs one after another
-  within 2.9% (the largest at 768 rows, where the measured ratio itself moves by 2.5% between
+  within 2.9% (the largest at 768 rows, where the measured ratio itself moves by 2-3% between
   machines: 1.031 in ``2026-12-05-h200-default/``, 1.054-1.064 in the other four runs), the
   chain against the loopback within 2%, and a split last round against none within 2.4%. At
   128 rows the chain in its table's tiles against our GEMMs is within 2% (its consumer tiles,

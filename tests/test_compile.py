@@ -213,10 +213,11 @@ def test_fused_epilogues_compile_and_fit_the_block_configurations(sm90):
     assert got["accumulate+split_tail"]["tma_store"] == 0  # its tail tiles are added onto C too
     assert got["accumulate+split_tail"]["tma_reduce"] > got["accumulate"]["tma_reduce"]
     assert sm90["kernels"]["plain"]["flattened"]
-    # ... and the check can tell: a workqueue consumer's K loop lies in its claim loop
-    assert not sm90["kernels"]["wait_workqueue"]["flattened"]
+    # ... and the check can tell: a workqueue consumer's K loop lies in its claim loop (a while), a
+    # static consumer's in its tile loop (its wait spins before each tile)
+    assert not sm90["kernels"]["wait_workqueue"]["flattened"] and not sm90["kernels"]["wait_static"]["flattened"]
     # SiLU and GELU take one special-function instruction an element (tanh), not exp and a division
-    for name in ("gated_rms", "bias_residual", "layer_norm_bias"):
+    for name in ("gated_rms", "bias_residual", "layer_norm_bias", "stack_chain", "gpt_stack_chain"):
         assert got[name]["tanh_approx"] > 0 and got[name]["ex2_approx"] == 0, name
     from ctapipelining.nn import STACK_CONFIG
 
@@ -255,3 +256,19 @@ def test_the_norm_pass_keeps_its_registers_few_and_spills_nothing(sm90):
         if usage is None:
             pytest.skip("no ptxas in this Triton")
         assert usage["spill_bytes"] == 0 and usage["registers"] <= 96, (name, usage)
+
+
+def test_flattened_reads_loop_nesting_from_the_printed_ir():
+    """``flattened`` on IR as MLIR prints it (a loop closes at the indentation of its first line):
+    an accumulator loop inside a tile loop, or inside a while loop's body, is not flattened; one
+    beside them (an ``scf.if``'s ``} else {`` and a while's ``} do {`` in between) is."""
+    from ctapipelining.kernels.compile_check import flattened
+
+    acc_loop = "%r = scf.for %k = %c0 to %n step %c1 iter_args(%a = %z) -> (tensor<128x256xf32, #mma>) {"
+    nested = ["scf.for %t = %0 to %n step %c132 : i32 {", "  " + acc_loop, "  }", "}"]
+    in_while = ["%p = scf.while (%q = %0) : (i64) -> i64 {", "  scf.condition(%c) %q : i64", "} do {",
+                "  " + acc_loop.replace("#mma>", "#mma1>"), "  }", "}"]  # fmt: skip
+    beside = ["scf.if %x {", "} else {", "}", "%p = scf.while (%q = %0) : (i64) -> i64 {", "} do {", "}", acc_loop, "}"]
+    assert not flattened("\n".join(nested)) and not flattened("\n".join(in_while))
+    assert flattened("\n".join(beside))
+    assert not flattened("\n".join(["scf.for %t = %0 to %n step %c1 : i32 {", "}"]))  # no accumulator loop

@@ -104,16 +104,17 @@ def test_split_tail_h200_workload():
 
 
 def test_a_tail_split_that_is_not_its_grids_tail_is_refused():
-    """Fewer than two slices a tile is no split; a slice without K-steps or without a CTA would
-    never arrive, and its tile would never be summed; tiles that do not end the tile order would
-    be computed twice (by the full rounds too) and others never."""
+    """Fewer than two slices a tile is no split; a slice without its CTA would never arrive, and
+    its tile would never be summed; a slice without K-steps is a CTA's work for nothing; tiles
+    that do not end the tile order would leave the tiles after them unwritten (the full rounds
+    stop where the tail begins)."""
     for bad in [(-1, 2, 2), (0, 0, 2), (0, 2, 1)]:
         with pytest.raises(ValueError, match="a TailSplit needs"):
             deps.TailSplit(*bad)
     with pytest.raises(ValueError, match="more slices a tile than its 2 K-steps"):
         deps.TailSplit(0, 1, 4).check(1, 4, 2)
     deps.TailSplit(0, 1, 4).check(1, 4, 4)
-    with pytest.raises(ValueError, match="4 slices"):  # one CTA a slice
+    with pytest.raises(ValueError, match="4 slices for 3 CTAs"):  # one CTA a slice
         deps.TailSplit(0, 1, 4).check(1, 3, 4)
     with pytest.raises(ValueError, match="are not the last"):  # the tail ends the tile order
         deps.TailSplit(0, 1, 4).check(2, 4, 4)

@@ -39,6 +39,33 @@ def _positions_kernel(out, num_m, num_n, total, GROUP_M: tl.constexpr, BLOCK: tl
     tl.store(out + p, tile_of_position(q, num_m, num_n, GROUP_M), mask=p < total)
 
 
+@triton.jit
+def _activation_kernel(x_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.arange(0, BLOCK)
+    tl.store(out_ptr + p, FN(tl.load(x_ptr + p, mask=p < n)), mask=p < n)
+
+
+def test_the_epilogues_activations_match_torchs():
+    """SiLU, GELU's tanh form and tanh as the kernels compute them under the interpreter, over
+    [-30, 30] and at the extremes, against float64 (``tests/test_gpu.py`` holds the GPU's
+    ``tanh.approx`` to the bound its docstring gives)."""
+    from ctapipelining.kernels.epilogue import gelu, silu, tanh
+
+    x = torch.cat([torch.linspace(-30, 30, 1001), torch.tensor([0.0, 1e-3, -1e-3, 88.0, -88.0])])
+    refs = {
+        silu: torch.nn.functional.silu(x.double()),
+        gelu: torch.nn.functional.gelu(x.double(), approximate="tanh"),
+        tanh: torch.tanh(x.double()),
+    }
+    for fn, ref in refs.items():
+        out = torch.empty_like(x)
+        _activation_kernel[(1,)](x, out, x.numel(), FN=fn, BLOCK=triton.next_power_of_2(x.numel()))
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6), fn.__name__
+    out = torch.empty(3)
+    _activation_kernel[(1,)](torch.tensor([float("inf"), float("nan"), -float("inf")]), out, 3, FN=silu, BLOCK=4)
+    assert out[0] == float("inf") and out[1:].isnan().all()  # silu(-inf) = -inf * 0, as torch's
+
+
 @pytest.mark.parametrize("num_m,num_n,group_m", [(5, 3, 1), (5, 3, 2), (7, 4, 3), (1, 6, 8)])
 def test_kernel_tile_order_matches_deps(num_m, num_n, group_m):
     total = num_m * num_n
@@ -383,15 +410,15 @@ def test_a_given_split_tail_and_its_buffers_are_checked():
     from ctapipelining.gemm import GemmLaunch, TailBuffers
 
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="is not a tail of"):  # 1 tile of 2 K-steps in 3 slices
+    with pytest.raises(ValueError, match="more slices a tile than its 2 K-steps"):  # 1 tile of 2 K-steps in 3 slices
         GemmLaunch(16, 16, 32, SPLIT, 8, cpu, split=deps.TailSplit(0, 1, 3))
-    with pytest.raises(ValueError, match="is not a tail of"):  # 3 tiles on 4 CTAs: 6 slices
+    with pytest.raises(ValueError, match="6 slices for 4 CTAs"):  # 3 tiles on 4 CTAs: 6 slices
         GemmLaunch(16, 48, 32, SPLIT, 4, cpu, split=deps.TailSplit(0, 3, 2))
     split = deps.TailSplit(0, 3, 2)  # 3 tiles of 2 K-steps, 2 slices each, on 8 CTAs
     good = TailBuffers.create(split, SMALL, cpu)
     assert tuple(good.workspace.shape) == (6, 16 * 16)
     GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=split, tail=good)
-    with pytest.raises(ValueError, match="is not a tail of"):  # its tile is the last of 3, not the first
+    with pytest.raises(ValueError, match="are not the last"):  # its tile is the middle one of 3, not the last
         GemmLaunch(16, 48, 32, SPLIT, 8, cpu, split=deps.TailSplit(1, 1, 2))
     small = TailBuffers(split, good.workspace[:4], good.counters)
     with pytest.raises(ValueError, match=r"must be fp32 \[6, 256\]"):

@@ -263,7 +263,7 @@ def flattened(ttgir: str) -> bool:
         if open_loops and closes and indent == open_loops[-1]:
             open_loops.pop()
         if "scf.for" in line or "scf.while" in line:
-            if "scf.for" in line and "#mma>" in line:
+            if "scf.for" in line and re.search(r"#mma\d*>", line):
                 mma_loops += 1
                 if open_loops:
                     return False
