@@ -13,6 +13,8 @@ import weakref
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from ctapipelining.deps import grouped_tile
 from ctapipelining.gemm import matmul, num_sms, tail_split
@@ -90,21 +92,19 @@ def assert_replays_right(pipe, M, reps):
     pipe.check_errors()
 
 
+@triton.jit
+def _activation_kernel(x_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.arange(0, BLOCK)
+    tl.store(out_ptr + p, FN(tl.load(x_ptr + p, mask=p < n)), mask=p < n)
+
+
 @pytest.mark.gpu
 def test_the_epilogues_activations_keep_within_the_sfus_tanh_error():
     """SiLU and GELU on the GPU go through ``tanh.approx.f32`` (relative error below 2^-10.9):
     ``x * (1 + tanh) / 2`` then errs by at most ``|x| * 2^-11.9`` (absolute), far below the bf16
     rounding of an output near 1, a larger share of a SiLU output only where x is very negative
     and the output is near 0. Against float64 over [-30, 30] and at +-inf and NaN."""
-    import triton
-    import triton.language as tl
-
     from ctapipelining.kernels.epilogue import gelu, silu, tanh
-
-    @triton.jit
-    def apply(x_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
-        p = tl.arange(0, BLOCK)
-        tl.store(out_ptr + p, FN(tl.load(x_ptr + p, mask=p < n)), mask=p < n)
 
     x = torch.cat([torch.linspace(-30, 30, 4001), torch.tensor([float("inf"), float("nan"), -float("inf")])]).cuda()
     refs = {
@@ -115,7 +115,7 @@ def test_the_epilogues_activations_keep_within_the_sfus_tanh_error():
     finite = x.isfinite()
     for fn, ref in refs.items():
         out = torch.empty_like(x)
-        apply[(1,)](x, out, x.numel(), FN=fn, BLOCK=triton.next_power_of_2(x.numel()))
+        _activation_kernel[(1,)](x, out, x.numel(), FN=fn, BLOCK=triton.next_power_of_2(x.numel()))
         bound = (2.0**-10.9 if fn is tanh else 2.0**-11.9 * x[finite].double().abs()) + 1e-6
         assert ((out[finite].double() - ref[finite]).abs() <= bound).all(), fn.__name__
         assert torch.equal(out[~finite].isnan(), ref[~finite].isnan()), fn.__name__
