@@ -11,7 +11,8 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
    the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, and
    the default ``Pipeline``, which runs our GEMMs one after another there (also its graph against
-   the chain's), the GEMMs and the chains each in a run of their own: median wall
+   the chain's; with OLD_PACKAGE_PARENT, the earlier tree's default eager beside it, and both
+   defaults' host time), the GEMMs and the chains each in a run of their own: median wall
    time of >= 30 synchronised calls each, taking turns in a shuffled order; the ratio eager /
    graph per repetition, median and distribution-free 95% CI (:func:`ctapipelining.timing.median_ci`).
 3. No regression (unless KERNELS=0): if OLD_PACKAGE_PARENT holds ``ctapipelining_old`` (an
@@ -131,7 +132,19 @@ def main():
             old_pipe = op.Pipeline(ws)
         calls["old_plain_2048"] = (lambda: og.matmul(x2k, w, out=y2k), 1)
         calls["old_chain_2048_per_launch"] = (lambda: old_pipe(x2k, out=y2k), 3)
+    old_default = None
+    if OLD:  # the old tree's default Pipeline, where it runs our GEMMs one after another too
+        old_default = op.Pipeline(ws)
+        if not getattr(old_default, "one_after_another", False):
+            old_default = None
+    calls["default_2048_per_launch"] = (lambda: default(x2k, out=y2k), 2)
+    if old_default is not None:
+        calls["old_default_2048_per_launch"] = (lambda: old_default(x2k, out=y2k), 2)
     report["host_us_per_launch"] = host_per_launch(calls)
+    defaults = {"default_2048_eager": lambda: default(x2k, out=y2k)}
+    if old_default is not None:
+        defaults["old_default_2048_eager"] = lambda: old_default(x2k, out=y2k)
+    report["host_and_total_default_2048"] = host_and_total(defaults)
     methods, pairs = [], []
     methods += [Method("plain_2048_eager", lambda: matmul(x2k, w, out=y2k))]
     methods += [Method("plain_2048_graph", graphed(lambda: matmul(x2k, w, out=y2k)))]
@@ -158,6 +171,11 @@ def main():
             methods += [Method(f"default_{M}_graph", replay)]
             pairs += [(f"default_{M}_eager", f"default_{M}_graph"), (f"default_{M}_graph", f"chain_{M}_graph")]
             assert torch.equal(default(x, check=True), default.sequential(x))
+            if old_default is not None:  # the same call on the old tree, eager
+                methods += [Method(f"old_default_{M}_eager", lambda x=x, y=y: old_default(x, out=y))]
+                pairs += [(f"default_{M}_eager", f"old_default_{M}_eager")]
+                pairs += [(f"old_default_{M}_eager", f"default_{M}_graph")]
+                assert torch.equal(old_default(x, check=True), default.sequential(x))
     report["eager_vs_graph"] |= paired(methods, pairs)
     pipe.check_errors()
     if torch.cuda.device_count() >= 2:  # the two layers on two GPUs: the cross-GPU chain

@@ -764,7 +764,8 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
 # matmul's checked calls, least recently used first: (signature of a, b, out (None: a new one),
 # config, stream) -> (the launch, weakly: it lives as long as _plain_launch's cache or a graph
-# keeps it; its raw launch; its arguments (None: out is new each call); out's shape)
+# keeps it; its raw launch; its arguments (out new each call: [the last out's address, its
+# arguments], reused while the new out lands there); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
 MAX_LAUNCHES = 512  # plain launches bound (_plain_launch), the most recently used: a large model's blocks
 MAX_BOUND = MAX_LAUNCHES
@@ -945,7 +946,8 @@ def matmul(
     buffers the graph points at (split tail, norm statistics) are never freed. An eager call without an epilogue whose
     operands have the signature (:func:`signature`) of an earlier checked call on the same stream
     skips the checks it passed and launches its bound arguments (:data:`MAX_BOUND` kept, the most
-    recently used): the host time of an eager call is then little more than the launch's."""
+    recently used): the host time of an eager call is then little more than the launch's (with a
+    new ``out``, its arguments are built again only where it lands elsewhere than the last)."""
     key = None
     plain = epilogue is None and residual is None and a_copy is None and (config is None or type(config) is GemmConfig)
     types = _OPERAND_TYPES
@@ -964,9 +966,13 @@ def matmul(
             except KeyError:  # another thread's call dropped it meanwhile
                 pass
             _, raw, args, shape = hit
-            if out is None:
+            if out is None:  # args: [the last new out's address, its arguments]
                 out = torch.empty(shape, dtype=a.dtype, device=a.device)
-                args = launch.raw_args(raw.tensor_map, a, b, out)
+                if out.data_ptr() == args[0]:  # where the last one was (the caching allocator's usual reuse)
+                    args = args[1]
+                else:
+                    args[:] = out.data_ptr(), launch.raw_args(raw.tensor_map, a, b, out)
+                    args = args[1]
             with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
                 raw(launch.num_ctas, stream, *args)
             return out
@@ -1037,7 +1043,50 @@ def matmul(
     launch = launch_checked(a, b, out, cfg, epilogue, residual, a_copy)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
-        _BOUND[key] = (weakref.ref(launch), bound[1], None if key[2] is None else bound[2], out.shape)
+        args = [out.data_ptr(), bound[2]] if key[2] is None else bound[2]
+        _BOUND[key] = (weakref.ref(launch), bound[1], args, out.shape)
         while len(_BOUND) > MAX_BOUND:
             _BOUND.popitem(last=False)
     return out
+
+
+class BoundGemms:
+    """:func:`matmul`'s plain launches of ``x @ w_0 @ w_1 ...`` one after another (each GEMM on
+    the previous one's output, in the configuration for ``x``'s rows), bound to one signature
+    (:func:`signature`) of ``x`` and of the output and to one stream, after a checked call made
+    them: a later eager call with that signature launches them with none of the checks it
+    passed. Its intermediates (and a new output) are new each call, from the caching allocator;
+    a launch's arguments are built again only where its input or output lands elsewhere than in
+    the last call (the allocator mostly gives a freed block of the size back)."""
+
+    def __init__(self, steps: list):
+        self._steps = steps  # per GEMM: [launch, raw launch, output's shape, (input, output addresses), arguments]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor], weights: list[torch.Tensor], stream: int) -> BoundGemms | None:
+        """The launches that ran ``tensors[s + 1] = tensors[s] @ weights[s]`` through
+        :func:`matmul` on ``stream`` (the raw handle of the device's current stream), checked
+        and compiled; None where one does not launch raw (:meth:`GemmLaunch.bound`)."""
+        steps = []
+        for a, w, c in zip(tensors, weights, tensors[1:]):
+            (M, K), N = a.shape, w.shape[1]
+            launch = _plain_launch(M, N, K, plain_config(M), a.device, stream, None, 0)
+            got = launch.bound(a, w, c)
+            if got is None:
+                return None
+            steps.append([launch, got[1], c.shape, (a.data_ptr(), c.data_ptr()), got[2]])
+        return cls(steps)
+
+    def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int):
+        """Launch the GEMMs on ``x`` (of the bound signature, on the current device) into ``out``
+        (of the bound signature, or None: a new tensor) on ``stream``; returns the output."""
+        a, last = x, len(self._steps) - 1
+        for s, (step, w) in enumerate(zip(self._steps, weights)):
+            launch, raw, shape, at, args = step
+            c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+            if (a.data_ptr(), c.data_ptr()) != at:
+                args = launch.raw_args(raw.tensor_map, a, w, c)
+                step[3:] = (a.data_ptr(), c.data_ptr()), args
+            raw(launch.num_ctas, stream, *args)
+            a = c
+        return a

@@ -91,6 +91,8 @@ from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .epilogue import Epilogue
 from .gemm import (
+    _OPERAND_TYPES,
+    BoundGemms,
     GemmLaunch,
     TailBuffers,
     captures_owned_by,
@@ -104,6 +106,7 @@ from .gemm import (
     num_sms,
     overlaps,
     persistent_grid,
+    signature,
     span,
     tail_split,
     tma_ready,
@@ -118,6 +121,7 @@ from .kernels.gemm import (
     fits_loaded_residual,
 )
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
+from .launcher import launch_hooks
 from .plan import Launch, Link, Plan, Segment, SignalLists, i64_zeros, link_dependency, sums_to
 from .tables import PIPELINE_TABLE, pick_config
 from .timing import Method, time_interleaved
@@ -164,6 +168,7 @@ def _layout(w: torch.Tensor) -> tuple:
 
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
+MAX_BOUND_CALLS = 8  # eager calls' bound GEMMs kept per Pipeline (Pipeline._bound_call), the most recently used
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 
 
@@ -518,6 +523,8 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
+        # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream): _bound_call
+        self._bound_calls: collections.OrderedDict = collections.OrderedDict()
         # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
         # which host waits tell the caller's work from the pipeline's (_wait)
         self._in_flight = InFlight()
@@ -649,30 +656,66 @@ class Pipeline:
         has no waits, so nothing of it can time out, and builds no plan."""
         return self.free_on_one_device and self._per_height
 
-    def _one_after_another(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``).
-        Captured, with launches of this pipeline's own (their split tails' buffers: graphs of
-        another pipeline, whose replays this one does not order, never share them)."""
-        last = len(self.weights) - 1
+    def _one_after_another(self, x: torch.Tensor, out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The stages on ``x`` one after another, each a plain GEMM (the last into ``out``):
+        their outputs, the last one last. Captured, with launches of this pipeline's own (their
+        split tails' buffers: graphs of another pipeline, whose replays this one does not order,
+        never share them)."""
+        ys, last = [x], len(self.weights) - 1
         with captures_owned_by(self._capture_owner):
             for s, w in enumerate(self.weights):
-                x = matmul(x, w, out=out if s == last else None)
-        return x
+                ys.append(matmul(ys[-1], w, out=out if s == last else None))
+        return ys[1:]
 
-    def _call_one_after_another(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`_one_after_another` as a call, ordered as every call is (see the module
-        docstring): on the caller's current stream, after the previous call's end when that was
-        issued from another stream; its own end recorded for the next call."""
-        if self.on_gpu and torch.cuda.current_device() != self._device_indices[0]:
-            with torch.cuda.device(self._device_indices[0]):  # (_capturing then asks the GEMMs' stream)
-                return self._call_one_after_another(x, out)
-        if not self.on_gpu or self._capturing():  # (a captured call: the graph's replay keeps the order)
-            return self._one_after_another(x, out)
+    def _call_one_after_another(self, x: torch.Tensor, out: torch.Tensor | None, capturing: bool) -> torch.Tensor:
+        """:meth:`_one_after_another` as a checked call (``capturing``: into a CUDA graph),
+        ordered as every call is (see the module docstring): on the caller's current stream,
+        after the previous call's end when that was issued from another stream; its own end
+        recorded for the next call. An eager call then binds its launches to its operands'
+        signatures, for :meth:`_bound_call`."""
+        index = self._device_indices[0] if self.on_gpu else None
+        if self.on_gpu and torch.cuda.current_device() != index:
+            with torch.cuda.device(index):
+                return self._call_one_after_another(x, out, capturing)
+        if not self.on_gpu or capturing:  # (a captured call: the graph's replay keeps the order)
+            return self._one_after_another(x, out)[-1]
         caller = self._caller_after_last_call()
         start = self._in_flight.record([caller])
         try:
-            return self._one_after_another(x, out)
+            ys = self._one_after_another(x, out)
         finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
+            self._end_call_on(caller, start)
+        bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream)
+        if bound is not None:
+            self._bound_calls[signature(x), None if out is None else signature(out), caller.cuda_stream] = bound
+            while len(self._bound_calls) > MAX_BOUND_CALLS:
+                self._bound_calls.popitem(last=False)
+        return ys[-1]
+
+    def _bound_call(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+        """An eager call of :attr:`one_after_another` whose operands have the signatures
+        (:func:`~ctapipelining.gemm.signature`) of an earlier checked call's on the same stream:
+        it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
+        checks they passed (the weights' layouts are checked by the caller), ordered as
+        :meth:`_call_one_after_another` orders a call. None where there is no such call (or a
+        capture, another current device, a profiler's launch hooks): the checked path then."""
+        index = self._device_indices[0]
+        if (
+            type(x) not in _OPERAND_TYPES or not x.is_cuda or (out is not None and type(out) not in _OPERAND_TYPES)
+            or torch.cuda.current_device() != index or torch.cuda.is_current_stream_capturing() or launch_hooks()
+        ):  # fmt: skip
+            return None
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        key = (signature(x), None if out is None else signature(out), stream)
+        bound = self._bound_calls.get(key)
+        if bound is None:
+            return None
+        self._bound_calls.move_to_end(key)
+        caller = self._caller_after_last_call()
+        start = self._in_flight.record([caller])
+        try:
+            return bound(x, self.weights, out, stream)
+        finally:
             self._end_call_on(caller, start)
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
@@ -705,7 +748,7 @@ class Pipeline:
         the partial sums the last stage leaves for the next segment's norm (or None)."""
         self.check_input(x)
         if self.one_after_another:  # what a call runs then
-            return self._one_after_another(x), None
+            return self._one_after_another(x)[-1], None
         rows, M = x.shape[0], self.rows_for(x.shape[0])
         if M > rows:  # the plan's height, rows past x's zeros (a split tail depends on the height)
             x = torch.cat([x, x.new_zeros(M - rows, x.shape[1])])
@@ -1224,15 +1267,19 @@ class Pipeline:
         with self._lock:
             self._usable()
             self.check_weights()
+            if self.one_after_another and self.on_gpu and not check:  # operands of an earlier eager call's
+                y = self._bound_call(x, out)
+                if y is not None:
+                    return y
             self.check_input(x)
             if out is not None:
                 self.check_output(out, x)
             capturing = self._capturing(every_device=True)
-            if not capturing:  # no event queries there
+            if not capturing and self._pending:  # no event queries there
                 self._raise_finished_errors()
             M, last = x.shape[0], self.weights[-1]
             if self.one_after_another:
-                out = self._call_one_after_another(x, out)
+                out = self._call_one_after_another(x, out, capturing)
                 self._captured_by_caller(capturing)
                 if check and not capturing:
                     self._wait()

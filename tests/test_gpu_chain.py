@@ -213,6 +213,76 @@ def test_the_default_on_one_gpu_runs_our_gemms_one_after_another():
     assert out2 is out and torch.equal(out1, ref1) and torch.equal(out, ref2)
 
 
+def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypatch):
+    """An eager call of the default pipeline on one GPU on operands with the signatures of an
+    earlier checked call's from the same stream launches the GEMMs bound then, with none of the
+    checks (here made to fail), bitwise the checked call, into a NaN-poisoned ``out`` or a new
+    one, on new contents of ``x``; still ordered after a call from another stream (behind a
+    ~50 ms sleep). Other operands, another stream, a capture, ``check=True`` or a weight whose
+    storage changed go through the checks; at most ``MAX_BOUND_CALLS`` are kept."""
+    from ctapipelining import pipeline
+
+    ws = chain(2048, 4096, 2048)
+    pipe = Pipeline(ws)
+    x, x2, other = rand(640, 2048), rand(640, 2048), rand(640, 2048)  # 640 rows: split tails
+    want, want2 = pipe.sequential(x), pipe.sequential(x2)
+    y = torch.full_like(want, float("nan"))
+    assert torch.equal(pipe(x), want) and torch.equal(pipe(x, out=y), want)
+    assert len(pipe._bound_calls) == 2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y_side = pipe(x2, out=torch.empty_like(want))  # bound for the side stream
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
+
+    def refuse(*args, **kw):
+        raise AssertionError("a bound call ran the checks")
+
+    with monkeypatch.context() as m:
+        for name in ("check_input", "check_output", "_call_one_after_another"):
+            m.setattr(Pipeline, name, refuse)
+        m.setattr(pipeline, "matmul", refuse)
+        for _ in range(3):
+            y.fill_(float("nan"))
+            assert pipe(x, out=y) is y and torch.equal(y, want)
+            poison = torch.full_like(want, float("nan"))
+            del poison  # a new output where the poison was
+            assert torch.equal(pipe(x), want)
+        x.copy_(x2)  # new contents, the same signature
+        assert torch.equal(pipe(x), want2)
+        # ordered: the side stream's bound call waits for the default stream's (behind the sleep)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        first = pipe(x, out=y)
+        end1 = torch.cuda.Event(enable_timing=True)
+        end1.record()
+        with torch.cuda.stream(side):
+            pipe(x2, out=y_side)
+            end2 = torch.cuda.Event(enable_timing=True)
+            end2.record()
+        torch.cuda.synchronize()
+        assert end1.elapsed_time(end2) > 0 and torch.equal(first, want2) and torch.equal(y_side, want2)
+        for call in (lambda: pipe(other), lambda: pipe(x, check=True), lambda: pipe(x[:320])):
+            with pytest.raises(AssertionError, match="ran the checks"):
+                call()
+    graph = torch.cuda.CUDAGraph()  # a capture takes the checked path and binds nothing
+    with torch.cuda.graph(graph, stream=side):
+        pipe(x2, out=y)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want2) and len(pipe._bound_calls) == 3
+    held = [rand(640, 2048) for _ in range(pipeline.MAX_BOUND_CALLS + 2)]  # held: signatures apart
+    for xi in held:
+        pipe(xi)
+    assert len(pipe._bound_calls) == pipeline.MAX_BOUND_CALLS
+    ws[0].data = ws[0].data.clone()
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
+        pipe(x)
+    pipe.check_errors()
+
+
 @pytest.mark.parametrize("M", [640, 16384])
 def test_default_graphs_on_one_gpu_own_their_split_tails(M):
     """Two default pipelines of the same shapes (our GEMMs one after another, whose last partial

@@ -335,6 +335,24 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
             poison = torch.full_like(first, float("nan"))
             del poison  # the allocator's next block of this size: a new output written over NaN
             assert torch.equal(matmul(a, b), first)
+        # a new out reuses the arguments built for the last one where it lands at its address, and
+        # builds them again where it does not (here: while the last one is held)
+        built, raw_args = [], gemm.GemmLaunch.raw_args
+        m.setattr(gemm.GemmLaunch, "raw_args", lambda *args, **kw: built.append(1) or raw_args(*args, **kw))
+        key = next(k for k in gemm._BOUND if k[2] is None)
+        held, moved = [], []
+        for keep in (True, True, False, False, False):
+            before, n = gemm._BOUND[key][2][0], len(built)
+            poison = torch.full_like(first, float("nan"))
+            del poison
+            new = matmul(a, b)
+            assert torch.equal(new, first)
+            moved.append(new.data_ptr() != before)
+            assert len(built) - n == moved[-1]
+            if keep:
+                held.append(new)
+            del new
+        assert moved[1] and not all(moved)  # both cases ran
     # captured: not a bound call, a launch whose split tail's buffers are apart from eager calls'
     # (640 rows: 160 tiles, a last round of 28 split in two); two graphs captured on one stream
     # share it, and each zeroes its arrival counters (the second may be replayed first: here
