@@ -12,10 +12,16 @@ GPU; with one, both on cuda:0 as two kernels, ``loopback=True``) with a 50 ms ti
 * a few calls whose producer never comes (only the consumer launched): they must raise
   :class:`~ctapipelining.pipeline.PipelineTimeout`, and the next call must be right.
 
+Then the default pipeline of the same two layers on cuda:0 (our GEMMs one after another, whose
+eager calls on operands seen before launch their bound GEMMs), CALLS calls in a seeded random
+mix: eager calls on inputs from a pool of a few tensors per height (their signatures recur),
+each filled with fresh values, into an ``out`` from a pool or a new one, from the default
+stream or a side stream, some ``check=True``, and graph replays at 1024 and 2048 rows.
+
 Every result is compared bitwise with :meth:`~ctapipelining.pipeline.Pipeline.sequential`.
 Memory: the allocated bytes on every GPU and the process's resident set, after the first
-1000 calls and at the end. Writes OUT_DIR/soak.json; exits 1 if any result is wrong or a
-timeout did not raise, or if allocated memory grew.
+1000 calls and at the end (of each part). Writes OUT_DIR/soak.json; exits 1 if any result is
+wrong or a timeout did not raise, or if allocated memory grew.
 """
 
 import json
@@ -62,8 +68,10 @@ def main() -> int:
     wrong, unraised, after_timeout_wrong = [], [], []
     mem_start = None
     t0 = time.time()
+    x = y = None
     for i in range(CALLS):
         if i == 1000:
+            x = y = None  # nothing of a call held where memory is read
             torch.cuda.synchronize()
             mem_start = memory()
         r = rng.random()
@@ -97,10 +105,12 @@ def main() -> int:
                 continue
         if not torch.equal(y, pipe.sequential(x)):
             wrong.append((i, kind, M))
+    x = y = None
     pipe.check_errors()
     torch.cuda.synchronize()
     mem_end = memory()
     grew = mem_start is not None and any(e > s for s, e in zip(mem_start["allocated"], mem_end["allocated"]))
+    default = soak_default([w.to("cuda:0") for w in ws], random.Random(1))
     report = {
         "environment": environment(),
         "command": " ".join(sys.argv),
@@ -114,11 +124,65 @@ def main() -> int:
         "memory_at_end": mem_end,
         "allocated_grew": grew,
         "wall_s": round(time.time() - t0, 1),
+        "default_one_gpu": default,
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "soak.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}))
-    return 1 if wrong or unraised or after_timeout_wrong or grew else 0
+    failed = default["wrong"] or default["allocated_grew"]
+    return 1 if wrong or unraised or after_timeout_wrong or grew or failed else 0
+
+
+def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
+    """The default pipeline of ``ws`` on cuda:0 (module docstring), CALLS checked calls."""
+    pipe = Pipeline(ws)
+    assert pipe.one_after_another
+    graphs = {M: pipe.capture(M) for M in (1024, 2048)}
+    pools = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(3)] for M in HEIGHTS}
+    outs = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for M in HEIGHTS}
+    side = torch.cuda.Stream()
+    counts = {k: 0 for k in ("eager", "eager_side", "checked", "graph")}
+    wrong, mem_start, t0 = [], None, time.time()
+    for i in range(CALLS):
+        if i == 1000:
+            torch.cuda.synchronize()
+            mem_start = memory()
+        r = rng.random()
+        kind = "graph" if r < 0.15 else "checked" if r < 0.2 else "eager_side" if r < 0.4 else "eager"
+        counts[kind] += 1
+        if kind == "graph":
+            M = rng.choice(tuple(graphs))
+            x = torch.randn(M, K, device="cuda:0").bfloat16()
+            y = graphs[M](x)
+        else:
+            M = rng.choice(HEIGHTS)
+            x = rng.choice(pools[M])
+            x.normal_()
+            out = rng.choice([None, *outs[M]])
+            if kind == "eager_side":
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    y = pipe(x, out=out)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                y = pipe(x, out=out, check=kind == "checked")
+        if not torch.equal(y, pipe.sequential(x)):
+            wrong.append((i, kind, M))
+        x = y = None  # nothing of a call held where memory is read
+    pipe.check_errors()
+    torch.cuda.synchronize()
+    mem_end = memory()
+    return {
+        "calls": CALLS,
+        "counts": counts,
+        "bound_calls_kept": len(pipe._bound_calls),
+        "wrong": wrong,
+        "memory_after_1000_calls": mem_start,
+        "memory_at_end": mem_end,
+        "allocated_grew": mem_start is not None
+        and any(e > s for s, e in zip(mem_start["allocated"], mem_end["allocated"])),
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 if __name__ == "__main__":
