@@ -764,8 +764,8 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
 # matmul's checked calls, least recently used first: (signature of a, b, out (None: a new one),
 # config, stream) -> (the launch, weakly: it lives as long as _plain_launch's cache or a graph
-# keeps it; its raw launch; its arguments (out new each call: [the last out's address, its
-# arguments], reused while the new out lands there); out's shape)
+# keeps it; its raw launch; its arguments (out new each call: [(the last out's address, its
+# arguments)], reused while the new out lands there, swapped whole); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
 MAX_LAUNCHES = 512  # plain launches bound (_plain_launch), the most recently used: a large model's blocks
 MAX_BOUND = MAX_LAUNCHES
@@ -966,13 +966,12 @@ def matmul(
             except KeyError:  # another thread's call dropped it meanwhile
                 pass
             _, raw, args, shape = hit
-            if out is None:  # args: [the last new out's address, its arguments]
-                out = torch.empty(shape, dtype=a.dtype, device=a.device)
-                if out.data_ptr() == args[0]:  # where the last one was (the caching allocator's usual reuse)
-                    args = args[1]
-                else:
-                    args[:] = out.data_ptr(), launch.raw_args(raw.tensor_map, a, b, out)
-                    args = args[1]
+            if out is None:  # args: [(the last new out's address, its arguments)], read once
+                out, (at, built) = torch.empty(shape, dtype=a.dtype, device=a.device), args[0]
+                if out.data_ptr() != at:  # elsewhere than the last one (the caching allocator mostly reuses it)
+                    built = launch.raw_args(raw.tensor_map, a, b, out)
+                    args[0] = (out.data_ptr(), built)
+                args = built
             with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
                 raw(launch.num_ctas, stream, *args)
             return out
@@ -1043,7 +1042,7 @@ def matmul(
     launch = launch_checked(a, b, out, cfg, epilogue, residual, a_copy)
     bound = None if key is None else launch.bound(a, b, out)
     if bound is not None:  # checked and compiled: later calls with this signature skip to the launch
-        args = [out.data_ptr(), bound[2]] if key[2] is None else bound[2]
+        args = [(out.data_ptr(), bound[2])] if key[2] is None else bound[2]
         _BOUND[key] = (weakref.ref(launch), bound[1], args, out.shape)
         while len(_BOUND) > MAX_BOUND:
             _BOUND.popitem(last=False)
@@ -1057,7 +1056,9 @@ class BoundGemms:
     them: a later eager call with that signature launches them with none of the checks it
     passed. Its intermediates (and a new output) are new each call, from the caching allocator;
     a launch's arguments are built again only where its input or output lands elsewhere than in
-    the last call (the allocator mostly gives a freed block of the size back)."""
+    the last call (the allocator mostly gives a freed block of the size back). It holds its
+    launches (and so their split tails' buffers) while it lives, also past their eviction from
+    :func:`matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
 
     def __init__(self, steps: list):
         self._steps = steps  # per GEMM: [launch, raw launch, output's shape, (input, output addresses), arguments]

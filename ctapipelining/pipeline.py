@@ -163,8 +163,8 @@ def _failed(M: int, msgs: list[str]) -> str:
 
 
 def _layout(w: torch.Tensor) -> tuple:
-    """What a launch bound to ``w`` relies on: its address, shape and strides."""
-    return w.data_ptr(), w.shape, w.stride()
+    """What a launch bound to ``w`` relies on: its address, shape, strides, dtype and device."""
+    return w.data_ptr(), w.shape, w.stride(), w.dtype, w.device
 
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
@@ -685,24 +685,34 @@ class Pipeline:
             ys = self._one_after_another(x, out)
         finally:  # what was queued stays ordered before the next call, also if a GEMM failed to launch
             self._end_call_on(caller, start)
-        bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream)
+        bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream) if self._bindable(x, out) else None
         if bound is not None:
             self._bound_calls[signature(x), None if out is None else signature(out), caller.cuda_stream] = bound
             while len(self._bound_calls) > MAX_BOUND_CALLS:
                 self._bound_calls.popitem(last=False)
         return ys[-1]
 
+    @staticmethod
+    def _bindable(x, out) -> bool:
+        """Whether a call on ``x`` and ``out`` may bind its GEMMs or launch bound ones: strided
+        CUDA tensors of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
+        elsewhere)."""
+        return all(
+            type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided for t in (x, out) if t is not None
+        )
+
     def _bound_call(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """An eager call of :attr:`one_after_another` whose operands have the signatures
         (:func:`~ctapipelining.gemm.signature`) of an earlier checked call's on the same stream:
         it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
         checks they passed (the weights' layouts are checked by the caller), ordered as
-        :meth:`_call_one_after_another` orders a call. None where there is no such call (or a
-        capture, another current device, a profiler's launch hooks): the checked path then."""
+        :meth:`_call_one_after_another` orders a call. None where there is no such call, or
+        operands it does not bind (:meth:`_bindable`), a capture, another current device or a
+        profiler's launch hooks: the checked path then."""
         index = self._device_indices[0]
         if (
-            type(x) not in _OPERAND_TYPES or not x.is_cuda or (out is not None and type(out) not in _OPERAND_TYPES)
-            or torch.cuda.current_device() != index or torch.cuda.is_current_stream_capturing() or launch_hooks()
+            not self._bindable(x, out) or torch.cuda.current_device() != index
+            or torch.cuda.is_current_stream_capturing() or launch_hooks()
         ):  # fmt: skip
             return None
         stream = torch._C._cuda_getCurrentRawStream(index)

@@ -217,10 +217,14 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     """An eager call of the default pipeline on one GPU on operands with the signatures of an
     earlier checked call's from the same stream launches the GEMMs bound then, with none of the
     checks (here made to fail), bitwise the checked call, into a NaN-poisoned ``out`` or a new
-    one, on new contents of ``x``; still ordered after a call from another stream (behind a
-    ~50 ms sleep). Other operands, another stream, a capture, ``check=True`` or a weight whose
-    storage changed go through the checks; at most ``MAX_BOUND_CALLS`` are kept."""
-    from ctapipelining import pipeline
+    one, on new contents of ``x``, its arguments built again for each GEMM whose input or output
+    lands elsewhere; still ordered after a call from another stream (behind a ~50 ms sleep).
+    Other operands, another stream, ``check=True``, a profiler's launch hooks, a capture or a
+    weight whose storage or dtype changed go through the checks (or refuse); at most
+    ``MAX_BOUND_CALLS`` are kept."""
+    from triton import knobs
+
+    from ctapipelining import gemm, pipeline
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
@@ -235,6 +239,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         y_side = pipe(x2, out=torch.empty_like(want))  # bound for the side stream
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
+    bound = next(b for k, b in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
 
     def refuse(*args, **kw):
         raise AssertionError("a bound call ran the checks")
@@ -243,12 +248,27 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         for name in ("check_input", "check_output", "_call_one_after_another"):
             m.setattr(Pipeline, name, refuse)
         m.setattr(pipeline, "matmul", refuse)
+        built, raw_args = [], gemm.GemmLaunch.raw_args
+        m.setattr(gemm.GemmLaunch, "raw_args", lambda *args, **kw: built.append(1) or raw_args(*args, **kw))
         for _ in range(3):
             y.fill_(float("nan"))
             assert pipe(x, out=y) is y and torch.equal(y, want)
             poison = torch.full_like(want, float("nan"))
             del poison  # a new output where the poison was
             assert torch.equal(pipe(x), want)
+        # each GEMM's arguments built again where its input or output moved: the last output held
+        # and a block of the intermediate's size taken, so both land elsewhere
+        kept, blocks, moved = [], [], []
+        for _ in range(3):
+            before, n = [step[3] for step in bound._steps], len(built)
+            kept.append(pipe(x))
+            after = [step[3] for step in bound._steps]
+            assert torch.equal(kept[-1], want) and after[1][1] == kept[-1].data_ptr() and after[0][0] == x.data_ptr()
+            assert after[0][1] == after[1][0]  # the intermediate, as each GEMM's arguments hold it
+            moved.append(sum(b != a for b, a in zip(before, after)))
+            assert len(built) - n == moved[-1]
+            blocks.append(torch.empty(640, 4096, dtype=torch.bfloat16, device="cuda:0"))
+        assert max(moved) == 2  # both GEMMs' arguments built again at once
         x.copy_(x2)  # new contents, the same signature
         assert torch.equal(pipe(x), want2)
         # ordered: the side stream's bound call waits for the default stream's (behind the sleep)
@@ -263,23 +283,46 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             end2.record()
         torch.cuda.synchronize()
         assert end1.elapsed_time(end2) > 0 and torch.equal(first, want2) and torch.equal(y_side, want2)
-        for call in (lambda: pipe(other), lambda: pipe(x, check=True), lambda: pipe(x[:320])):
+
+        def on_side():
+            with torch.cuda.stream(side):
+                pipe(x, out=y)  # (x, y) bound on the default stream only
+
+        def hooked():
+            knobs.runtime.launch_enter_hook.add(print)
+            try:
+                pipe(x, out=y)
+            finally:
+                knobs.runtime.launch_enter_hook.remove(print)
+
+        for call in (lambda: pipe(other), lambda: pipe(x, check=True), lambda: pipe(x[:320]), on_side, hooked):
             with pytest.raises(AssertionError, match="ran the checks"):
                 call()
-    graph = torch.cuda.CUDAGraph()  # a capture takes the checked path and binds nothing
-    with torch.cuda.graph(graph, stream=side):
-        pipe(x2, out=y)
-    y.fill_(float("nan"))
+    torch.cuda.synchronize()
+    checked, check_input = [], Pipeline.check_input
+    with monkeypatch.context() as m:  # a capture of a bound call's operands takes the checked path
+        m.setattr(Pipeline, "check_input", lambda *args: checked.append(1) or check_input(*args))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            pipe(x2, out=y_side)
+    y_side.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, want2) and len(pipe._bound_calls) == 3
+    assert checked and torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
     held = [rand(640, 2048) for _ in range(pipeline.MAX_BOUND_CALLS + 2)]  # held: signatures apart
     for xi in held:
         pipe(xi)
     assert len(pipe._bound_calls) == pipeline.MAX_BOUND_CALLS
+    keys = list(pipe._bound_calls)
+    assert keys[-1][0][0] == held[-1].data_ptr() and keys[-2][0][0] == held[-2].data_ptr()
+    ws[1].data = ws[1].data.view(torch.float16)  # the same address, shape and strides: another dtype
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
+        pipe(held[-1])  # bound
+    ws[1].data = ws[1].data.view(torch.bfloat16)
+    assert torch.equal(pipe(held[-1]), pipe.sequential(held[-1]))
     ws[0].data = ws[0].data.clone()
     with pytest.raises(RuntimeError, match="storage or layout changed"):
-        pipe(x)
+        pipe(held[-2])  # bound
     pipe.check_errors()
 
 

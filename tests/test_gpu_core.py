@@ -342,7 +342,7 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
         key = next(k for k in gemm._BOUND if k[2] is None)
         held, moved = [], []
         for keep in (True, True, False, False, False):
-            before, n = gemm._BOUND[key][2][0], len(built)
+            before, n = gemm._BOUND[key][2][0][0], len(built)
             poison = torch.full_like(first, float("nan"))
             del poison
             new = matmul(a, b)
