@@ -169,3 +169,60 @@ def test_a_launch_binds_per_x_and_out_and_rebinds_when_they_change():
     for _ in range(2):
         copying.run(x, out, 6)
     assert len(copying.gemm.full) == 2 and not copying.gemm.raw_calls
+
+
+def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_moved(monkeypatch):
+    """``gemm.BoundGemms``: each GEMM launches the arguments built for its input's and output's
+    addresses in the last call; where the intermediate lands elsewhere, the GEMM that writes it
+    and the one that reads it both build theirs again, for the new tensors; a given ``out`` is
+    written, and without one a new output in the step's shape (its GEMM's arguments built again
+    where it lands elsewhere)."""
+    from ctapipelining.gemm import BoundGemms
+
+    class Raw:
+        tensor_map = None
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, grid, stream, *args):
+            self.calls.append((grid, stream, args))
+
+    class Launch:
+        num_ctas = 3
+
+        def __init__(self):
+            self.built = []
+
+        def raw_args(self, tensor_map, a, b, c):
+            self.built.append((a.data_ptr(), b.data_ptr(), c.data_ptr()))
+            return (a.data_ptr(), b.data_ptr(), c.data_ptr())
+
+    ws = [torch.zeros(8, 16), torch.zeros(16, 4)]
+    x, mid, out = torch.zeros(5, 8), torch.zeros(5, 16), torch.zeros(5, 4)
+    launches, raws = [Launch(), Launch()], [Raw(), Raw()]
+    steps = [
+        [launches[0], raws[0], mid.shape, (x.data_ptr(), mid.data_ptr()), ("bound", 0)],
+        [launches[1], raws[1], out.shape, (mid.data_ptr(), out.data_ptr()), ("bound", 1)],
+    ]
+    bound = BoundGemms(steps)
+    mid2, out2 = torch.zeros(5, 16), torch.zeros(5, 4)
+    allocated = iter([mid, mid2, mid2, out2])  # the intermediate where it was, elsewhere, there again; a new out
+
+    def empty(shape, dtype, device):
+        t = next(allocated)
+        assert tuple(t.shape) == tuple(shape) and dtype == x.dtype
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    assert bound(x, ws, out, 9) is out
+    assert [r.calls for r in raws] == [[(3, 9, ("bound", 0))], [(3, 9, ("bound", 1))]]
+    assert not launches[0].built and not launches[1].built
+    assert bound(x, ws, out, 9) is out  # the intermediate moved: both GEMMs build theirs
+    assert launches[0].built == [(x.data_ptr(), ws[0].data_ptr(), mid2.data_ptr())]
+    assert launches[1].built == [(mid2.data_ptr(), ws[1].data_ptr(), out.data_ptr())]
+    assert raws[0].calls[-1][2] == launches[0].built[-1] and raws[1].calls[-1][2] == launches[1].built[-1]
+    assert steps[0][3] == (x.data_ptr(), mid2.data_ptr()) and steps[1][3] == (mid2.data_ptr(), out.data_ptr())
+    assert bound(x, ws, None, 9) is out2  # a new output elsewhere: only the last GEMM builds again
+    assert len(launches[0].built) == 1 and launches[1].built[-1] == (mid2.data_ptr(), ws[1].data_ptr(), out2.data_ptr())
+    assert raws[0].calls[-1][2] == launches[0].built[-1] and raws[1].calls[-1][2] == launches[1].built[-1]
