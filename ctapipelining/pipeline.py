@@ -1271,7 +1271,9 @@ class Pipeline:
         call's is raised here, before anything is launched. ``check=True`` waits for this call
         and checks it (the result is then known good). A call on a new plan height beyond
         ``max_plans`` waits for the calls in flight before it frees a plan (bounded, as
-        :meth:`check_errors` waits)."""
+        :meth:`check_errors` waits). An eager call of :attr:`one_after_another` on an ``x``
+        and ``out`` (or a new output) an earlier call from the same stream had launches the GEMMs
+        bound then (:meth:`_bound_call`)."""
         if self.segment is not None:
             raise RuntimeError("this pipeline is a segment of a longer chain: call its DistributedPipeline")
         with self._lock:
