@@ -50,6 +50,11 @@ def memory() -> dict:
     }
 
 
+def grew(start: dict | None, end: dict) -> bool:
+    """Whether any GPU's allocated memory grew from ``start`` (:func:`memory`; None: not read) to ``end``."""
+    return start is not None and any(e > s for s, e in zip(start["allocated"], end["allocated"]))
+
+
 def main() -> int:
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -109,7 +114,7 @@ def main() -> int:
     pipe.check_errors()
     torch.cuda.synchronize()
     mem_end = memory()
-    grew = mem_start is not None and any(e > s for s, e in zip(mem_start["allocated"], mem_end["allocated"]))
+    loopback_grew = grew(mem_start, mem_end)
     default = soak_default([w.to("cuda:0") for w in ws], random.Random(1))
     report = {
         "environment": environment(),
@@ -122,7 +127,7 @@ def main() -> int:
         "wrong_after_a_timeout": after_timeout_wrong,
         "memory_after_1000_calls": mem_start,
         "memory_at_end": mem_end,
-        "allocated_grew": grew,
+        "allocated_grew": loopback_grew,
         "wall_s": round(time.time() - t0, 1),
         "default_one_gpu": default,
     }
@@ -130,7 +135,7 @@ def main() -> int:
     (OUT / "soak.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}))
     failed = default["wrong"] or default["allocated_grew"]
-    return 1 if wrong or unraised or after_timeout_wrong or grew or failed else 0
+    return 1 if wrong or unraised or after_timeout_wrong or loopback_grew or failed else 0
 
 
 def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
@@ -179,8 +184,7 @@ def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
         "wrong": wrong,
         "memory_after_1000_calls": mem_start,
         "memory_at_end": mem_end,
-        "allocated_grew": mem_start is not None
-        and any(e > s for s, e in zip(mem_start["allocated"], mem_end["allocated"])),
+        "allocated_grew": grew(mem_start, mem_end),
         "wall_s": round(time.time() - t0, 1),
     }
 
