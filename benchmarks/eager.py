@@ -9,7 +9,8 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
-   the chain (two 8192-wide layers sharing the GPU, one chain kernel) at M = 2048 and 16384, and
+   the chain (two 8192-wide layers sharing the GPU, one chain kernel; with OLD_PACKAGE_PARENT,
+   the earlier tree's eager beside it) at M = 2048 and 16384, and
    the default ``Pipeline``, which runs our GEMMs one after another there (also its graph against
    the chain's; with OLD_PACKAGE_PARENT, the earlier tree's default eager beside it, and both
    defaults' host time), the GEMMs and the chains each in a run of their own: median wall
@@ -145,6 +146,10 @@ def main():
     if old_default is not None:
         defaults["old_default_2048_eager"] = lambda: old_default(x2k, out=y2k)
     report["host_and_total_default_2048"] = host_and_total(defaults)
+    chains = {"chain_2048_eager": lambda: pipe(x2k, out=y2k)}
+    if OLD:
+        chains["old_chain_2048_eager"] = lambda: old_pipe(x2k, out=y2k)
+    report["host_and_total_chain_2048"] = host_and_total(chains)
     methods, pairs = [], []
     methods += [Method("plain_2048_eager", lambda: matmul(x2k, w, out=y2k))]
     methods += [Method("plain_2048_graph", graphed(lambda: matmul(x2k, w, out=y2k)))]
@@ -165,6 +170,10 @@ def main():
         methods += [Method(f"chain_{M}_eager", lambda x=x, y=y: pipe(x, out=y)), Method(f"chain_{M}_graph", replay)]
         pairs.append((f"chain_{M}_eager", f"chain_{M}_graph"))
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+        if OLD:  # the old tree's chain kernel, eager
+            old_pipe(x, out=y)
+            methods += [Method(f"old_chain_{M}_eager", lambda x=x, y=y: old_pipe(x, out=y))]
+            pairs += [(f"chain_{M}_eager", f"old_chain_{M}_eager"), (f"old_chain_{M}_eager", f"chain_{M}_graph")]
         if default.one_after_another:  # the default Pipeline's call, and against the chain kernel
             replay = graphed(lambda x=x, y=y: default(x, out=y))
             methods += [Method(f"default_{M}_eager", lambda x=x, y=y: default(x, out=y))]
@@ -325,7 +334,9 @@ def new_vs_old():
         epoch = torch.ones(1, dtype=i_dt, device=DEV)
         err = torch.zeros(8, dtype=i_dt, device=DEV)
         full = L.create(dep, dev, dev)
-        full.counters.copy_(torch.as_tensor(dep.need, dtype=i_dt))  # epoch 1: every counter full
+        # every counter full for run 1 and run 2: this tree's kernels run the one after the epoch
+        # tensor's value (the pipeline bumps it after them), an earlier tree's may run its value
+        full.counters.copy_(2 * torch.as_tensor(dep.need, dtype=i_dt))
         if name == "new":
             prod = GemmLaunch(M, K, K, cfg, P, dev, signal=link.signal_hook(False), epoch=epoch, err=err)
             cons = GemmLaunch(M, K, K, cfg, P, dev, wait=full.wait_hook(False), epoch=epoch, err=err, stage=1)

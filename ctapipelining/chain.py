@@ -74,7 +74,8 @@ class ChainStage:
 class ChainLaunch:
     """One launch of the chain kernel over ``stages`` (1 to :data:`MAX_STAGES`) on ``M`` rows,
     bound once: ``num_ctas`` persistent CTAs claim tiles from ``ticket`` (int64 [1], only
-    growing: :attr:`claims_per_run` a run) in the combined order; ``epoch`` is the run count
+    growing: :attr:`claims_per_run` a run) in the combined order; ``epoch`` holds the runs before
+    this one (the launch runs the next; the caller bumps it after the launch), whose count
     every stage's signals and waits use, and places the run's claims. ``queue``: the links to
     other GPUs (the first stage's wait, the last stage's signal) follow the workqueue policy."""
 

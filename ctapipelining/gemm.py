@@ -487,6 +487,8 @@ class GemmLaunch:
     signatures (the :data:`MAX_CALLS` most recently used): a later call with the same skips its
     checks and launches the arguments built then.
 
+    ``epoch`` (int64 [1], with a hook): the stage's runs before this launch, which runs the
+    next; the caller bumps it after the launch (:mod:`ctapipelining.kernels.sync`).
     ``split``: the split tail to run instead of the one the configuration and grid give (a
     chain kernel's last stage run alone: :meth:`ctapipelining.pipeline.Pipeline.sequential`).
     ``stream``: the one CUDA stream it may run on (raw handle; its buffers are that stream's:

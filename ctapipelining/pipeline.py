@@ -1308,7 +1308,7 @@ class Pipeline:
             self._refresh_replicas()
             if out is None:
                 out = torch.empty(M, self.out_cols[-1], dtype=last.dtype, device=self.devices[-1])
-            self._launch(plan, x, out)
+            self._launch(plan, x, out, capturing=capturing)
             self._captured_by_caller(capturing)
             if check and not capturing:
                 self.check_errors(plan)
@@ -1366,6 +1366,7 @@ class Pipeline:
         only: list[int] | None = None,
         delay_cycles: dict[int, int] | None = None,
         advance_epoch: bool = True,
+        capturing: bool | None = None,
     ):
         """Launch one call's kernels (the plan's launch records, each on its stage's stream).
         For tests and measurements: ``only`` launches a subset of the stages (a prefill with
@@ -1374,8 +1375,9 @@ class Pipeline:
         :meth:`reset` before the next full call); ``advance_epoch=False`` launches against the
         current epoch (e.g. the consumer of a run whose producer already ran alone; a chain
         kernel's ticket is then out of step and reported); ``delay_cycles`` sleeps before a
-        stage. Returns Triton's compiled kernel of each launched stage (None for the others). A
-        launch that fails part way marks the plan stale: the next call resets it first."""
+        stage. ``capturing``: :meth:`_capturing`'s answer where the caller has it. Returns
+        Triton's compiled kernel of each launched stage (None for the others). A launch that
+        fails part way marks the plan stale: the next call resets it first."""
         n = len(self.weights)
         if only is not None and any(not 0 <= s < n or s != self._group_of[s][0] for s in only):
             raise ValueError(
@@ -1383,7 +1385,8 @@ class Pipeline:
             )
         if plan.stale:
             self.reset(plan)
-        capturing = self._capturing()
+        if capturing is None:
+            capturing = self._capturing()
         pinned = plan.pinned
         if capturing:
             plan.pinned = True  # a graph now points at its buffers (unless the capture fails below)
@@ -1420,8 +1423,9 @@ class Pipeline:
                         for ev in starts:
                             st.wait_event(ev)
                     stream = self._raw_streams[s]
-                if advance_epoch and s == self._group_of[s][0]:  # the stages of a chain kernel share one
-                    plan.epochs[s].add_(1)
+                lead = s == self._group_of[s][0]  # the stages of a chain kernel share one epoch
+                if lead and not advance_epoch:  # its launches read the last run's epoch again
+                    plan.epochs[s].sub_(1)
                 if only is None or s in only:
                     for launch in plan.launches:
                         if launch.stream != s:
@@ -1432,6 +1436,8 @@ class Pipeline:
                         kernel = launch.run(x, out, stream)
                         for t in launch.stages:
                             kernels[t] = kernel
+                if lead:  # after the stream's launches, which run the epoch after it (kernels/sync.py)
+                    plan.epochs[s].add_(1)
                 waits = s > 0 or plan.inbound is not None  # else its word stays clear
                 if self.on_gpu and waits and not capturing:
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
@@ -1484,7 +1490,7 @@ class Pipeline:
 
     def _launch_direct(self, plan: Plan, x, out) -> list:
         """:meth:`_launch` of an eager call on one GPU with one kernel stream: every stream
-        operation (the epoch bumps, the kernels, the error words' copies, the end's event) goes
+        operation (the kernels, the epoch bumps, the error words' copies, the end's event) goes
         on the caller's current stream, in the order the general path queues them on the stage
         stream, without forking to that stream and joining back (fewer host calls before the
         first kernel). The same ordering: after the previous call's end when it was issued from
@@ -1495,13 +1501,13 @@ class Pipeline:
         start = self._in_flight.record([caller])
         try:
             for s in range(len(self.weights)):
-                if s == self._group_of[s][0]:  # the stages of a chain kernel share one epoch
-                    plan.epochs[s].add_(1)
                 for launch in plan.launches:
                     if launch.stream == s:
                         kernel = launch.run(x, out, stream)
                         for t in launch.stages:
                             kernels[t] = kernel
+                if s == self._group_of[s][0]:  # after its launches (the stages of a chain kernel share one)
+                    plan.epochs[s].add_(1)
                 if s > 0 or plan.inbound is not None:  # else its word stays clear
                     plan.err_host[s].copy_(plan.errors[s], non_blocking=True)
         except BaseException:

@@ -125,11 +125,11 @@ def test_chain_kernel_between_two_kernels(queue):
     last = GemmLaunch(M, dims[4], dims[3], cfg, 4, CPU, wait=links[2].wait_hook(queue), epoch=epochs[3], err=errors[3])
     x = torch.randn(M, dims[0]).half()
     out = torch.full((M, dims[4]), float("nan"), dtype=torch.float16)
-    for e in epochs:
-        e.add_(1)
-    first(x, ws[0], bufs[0])
+    first(x, ws[0], bufs[0])  # run 1 (each epoch holds the runs before: 0)
     middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
     last(bufs[2], ws[3], out)
+    for e in epochs:  # what a pipeline does after its launches
+        e.add_(1)
     ref = x
     for w in ws:
         ref = ref.float() @ w.float()
@@ -137,8 +137,6 @@ def test_chain_kernel_between_two_kernels(queue):
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
     assert int(ticket) == middle.claims_per_run
     # the next run without the first kernel: stage 1 waits for input that never comes
-    for e in epochs:
-        e.add_(1)
     middle([(bufs[0], ws[1], bufs[1]), (bufs[1], ws[2], bufs[2])])
     assert int(errors[1][0]) == 1 and int(errors[1][1]) == 1  # flag, stage
     assert int(ticket) == 2 * middle.claims_per_run
@@ -173,8 +171,7 @@ def test_a_grid_larger_than_the_positions():
     ]
     launch = ChainLaunch(M, stages, PARTS, 40, CPU, ticket=t, epoch=e)
     x, h, y = torch.randn(M, k0).half(), torch.empty(M, n0).half(), torch.full((M, n1), float("nan")).half()
-    e.add_(1)
-    launch([(x, ws[0], h), (h, ws[1], y)])
+    launch([(x, ws[0], h), (h, ws[1], y)])  # run 1: e holds the runs before it
     assert int(err[0]) == 0 and int(t) == launch.claims_per_run
     ref = (x.float() @ ws[0].float()).half().float() @ ws[1].float()
     assert float((y.float() - ref).norm() / ref.norm()) < 2e-3

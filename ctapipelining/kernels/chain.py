@@ -162,7 +162,7 @@ def chain_kernel(
     a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
     stages, tail,  # tuple of Stage, one per stage; the last stage's split tail (gemm.Tail; None: off)
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
-    ticket, order, epoch_ptr, timeout_ns,  # *i64 [1] claims over all runs; *i32 the combined order; *i64 [1] runs
+    ticket, order, epoch_ptr, timeout_ns,  # *i64 [1] claims over all runs; *i32 the combined order; *i64 [1] runs before
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -178,7 +178,7 @@ def chain_kernel(
     total = 0  # positions: each stage's tiles (the last stage's tail tiles as their K-slices)
     for s in tl.static_range(S):
         total += _span(stages[s], tail, num_m, s == S - 1, BLOCK_N)
-    epoch = tl.load(epoch_ptr)
+    epoch = tl.load(epoch_ptr) + 1  # this run: the host bumps the count after the launch (sync.py)
     pending = tl.program_id(0) * 0 - 1  # a tile stored but not yet signalled, of stage pending_stage
     pending_stage = pending
     alive = tl.program_id(0) >= 0  # false after a timeout: claim on, run nothing

@@ -442,7 +442,7 @@ def gemm_kernel(
     M, N, k_tiles,  # the tile grid: M x N outputs (A and C may have fewer rows: TMA reads zeros, stores clip)
     c_rows, stride_cm,  # C's rows and row stride (ordinary stores)
     wait, signal, tail, epi,  # the hooks (sync.Wait, sync.Signal), the split tail (Tail): None, off; the epilogue
-    epoch_ptr, err_ptr, trace_ptr,  # this stage's run count, error word, per-tile stamps; None: unused
+    epoch_ptr, err_ptr, trace_ptr,  # this stage's runs before this one, error word, per-tile stamps; None: unused
     stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_CTAS: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -455,7 +455,7 @@ def gemm_kernel(
     num_tiles = num_m * num_n
     epoch = 0
     if wait is not None or signal is not None:
-        epoch = tl.load(epoch_ptr)
+        epoch = tl.load(epoch_ptr) + 1  # this run: the host bumps the count after the launch (sync.py)
     pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled
     op = Operands(a_desc, b_desc, c_desc, c_ptr, c_rows, N, k_tiles, stride_cm)
     prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr)

@@ -63,6 +63,11 @@ of the next stage reads are ordinary stores of the producer's epilogue, made bef
 ``bar.sync`` and release like the tile's own, and read in the consumer's epilogue, after its
 vote: the same argument as the tile's data.
 
+A stage's epoch tensor holds its runs before this one: a kernel runs run ``load + 1``, and the
+host bumps the tensor after the stage's launches, on their stream (so a call's first kernel
+starts without waiting for the bump; the next launch on that stream sees it, as stream order
+puts the bump between them).
+
 Counters, epochs, ring slots, head and tail are int64 and compared on their signed
 difference, so no number of calls (graph replays advance the epochs where the host does not
 see them) wraps them: at 2^63 tile signals that is millennia of back-to-back calls.
