@@ -523,8 +523,10 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
-        # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream): _bound_call
+        # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream), each
+        # [BoundGemms, its CUDA graph: None not yet captured, False not capturable]: _bound_call
         self._bound_calls: collections.OrderedDict = collections.OrderedDict()
+        self._graph_pool = None  # the memory pool those graphs share (_graph_of)
         # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
         # which host waits tell the caller's work from the pipeline's (_wait)
         self._in_flight = InFlight()
@@ -687,7 +689,8 @@ class Pipeline:
             self._end_call_on(caller, start)
         bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream) if self._bindable(x, out) else None
         if bound is not None:
-            self._bound_calls[signature(x), None if out is None else signature(out), caller.cuda_stream] = bound
+            key = (signature(x), None if out is None else signature(out), caller.cuda_stream)
+            self._bound_calls[key] = [bound, None]
             while len(self._bound_calls) > MAX_BOUND_CALLS:
                 self._bound_calls.popitem(last=False)
         return ys[-1]
@@ -706,9 +709,11 @@ class Pipeline:
         (:func:`~ctapipelining.gemm.signature`) of an earlier checked call's on the same stream:
         it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
         checks they passed (the weights' layouts are checked by the caller), ordered as
-        :meth:`_call_one_after_another` orders a call. None where there is no such call, or
-        operands it does not bind (:meth:`_bindable`), a capture, another current device or a
-        profiler's launch hooks: the checked path then."""
+        :meth:`_call_one_after_another` orders a call. With an ``out``, the first such call
+        captures the GEMMs into a CUDA graph (:meth:`_graph_of`) and every call replays it
+        from then on: one graph launch of host time where the GEMMs' launches took one each.
+        None where there is no such call, or operands it does not bind (:meth:`_bindable`), a
+        capture, another current device or a profiler's launch hooks: the checked path then."""
         index = self._device_indices[0]
         if (
             not self._bindable(x, out) or torch.cuda.current_device() != index
@@ -717,16 +722,46 @@ class Pipeline:
             return None
         stream = torch._C._cuda_getCurrentRawStream(index)
         key = (signature(x), None if out is None else signature(out), stream)
-        bound = self._bound_calls.get(key)
-        if bound is None:
+        entry = self._bound_calls.get(key)
+        if entry is None:
             return None
         self._bound_calls.move_to_end(key)
+        bound, graph = entry
+        if graph is None and out is not None:  # (a new output each call cannot be a graph's)
+            graph = entry[1] = self._graph_of(x, out)
         caller = self._caller_after_last_call()
         start = self._in_flight.record([caller])
         try:
+            if graph:
+                graph.replay()
+                return out
             return bound(x, self.weights, out, stream)
         finally:
             self._end_call_on(caller, start)
+
+    def _graph_of(self, x: torch.Tensor, out: torch.Tensor) -> torch.cuda.CUDAGraph | bool:
+        """:meth:`_one_after_another` on ``x`` into ``out`` captured in a CUDA graph (nothing
+        runs), on the pipeline's capture stream, its GEMMs' buffers the pipeline's own captures'
+        (:func:`~ctapipelining.gemm.captures_owned_by`). Its intermediates live in one memory
+        pool that all such graphs of this pipeline share, so together they hold about one call's
+        intermediates: sharing is safe since no two of them replay at once (every call is ordered
+        after the one before) and no tensor of one outlives its replay. False where the capture
+        fails (out of memory, say): the key's bound launches serve it then. No synchronisation
+        and no emptying of the allocator's cache, unlike ``torch.cuda.graph``: a serving loop
+        goes on."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+                try:
+                    self._one_after_another(x, out)
+                finally:
+                    graph.capture_end()
+        except RuntimeError:  # (torch.OutOfMemoryError is one)
+            return False
+        return graph
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;

@@ -218,10 +218,11 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     earlier checked call's from the same stream launches the GEMMs bound then, with none of the
     checks (here made to fail), bitwise the checked call, into a NaN-poisoned ``out`` or a new
     one, on new contents of ``x``, its arguments built again for each GEMM whose input or output
-    lands elsewhere; still ordered after a call from another stream (behind a ~50 ms sleep).
-    Other operands, another stream, ``check=True``, a profiler's launch hooks, a capture or a
-    weight whose storage or dtype changed go through the checks (or refuse); at most
-    ``MAX_BOUND_CALLS`` are kept."""
+    lands elsewhere; with an ``out``, captured in a CUDA graph at its first repeat and replayed
+    from then on (reading the weights' values of the moment); still ordered after a call from
+    another stream (behind a ~50 ms sleep). Other operands, another stream, ``check=True``, a
+    profiler's launch hooks, a capture or a weight whose storage or dtype changed go through the
+    checks (or refuse); at most ``MAX_BOUND_CALLS`` are kept."""
     from triton import knobs
 
     from ctapipelining import gemm, pipeline
@@ -239,7 +240,16 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         y_side = pipe(x2, out=torch.empty_like(want))  # bound for the side stream
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
-    bound = next(b for k, b in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
+    # the first repeat of a call with an out captures it (matmul runs under the capture)
+    y.fill_(float("nan"))
+    assert pipe(x, out=y) is y and torch.equal(y, want)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert torch.equal(pipe(x2, out=y_side), want2)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = [graph for k, (_, graph) in pipe._bound_calls.items() if k[1] is not None]
+    assert len(graphs) == 2 and all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs)
+    bound = next(b for k, (b, _) in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
 
     def refuse(*args, **kw):
         raise AssertionError("a bound call ran the checks")
@@ -283,6 +293,12 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             end2.record()
         torch.cuda.synchronize()
         assert end1.elapsed_time(end2) > 0 and torch.equal(first, want2) and torch.equal(y_side, want2)
+        ws[0].mul_(2)  # a weight's values changed in place: the graph reads them
+        want3 = (x.float() @ ws[0].float()).bfloat16().float() @ ws[1].float()
+        y.fill_(float("nan"))
+        got = pipe(x, out=y).float()
+        assert float((got - want3).norm() / want3.norm()) < 1e-2 and not torch.allclose(got, want2.float())
+        ws[0].div_(2)
 
         def on_side():
             with torch.cuda.stream(side):

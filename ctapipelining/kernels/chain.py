@@ -162,7 +162,7 @@ def chain_kernel(
     a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3,  # each stage's A, B, C descriptors (None: no such stage)
     stages, tail,  # tuple of Stage, one per stage; the last stage's split tail (gemm.Tail; None: off)
     M, c_ptr, c_rows, stride_cm,  # the rows of every stage; the last stage's C by ordinary stores (c descriptor None)
-    ticket, order, epoch_ptr, timeout_ns,  # *i64 [1] claims over all runs; *i32 the combined order; *i64 [1] runs before
+    ticket, order, epoch_ptr, timeout_ns,  # *i64 [1] claims, all runs; *i32 the combined order; *i64 [1] runs before
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
