@@ -16,7 +16,11 @@ Then the default pipeline of the same two layers on cuda:0 (our GEMMs one after 
 eager calls on operands seen before launch their bound GEMMs), CALLS calls in a seeded random
 mix: eager calls on inputs from a pool of a few tensors per height (their signatures recur),
 each filled with fresh values, into an ``out`` from a pool or a new one, from the default
-stream or a side stream, some ``check=True``, and graph replays at 1024 and 2048 rows.
+stream or a side stream, some ``check=True``, and graph replays at 1024 and 2048 rows. Twice:
+with many operands (their signatures outnumber the bound calls kept, so most eager calls bind
+or launch bound GEMMs), then with one input and one ``out`` per height at three heights (every
+signature kept, so the eager calls replay the CUDA graphs of their GEMMs captured at their
+first repeat).
 
 Every result is compared bitwise with :meth:`~ctapipelining.pipeline.Pipeline.sequential`.
 Memory: the allocated bytes on every GPU and the process's resident set, after the first
@@ -116,6 +120,7 @@ def main() -> int:
     mem_end = memory()
     loopback_grew = grew(mem_start, mem_end)
     default = soak_default([w.to("cuda:0") for w in ws], random.Random(1))
+    graphed = soak_default([w.to("cuda:0") for w in ws], random.Random(2), (128, 2048, 3000), 1, (1,))
     report = {
         "environment": environment(),
         "command": " ".join(sys.argv),
@@ -130,21 +135,31 @@ def main() -> int:
         "allocated_grew": loopback_grew,
         "wall_s": round(time.time() - t0, 1),
         "default_one_gpu": default,
+        "default_one_gpu_graphed": graphed,
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "soak.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}))
-    failed = default["wrong"] or default["allocated_grew"]
+    failed = any(part["wrong"] or part["allocated_grew"] for part in (default, graphed))
     return 1 if wrong or unraised or after_timeout_wrong or loopback_grew or failed else 0
 
 
-def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
-    """The default pipeline of ``ws`` on cuda:0 (module docstring), CALLS checked calls."""
+def soak_default(ws: list[torch.Tensor], rng: random.Random, heights=HEIGHTS, inputs=3, outputs=(None, 2)) -> dict:
+    """The default pipeline of ``ws`` on cuda:0 (module docstring), CALLS checked calls on
+    ``inputs`` tensors per height of ``heights``, into ``outputs`` (``None``: a new one; a
+    number: that many tensors per height)."""
     pipe = Pipeline(ws)
     assert pipe.one_after_another
     graphs = {M: pipe.capture(M) for M in (1024, 2048)}
-    pools = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(3)] for M in HEIGHTS}
-    outs = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for M in HEIGHTS}
+    pools = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(inputs)] for M in heights}
+    outs = {
+        M: [
+            torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") if n else None
+            for n in outputs
+            for _ in range(n or 1)
+        ]
+        for M in heights
+    }
     side = torch.cuda.Stream()
     counts = {k: 0 for k in ("eager", "eager_side", "checked", "graph")}
     wrong, mem_start, t0 = [], None, time.time()
@@ -160,10 +175,10 @@ def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
             x = torch.randn(M, K, device="cuda:0").bfloat16()
             y = graphs[M](x)
         else:
-            M = rng.choice(HEIGHTS)
+            M = rng.choice(heights)
             x = rng.choice(pools[M])
             x.normal_()
-            out = rng.choice([None, *outs[M]])
+            out = rng.choice(outs[M])
             if kind == "eager_side":
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -181,6 +196,7 @@ def soak_default(ws: list[torch.Tensor], rng: random.Random) -> dict:
         "calls": CALLS,
         "counts": counts,
         "bound_calls_kept": len(pipe._bound_calls),
+        "graphs_kept": sum(1 for _, graph in pipe._bound_calls.values() if graph),
         "wrong": wrong,
         "memory_after_1000_calls": mem_start,
         "memory_at_end": mem_end,

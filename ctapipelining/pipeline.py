@@ -526,7 +526,6 @@ class Pipeline:
         # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream), each
         # [BoundGemms, its CUDA graph: None not yet captured, False not capturable]: _bound_call
         self._bound_calls: collections.OrderedDict = collections.OrderedDict()
-        self._graph_pool = None  # the memory pool those graphs share (_graph_of)
         # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
         # which host waits tell the caller's work from the pipeline's (_wait)
         self._in_flight = InFlight()
@@ -742,19 +741,16 @@ class Pipeline:
     def _graph_of(self, x: torch.Tensor, out: torch.Tensor) -> torch.cuda.CUDAGraph | bool:
         """:meth:`_one_after_another` on ``x`` into ``out`` captured in a CUDA graph (nothing
         runs), on the pipeline's capture stream, its GEMMs' buffers the pipeline's own captures'
-        (:func:`~ctapipelining.gemm.captures_owned_by`). Its intermediates live in one memory
-        pool that all such graphs of this pipeline share, so together they hold about one call's
-        intermediates: sharing is safe since no two of them replay at once (every call is ordered
-        after the one before) and no tensor of one outlives its replay. False where the capture
-        fails (out of memory, say): the key's bound launches serve it then. No synchronisation
-        and no emptying of the allocator's cache, unlike ``torch.cuda.graph``: a serving loop
-        goes on."""
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        (:func:`~ctapipelining.gemm.captures_owned_by`). It keeps its intermediates (``[M, N_s]``
+        for each stage ``s`` but the last) in a memory pool of its own while it lives (the
+        :data:`MAX_BOUND_CALLS` most recent keys): torch 2.11 asserts when graphs share a pool
+        and one of them is freed. False where the capture fails (out of memory, say): the
+        key's bound launches serve it then. No synchronisation and no emptying of the
+        allocator's cache, unlike ``torch.cuda.graph``: a serving loop goes on."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(self._capture_stream):
-                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self._one_after_another(x, out)
                 finally:
