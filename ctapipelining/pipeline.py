@@ -689,7 +689,8 @@ class Pipeline:
         bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream) if self._bindable(x, out) else None
         if bound is not None:
             key = (signature(x), None if out is None else signature(out), caller.cuda_stream)
-            self._bound_calls[key] = [bound, None]
+            held = self._bound_calls.get(key)  # (its graph, if captured, stays: the same launches)
+            self._bound_calls[key] = [bound, None if held is None else held[1]]
             while len(self._bound_calls) > MAX_BOUND_CALLS:
                 self._bound_calls.popitem(last=False)
         return ys[-1]

@@ -315,6 +315,9 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             with pytest.raises(AssertionError, match="ran the checks"):
                 call()
     torch.cuda.synchronize()
+    captured = {k: graph for k, (_, graph) in pipe._bound_calls.items() if graph}
+    assert torch.equal(pipe(x, out=y, check=True), want2)  # binds again, keeps its graph
+    assert {k: graph for k, (_, graph) in pipe._bound_calls.items() if graph} == captured
     checked, check_input = [], Pipeline.check_input
     with monkeypatch.context() as m:  # a capture of a bound call's operands takes the checked path
         m.setattr(Pipeline, "check_input", lambda *args: checked.append(1) or check_input(*args))
