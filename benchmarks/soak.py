@@ -20,7 +20,7 @@ stream or a side stream, some ``check=True``, and graph replays at 1024 and 2048
 with many operands (their signatures outnumber the bound calls kept, so most eager calls bind
 or launch bound GEMMs), then with one input and one ``out`` per height at three heights (every
 signature kept, so the eager calls replay the CUDA graphs of their GEMMs captured at their
-first repeat).
+first repeat, for ``MAX_GRAPHS`` of them).
 
 Every result is compared bitwise with :meth:`~ctapipelining.pipeline.Pipeline.sequential`.
 Memory: the allocated bytes on every GPU and the process's resident set, after the first
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ctapipelining.pipeline import Pipeline, PipelineTimeout
+from ctapipelining.pipeline import MAX_GRAPHS, Pipeline, PipelineTimeout
 from ctapipelining.timing import environment
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -50,6 +50,7 @@ HEIGHTS = (1, 37, 128, 500, 1024, 2048, 3000)
 def memory() -> dict:
     return {
         "allocated": [torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count())],
+        "reserved": [torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count())],
         "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
 
@@ -141,6 +142,7 @@ def main() -> int:
     (OUT / "soak.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "environment"}))
     failed = any(part["wrong"] or part["allocated_grew"] for part in (default, graphed))
+    failed = failed or graphed["graphs_kept"] != MAX_GRAPHS  # (graphs that failed to capture would pass unseen)
     return 1 if wrong or unraised or after_timeout_wrong or loopback_grew or failed else 0
 
 

@@ -258,7 +258,8 @@ def _bench_hooks(M: int, K: int, reps: int, warmup: int, progress) -> list[Row]:
         ms = time_method(producer, lambda i: None, devs, reps, warmup)
         rows.append(Row(f"producer_signal_{name}", M, ms))
         pipe.reset()
-        # consumer alone with its whole input already signalled: the prologue (wait/pop) cost
+        # consumer alone with its whole input already signalled: the prologue (wait/pop) cost (its
+        # launch against the producer's epoch queues two one-element epoch updates around it)
         progress(f"hooks {name}: consumer prologue")
         consumer_ms = time_method(
             lambda pipe=pipe, plan=plan: pipe._launch(plan, x, out, only=[1], advance_epoch=False),

@@ -89,6 +89,7 @@ import torch
 
 from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
+from .cugraph import CaptureError, StreamGraph
 from .epilogue import Epilogue
 from .gemm import (
     _OPERAND_TYPES,
@@ -169,6 +170,7 @@ def _layout(w: torch.Tensor) -> tuple:
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 MAX_BOUND_CALLS = 8  # eager calls' bound GEMMs kept per Pipeline (Pipeline._bound_call), the most recently used
+MAX_GRAPHS = 2  # of those, graphed ones (each holds its intermediates; Pipeline._graph_of)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 
 
@@ -524,7 +526,7 @@ class Pipeline:
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
         # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream), each
-        # [BoundGemms, its CUDA graph: None not yet captured, False not capturable]: _bound_call
+        # [BoundGemms, (its CUDA graph, intermediates): None not yet captured, False none]: _bound_call
         self._bound_calls: collections.OrderedDict = collections.OrderedDict()
         # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
         # which host waits tell the caller's work from the pipeline's (_wait)
@@ -710,8 +712,9 @@ class Pipeline:
         it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
         checks they passed (the weights' layouts are checked by the caller), ordered as
         :meth:`_call_one_after_another` orders a call. With an ``out``, the first such call
-        captures the GEMMs into a CUDA graph (:meth:`_graph_of`) and every call replays it
-        from then on: one graph launch of host time where the GEMMs' launches took one each.
+        captures the GEMMs into a CUDA graph (:meth:`_graph_of`; for :data:`MAX_GRAPHS` keys)
+        and every call replays it from then on: one graph launch of host time where the GEMMs'
+        launches took one each.
         None where there is no such call, or operands it does not bind (:meth:`_bindable`), a
         capture, another current device or a profiler's launch hooks: the checked path then."""
         index = self._device_indices[0]
@@ -728,37 +731,35 @@ class Pipeline:
         self._bound_calls.move_to_end(key)
         bound, graph = entry
         if graph is None and out is not None:  # (a new output each call cannot be a graph's)
-            graph = entry[1] = self._graph_of(x, out)
+            graph = entry[1] = self._graph_of(bound, x, out)
         caller = self._caller_after_last_call()
         start = self._in_flight.record([caller])
         try:
             if graph:
-                graph.replay()
+                graph[0].replay(stream)
                 return out
             return bound(x, self.weights, out, stream)
         finally:
             self._end_call_on(caller, start)
 
-    def _graph_of(self, x: torch.Tensor, out: torch.Tensor) -> torch.cuda.CUDAGraph | bool:
-        """:meth:`_one_after_another` on ``x`` into ``out`` captured in a CUDA graph (nothing
-        runs), on the pipeline's capture stream, its GEMMs' buffers the pipeline's own captures'
-        (:func:`~ctapipelining.gemm.captures_owned_by`). It keeps its intermediates (``[M, N_s]``
-        for each stage ``s`` but the last) in a memory pool of its own while it lives (the
-        :data:`MAX_BOUND_CALLS` most recent keys): torch 2.11 asserts when graphs share a pool
-        and one of them is freed. False where the capture fails (out of memory, say): the
-        key's bound launches serve it then. No synchronisation and no emptying of the
-        allocator's cache, unlike ``torch.cuda.graph``: a serving loop goes on."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self._capture_stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._one_after_another(x, out)
-                finally:
-                    graph.capture_end()
-        except RuntimeError:  # (torch.OutOfMemoryError is one)
+    def _graph_of(self, bound: BoundGemms, x: torch.Tensor, out: torch.Tensor) -> tuple | bool:
+        """``bound``'s GEMMs on ``x`` into ``out`` as a CUDA graph of their raw launches
+        (:class:`~ctapipelining.cugraph.StreamGraph`: recorded on the pipeline's capture stream,
+        nothing run, no synchronisation, neither PyTorch's allocator nor its generators
+        involved), with intermediates of its own, new on the current stream (the key's: its
+        replays run there, so they are freed there, in order, with the key). Returns
+        ``(graph, intermediates)``; False where this pipeline holds :data:`MAX_GRAPHS` already or
+        the capture fails: the bound launches then serve the key."""
+        if sum(1 for _, graph in self._bound_calls.values() if graph) >= MAX_GRAPHS:
             return False
-        return graph
+        scratch = bound.scratch(x)
+        try:
+            graph = StreamGraph(
+                lambda stream: bound(x, self.weights, out, stream, scratch), self._capture_stream.cuda_stream
+            )
+        except CaptureError:
+            return False
+        return graph, scratch
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;

@@ -225,7 +225,9 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     checks (or refuse); at most ``MAX_BOUND_CALLS`` are kept."""
     from triton import knobs
 
-    from ctapipelining import gemm, pipeline
+    from ctapipelining import gemm, launcher, pipeline
+    from ctapipelining.cugraph import StreamGraph
+    from ctapipelining.gemm import signature
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
@@ -240,7 +242,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         y_side = pipe(x2, out=torch.empty_like(want))  # bound for the side stream
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
-    # the first repeat of a call with an out captures it (matmul runs under the capture)
+    # the first repeat of a call with an out captures its bound launches (MAX_GRAPHS keys)
     y.fill_(float("nan"))
     assert pipe(x, out=y) is y and torch.equal(y, want)
     side.wait_stream(torch.cuda.current_stream())
@@ -248,7 +250,10 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         assert torch.equal(pipe(x2, out=y_side), want2)
     torch.cuda.current_stream().wait_stream(side)
     graphs = [graph for k, (_, graph) in pipe._bound_calls.items() if k[1] is not None]
-    assert len(graphs) == 2 and all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs)
+    assert pipeline.MAX_GRAPHS == 2 and len(graphs) == 2 and all(isinstance(g[0], StreamGraph) for g in graphs)
+    y3 = torch.empty_like(want)
+    assert torch.equal(pipe(x, out=y3), want) and torch.equal(pipe(x, out=y3), want)  # a third: bound launches
+    assert pipe._bound_calls[signature(x), signature(y3), torch.cuda.current_stream().cuda_stream][1] is False
     bound = next(b for k, (b, _) in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
 
     def refuse(*args, **kw):
@@ -260,9 +265,12 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         m.setattr(pipeline, "matmul", refuse)
         built, raw_args = [], gemm.GemmLaunch.raw_args
         m.setattr(gemm.GemmLaunch, "raw_args", lambda *args, **kw: built.append(1) or raw_args(*args, **kw))
+        launched, raw_call = [], launcher.RawLaunch.__call__
+        m.setattr(launcher.RawLaunch, "__call__", lambda *args: launched.append(1) or raw_call(*args))
         for _ in range(3):
             y.fill_(float("nan"))
-            assert pipe(x, out=y) is y and torch.equal(y, want)
+            launched.clear()
+            assert pipe(x, out=y) is y and torch.equal(y, want) and not launched  # the graph's replay
             poison = torch.full_like(want, float("nan"))
             del poison  # a new output where the poison was
             assert torch.equal(pipe(x), want)

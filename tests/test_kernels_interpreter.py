@@ -210,6 +210,28 @@ def test_a_counter_one_short_of_its_target_is_waited_for():
     assert out.isnan().all()
 
 
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_a_consumer_launched_alone_runs_the_epoch_its_producer_ran(policy):
+    """The producer launched alone (``only=[0]``: every stage's epoch advances), then the
+    consumer with ``advance_epoch=False`` (as the bench times a consumer's prologue): it runs
+    the producer's run, whose counters are full, so it writes the chain's result, and the
+    epochs stay where the producer's launch left them."""
+    torch.manual_seed(3)
+    ws = [(torch.randn(32, 48) / 32**0.5).half(), (torch.randn(48, 40) / 48**0.5).half()]
+    pipe = Pipeline(ws, policy=policy, config=SMALL, timeout_s=0.1)
+    x = torch.randn(40, 32).half()
+    pipe(x, check=True)
+    plan = pipe.plan(40)
+    assert [int(e) for e in plan.epochs] == [1, 1]
+    out = torch.full((40, 40), float("nan"), dtype=torch.float16)
+    pipe._launch(plan, x, out, only=[0])
+    assert [int(e) for e in plan.epochs] == [2, 2] and out.isnan().all()
+    pipe._launch(plan, x, out, only=[1], advance_epoch=False)
+    pipe.check_errors(plan)
+    assert [int(e) for e in plan.epochs] == [2, 2]
+    assert torch.equal(out, pipe.sequential(x))
+
+
 def test_workqueue_head_behind_its_epoch_is_reported_not_read():
     """A call launched without its consumer leaves the ring's head a run behind: the next
     consumer claims positions before its run's first. It must report that (never index the
