@@ -6,7 +6,7 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
 1. Host time per launch: while the GPU sleeps, the host time of 40 ``check=False`` calls,
    divided by the stream operations they issue (the plain GEMM: 1 a call; the chain on one
    GPU: its chain kernel, its epoch bump and its error word's copy; the default pipeline: its
-   2 GEMMs, one graph launch where it replays a graph), at M = 2048; median and
+   2 GEMMs), at M = 2048; median and
    range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
 2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and

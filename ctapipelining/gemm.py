@@ -1080,27 +1080,16 @@ class BoundGemms:
             steps.append([launch, got[1], c.shape, (a.data_ptr(), c.data_ptr()), got[2]])
         return cls(steps)
 
-    def __call__(
-        self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int, scratch=None
-    ):  # fmt: skip
+    def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int):
         """Launch the GEMMs on ``x`` (of the bound signature, on the current device) into ``out``
-        (of the bound signature, or None: a new tensor) on ``stream``, the intermediates into
-        ``scratch`` (:meth:`scratch`; None: new tensors); returns the output. With ``scratch``
-        and ``out`` it only launches (a stream capture may record it)."""
+        (of the bound signature, or None: a new tensor) on ``stream``; returns the output."""
         a, last = x, len(self._steps) - 1
         for s, (step, w) in enumerate(zip(self._steps, weights)):
             launch, raw, shape, at, args = step
-            if s < last and scratch is not None:
-                c = scratch[s]
-            else:
-                c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+            c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
             if (a.data_ptr(), c.data_ptr()) != at:
                 args = launch.raw_args(raw.tensor_map, a, w, c)
                 step[3:] = (a.data_ptr(), c.data_ptr()), args
             raw(launch.num_ctas, stream, *args)
             a = c
         return a
-
-    def scratch(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """New intermediates for a call on ``x`` (one per GEMM but the last), on the current stream."""
-        return [torch.empty(step[2], dtype=x.dtype, device=x.device) for step in self._steps[:-1]]

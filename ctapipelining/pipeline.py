@@ -89,7 +89,6 @@ import torch
 
 from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
-from .cugraph import CaptureError, StreamGraph
 from .epilogue import Epilogue
 from .gemm import (
     _OPERAND_TYPES,
@@ -170,7 +169,6 @@ def _layout(w: torch.Tensor) -> tuple:
 
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 MAX_BOUND_CALLS = 8  # eager calls' bound GEMMs kept per Pipeline (Pipeline._bound_call), the most recently used
-MAX_GRAPHS = 2  # of those, graphed ones (each holds its intermediates; Pipeline._graph_of)
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
 
 
@@ -525,8 +523,7 @@ class Pipeline:
         self.tuning: dict[int, dict[tuple[int, int], float]] = {}  # M -> median ms of each candidate
         self._lock = threading.RLock()  # one call (or replay) at a time on the host
         self._done: list = []  # events: the end of the last call on every stage's stream
-        # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream), each
-        # [BoundGemms, (its CUDA graph, intermediates): None not yet captured, False none]: _bound_call
+        # one-after-another eager calls' GEMMs, bound per (signature of x, of out, stream): _bound_call
         self._bound_calls: collections.OrderedDict = collections.OrderedDict()
         # every unfinished call's start (on the caller's streams) and end (on the kernels'), with
         # which host waits tell the caller's work from the pipeline's (_wait)
@@ -690,9 +687,7 @@ class Pipeline:
             self._end_call_on(caller, start)
         bound = BoundGemms.of([x, *ys], self.weights, caller.cuda_stream) if self._bindable(x, out) else None
         if bound is not None:
-            key = (signature(x), None if out is None else signature(out), caller.cuda_stream)
-            held = self._bound_calls.get(key)  # (its graph, if captured, stays: the same launches)
-            self._bound_calls[key] = [bound, None if held is None else held[1]]
+            self._bound_calls[signature(x), None if out is None else signature(out), caller.cuda_stream] = bound
             while len(self._bound_calls) > MAX_BOUND_CALLS:
                 self._bound_calls.popitem(last=False)
         return ys[-1]
@@ -711,12 +706,9 @@ class Pipeline:
         (:func:`~ctapipelining.gemm.signature`) of an earlier checked call's on the same stream:
         it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
         checks they passed (the weights' layouts are checked by the caller), ordered as
-        :meth:`_call_one_after_another` orders a call. With an ``out``, the first such call
-        captures the GEMMs into a CUDA graph (:meth:`_graph_of`; for :data:`MAX_GRAPHS` keys)
-        and every call replays it from then on: one graph launch of host time where the GEMMs'
-        launches took one each.
-        None where there is no such call, or operands it does not bind (:meth:`_bindable`), a
-        capture, another current device or a profiler's launch hooks: the checked path then."""
+        :meth:`_call_one_after_another` orders a call. None where there is no such call, or
+        operands it does not bind (:meth:`_bindable`), a capture, another current device or a
+        profiler's launch hooks: the checked path then."""
         index = self._device_indices[0]
         if (
             not self._bindable(x, out) or torch.cuda.current_device() != index
@@ -725,41 +717,16 @@ class Pipeline:
             return None
         stream = torch._C._cuda_getCurrentRawStream(index)
         key = (signature(x), None if out is None else signature(out), stream)
-        entry = self._bound_calls.get(key)
-        if entry is None:
+        bound = self._bound_calls.get(key)
+        if bound is None:
             return None
         self._bound_calls.move_to_end(key)
-        bound, graph = entry
-        if graph is None and out is not None:  # (a new output each call cannot be a graph's)
-            graph = entry[1] = self._graph_of(bound, x, out)
         caller = self._caller_after_last_call()
         start = self._in_flight.record([caller])
         try:
-            if graph:
-                graph[0].replay(stream)
-                return out
             return bound(x, self.weights, out, stream)
         finally:
             self._end_call_on(caller, start)
-
-    def _graph_of(self, bound: BoundGemms, x: torch.Tensor, out: torch.Tensor) -> tuple | bool:
-        """``bound``'s GEMMs on ``x`` into ``out`` as a CUDA graph of their raw launches
-        (:class:`~ctapipelining.cugraph.StreamGraph`: recorded on the pipeline's capture stream,
-        nothing run, no synchronisation, neither PyTorch's allocator nor its generators
-        involved), with intermediates of its own, new on the current stream (the key's: its
-        replays run there, so they are freed there, in order, with the key). Returns
-        ``(graph, intermediates)``; False where this pipeline holds :data:`MAX_GRAPHS` already or
-        the capture fails: the bound launches then serve the key."""
-        if sum(1 for _, graph in self._bound_calls.values() if graph) >= MAX_GRAPHS:
-            return False
-        scratch = bound.scratch(x)
-        try:
-            graph = StreamGraph(
-                lambda stream: bound(x, self.weights, out, stream, scratch), self._capture_stream.cuda_stream
-            )
-        except CaptureError:
-            return False
-        return graph, scratch
 
     def stage_config(self, s: int, configs: list[GemmConfig] | None = None) -> GemmConfig:
         """The configuration stage ``s`` runs (of ``configs``: a plan's, :meth:`plan_configs`;

@@ -218,16 +218,13 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     earlier checked call's from the same stream launches the GEMMs bound then, with none of the
     checks (here made to fail), bitwise the checked call, into a NaN-poisoned ``out`` or a new
     one, on new contents of ``x``, its arguments built again for each GEMM whose input or output
-    lands elsewhere; with an ``out``, captured in a CUDA graph at its first repeat and replayed
-    from then on (reading the weights' values of the moment); still ordered after a call from
-    another stream (behind a ~50 ms sleep). Other operands, another stream, ``check=True``, a
-    profiler's launch hooks, a capture or a weight whose storage or dtype changed go through the
-    checks (or refuse); at most ``MAX_BOUND_CALLS`` are kept."""
+    lands elsewhere; still ordered after a call from another stream (behind a ~50 ms sleep).
+    Other operands, another stream, ``check=True``, a profiler's launch hooks, a capture or a
+    weight whose storage or dtype changed go through the checks (or refuse); at most
+    ``MAX_BOUND_CALLS`` are kept."""
     from triton import knobs
 
-    from ctapipelining import gemm, launcher, pipeline
-    from ctapipelining.cugraph import StreamGraph
-    from ctapipelining.gemm import signature
+    from ctapipelining import gemm, pipeline
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
@@ -242,19 +239,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         y_side = pipe(x2, out=torch.empty_like(want))  # bound for the side stream
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
-    # the first repeat of a call with an out captures its bound launches (MAX_GRAPHS keys)
-    y.fill_(float("nan"))
-    assert pipe(x, out=y) is y and torch.equal(y, want)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        assert torch.equal(pipe(x2, out=y_side), want2)
-    torch.cuda.current_stream().wait_stream(side)
-    graphs = [graph for k, (_, graph) in pipe._bound_calls.items() if k[1] is not None]
-    assert pipeline.MAX_GRAPHS == 2 and len(graphs) == 2 and all(isinstance(g[0], StreamGraph) for g in graphs)
-    y3 = torch.empty_like(want)
-    assert torch.equal(pipe(x, out=y3), want) and torch.equal(pipe(x, out=y3), want)  # a third: bound launches
-    assert pipe._bound_calls[signature(x), signature(y3), torch.cuda.current_stream().cuda_stream][1] is False
-    bound = next(b for k, (b, _) in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
+    bound = next(b for k, b in pipe._bound_calls.items() if k[1] is None)  # (x, a new out)
 
     def refuse(*args, **kw):
         raise AssertionError("a bound call ran the checks")
@@ -265,12 +250,9 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         m.setattr(pipeline, "matmul", refuse)
         built, raw_args = [], gemm.GemmLaunch.raw_args
         m.setattr(gemm.GemmLaunch, "raw_args", lambda *args, **kw: built.append(1) or raw_args(*args, **kw))
-        launched, raw_call = [], launcher.RawLaunch.__call__
-        m.setattr(launcher.RawLaunch, "__call__", lambda *args: launched.append(1) or raw_call(*args))
         for _ in range(3):
             y.fill_(float("nan"))
-            launched.clear()
-            assert pipe(x, out=y) is y and torch.equal(y, want) and not launched  # the graph's replay
+            assert pipe(x, out=y) is y and torch.equal(y, want)
             poison = torch.full_like(want, float("nan"))
             del poison  # a new output where the poison was
             assert torch.equal(pipe(x), want)
@@ -301,12 +283,6 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             end2.record()
         torch.cuda.synchronize()
         assert end1.elapsed_time(end2) > 0 and torch.equal(first, want2) and torch.equal(y_side, want2)
-        ws[0].mul_(2)  # a weight's values changed in place: the graph reads them
-        want3 = (x.float() @ ws[0].float()).bfloat16().float() @ ws[1].float()
-        y.fill_(float("nan"))
-        got = pipe(x, out=y).float()
-        assert float((got - want3).norm() / want3.norm()) < 1e-2 and not torch.allclose(got, want2.float())
-        ws[0].div_(2)
 
         def on_side():
             with torch.cuda.stream(side):
@@ -323,9 +299,6 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             with pytest.raises(AssertionError, match="ran the checks"):
                 call()
     torch.cuda.synchronize()
-    captured = {k: graph for k, (_, graph) in pipe._bound_calls.items() if graph}
-    assert torch.equal(pipe(x, out=y, check=True), want2)  # binds again, keeps its graph
-    assert {k: graph for k, (_, graph) in pipe._bound_calls.items() if graph} == captured
     checked, check_input = [], Pipeline.check_input
     with monkeypatch.context() as m:  # a capture of a bound call's operands takes the checked path
         m.setattr(Pipeline, "check_input", lambda *args: checked.append(1) or check_input(*args))
@@ -335,8 +308,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     y_side.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    # kept: (x, a new out), (x, y), (x2, y_side) from the side stream, (x, y3)
-    assert checked and torch.equal(y_side, want2) and len(pipe._bound_calls) == 4
+    assert checked and torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
     held = [rand(640, 2048) for _ in range(pipeline.MAX_BOUND_CALLS + 2)]  # held: signatures apart
     for xi in held:
         pipe(xi)
