@@ -24,7 +24,7 @@
 #   sanitize compute-sanitizer memcheck, racecheck, synccheck on benchmarks/sanitize_chain.py (the chain
 #          kernel, then the loopback for memcheck)                                -> sanitize-*.log
 #   soak   (1 or 2 GPUs) benchmarks/soak.py: SOAK_CALLS (default 10000) checked calls on one pipeline, then as many on
-#          the default one-GPU pipeline (bound eager calls)                     -> soak.log, soak.json
+#          the default one-GPU pipeline (bound eager calls) in two mixes of operands -> soak.log, soak.json
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
 #          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt),
