@@ -204,7 +204,8 @@ class Probe:
             *self.descs, self.out, self.ws, self.counters, self.ticket, self.M, self.N, self.k_tiles, self.first,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_CTAS=self.ctas, SPLITS=self.splits, MODE=self.mode, CLAIM=self.claim,
-            CHUNK=min(self.chunk, cfg.block_m), MAX_SEG=self.max_seg, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+            CHUNK=min(self.chunk, cfg.block_m), MAX_SEG=self.max_seg,
+            num_stages=cfg.num_stages, num_warps=cfg.num_warps,
         )  # fmt: skip
         return self.out
 
@@ -245,12 +246,12 @@ def main():
                 methods[key] = probe
         checks = {k: torch.equal(outs[k], ref) for k in outs if k.split("_")[0] in ("lib", "regs", "chunk")}
         for k in ("sk", "sk_claim"):
-            checks[k + "_max_rel_err"] = float(((outs[k].float() - ref.float()).abs().max() / ref.float().abs().max()))
+            checks[k + "_max_rel_err"] = float((outs[k].float() - ref.float()).abs().max() / ref.float().abs().max())
         print(M, "splits", methods["lib"].splits, "bitwise equal to matmul:", checks, flush=True)
         lib_out = torch.empty_like(ref)
         runs = {k: graph_of(m, 10) for k, m in methods.items()}
-        runs["matmul"] = graph_of(lambda: matmul(x, w, out=lib_out, config=cfg), 10)
-        runs["cublas"] = graph_of(lambda: torch.mm(x, w), 10)
+        runs["matmul"] = graph_of(lambda: matmul(x, w, out=lib_out, config=cfg), 10)  # noqa: B023 (captured now)
+        runs["cublas"] = graph_of(lambda: torch.mm(x, w), 10)  # noqa: B023
         times = time_interleaved([Method(k, r) for k, r in runs.items()], [0], reps, 3)
         med = {k: statistics.median(v) / 10 for k, v in times.items()}
         pairs = {}
