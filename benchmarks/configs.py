@@ -46,6 +46,7 @@ import torch
 
 from ctapipelining.gemm import matmul
 from ctapipelining.kernels.gemm import SMEM_LIMIT, GemmConfig
+from ctapipelining.tables import cublas_faster
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 USAGE = __doc__.split("\n\n")[1]
@@ -162,7 +163,9 @@ def plain():
         if OLD is not None:
             row |= {"old/cublas": ratio(times, "old", "cublas"), "best/old": ratio(times, best, "old")}
         report["rows"][M] = row
-        table.append({"M": M, "config": dataclasses.asdict(fits[best]), "over_cublas": row[f"{best}/cublas"]})
+        over = row[f"{best}/cublas"]
+        cfg = dataclasses.asdict(fits[best])
+        table.append({"M": M, "config": cfg, "over_cublas": over, "cublas": cublas_faster(over)})
         print(M, best, json.dumps(row[f"{best}/cublas"]), flush=True)
         write(report, table, "gemm_configs.json")
 
@@ -212,7 +215,9 @@ def package(run: Path, folder: str) -> None:
     over = "over_floor" if name == "pipeline_configs.json" else "over_cublas"
     what = {
         "gemm_configs.json": "the plain GEMM's tile configuration per row count: for M rows, the row of the smallest "
-        "M >= it (the last row's beyond it); each row the fastest candidate of benchmarks/configs.py at that M",
+        "M >= it (the last row's beyond it); each row the fastest candidate of benchmarks/configs.py at that M, and "
+        "cublas: whether cuBLAS was faster than it with the whole 95% CI above 1.02 (a pipeline's stages run one "
+        "after another then run cuBLAS)",
         "pipeline_configs.json": "a pipeline's tile configuration per plan height (Pipeline.plan_configs, built "
         "without a configuration): for a plan of M rows, the row of the smallest M >= it (the last row's beyond "
         "it); each row the best candidate of benchmarks/configs.py's chain mode at that M (two 8192-wide stages in "
@@ -224,6 +229,8 @@ def package(run: Path, folder: str) -> None:
     rows = {r["M"]: r for r in json.loads(data.read_text())["rows"]} if data.exists() else {}
     for r in table["rows"]:
         rows[r["M"]] = {"M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder}
+        if name == "gemm_configs.json":  # whether cuBLAS runs in our place at this row count
+            rows[r["M"]]["cublas"] = cublas_faster(r[over])
     out = {"what": what, "measured": measured, "rows": [rows[m] for m in sorted(rows)]}
     data.write_text(json.dumps(out, indent=1) + "\n")
 

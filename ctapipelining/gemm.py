@@ -37,7 +37,7 @@ from .kernels.gemm import (
 )
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
-from .tables import GEMM_TABLE, pick_config, table_rows
+from .tables import GEMM_TABLE, pick_config, table_flags, table_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -207,6 +207,26 @@ def plain_config(M: int) -> GemmConfig:
     N = K = 8192 and used for every width: the choice follows the tiles a row count leaves, most
     of all. Under the interpreter, always ``PLAIN_CONFIG`` (its sizes are small)."""
     return PLAIN_CONFIG if interpreting() else pick_config(config_table(), M)
+
+
+def runs_cublas(M: int) -> bool:
+    """Whether a plain GEMM of ``M`` rows that a pipeline runs as one of its stages one after
+    another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`matmul`: the plain GEMM's
+    table row for ``M`` (the one :func:`plain_config` reads) measured cuBLAS faster than every
+    configuration of ours (:func:`ctapipelining.tables.cublas_faster`). On an H200 at N = K =
+    8192 that is 193-384 and 513-768 rows, where our tiles leave a partial round that a split
+    tail recovers only in part (``docs/results.md``). Never under the interpreter."""
+    return not interpreting() and pick_config(table_flags(GEMM_TABLE, "cublas"), M)
+
+
+def stage_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (into ``out``) as a pipeline runs its stages one after another
+    (:attr:`ctapipelining.pipeline.Pipeline.one_after_another`; operands already checked there):
+    cuBLAS (``torch.mm``, with its own rounding) where it measured faster for ``a``'s row count
+    (:func:`runs_cublas`), else :func:`matmul` in its configuration for that row count."""
+    if a.is_cuda and runs_cublas(a.shape[0]):
+        return torch.mm(a, b, out=out)
+    return matmul(a, b, out=out)
 
 
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
@@ -1052,8 +1072,9 @@ def matmul(
 
 
 class BoundGemms:
-    """:func:`matmul`'s plain launches of ``x @ w_0 @ w_1 ...`` one after another (each GEMM on
-    the previous one's output, in the configuration for ``x``'s rows), bound to one signature
+    """:func:`stage_gemm`'s GEMMs ``x @ w_0 @ w_1 ...`` one after another (each on the previous
+    one's output: :func:`matmul`'s plain launches in the configuration for ``x``'s rows, or
+    cuBLAS's, :func:`runs_cublas`), bound to one signature
     (:func:`signature`) of ``x`` and of the output and to one stream, after a checked call made
     them: a later eager call with that signature launches them with none of the checks it
     passed. Its intermediates (and a new output) are new each call, from the caching allocator;
@@ -1063,7 +1084,9 @@ class BoundGemms:
     :func:`matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
 
     def __init__(self, steps: list):
-        self._steps = steps  # per GEMM: [launch, raw launch, output's shape, (input, output addresses), arguments]
+        # per GEMM: [launch, raw launch, output's shape, (input, output addresses), arguments];
+        # cuBLAS's: [None, None, output's shape, None, None]
+        self._steps = steps
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], weights: list[torch.Tensor], stream: int) -> BoundGemms | None:
@@ -1073,6 +1096,9 @@ class BoundGemms:
         steps = []
         for a, w, c in zip(tensors, weights, tensors[1:]):
             (M, K), N = a.shape, w.shape[1]
+            if runs_cublas(M):
+                steps.append([None, None, c.shape, None, None])
+                continue
             launch = _plain_launch(M, N, K, plain_config(M), a.device, stream, None, 0)
             got = launch.bound(a, w, c)
             if got is None:
@@ -1087,6 +1113,9 @@ class BoundGemms:
         for s, (step, w) in enumerate(zip(self._steps, weights)):
             launch, raw, shape, at, args = step
             c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+            if launch is None:
+                a = torch.mm(a, w, out=c)
+                continue
             if (a.data_ptr(), c.data_ptr()) != at:
                 args = launch.raw_args(raw.tensor_map, a, w, c)
                 step[3:] = (a.data_ptr(), c.data_ptr()), args

@@ -69,9 +69,11 @@ per height takes 1.01-1.17x our GEMMs one after another at 128-16384 rows, paire
 including 1 at 1024 rows only,
 ``benchmarks/results/2026-12-01-h200-configs/run11-parts/shared_gpu.json``). So a pipeline whose
 stages all share one device, built without a configuration (nor epilogues, ends, a segment, a
-trace, an SM budget or loopback), runs a call as our GEMMs one after another
-(:attr:`Pipeline.one_after_another`); ``always_pipelined=True`` keeps the chain kernel. Stages on
-several GPUs always pipeline.
+trace, an SM budget or loopback), runs a call as plain GEMMs one after another
+(:attr:`Pipeline.one_after_another`): ours, or cuBLAS's at the row counts where cuBLAS measured
+faster than every configuration of ours (:func:`~ctapipelining.gemm.stage_gemm`: 193-384 and
+513-768 rows on an H200); ``always_pipelined=True`` keeps the chain kernel. Stages on several GPUs
+always pipeline.
 """
 
 from __future__ import annotations
@@ -101,13 +103,13 @@ from .gemm import (
     check_tensor,
     check_weight,
     config_table,
-    matmul,
     new_capture_owner,
     num_sms,
     overlaps,
     persistent_grid,
     signature,
     span,
+    stage_gemm,
     tail_split,
     tma_ready,
 )
@@ -649,7 +651,8 @@ class Pipeline:
     @property
     def one_after_another(self) -> bool:
         """Whether a call runs the stages one after another as plain GEMMs
-        (:func:`~ctapipelining.gemm.matmul`, each in its configuration for the call's rows)
+        (:func:`~ctapipelining.gemm.stage_gemm`: ours in its configuration for the call's rows,
+        or cuBLAS's where it measured faster)
         rather than pipelined: with every stage on one device and nothing that fixes how they
         run (no configuration, epilogues, ends, segment, trace, SM budget or loopback, and not
         ``always_pipelined``), since on one GPU that is faster (module docstring). Such a call
@@ -664,7 +667,7 @@ class Pipeline:
         ys, last = [x], len(self.weights) - 1
         with captures_owned_by(self._capture_owner):
             for s, w in enumerate(self.weights):
-                ys.append(matmul(ys[-1], w, out=out if s == last else None))
+                ys.append(stage_gemm(ys[-1], w, out=out if s == last else None))
         return ys[1:]
 
     def _call_one_after_another(self, x: torch.Tensor, out: torch.Tensor | None, capturing: bool) -> torch.Tensor:

@@ -3,7 +3,10 @@ configuration that ``benchmarks/configs.py`` measured fastest (the plain GEMM's,
 :data:`GEMM_TABLE`; two stages in one chain kernel per plan height, :data:`PIPELINE_TABLE`).
 Each row names its results folder. Read here without torch, as plain dicts of
 :class:`~ctapipelining.kernels.gemm.GemmConfig`'s fields, so that the simulator reads the same
-rows as the kernels' host code (:func:`ctapipelining.gemm.config_table`)."""
+rows as the kernels' host code (:func:`ctapipelining.gemm.config_table`). A row of the plain
+GEMM's table also says whether cuBLAS measured faster than every candidate of ours there
+(:func:`cublas_faster`), which a pipeline's stages run one after another follow
+(:func:`ctapipelining.gemm.runs_cublas`)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,23 @@ def table_rows(name: str) -> tuple[tuple[int, dict], ...]:
     """Table ``name``'s ``(rows, configuration fields)`` by increasing rows."""
     rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
     return tuple(sorted(((row["M"], row["config"]) for row in rows), key=lambda r: r[0]))
+
+
+@functools.cache
+def table_flags(name: str, flag: str) -> tuple[tuple[int, bool], ...]:
+    """Table ``name``'s ``(rows, flag)`` by increasing rows (a row without the flag: False)."""
+    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
+    return tuple(sorted(((row["M"], bool(row.get(flag, False))) for row in rows), key=lambda r: r[0]))
+
+
+CUBLAS_MARGIN = 0.02  # how much faster cuBLAS must be, at the low end of the 95% CI, to run in our place
+
+
+def cublas_faster(over_cublas: dict) -> bool:
+    """Whether a row count's measurement of its fastest candidate over cuBLAS (``median`` and
+    ``ci95``, paired) says cuBLAS is faster than every candidate of ours: the whole interval
+    above ``1 + CUBLAS_MARGIN``."""
+    return over_cublas["ci95"][0] > 1 + CUBLAS_MARGIN
 
 
 def pick_config(table, M: int):

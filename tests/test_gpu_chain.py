@@ -228,7 +228,8 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
-    x, x2, other = rand(640, 2048), rand(640, 2048), rand(640, 2048)  # 640 rows: split tails
+    x, x2, other = rand(1024, 2048), rand(1024, 2048), rand(1024, 2048)  # 1024 rows: our GEMMs (not cuBLAS)
+    assert not gemm.runs_cublas(1024)
     want, want2 = pipe.sequential(x), pipe.sequential(x2)
     y = torch.full_like(want, float("nan"))
     assert torch.equal(pipe(x), want) and torch.equal(pipe(x, out=y), want)
@@ -247,7 +248,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     with monkeypatch.context() as m:
         for name in ("check_input", "check_output", "_call_one_after_another"):
             m.setattr(Pipeline, name, refuse)
-        m.setattr(pipeline, "matmul", refuse)
+        m.setattr(pipeline, "stage_gemm", refuse)
         built, raw_args = [], gemm.GemmLaunch.raw_args
         m.setattr(gemm.GemmLaunch, "raw_args", lambda *args, **kw: built.append(1) or raw_args(*args, **kw))
         for _ in range(3):
@@ -267,7 +268,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
             assert after[0][1] == after[1][0]  # the intermediate, as each GEMM's arguments hold it
             moved.append(sum(b != a for b, a in zip(before, after)))
             assert len(built) - n == moved[-1]
-            blocks.append(torch.empty(640, 4096, dtype=torch.bfloat16, device="cuda:0"))
+            blocks.append(torch.empty(1024, 4096, dtype=torch.bfloat16, device="cuda:0"))
         assert max(moved) == 2  # both GEMMs' arguments built again at once
         x.copy_(x2)  # new contents, the same signature
         assert torch.equal(pipe(x), want2)
@@ -309,7 +310,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     graph.replay()
     torch.cuda.synchronize()
     assert checked and torch.equal(y_side, want2) and len(pipe._bound_calls) == 3
-    held = [rand(640, 2048) for _ in range(pipeline.MAX_BOUND_CALLS + 2)]  # held: signatures apart
+    held = [rand(1024, 2048) for _ in range(pipeline.MAX_BOUND_CALLS + 2)]  # held: signatures apart
     for xi in held:
         pipe(xi)
     assert len(pipe._bound_calls) == pipeline.MAX_BOUND_CALLS
@@ -326,10 +327,39 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     pipe.check_errors()
 
 
-@pytest.mark.parametrize("M", [640, 16384])
+@pytest.mark.parametrize("M", [640, 768, 300])
+def test_the_default_runs_cublas_where_it_measured_faster(M):
+    """At the row counts where cuBLAS measured faster than every configuration of ours
+    (``runs_cublas``), the default pipeline on one GPU runs its stages as cuBLAS one after
+    another: a checked call, a bound eager call (into a NaN-poisoned ``out`` and into a new one)
+    and a graph replay are bitwise ``torch.mm`` twice, and ``sequential``; a bound call's steps
+    are cuBLAS's."""
+    from ctapipelining import gemm
+
+    assert gemm.runs_cublas(M)
+    ws = chain(8192, 4096, 8192)
+    pipe = Pipeline(ws)
+    x = rand(M, 8192)
+    want = torch.mm(torch.mm(x, ws[0]), ws[1])
+    assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
+    y = torch.full_like(want, float("nan"))
+    assert torch.equal(pipe(x, out=y), want)  # checked: bound for (x, y)
+    assert torch.equal(pipe(x), want)  # checked: bound for (x, a new out)
+    stream = torch.cuda.current_stream().cuda_stream
+    for o in (y, None):
+        bound = pipe._bound_calls[gemm.signature(x), None if o is None else gemm.signature(o), stream]
+        assert [step[0] for step in bound._steps] == [None, None]  # cuBLAS's steps
+    y.fill_(float("nan"))
+    assert pipe(x, out=y) is y and torch.equal(y, want) and torch.equal(pipe(x), want)
+    g = pipe.capture(M)
+    assert torch.equal(g(x), want)
+    pipe.check_errors()
+
+
+@pytest.mark.parametrize("M", [16384])
 def test_default_graphs_on_one_gpu_own_their_split_tails(M):
     """Two default pipelines of the same shapes (our GEMMs one after another, whose last partial
-    round is split along K at these heights): their graphs, replayed at once on two streams, each
+    round is split along K at this height): their graphs, replayed at once on two streams, each
     give their own GEMMs one after another (each graph's split tail buffers its own), into a
     padded ``out`` whose padding stays."""
     from ctapipelining.gemm import matmul

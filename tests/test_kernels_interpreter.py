@@ -310,7 +310,7 @@ def test_the_config_table_is_what_its_results_measured(table):
     from pathlib import Path
 
     from ctapipelining.gemm import config_table
-    from ctapipelining.tables import GEMM_TABLE, PIPELINE_TABLE
+    from ctapipelining.tables import GEMM_TABLE, PIPELINE_TABLE, cublas_faster
 
     assert table in (GEMM_TABLE, PIPELINE_TABLE)
     root = Path(__file__).parent.parent
@@ -322,6 +322,34 @@ def test_the_config_table_is_what_its_results_measured(table):
         measured = json.loads((root / row["results"] / "configs.json").read_text())
         best = measured["rows"][str(row["M"])]["best"]
         assert measured["candidates"][best] == row["config"], (row["M"], best)
+        if table == GEMM_TABLE:  # whether cuBLAS runs in our place: what the same measurement says
+            assert row["cublas"] == cublas_faster(measured["rows"][str(row["M"])][f"{best}/cublas"]), row["M"]
+        else:
+            assert "cublas" not in row
+
+
+def test_cublas_faster_needs_the_whole_interval_above_the_margin():
+    from ctapipelining.tables import CUBLAS_MARGIN, cublas_faster
+
+    assert cublas_faster({"median": 1.11, "ci95": [1.10, 1.13]})
+    assert not cublas_faster({"median": 1.075, "ci95": [0.93, 1.11]})  # a wide interval: not shown
+    assert not cublas_faster({"median": 1.03, "ci95": [1 + CUBLAS_MARGIN, 1.05]})  # at the margin: ours
+
+
+def test_stages_one_after_another_run_cublas_at_the_tables_row_counts(monkeypatch):
+    """runs_cublas follows the plain GEMM's table as plain_config does (the row of the smallest
+    tabled row count at or above M), and never under the interpreter."""
+    from ctapipelining import gemm
+    from ctapipelining.tables import GEMM_TABLE, table_flags
+
+    assert not any(gemm.runs_cublas(m) for m in (1, 200, 640, 768, 10**6))  # the interpreter
+    monkeypatch.setattr(gemm, "interpreting", lambda: False)
+    flags = table_flags(GEMM_TABLE, "cublas")
+    assert any(f for _, f in flags) and not all(f for _, f in flags)
+    for (lo, _), (hi, flag) in zip(flags, flags[1:]):
+        assert gemm.runs_cublas(lo + 1) == gemm.runs_cublas(hi) == flag
+    assert gemm.runs_cublas(flags[0][0]) == flags[0][1] and gemm.runs_cublas(10**6) == flags[-1][1]
+    assert gemm.runs_cublas(640) and gemm.runs_cublas(768) and not gemm.runs_cublas(1024)
 
 
 def test_plain_config_takes_the_smallest_tabled_row_count_at_or_above():
