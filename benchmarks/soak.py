@@ -12,11 +12,12 @@ GPU; with one, both on cuda:0 as two kernels, ``loopback=True``) with a 50 ms ti
 * a few calls whose producer never comes (only the consumer launched): they must raise
   :class:`~ctapipelining.pipeline.PipelineTimeout`, and the next call must be right.
 
-Then the default pipeline of the same two layers on cuda:0 (our GEMMs one after another, whose
-eager calls on operands seen before launch their bound GEMMs), CALLS calls in a seeded random
+Then the default pipeline of the same two layers on cuda:0 (plain GEMMs one after another: ours,
+or cuBLAS's at the heights where it measured faster, :func:`~ctapipelining.gemm.runs_cublas`;
+its eager calls on operands seen before launch their bound GEMMs), CALLS calls in a seeded random
 mix: eager calls on inputs from a pool of a few tensors per height (their signatures recur),
 each filled with fresh values, into an ``out`` from a pool or a new one, from the default
-stream or a side stream, some ``check=True``, and graph replays at 1024 and 2048 rows. Twice:
+stream or a side stream, some ``check=True``, and graph replays at 640, 1024 and 2048 rows. Twice:
 with many operands (their signatures outnumber the bound calls kept, so eager calls both bind
 and launch bound GEMMs), then with one input and one ``out`` per height at three heights (every
 signature kept: after its first call, every eager call launches bound GEMMs).
@@ -43,7 +44,7 @@ OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 CALLS = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000
 K = 2048
 TIMEOUT_S = 0.05
-HEIGHTS = (1, 37, 128, 500, 1024, 2048, 3000)
+HEIGHTS = (1, 37, 128, 300, 500, 640, 1024, 2048, 3000)  # 300, 640: the default's stages run cuBLAS there
 
 
 def memory() -> dict:
@@ -120,7 +121,7 @@ def main() -> int:
     mem_end = memory()
     loopback_grew = grew(mem_start, mem_end)
     default = soak_default([w.to("cuda:0") for w in ws], random.Random(1))
-    kept = soak_default([w.to("cuda:0") for w in ws], random.Random(2), (128, 2048, 3000), 1, (1,))
+    kept = soak_default([w.to("cuda:0") for w in ws], random.Random(2), (128, 640, 2048), 1, (1,))
     report = {
         "environment": environment(),
         "command": " ".join(sys.argv),
@@ -150,7 +151,7 @@ def soak_default(ws: list[torch.Tensor], rng: random.Random, heights=HEIGHTS, in
     number: that many tensors per height)."""
     pipe = Pipeline(ws)
     assert pipe.one_after_another
-    graphs = {M: pipe.capture(M) for M in (1024, 2048)}
+    graphs = {M: pipe.capture(M) for M in (640, 1024, 2048)}
     pools = {M: [torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0") for _ in range(inputs)] for M in heights}
     outs = {
         M: [
