@@ -12,8 +12,10 @@ paired), so only ratios inside one run count:
   chain kernel (one grid, tiles claimed in one combined order), in its configuration per plan
   height (:meth:`~ctapipelining.pipeline.Pipeline.plan_configs`: the measured table;
   ``always_pipelined=True``);
-* ``default``: the ``Pipeline`` as a user builds it, which runs our GEMMs one after another
-  (:attr:`~ctapipelining.pipeline.Pipeline.one_after_another`) and should time as ``ours_seq``;
+* ``default``: the ``Pipeline`` as a user builds it, which runs plain GEMMs one after another
+  (:attr:`~ctapipelining.pipeline.Pipeline.one_after_another`: ours, or cuBLAS's at the row
+  counts where it measured faster, :func:`~ctapipelining.gemm.runs_cublas`) and should time as
+  the faster of ``ours_seq`` and ``cublas_seq``;
 * ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
   variants below;
 * ``loopback``: the same stages as two kernels, each on half the SMs, both resident
@@ -69,7 +71,7 @@ def main():
     wide = PIPELINE_CONFIG
     pipes = {
         "chain": Pipeline([a, b], always_pipelined=True),  # its configuration per plan height (the table)
-        "default": Pipeline([a, b]),  # our GEMMs one after another
+        "default": Pipeline([a, b]),  # plain GEMMs one after another (ours, or cuBLAS's where faster)
         "chain_wide": Pipeline([a, b], config=wide),  # 128 x 256 tiles at every height: the variants'
         "loopback": Pipeline([a, b], loopback=True, config=wide),
         "chain_sm120": Pipeline([a, b], sm_budget=120, config=wide),

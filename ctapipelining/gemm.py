@@ -213,20 +213,43 @@ def runs_cublas(M: int) -> bool:
     """Whether a plain GEMM of ``M`` rows that a pipeline runs as one of its stages one after
     another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`matmul`: the plain GEMM's
     table row for ``M`` (the one :func:`plain_config` reads) measured cuBLAS faster than every
-    configuration of ours (:func:`ctapipelining.tables.cublas_faster`). On an H200 at N = K =
-    8192 that is 193-384 and 513-768 rows, where our tiles leave a partial round that a split
-    tail recovers only in part (``docs/results.md``). Never under the interpreter."""
+    configuration of ours (:func:`ctapipelining.tables.cublas_faster`): 193-384 and 513-768
+    rows, measured at N = K = 8192 on an H200 and used for every width, as the table's tiles
+    are. Never under the interpreter."""
     return not interpreting() and pick_config(table_flags(GEMM_TABLE, "cublas"), M)
+
+
+CUBLAS_OUT_ALIGN = 256  # bytes: an out aligned at least this far runs cuBLAS's kernel for a fresh tensor
 
 
 def stage_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (into ``out``) as a pipeline runs its stages one after another
     (:attr:`ctapipelining.pipeline.Pipeline.one_after_another`; operands already checked there):
-    cuBLAS (``torch.mm``, with its own rounding) where it measured faster for ``a``'s row count
-    (:func:`runs_cublas`), else :func:`matmul` in its configuration for that row count."""
-    if a.is_cuda and runs_cublas(a.shape[0]):
-        return torch.mm(a, b, out=out)
+    cuBLAS where it measured faster for ``a``'s row count (:func:`runs_cublas`; not in
+    deterministic mode, where cuBLAS may refuse), else :func:`matmul` in its configuration for
+    that row count."""
+    if a.is_cuda and runs_cublas(a.shape[0]) and not torch.are_deterministic_algorithms_enabled():
+        return mm_into(a, b, out)
     return matmul(a, b, out=out)
+
+
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.mm(a, b)`` into ``out`` (None: a new tensor) as a launch of ours behaves: no
+    autograd graph (weights that require grad are read as they are), no autocast (``out`` keeps
+    ``a``'s dtype), an ``out`` made under inference mode written as well. cuBLAS picks its kernel
+    by the operands' strides and alignment, so an ``out`` that a fresh tensor's kernel could not
+    write the same way (rows padded, or its address less aligned than
+    :data:`CUBLAS_OUT_ALIGN`) takes the product through a fresh tensor, copied in: the result is
+    bitwise the one into a new tensor."""
+    M, N = a.shape[0], b.shape[1]
+    direct = out is not None and out.stride() == (N, 1) and out.data_ptr() % CUBLAS_OUT_ALIGN == 0
+    c = out if direct else torch.empty(M, N, dtype=a.dtype, device=a.device)
+    autocast = torch.is_autocast_enabled(a.device.type)
+    with torch.inference_mode(), torch.autocast(a.device.type, enabled=False) if autocast else nullcontext():
+        torch.mm(a, b, out=c)
+        if out is not None and not direct:
+            out.copy_(c)
+    return c if out is None else out
 
 
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
@@ -1113,8 +1136,8 @@ class BoundGemms:
         for s, (step, w) in enumerate(zip(self._steps, weights)):
             launch, raw, shape, at, args = step
             c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-            if launch is None:
-                a = torch.mm(a, w, out=c)
+            if launch is None:  # cuBLAS's
+                a = stage_gemm(a, w, c)
                 continue
             if (a.data_ptr(), c.data_ptr()) != at:
                 args = launch.raw_args(raw.tensor_map, a, w, c)

@@ -228,7 +228,7 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
-    x, x2, other = rand(1024, 2048), rand(1024, 2048), rand(1024, 2048)  # 1024 rows: our GEMMs (not cuBLAS)
+    x, x2, other = rand(1024, 2048), rand(1024, 2048), rand(1024, 2048)  # 1024 rows: our GEMMs, not cuBLAS
     assert not gemm.runs_cublas(1024)
     want, want2 = pipe.sequential(x), pipe.sequential(x2)
     y = torch.full_like(want, float("nan"))
@@ -328,31 +328,59 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
 
 
 @pytest.mark.parametrize("M", [640, 768, 300])
-def test_the_default_runs_cublas_where_it_measured_faster(M):
+def test_the_default_runs_cublas_where_it_measured_faster(M, monkeypatch):
     """At the row counts where cuBLAS measured faster than every configuration of ours
     (``runs_cublas``), the default pipeline on one GPU runs its stages as cuBLAS one after
-    another: a checked call, a bound eager call (into a NaN-poisoned ``out`` and into a new one)
-    and a graph replay are bitwise ``torch.mm`` twice, and ``sequential``; a bound call's steps
-    are cuBLAS's."""
-    from ctapipelining import gemm
+    another: a checked call, bound eager calls (their checks made to fail) into a NaN-poisoned
+    ``out`` and into a new one, an ``out`` with padded rows (padding kept) and a graph replay
+    into one are bitwise ``torch.mm`` twice and ``sequential``; with weights that require grad
+    (no autograd graph), under autocast (bf16 kept), into an ``out`` made under inference mode.
+    In deterministic mode, where cuBLAS may refuse, the stages are our GEMMs."""
+    from ctapipelining import gemm, pipeline
 
     assert gemm.runs_cublas(M)
-    ws = chain(8192, 4096, 8192)
+    ws = [torch.nn.Parameter(w) for w in chain(8192, 4096, 8192)]  # requires grad
     pipe = Pipeline(ws)
     x = rand(M, 8192)
-    want = torch.mm(torch.mm(x, ws[0]), ws[1])
-    assert torch.equal(pipe(x, check=True), want) and torch.equal(pipe.sequential(x), want)
+    with torch.no_grad():
+        want = torch.mm(torch.mm(x, ws[0]), ws[1])
+    got = pipe(x, check=True)  # checked: bound for (x, a new out)
+    assert got.grad_fn is None and torch.equal(got, want) and torch.equal(pipe.sequential(x), want)
     y = torch.full_like(want, float("nan"))
     assert torch.equal(pipe(x, out=y), want)  # checked: bound for (x, y)
-    assert torch.equal(pipe(x), want)  # checked: bound for (x, a new out)
     stream = torch.cuda.current_stream().cuda_stream
     for o in (y, None):
         bound = pipe._bound_calls[gemm.signature(x), None if o is None else gemm.signature(o), stream]
         assert [step[0] for step in bound._steps] == [None, None]  # cuBLAS's steps
-    y.fill_(float("nan"))
-    assert pipe(x, out=y) is y and torch.equal(y, want) and torch.equal(pipe(x), want)
-    g = pipe.capture(M)
-    assert torch.equal(g(x), want)
+
+    def refuse(*args, **kw):
+        raise AssertionError("a bound call ran the checks")
+
+    with monkeypatch.context() as m:
+        for name in ("check_input", "check_output", "_call_one_after_another"):
+            m.setattr(Pipeline, name, refuse)
+        y.fill_(float("nan"))
+        assert pipe(x, out=y) is y and torch.equal(y, want) and torch.equal(pipe(x), want)
+        with torch.autocast("cuda"):
+            assert pipe(x).dtype == torch.bfloat16 and torch.equal(pipe(x, out=y), want)
+    with torch.autocast("cuda"):
+        assert torch.equal(pipe(x, check=True), want)  # checked
+    full = torch.full((M, 8192 + 64), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    assert torch.equal(pipe(x, out=full[:, :8192]), want) and full[:, 8192:].isnan().all()
+    with torch.inference_mode():
+        made = torch.empty_like(want)
+    assert torch.equal(pipe(x, out=made), want)
+    g = pipe.capture(M, out=full[:, :8192])
+    full.fill_(float("nan"))
+    assert torch.equal(g(x), want) and full[:, 8192:].isnan().all()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "stage_gemm", lambda a, b, out=None: gemm.matmul(a, b, out=out))
+            ours = pipe.sequential(x)  # our GEMMs one after another
+        assert not torch.equal(ours, want) and torch.equal(pipe(x), ours) and torch.equal(pipe(x, out=y), ours)
+    finally:
+        torch.use_deterministic_algorithms(False)
     pipe.check_errors()
 
 
@@ -362,7 +390,9 @@ def test_default_graphs_on_one_gpu_own_their_split_tails(M):
     round is split along K at this height): their graphs, replayed at once on two streams, each
     give their own GEMMs one after another (each graph's split tail buffers its own), into a
     padded ``out`` whose padding stays."""
-    from ctapipelining.gemm import matmul
+    from ctapipelining.gemm import matmul, num_sms, plain_config, runs_cublas, tail_split
+
+    assert not runs_cublas(M) and tail_split(M, 8192, 8192, plain_config(M), num_sms(torch.device("cuda:0")))
 
     pipes = [Pipeline(chain(8192, 8192, 8192)) for _ in range(2)]
     graphs = []

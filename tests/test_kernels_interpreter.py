@@ -336,6 +336,30 @@ def test_cublas_faster_needs_the_whole_interval_above_the_margin():
     assert not cublas_faster({"median": 1.03, "ci95": [1 + CUBLAS_MARGIN, 1.05]})  # at the margin: ours
 
 
+def test_mm_into_runs_as_a_launch_of_ours():
+    """``mm_into`` (a stage's cuBLAS GEMM): no autograd graph from weights that require grad, no
+    autocast, an ``out`` made under inference mode written; an ``out`` with padded rows or an
+    address off the alignment a fresh tensor has takes the product through a fresh tensor, so
+    every ``out`` holds the bits of ``torch.mm`` into a new tensor, and padding stays."""
+    from ctapipelining.gemm import CUBLAS_OUT_ALIGN, mm_into
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(40, 32, generator=g), torch.nn.Parameter(torch.randn(32, 24, generator=g))
+    want = torch.mm(a, b.detach())
+    y = mm_into(a, b)
+    assert y.grad_fn is None and not y.requires_grad and torch.equal(y, want)
+    with torch.inference_mode():
+        made = torch.empty(40, 24)
+    assert mm_into(a, b, made) is made and torch.equal(made, want)
+    full = torch.full((40, 24 + 8), float("nan"))
+    assert torch.equal(mm_into(a, b, full[:, :24]), want) and full[:, 24:].isnan().all()
+    flat = torch.full((40 * 24 + 1,), float("nan"))
+    off = flat[1:].view(40, 24)  # 4 bytes past an aligned address
+    assert off.data_ptr() % CUBLAS_OUT_ALIGN and torch.equal(mm_into(a, b, off), want)
+    with torch.autocast("cpu"):
+        assert mm_into(a, b).dtype == torch.float32
+
+
 def test_stages_one_after_another_run_cublas_at_the_tables_row_counts(monkeypatch):
     """runs_cublas follows the plain GEMM's table as plain_config does (the row of the smallest
     tabled row count at or above M), and never under the interpreter."""
