@@ -1106,27 +1106,25 @@ class BoundGemms:
     launches (and so their split tails' buffers) while it lives, also past their eviction from
     :func:`matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
 
-    def __init__(self, steps: list):
-        # per GEMM: [launch, raw launch, output's shape, (input, output addresses), arguments];
-        # cuBLAS's: [None, None, output's shape, None, None]
-        self._steps = steps
+    def __init__(self, steps: list[_BoundStep | None]):
+        self._steps = steps  # per GEMM: our bound launch, or None for cuBLAS's (stage_gemm)
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], weights: list[torch.Tensor], stream: int) -> BoundGemms | None:
-        """The launches that ran ``tensors[s + 1] = tensors[s] @ weights[s]`` through
-        :func:`matmul` on ``stream`` (the raw handle of the device's current stream), checked
-        and compiled; None where one does not launch raw (:meth:`GemmLaunch.bound`)."""
+        """The GEMMs that ran ``tensors[s + 1] = tensors[s] @ weights[s]`` through
+        :func:`stage_gemm` on ``stream`` (the raw handle of the device's current stream), checked
+        and compiled; None where one of ours does not launch raw (:meth:`GemmLaunch.bound`)."""
         steps = []
         for a, w, c in zip(tensors, weights, tensors[1:]):
             (M, K), N = a.shape, w.shape[1]
             if runs_cublas(M):
-                steps.append([None, None, c.shape, None, None])
+                steps.append(None)
                 continue
             launch = _plain_launch(M, N, K, plain_config(M), a.device, stream, None, 0)
             got = launch.bound(a, w, c)
             if got is None:
                 return None
-            steps.append([launch, got[1], c.shape, (a.data_ptr(), c.data_ptr()), got[2]])
+            steps.append(_BoundStep(launch, got[1], (a.data_ptr(), c.data_ptr()), got[2]))
         return cls(steps)
 
     def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int):
@@ -1134,14 +1132,30 @@ class BoundGemms:
         (of the bound signature, or None: a new tensor) on ``stream``; returns the output."""
         a, last = x, len(self._steps) - 1
         for s, (step, w) in enumerate(zip(self._steps, weights)):
-            launch, raw, shape, at, args = step
+            shape = (a.shape[0], w.shape[1])
             c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-            if launch is None:  # cuBLAS's
-                a = stage_gemm(a, w, c)
-                continue
-            if (a.data_ptr(), c.data_ptr()) != at:
-                args = launch.raw_args(raw.tensor_map, a, w, c)
-                step[3:] = (a.data_ptr(), c.data_ptr()), args
-            raw(launch.num_ctas, stream, *args)
+            if step is None:
+                stage_gemm(a, w, c)
+            else:
+                step(a, w, c, stream)
             a = c
         return a
+
+
+@dataclass(eq=False)
+class _BoundStep:
+    """One of our GEMMs in :class:`BoundGemms`: its launch, raw launch, and the arguments it built
+    for the input and output addresses ``at``."""
+
+    launch: GemmLaunch
+    raw: RawLaunch
+    at: tuple[int, int]
+    args: tuple
+
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, stream: int) -> None:
+        """Launch ``c = a @ w`` on ``stream``, its arguments built again where ``a`` or ``c`` lies
+        elsewhere than the last time."""
+        if (a.data_ptr(), c.data_ptr()) != self.at:
+            self.args = self.launch.raw_args(self.raw.tensor_map, a, w, c)
+            self.at = (a.data_ptr(), c.data_ptr())
+        self.raw(self.launch.num_ctas, stream, *self.args)

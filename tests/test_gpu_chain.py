@@ -261,9 +261,9 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
         # and a block of the intermediate's size taken, so both land elsewhere
         kept, blocks, moved = [], [], []
         for _ in range(3):
-            before, n = [step[3] for step in bound._steps], len(built)
+            before, n = [step.at for step in bound._steps], len(built)
             kept.append(pipe(x))
-            after = [step[3] for step in bound._steps]
+            after = [step.at for step in bound._steps]
             assert torch.equal(kept[-1], want) and after[1][1] == kept[-1].data_ptr() and after[0][0] == x.data_ptr()
             assert after[0][1] == after[1][0]  # the intermediate, as each GEMM's arguments hold it
             moved.append(sum(b != a for b, a in zip(before, after)))
@@ -351,7 +351,7 @@ def test_the_default_runs_cublas_where_it_measured_faster(M, monkeypatch):
     stream = torch.cuda.current_stream().cuda_stream
     for o in (y, None):
         bound = pipe._bound_calls[gemm.signature(x), None if o is None else gemm.signature(o), stream]
-        assert [step[0] for step in bound._steps] == [None, None]  # cuBLAS's steps
+        assert bound._steps == [None, None]  # cuBLAS's steps
 
     def refuse(*args, **kw):
         raise AssertionError("a bound call ran the checks")
