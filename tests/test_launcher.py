@@ -177,7 +177,7 @@ def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_mo
     and the one that reads it both build theirs again, for the new tensors; a given ``out`` is
     written, and without one a new output in the step's shape (its GEMM's arguments built again
     where it lands elsewhere)."""
-    from ctapipelining.gemm import BoundGemms
+    from ctapipelining.gemm import BoundGemms, _BoundStep
 
     class Raw:
         tensor_map = None
@@ -202,8 +202,8 @@ def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_mo
     x, mid, out = torch.zeros(5, 8), torch.zeros(5, 16), torch.zeros(5, 4)
     launches, raws = [Launch(), Launch()], [Raw(), Raw()]
     steps = [
-        [launches[0], raws[0], mid.shape, (x.data_ptr(), mid.data_ptr()), ("bound", 0)],
-        [launches[1], raws[1], out.shape, (mid.data_ptr(), out.data_ptr()), ("bound", 1)],
+        _BoundStep(launches[0], raws[0], (x.data_ptr(), mid.data_ptr()), ("bound", 0)),
+        _BoundStep(launches[1], raws[1], (mid.data_ptr(), out.data_ptr()), ("bound", 1)),
     ]
     bound = BoundGemms(steps)
     mid2, out2 = torch.zeros(5, 16), torch.zeros(5, 4)
@@ -222,7 +222,22 @@ def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_mo
     assert launches[0].built == [(x.data_ptr(), ws[0].data_ptr(), mid2.data_ptr())]
     assert launches[1].built == [(mid2.data_ptr(), ws[1].data_ptr(), out.data_ptr())]
     assert raws[0].calls[-1][2] == launches[0].built[-1] and raws[1].calls[-1][2] == launches[1].built[-1]
-    assert steps[0][3] == (x.data_ptr(), mid2.data_ptr()) and steps[1][3] == (mid2.data_ptr(), out.data_ptr())
+    assert steps[0].at == (x.data_ptr(), mid2.data_ptr()) and steps[1].at == (mid2.data_ptr(), out.data_ptr())
     assert bound(x, ws, None, 9) is out2  # a new output elsewhere: only the last GEMM builds again
     assert len(launches[0].built) == 1 and launches[1].built[-1] == (mid2.data_ptr(), ws[1].data_ptr(), out2.data_ptr())
     assert raws[0].calls[-1][2] == launches[0].built[-1] and raws[1].calls[-1][2] == launches[1].built[-1]
+
+
+def test_bound_gemms_run_a_cublas_step_through_stage_gemm(monkeypatch):
+    """A step of ``None`` (cuBLAS's) runs ``stage_gemm`` into the step's output: the given ``out``
+    for the last GEMM, else a new tensor, which the next GEMM reads."""
+    from ctapipelining import gemm
+
+    ws = [torch.zeros(8, 16), torch.zeros(16, 4)]
+    x, out = torch.zeros(5, 8), torch.zeros(5, 4)
+    ran = []
+    monkeypatch.setattr(gemm, "stage_gemm", lambda a, w, c: ran.append((a, w, c)))
+    assert gemm.BoundGemms([None, None])(x, ws, out, 9) is out
+    (a0, w0, c0), (a1, w1, c1) = ran
+    assert a0 is x and w0 is ws[0] and c0.shape == (5, 16) and a1 is c0 and w1 is ws[1] and c1 is out
+    assert gemm.BoundGemms([None, None])(x, ws, None, 9).shape == (5, 4)
