@@ -750,9 +750,9 @@ class Pipeline:
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, each with its stage's configuration in the plan for
-        ``x``'s rows (with :attr:`one_after_another`, what a call runs: each GEMM in its
-        configuration for ``x``'s rows), no pipelining: what a call must equal bitwise (a
-        reference for tests and benchmarks)."""
+        ``x``'s rows (with :attr:`one_after_another`, what a call runs: each GEMM as
+        :func:`~ctapipelining.gemm.stage_gemm` runs it for ``x``'s rows), no pipelining: what a
+        call must equal bitwise (a reference for tests and benchmarks)."""
         return self._sequential(x)[0]
 
     def _sequential(self, x: torch.Tensor, sums=None) -> tuple[torch.Tensor, object]:
