@@ -226,8 +226,9 @@ def stage_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     """``a @ b`` (into ``out``) as a pipeline runs its stages one after another
     (:attr:`ctapipelining.pipeline.Pipeline.one_after_another`; operands already checked there):
     cuBLAS where it measured faster for ``a``'s row count (:func:`runs_cublas`; not in
-    deterministic mode, where cuBLAS may refuse), else :func:`matmul` in its configuration for
-    that row count."""
+    deterministic mode, where cuBLAS may refuse), rounding as ``torch.mm`` does under torch's
+    settings (``torch.backends.cuda.matmul``), else :func:`matmul` in its configuration for that
+    row count."""
     if a.is_cuda and runs_cublas(a.shape[0]) and not torch.are_deterministic_algorithms_enabled():
         return mm_into(a, b, out)
     return matmul(a, b, out=out)
