@@ -1125,7 +1125,7 @@ class BoundGemms:
             got = launch.bound(a, w, c)
             if got is None:
                 return None
-            steps.append(_BoundStep(launch, got[1], (a.data_ptr(), c.data_ptr()), got[2]))
+            steps.append(_BoundStep(launch, got[1], ((a.data_ptr(), c.data_ptr()), got[2])))
         return cls(steps)
 
     def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int):
@@ -1145,18 +1145,23 @@ class BoundGemms:
 
 @dataclass(eq=False)
 class _BoundStep:
-    """One of our GEMMs in :class:`BoundGemms`: its launch, raw launch, and the arguments it built
-    for the input and output addresses ``at``."""
+    """One of our GEMMs in :class:`BoundGemms`: its launch, raw launch, and ``bound``: the input
+    and output addresses of its last launch with the arguments built for them (one field, set
+    at once, so the two always belong together)."""
 
     launch: GemmLaunch
     raw: RawLaunch
-    at: tuple[int, int]
-    args: tuple
+    bound: tuple[tuple[int, int], tuple]
+
+    @property
+    def at(self) -> tuple[int, int]:
+        """The input and output addresses the arguments are built for."""
+        return self.bound[0]
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, stream: int) -> None:
         """Launch ``c = a @ w`` on ``stream``, its arguments built again where ``a`` or ``c`` lies
         elsewhere than the last time."""
-        if (a.data_ptr(), c.data_ptr()) != self.at:
-            self.args = self.launch.raw_args(self.raw.tensor_map, a, w, c)
-            self.at = (a.data_ptr(), c.data_ptr())
-        self.raw(self.launch.num_ctas, stream, *self.args)
+        at = (a.data_ptr(), c.data_ptr())
+        if at != self.bound[0]:
+            self.bound = (at, self.launch.raw_args(self.raw.tensor_map, a, w, c))
+        self.raw(self.launch.num_ctas, stream, *self.bound[1])

@@ -202,8 +202,8 @@ def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_mo
     x, mid, out = torch.zeros(5, 8), torch.zeros(5, 16), torch.zeros(5, 4)
     launches, raws = [Launch(), Launch()], [Raw(), Raw()]
     steps = [
-        _BoundStep(launches[0], raws[0], (x.data_ptr(), mid.data_ptr()), ("bound", 0)),
-        _BoundStep(launches[1], raws[1], (mid.data_ptr(), out.data_ptr()), ("bound", 1)),
+        _BoundStep(launches[0], raws[0], ((x.data_ptr(), mid.data_ptr()), ("bound", 0))),
+        _BoundStep(launches[1], raws[1], ((mid.data_ptr(), out.data_ptr()), ("bound", 1))),
     ]
     bound = BoundGemms(steps)
     mid2, out2 = torch.zeros(5, 16), torch.zeros(5, 4)
@@ -239,5 +239,35 @@ def test_bound_gemms_run_a_cublas_step_through_stage_gemm(monkeypatch):
     monkeypatch.setattr(gemm, "stage_gemm", lambda a, w, c: ran.append((a, w, c)))
     assert gemm.BoundGemms([None, None])(x, ws, out, 9) is out
     (a0, w0, c0), (a1, w1, c1) = ran
-    assert a0 is x and w0 is ws[0] and c0.shape == (5, 16) and a1 is c0 and w1 is ws[1] and c1 is out
-    assert gemm.BoundGemms([None, None])(x, ws, None, 9).shape == (5, 4)
+    assert a0 is x and w0 is ws[0] and a1 is c0 and w1 is ws[1] and c1 is out
+    assert c0.shape == (5, 16) and c0.dtype == x.dtype and c0.device == x.device
+    new = gemm.BoundGemms([None, None])(x, ws, None, 9)
+    assert new is ran[-1][2] and new is not out and new.shape == (5, 4) and new.dtype == x.dtype
+
+
+def test_a_bound_step_whose_arguments_fail_to_build_keeps_its_last_ones():
+    """``_BoundStep``: where building the arguments for new addresses raises, the step keeps the
+    addresses and arguments it had (one field), so a later launch at the old addresses launches
+    the old arguments, not new ones built for other tensors."""
+    from ctapipelining.gemm import _BoundStep
+
+    class Launch:
+        num_ctas = 2
+
+        def raw_args(self, tensor_map, a, b, c):
+            raise RuntimeError("no tensor map")
+
+    class Raw:
+        tensor_map = None
+
+        def __call__(self, grid, stream, *args):
+            launched.append(args)
+
+    launched = []
+    x, w, c, c2 = torch.zeros(4, 8), torch.zeros(8, 4), torch.zeros(4, 4), torch.zeros(4, 4)
+    step = _BoundStep(Launch(), Raw(), ((x.data_ptr(), c.data_ptr()), (1,)))
+    with pytest.raises(RuntimeError, match="no tensor map"):
+        step(x, w, c2, 0)
+    assert step.at == (x.data_ptr(), c.data_ptr()) and not launched
+    step(x, w, c, 0)
+    assert launched == [(1,)]
