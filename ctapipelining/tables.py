@@ -19,17 +19,22 @@ PIPELINE_TABLE = "pipeline_configs.json"  # a pipeline's, per plan height (Pipel
 
 
 @functools.cache
+def _rows(name: str) -> tuple[dict, ...]:
+    """Table ``name``'s rows by increasing row count, read once."""
+    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
+    return tuple(sorted(rows, key=lambda row: row["M"]))
+
+
+@functools.cache
 def table_rows(name: str) -> tuple[tuple[int, dict], ...]:
     """Table ``name``'s ``(rows, configuration fields)`` by increasing rows."""
-    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
-    return tuple(sorted(((row["M"], row["config"]) for row in rows), key=lambda r: r[0]))
+    return tuple((row["M"], row["config"]) for row in _rows(name))
 
 
 @functools.cache
 def table_flags(name: str, flag: str) -> tuple[tuple[int, bool], ...]:
     """Table ``name``'s ``(rows, flag)`` by increasing rows (a row without the flag: False)."""
-    rows = json.loads((importlib.resources.files(__package__) / "data" / name).read_text())["rows"]
-    return tuple(sorted(((row["M"], bool(row.get(flag, False))) for row in rows), key=lambda r: r[0]))
+    return tuple((row["M"], bool(row.get(flag, False))) for row in _rows(name))
 
 
 CUBLAS_MARGIN = 0.02  # how much faster cuBLAS must be, at the low end of the 95% CI, to run in our place
