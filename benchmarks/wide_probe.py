@@ -54,10 +54,16 @@ def wide_kernel(
             rows = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             cols1 = pn * BLOCK_N + tl.arange(0, BN1)
             cols2 = pn * BLOCK_N + BN1 + tl.arange(0, BN2)
-            tl.store(c_ptr + rows[:, None] * N + cols1[None, :], acc1.to(c_ptr.dtype.element_ty),
-                     mask=(rows[:, None] < M) & (cols1[None, :] < N))
-            tl.store(c_ptr + rows[:, None] * N + cols2[None, :], acc2.to(c_ptr.dtype.element_ty),
-                     mask=(rows[:, None] < M) & (cols2[None, :] < N))
+            tl.store(
+                c_ptr + rows[:, None] * N + cols1[None, :],
+                acc1.to(c_ptr.dtype.element_ty),
+                mask=(rows[:, None] < M) & (cols1[None, :] < N),
+            )
+            tl.store(
+                c_ptr + rows[:, None] * N + cols2[None, :],
+                acc2.to(c_ptr.dtype.element_ty),
+                mask=(rows[:, None] < M) & (cols2[None, :] < N),
+            )
 
 
 class Wide:
