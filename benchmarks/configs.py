@@ -93,7 +93,9 @@ def candidates(tiles: list[tuple], group_m: int, variants=({},), tails=TAILS, **
 
 CANDIDATES = candidates(  # group_m 8: the plain GEMM's grouped order
     [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 128, 3, 8), (64, 256, 64, 4, 4),
-     (64, 128, 64, 5, 4), (64, 128, 128, 4, 4)],
+     (64, 128, 64, 5, 4), (64, 128, 128, 4, 4),
+     # deeper load pipelines, for a few hundred rows, whose one round of tiles waits on its loads
+     (128, 128, 64, 5, 8), (128, 128, 64, 6, 8), (64, 256, 32, 8, 4)],
     group_m=8,
 )  # fmt: skip
 # group_m 4 and wait_parts 8 (PIPELINE_CONFIG's), each also waiting for whole rows (the combined
