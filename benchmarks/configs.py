@@ -2,7 +2,7 @@
 tables ``ctapipelining.gemm.plain_config`` and ``ctapipelining.pipeline.Pipeline.plan_configs`` read.
 
 usage: python3 benchmarks/configs.py OUT_DIR [REPS] [ROWS] [plain|chain]
-       python3 benchmarks/configs.py package RUN_DIR RESULTS_FOLDER
+       python3 benchmarks/configs.py package RUN_DIR RESULTS_FOLDER [ROWS]
 
 ``plain`` (default): ``X[M, 8192] @ W[8192, 8192]`` on cuda:0, bf16, at each M of ROWS (default
 128, 640, 768, 1024, 2048, 4096, 16384): cuBLAS (``torch.mm``) and
@@ -26,9 +26,10 @@ OUT_DIR/pipeline_configs.json. Its ``best`` is the fastest by median, a split la
 within that, split and unsplit tiles differ by noise, and the split holds the last stage's body
 twice).
 
-``package``: write RUN_DIR's rows (``gemm_configs.json`` or ``pipeline_configs.json``) into the
-table of that name in ``ctapipelining/data/``, each naming RESULTS_FOLDER (where RUN_DIR's files
-are kept); the table's rows at other row counts stay (a table may gather several runs).
+``package``: write RUN_DIR's rows (``gemm_configs.json`` or ``pipeline_configs.json``; ROWS: only
+those row counts) into the table of that name in ``ctapipelining/data/``, each naming
+RESULTS_FOLDER (where RUN_DIR's files are kept) and the GPU it was measured on; the table's rows
+at other row counts stay (a table may gather several runs).
 
 Every line is graph-replayed and timed by the bench's harness (shuffled turns, paired).
 ``ctapipelining/data/{gemm,pipeline}_configs.json`` gather these rows, each naming its results
@@ -50,7 +51,7 @@ from ctapipelining.tables import cublas_faster
 from ctapipelining.timing import Method, capture, environment, median_ci, time_interleaved
 
 USAGE = __doc__.split("\n\n")[1]
-if sys.argv[1:2] == ["package"] and len(sys.argv) != 4 or len(sys.argv) > 5 and sys.argv[1] != "package":
+if sys.argv[1:2] == ["package"] and len(sys.argv) not in (4, 5) or len(sys.argv) > 5 and sys.argv[1] != "package":
     sys.exit(USAGE)
 ARGS = [] if sys.argv[1:2] == ["package"] else sys.argv[1:]  # package: its own arguments
 OUT = Path(ARGS[0]) if len(ARGS) > 0 else Path(".")
@@ -209,8 +210,9 @@ def chain():
         write(report, table, "pipeline_configs.json")  # after each row: a run cut short keeps its rows
 
 
-def package(run: Path, folder: str) -> None:
-    """Write ``run``'s table into ``ctapipelining/data/`` (module docstring)."""
+def package(run: Path, folder: str, only: list[int] | None = None) -> None:
+    """Write ``run``'s table (``only``: its rows at these row counts) into ``ctapipelining/data/``
+    (module docstring)."""
     name = "pipeline_configs.json" if (run / "pipeline_configs.json").exists() else "gemm_configs.json"
     env = json.loads((run / "configs.json").read_text())["environment"]
     table = json.loads((run / name).read_text())
@@ -225,14 +227,19 @@ def package(run: Path, folder: str) -> None:
         "it); each row the best candidate of benchmarks/configs.py's chain mode at that M (two 8192-wide stages in "
         "one chain kernel on one GPU; a split last round only where it is faster by more than 1%)",
     }[name]
-    measured = {"device": table["measured"]["device"], "N": N, "K": K, "dtype": "bfloat16",
-                "date": env["date"][:10], "torch": env["torch"], "triton": env["triton"]}  # fmt: skip
     data = Path(__file__).parents[1] / "ctapipelining" / "data" / name
     rows = {r["M"]: r for r in json.loads(data.read_text())["rows"]} if data.exists() else {}
-    for r in table["rows"]:
-        rows[r["M"]] = {"M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder}
+    taken = [r for r in table["rows"] if only is None or r["M"] in only]
+    if only is not None and {r["M"] for r in taken} != set(only):
+        sys.exit(f"{run} has no rows at {sorted(set(only) - {r['M'] for r in taken})}")
+    for r in taken:
+        rows[r["M"]] = {
+            "M": r["M"], "config": r["config"], over: round(r[over]["median"], 3), "results": folder,
+            "device": env["gpus"][0],
+        }  # fmt: skip
         if name == "gemm_configs.json":  # whether cuBLAS runs in our place at this row count
             rows[r["M"]]["cublas"] = cublas_faster(r[over])
+    measured = {"N": N, "K": K, "dtype": "bfloat16"}  # each row's GPU, date and versions: its results folder's
     out = {"what": what, "measured": measured, "rows": [rows[m] for m in sorted(rows)]}
     data.write_text(json.dumps(out, indent=1) + "\n")
 
@@ -246,6 +253,6 @@ def write(report: dict, table: list, name: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["package"]:
-        package(Path(sys.argv[2]), sys.argv[3])
+        package(Path(sys.argv[2]), sys.argv[3], [int(m) for m in sys.argv[4].split(",")] if len(sys.argv) > 4 else None)
     else:
         {"plain": plain, "chain": chain}[KIND]()

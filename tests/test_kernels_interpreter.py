@@ -305,7 +305,7 @@ def test_configs_fit_shared_memory():
 def test_the_config_table_is_what_its_results_measured(table):
     """Every row of a packaged table (the plain GEMM's, a pipeline's per plan height) is a valid
     configuration that fits shared memory and is the fastest candidate its results folder
-    recorded at that row count (not edited by hand)."""
+    recorded at that row count (not edited by hand), on the GPU the row names."""
     import json
     from pathlib import Path
 
@@ -322,6 +322,7 @@ def test_the_config_table_is_what_its_results_measured(table):
         measured = json.loads((root / row["results"] / "configs.json").read_text())
         best = measured["rows"][str(row["M"])]["best"]
         assert measured["candidates"][best] == row["config"], (row["M"], best)
+        assert row["device"] == measured["environment"]["gpus"][0], row["M"]
         if table == GEMM_TABLE:  # whether cuBLAS runs in our place: what the same measurement says
             assert row["cublas"] == cublas_faster(measured["rows"][str(row["M"])][f"{best}/cublas"]), row["M"]
         else:
