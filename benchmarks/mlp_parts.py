@@ -4,9 +4,7 @@ Llama-70B MLP at M = 4096). The down GEMM's residual two ways: loaded by the epi
 128 tiles (as a pipeline stage does), and added onto the output by TMA on the plain GEMM's tiles
 (``matmul``). Each plain GEMM, and each with its whole epilogue, also with its last partial
 round split along K (``_split``: the summing CTA applies the epilogue), and on 128 x 128
-tiles (``_n128``); the gate/up GEMM with its whole epilogue and the down GEMM with its residual
-also on deeper load pipelines (``_k32s6``: 128 x 256 x 32 on 6 stages; ``_n128s6``: 128 x 128 x 64
-on 6), split. The whole block (:class:`ctapipelining.nn.LlamaMLP`, ``block``) against its
+tiles (``_n128``). The whole block (:class:`ctapipelining.nn.LlamaMLP`, ``block``) against its
 two cuBLAS GEMMs in one graph (``gemms_cublas``), and, with OLD_PARENT (a folder holding an
 older tree as ``ctapipelining_old``), the old tree's block (``block_old``) in the same run.
 
@@ -61,10 +59,6 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
     cfg3 = dataclasses.replace(PLAIN_CONFIG, split_tail=False)
     split3 = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
     n128 = dataclasses.replace(cfg3, block_n=128, num_stages=4)
-    # deeper load pipelines (the plain GEMM's at a few hundred rows): narrower K steps on 128 x 256 tiles,
-    # or 128 x 128 tiles, on 6 stages, each with its split tail
-    k32s6 = dataclasses.replace(split3, block_k=32, num_stages=6)
-    n128s6 = dataclasses.replace(split3, block_n=128, num_stages=6)
     gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
     res = Epilogue(residual=True)
     # the residual loaded by the epilogue (as a pipeline stage does), on the tiles that leave it room
@@ -77,7 +71,6 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
         "gu_gated": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated),
         "gu_gated_rms": lambda: matmul(x, gu, out=half, config=cfg3, epilogue=gated_rms),
         "gu_gated_rms_split": lambda: matmul(x, gu, out=half, config=split3, epilogue=gated_rms),
-        "gu_gated_rms_k32s6": lambda: matmul(x, gu, out=half, config=k32s6, epilogue=gated_rms),
         "down_cublas": lambda: torch.mm(h, down, out=y),
         "down_plain3": lambda: matmul(h, down, out=y, config=cfg3),
         "down_plain3_split": lambda: matmul(h, down, out=y, config=split3),
@@ -85,8 +78,6 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
         "down_res_load_n128": lambda: load(h, down, y, residual=x),
         "down_res_add3": lambda: matmul(h, down, out=y, config=cfg3, epilogue=res, residual=x),
         "down_res_add3_split": lambda: matmul(h, down, out=y, config=split3, epilogue=res, residual=x),
-        "down_res_add_k32s6": lambda: matmul(h, down, out=y, config=k32s6, epilogue=res, residual=x),
-        "down_res_add_n128s6": lambda: matmul(h, down, out=y, config=n128s6, epilogue=res, residual=x),
     }
     w_gate, w_up = ((torch.randn(INTER, H, device="cuda") * H**-0.5).bfloat16() for _ in range(2))
     w_down = (torch.randn(H, INTER, device="cuda") * INTER**-0.5).bfloat16()

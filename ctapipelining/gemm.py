@@ -193,8 +193,8 @@ def tail_bundle(tail: TailBuffers) -> Tail:
 def config_table(name: str = GEMM_TABLE) -> tuple[tuple[int, GemmConfig], ...]:
     """A measured configuration table (:mod:`ctapipelining.tables`), ``(rows, config)`` by
     increasing rows: by default the plain GEMM's (the fastest of ``benchmarks/configs.py``'s
-    candidates at each row count, X[M, 8192] @ [8192, 8192] bf16, on an H200 but at 192 and 256
-    rows, measured on an H100; each row names its GPU), or ``name``'s (a
+    candidates at each row count, X[M, 8192] @ [8192, 8192] bf16 on one H200; each row names its
+    GPU), or ``name``'s (a
     pipeline's, :data:`~ctapipelining.tables.PIPELINE_TABLE`)."""
     return tuple((rows, GemmConfig(**fields)) for rows, fields in table_rows(name))
 
@@ -203,8 +203,7 @@ def plain_config(M: int) -> GemmConfig:
     """The plain GEMM's configuration for ``M`` rows (what :func:`matmul` runs without one): the
     table's row for the smallest row count ``>= M``, the last row's beyond it. Few rows take
     narrow tiles (64 x 128 up to 128 rows: 128 CTAs busy where 128 x 256 tiles keep 32, twice as
-    fast; then 64 x 256 x 32 on 8 stages, 128 x 128 x 64 on 6, 64 x 256 x 64 on 4 up to 192, 256
-    and 384 rows: a single round of tiles waits on its loads, which deep load pipelines hide);
+    fast; then 64 x 256 up to 384, but 128 x 128 on a 6-stage load pipeline at 193-256);
     from 385 rows on, 128 x 256 tiles, with a split tail or without
     (whichever measured faster at that row count: they differ by noise there). Measured at
     N = K = 8192 and used for every width: the choice follows the tiles a row count leaves, most
@@ -216,9 +215,9 @@ def runs_cublas(M: int) -> bool:
     """Whether a plain GEMM of ``M`` rows that a pipeline runs as one of its stages one after
     another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`matmul`: the plain GEMM's
     table row for ``M`` (the one :func:`plain_config` reads) measured cuBLAS faster than every
-    configuration of ours (:func:`ctapipelining.tables.cublas_faster`): 257-384 and 513-768
-    rows, measured at N = K = 8192 and used for every width, as the table's tiles are. Never
-    under the interpreter."""
+    configuration of ours (:func:`ctapipelining.tables.cublas_faster`): 193-384 and 513-768
+    rows, measured at N = K = 8192 on an H200 and used for every width, as the table's tiles
+    are. Never under the interpreter."""
     return not interpreting() and pick_config(table_flags(GEMM_TABLE, "cublas"), M)
 
 

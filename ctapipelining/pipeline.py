@@ -71,8 +71,8 @@ including 1 at 1024 rows only,
 stages all share one device, built without a configuration (nor epilogues, ends, a segment, a
 trace, an SM budget or loopback), runs a call as plain GEMMs one after another
 (:attr:`Pipeline.one_after_another`): ours, or cuBLAS's at the row counts where cuBLAS measured
-faster than every configuration of ours (:func:`~ctapipelining.gemm.stage_gemm`: 257-384 and
-513-768 rows); ``always_pipelined=True`` keeps the chain kernel. Stages on several GPUs
+faster than every configuration of ours (:func:`~ctapipelining.gemm.stage_gemm`: 193-384 and
+513-768 rows on an H200); ``always_pipelined=True`` keeps the chain kernel. Stages on several GPUs
 always pipeline.
 """
 

@@ -132,7 +132,7 @@ def test_the_epilogues_activations_keep_within_the_sfus_tanh_error():
 )  # fmt: skip
 def test_plain_matmul(M, K, N):
     """Each row count in its measured configuration (:func:`~ctapipelining.gemm.plain_config`:
-    narrower tiles than 128 x 256 for a few hundred rows or fewer, some on deep load pipelines),
+    narrower tiles than 128 x 256 for a few hundred rows or fewer, one on a 6-stage load pipeline),
     into a NaN-filled ``out``."""
     from ctapipelining.gemm import plain_config
 
