@@ -647,16 +647,13 @@ class GemmLaunch:
         TMA store into ``c`` on the residual's GPU), rather than loading the residual in the epilogue."""
         return self.accumulate and c.stride(0) == c.shape[1] and c.device == residual.device
 
-    def _with_residual(
-        self, bundles: tuple, c: torch.Tensor, residual: torch.Tensor | None, raw: bool, adds: bool
-    ) -> tuple:
+    def _with_residual(self, bundles: tuple, residual: torch.Tensor | None, raw: bool, adds: bool) -> tuple:
         """``bundles`` (or their addresses, ``raw``) with this call's residual in the epilogue:
-        loaded by the epilogue, or (``adds``) already in C (the bundle's residual is then C, the
-        part each tile adds onto prefetched into L2 before its end)."""
+        loaded by the epilogue, or (``adds``) already in C."""
         if self.epilogue is None or not self.epilogue.residual:
             return bundles
         if adds:
-            epi = self.epilogue.bundle(**self._epi_args, residual=c, accumulate=True)
+            epi = self.epilogue.bundle(**self._epi_args, accumulate=True)
         else:
             epi = self.epilogue.bundle(**self._epi_args, residual=residual)
         return (*bundles[:3], addresses(epi) if raw else epi, *bundles[4:])
@@ -733,7 +730,7 @@ class GemmLaunch:
         args = (
             descriptor(a, a_block), descriptor(b, b_block), descriptor(c, c_block) if tma_store else None,
             None if tma_store else c, *self._sizes, c.shape[0], c.stride(0),
-            *self._with_residual(self._bundles, c, residual, False, adds),
+            *self._with_residual(self._bundles, residual, False, adds),
         )  # fmt: skip
         if got is not None and got[1] is None and not launch_hooks():
             kernel = got[0]  # a launcher RawLaunch does not know: Triton's compiled launcher, no hooks
@@ -769,7 +766,7 @@ class GemmLaunch:
             *tensor_map(0, a, a_block), *tensor_map(1, b, b_block),
             *(tensor_map(2, c, c_block) if tma_store else (None,)), None if tma_store else c.data_ptr(),
             *self._sizes, c.shape[0], c.stride(0),
-            *self._with_residual(self._addresses, c, residual, True, self._adds(c, residual)),
+            *self._with_residual(self._addresses, residual, True, self._adds(c, residual)),
             *self._trailing,
         )  # fmt: skip
 

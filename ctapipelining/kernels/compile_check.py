@@ -318,9 +318,7 @@ EPILOGUE_VARIANTS = {
     "residual_sums": dict(
         residual="*bf16", stride_res="i32", res_rows="i32", sq_out="*fp32", out_parts="i32"
     ),  # a stack's down
-    "accumulate": dict(
-        residual="*bf16", stride_res="i32", res_rows="i32", ACCUMULATE=True
-    ),  # a block's down GEMM: each tile added onto C (the residual) by TMA
+    "accumulate": dict(ACCUMULATE=True),  # a block's down GEMM: each tile added onto C by TMA
     # a GPT stack's: a LayerNorm from the stage before's partial sums; a down GEMM leaving them
     "layer_norm_sums": dict(
         _RMS, SQ_PARTS=32, row_sum="*fp32", part_cols="i32", col_sum="*fp32", bias="*bf16", ACTIVATION=gelu

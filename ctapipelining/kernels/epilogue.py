@@ -41,13 +41,10 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
    column of a pair, stored 16 bits at a time.
 4. ``residual`` (not None): a matrix of the output's shape (row stride ``stride_res``, ``res_rows``
    rows: those past it add zeros), added. Or, with ``ACCUMULATE``, C already holds the residual
-   (``residual`` is then C) and the tile is added onto it by a TMA reduce-add
-   (``cp.reduce.async.bulk.tensor .add``) in place of its store: no residual tile in registers
-   or shared memory, so the GEMM keeps the plain GEMM's tiles (C's dtype rounds twice: the tile,
-   then the sum, as ``x + f(x)`` in bf16 does). A reduce-add reads the part of C it adds onto,
-   which the weights streamed through L2 since have evicted: :data:`PREFETCH_STEPS` K-steps
-   before the tile's end its threads ask L2 for that part (:func:`prefetch_residual`), so the
-   reduce-add finds it there.
+   and the tile is added onto it by a TMA reduce-add (``cp.reduce.async.bulk.tensor .add``) in
+   place of its store: no residual tile in registers or shared memory, so the GEMM keeps the
+   plain GEMM's tiles (C's dtype rounds twice: the tile, then the sum, as ``x + f(x)`` in bf16
+   does).
 5. ``sq_out`` (not None): after the tile is rounded to C's dtype, each of its rows' sum of
    squares is stored at ``sq_out[row, pn]`` (``[rows, out_parts]``, fp32; columns past the
    output's add nothing), and with ``sum_out`` each row's sum, the squares then taken about the
@@ -85,9 +82,7 @@ class Epilogue(NamedTuple):
     part_cols: object  # with row_sum: the columns of each part but the last (the producer's tile width)
     ACTIVATION: object  # a @triton.jit function of an fp32 tile (None: none)
     GATED: object  # True: B's columns in runs of gate and up, ACTIVATION(gate) * up, a half-width tile (None: not)
-    ACCUMULATE: (
-        object  # True: C holds the residual (residual: C); the tile is added onto it (TMA reduce-add) (None: stored)
-    )
+    ACCUMULATE: object  # True: C holds the residual; the tile is added onto it (TMA reduce-add) (None: stored)
 
 
 INTERPRETED: tl.constexpr = tl.constexpr(triton.knobs.runtime.interpret)  # as Triton decided for these functions
@@ -124,7 +119,6 @@ def gelu(x):
 
 
 GATE_RUN: tl.constexpr = tl.constexpr(8)  # a gated B's columns: runs of this many gate columns, then as many up
-PREFETCH_STEPS: tl.constexpr = tl.constexpr(8)  # K-steps before a tile's end at which C's part is prefetched
 NORM_WARPS = 8  # a program of :func:`norm_rows` reads one row on a GPU: many programs, their loads all in flight
 NORM_MAX_COLS = 4096  # the widest step (columns) it reads at once
 NORM_GPU_ROWS = 1  # rows a program of :func:`norm_rows` reads on a GPU
@@ -198,25 +192,6 @@ def layer_norm_stats(epi, offs_m, rows):
 
 
 @triton.jit
-def prefetch_residual(epi, pm, pn, rows, n_out, BLOCK_M: tl.constexpr, OUT_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """With ``ACCUMULATE``: ask L2 for the part of C (``rows`` x ``n_out``) that tile ``(pm, pn)``
-    of ``OUT_N`` output columns adds onto, a bulk prefetch of each of its rows' bytes
-    (``cp.async.bulk.prefetch.L2``; a row past C's asks for C's first row's bytes instead). A
-    hint: it changes no result."""
-    if epi.ACCUMULATE is not None:
-        if not INTERPRET:  # no inline PTX in the interpreter
-            offs_m = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            offs_m = tl.where(offs_m < tl.minimum(rows, epi.res_rows), offs_m, 0)
-            ELEM: tl.constexpr = epi.residual.dtype.element_ty.primitive_bitwidth // 8
-            size = (tl.minimum(OUT_N, n_out - pn * OUT_N) * ELEM).to(tl.int32)  # a multiple of 16 (TMA's rows)
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-                [epi.residual + offs_m * epi.stride_res + pn * OUT_N, tl.full((BLOCK_M,), 0, tl.int32) + size],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-
-
-@triton.jit
 def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
     """The epilogue ``epi`` on tile ``(pm, pn)``'s accumulator ``acc`` (``rows`` x ``n_out``:
     the output's extent, for masks). Returns the tile to store (half as wide with ``GATED``;
@@ -247,7 +222,7 @@ def apply(epi, acc, pm, pn, rows, n_out, BLOCK_M: tl.constexpr):
         acc = epi.ACTIVATION(acc)
     OUT_N: tl.constexpr = acc.shape[1]
     cols = pn * OUT_N + tl.arange(0, OUT_N)
-    if epi.residual is not None and epi.ACCUMULATE is None:  # (with ACCUMULATE it is in C, added by TMA)
+    if epi.residual is not None:
         mask = (offs_m[:, None] < tl.minimum(rows, epi.res_rows)) & (cols[None, :] < n_out)
         res = tl.load(epi.residual + offs_m[:, None] * epi.stride_res + cols[None, :], mask=mask, other=0.0)
         acc += res.to(tl.float32)

@@ -263,18 +263,15 @@ def _report_wait(wait, c0, tile, epoch, err_ptr, stage):
 
 @triton.jit
 def _mma_tile(
-    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok, epi, WHOLE: tl.constexpr,
+    op, pm, pn, k_begin, k_end, prot, signal, pending, wait, c0, ok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile of ``op`` (:class:`Operands`) from K-steps
-    ``[k_begin, k_end)`` (all of K but in a split tail), fp32 accumulator. Hooks reach into
+    ``[k_begin, k_end)`` (all of K but in a split tail), fp32 accumulator. Two hooks reach into
     the K loop, each a branch at one step: with ``signal`` the CTA's previous tile
     (``pending``) is signalled a quarter into the loop, by when its writes have drained; with
     ``wait`` in parts this thread waits for part ``q`` of the input rows (counters from ``c0``)
-    at step :func:`_part_step` (``ok``: per thread); on a ``WHOLE`` tile (not a split tail's
-    slice, which stores a partial) whose epilogue ``epi`` adds it onto C, C's part is prefetched
-    into L2 ``PREFETCH_STEPS`` steps before the end (:func:`.epilogue.prefetch_residual`).
-    Otherwise the loop is the plain GEMM's.
+    at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
     Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_begin, k_end):
@@ -289,10 +286,6 @@ def _mma_tile(
                 if ki == _part_step(q, wait, BLOCK_K):
                     ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
-        if WHOLE and epi.ACCUMULATE is not None:
-            if ki == k_end - epilogue.PREFETCH_STEPS:
-                OUT_N: tl.constexpr = BLOCK_N // 2 if epi.GATED is not None else BLOCK_N
-                epilogue.prefetch_residual(epi, pm, pn, op.c_rows, _out_cols(op, epi), BLOCK_M, OUT_N, INTERPRET)
     return acc, pending, ok
 
 
@@ -364,9 +357,8 @@ def _run_tile(
     pn = tile % num_n
     t_start = _now(prot.trace_ptr)
     acc, pending, ok = _mma_tile(
-        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, epi, True, BLOCK_M, BLOCK_N, BLOCK_K,
-        QUEUE, INTERPRET,
-    )  # fmt: skip
+        op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
+    )
     if wait is not None:
         ok = cta_all(ok, INTERPRET)
     if ok:
@@ -420,24 +412,7 @@ def _split_tail(
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
             acc, _, _ = _mma_tile(
-                op,
-                pm,
-                pn,
-                k0,
-                k1,
-                prot,
-                None,
-                -1,
-                None,
-                0,
-                True,
-                epi,
-                False,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                QUEUE,
-                INTERPRET,
+                op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
             )
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             partials = tail.workspace + (j * tail.splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
