@@ -290,6 +290,8 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if t.dtype not in DTYPES:
@@ -821,6 +823,13 @@ MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls), the most 
 _OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
 
 
+def bindable(t) -> bool:
+    """Whether ``t`` may take a bound launch (its checks skipped on its :func:`signature`): a
+    strided CUDA tensor of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
+    elsewhere; a sparse or nested tensor has no address to sign: the checks refuse it)."""
+    return type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided
+
+
 def signature(t: torch.Tensor) -> tuple:
     """What every check of an operand reads: its address, shape, strides, dtype and device (a
     CUDA device's index, -1 for any other). Addresses are unique across the GPUs of a process
@@ -998,10 +1007,9 @@ def matmul(
     new ``out``, its arguments are built again only where it lands elsewhere than the last)."""
     key = None
     plain = epilogue is None and residual is None and a_copy is None and (config is None or type(config) is GemmConfig)
-    types = _OPERAND_TYPES
-    index = a.get_device() if type(a) in types and a.is_cuda else -1
+    index = a.get_device() if bindable(a) else -1
     if (
-        plain and index >= 0 and type(b) in types and (out is None or type(out) in types)
+        plain and index >= 0 and bindable(b) and (out is None or bindable(out))
         and not capturing_on(index)  # a capture binds a launch of its own (launch_checked)
     ):  # fmt: skip
         stream = torch._C._cuda_getCurrentRawStream(index)

@@ -93,10 +93,10 @@ from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .epilogue import Epilogue
 from .gemm import (
-    _OPERAND_TYPES,
     BoundGemms,
     GemmLaunch,
     TailBuffers,
+    bindable,
     captures_owned_by,
     capturing_on,
     check_out,
@@ -697,12 +697,9 @@ class Pipeline:
 
     @staticmethod
     def _bindable(x, out) -> bool:
-        """Whether a call on ``x`` and ``out`` may bind its GEMMs or launch bound ones: strided
-        CUDA tensors of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
-        elsewhere)."""
-        return all(
-            type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided for t in (x, out) if t is not None
-        )
+        """Whether a call on ``x`` and ``out`` may bind its GEMMs or launch bound ones (each
+        :func:`~ctapipelining.gemm.bindable`)."""
+        return bindable(x) and (out is None or bindable(out))
 
     def _bound_call(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """An eager call of :attr:`one_after_another` whose operands have the signatures

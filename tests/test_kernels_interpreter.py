@@ -268,6 +268,10 @@ def test_bad_inputs_raise_before_launch():
         pipe(torch.randn(8, 24).half())
     with pytest.raises(ValueError, match="2-D"):
         pipe(torch.randn(8).half())
+    with pytest.raises(TypeError, match="dense"):
+        pipe(torch.randn(8, 16).half().to_sparse())
+    with pytest.raises(TypeError, match="dense"):
+        matmul(a.to_sparse(), b)
     with pytest.raises(ValueError, match="out must be"):
         pipe(torch.randn(8, 16).half(), out=torch.empty(8, 17).half())
     with pytest.raises(ValueError, match="inner dimensions"):
@@ -335,6 +339,24 @@ def test_cublas_faster_needs_the_whole_interval_above_the_margin():
     assert cublas_faster({"median": 1.11, "ci95": [1.10, 1.13]})
     assert not cublas_faster({"median": 1.075, "ci95": [0.93, 1.11]})  # a wide interval: not shown
     assert not cublas_faster({"median": 1.03, "ci95": [1 + CUBLAS_MARGIN, 1.05]})  # at the margin: ours
+
+
+def test_only_plain_strided_cuda_tensors_take_a_bound_launch():
+    """``bindable``: what a bound launch may skip the checks for (it signs operands by address,
+    so a tensor without one, or a subclass that may dispatch elsewhere, goes through the checks)."""
+    from ctapipelining.gemm import bindable
+
+    class Sub(torch.Tensor):
+        pass
+
+    meta = torch.empty(8, 8, device="meta")
+    assert not bindable(torch.empty(8, 8))  # not CUDA
+    assert not bindable(meta) and not bindable(torch.nn.Parameter(meta))
+    assert not bindable(torch.empty(8, 8).to_sparse()) and not bindable(None) and not bindable(3)
+    if torch.cuda.is_available():
+        cuda = torch.empty(8, 8, device="cuda")
+        assert bindable(cuda) and bindable(torch.nn.Parameter(cuda))
+        assert not bindable(cuda.to_sparse()) and not bindable(cuda.as_subclass(Sub))
 
 
 def test_mm_into_runs_as_a_launch_of_ours():
