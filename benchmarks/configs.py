@@ -253,6 +253,10 @@ def write(report: dict, table: list, name: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["package"]:
-        package(Path(sys.argv[2]), sys.argv[3], [int(m) for m in sys.argv[4].split(",")] if len(sys.argv) > 4 else None)
+        package(
+            Path(sys.argv[2]),
+            sys.argv[3],
+            [int(m) for m in sys.argv[4].split(",")] if sys.argv[4:5] != [""] and len(sys.argv) > 4 else None,
+        )
     else:
         {"plain": plain, "chain": chain}[KIND]()

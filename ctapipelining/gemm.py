@@ -277,7 +277,10 @@ def _row_major(t: torch.Tensor) -> bool:
 def tma_ready(t) -> bool:
     """The common case of :func:`check_tensor`, in a few attribute reads: a contiguous 2-D
     bf16/fp16 CUDA tensor whose rows are a multiple of 16 bytes, based 16-byte aligned."""
-    if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype in DTYPES and t.dim() == 2 and t.is_contiguous()):
+    if not (
+        isinstance(t, torch.Tensor) and t.is_cuda and t.layout is torch.strided and not t.is_nested
+        and t.dtype in DTYPES and t.dim() == 2 and t.is_contiguous()
+    ):  # fmt: skip
         return False
     rows, cols = t.shape
     # contiguous with both sizes above 1: the strides are (cols, 1); 2-byte elements
@@ -290,8 +293,7 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    check_dense(t, name)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if t.dtype not in DTYPES:
@@ -827,7 +829,14 @@ def bindable(t) -> bool:
     """Whether ``t`` may take a bound launch (its checks skipped on its :func:`signature`): a
     strided CUDA tensor of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
     elsewhere; a sparse or nested tensor has no address to sign: the checks refuse it)."""
-    return type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided
+    return type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided and not t.is_nested
+
+
+def check_dense(t: torch.Tensor, name: str) -> None:
+    """Raise a clear error for a tensor without one strided block of memory (sparse, nested)."""
+    if t.is_nested or t.layout is not torch.strided:
+        what = "nested" if t.is_nested else f"of layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got one {what}")
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -899,6 +908,7 @@ def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str =
     contiguous (row stride ``>= N``, a multiple of 16 bytes), base 16-byte aligned."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(out).__name__}")
+    check_dense(out, what)
     if out.shape != (M, N) or out.dtype != dtype:
         raise ValueError(f"{what} must be a [{M}, {N}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     if M and N and not (M > 1 < N and N % 8 == 0 and out.is_contiguous() or _row_major(out)):

@@ -99,6 +99,7 @@ from .gemm import (
     bindable,
     captures_owned_by,
     capturing_on,
+    check_dense,
     check_out,
     check_tensor,
     check_weight,
@@ -1240,6 +1241,8 @@ class Pipeline:
         ready = tma_ready(x) and x.dtype == w0.dtype and x.device == self.devices[0]
         if ready and x.shape[1] == w0.shape[0] and x.shape[0]:
             return  # the common case, in a few attribute reads
+        if isinstance(x, torch.Tensor):
+            check_dense(x, "pipeline input")
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor [M, {w0.shape[0]}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != w0.dtype:

@@ -132,8 +132,8 @@ def test_the_epilogues_activations_keep_within_the_sfus_tanh_error():
 )  # fmt: skip
 def test_plain_matmul(M, K, N):
     """Each row count in its measured configuration (:func:`~ctapipelining.gemm.plain_config`:
-    narrower tiles than 128 x 256 for a few hundred rows or fewer, one on a 6-stage load pipeline),
-    into a NaN-filled ``out``."""
+    narrower tiles than 128 x 256 for a few hundred rows or fewer: 250 rows take 128 x 128 tiles
+    on a 6-stage load pipeline), into a NaN-filled ``out``."""
     from ctapipelining.gemm import plain_config
 
     cfg = plain_config(M)
@@ -176,6 +176,35 @@ def test_signals_bitwise(policy):
     pipe = Pipeline(ws, loopback=True, policy=policy)
     for M in (16384, 3000):
         assert_calls_right(pipe, M, delays=(0, 0, 0))
+
+
+@pytest.mark.gpu
+def test_only_plain_strided_cuda_tensors_take_a_bound_launch():
+    """``bindable``: a bound launch signs its operands by address, so a sparse or nested tensor,
+    or a subclass that may dispatch elsewhere, goes through the checks, which refuse the first
+    two by name, in ``matmul`` and in a pipeline (its bound calls included)."""
+    from ctapipelining.gemm import bindable
+
+    class Sub(torch.Tensor):
+        pass
+
+    a, b = rand(256, 512, device="cuda:0"), rand(512, 512, device="cuda:0", scale=512**-0.5)
+    assert bindable(a) and bindable(torch.nn.Parameter(b))
+    nested = torch.nested.nested_tensor([a[0]] * 256)  # 2-D and strided, but no address to sign
+    bad = [a.to_sparse(), a.to_sparse_csr(), nested]
+    assert not any(bindable(t) for t in bad) and not bindable(a.as_subclass(Sub))
+    y = matmul(a, b)
+    matmul(a, b, out=y)  # the signatures bound
+    pipe = Pipeline([b, b])
+    pipe(a, out=torch.empty_like(a))
+    for t in bad:
+        with pytest.raises(TypeError, match="dense"):
+            matmul(t, b)
+        with pytest.raises(TypeError, match="dense"):
+            matmul(a, b, out=t)
+        with pytest.raises(TypeError, match="dense"):
+            pipe(t)
+    torch.testing.assert_close(matmul(a.as_subclass(Sub), b).as_subclass(torch.Tensor), y, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
