@@ -253,10 +253,7 @@ def write(report: dict, table: list, name: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["package"]:
-        package(
-            Path(sys.argv[2]),
-            sys.argv[3],
-            [int(m) for m in sys.argv[4].split(",")] if sys.argv[4:5] != [""] and len(sys.argv) > 4 else None,
-        )
+        only = sys.argv[4] if len(sys.argv) > 4 else ""  # row counts, comma-separated (none: all)
+        package(Path(sys.argv[2]), sys.argv[3], [int(m) for m in only.split(",")] if only else None)
     else:
         {"plain": plain, "chain": chain}[KIND]()
