@@ -829,12 +829,18 @@ def bindable(t) -> bool:
     """Whether ``t`` may take a bound launch (its checks skipped on its :func:`signature`): a
     strided CUDA tensor of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
     elsewhere; a sparse or nested tensor has no address to sign: the checks refuse it)."""
-    return type(t) in _OPERAND_TYPES and t.is_cuda and t.layout is torch.strided and not t.is_nested
+    return type(t) in _OPERAND_TYPES and t.is_cuda and is_dense(t)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one strided block of memory (not sparse, not nested): what has an address
+    to sign (:func:`signature`)."""
+    return t.layout is torch.strided and not t.is_nested
 
 
 def check_dense(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for a tensor without one strided block of memory (sparse, nested)."""
-    if t.is_nested or t.layout is not torch.strided:
+    if not is_dense(t):
         what = "nested" if t.is_nested else f"of layout {t.layout}"
         raise TypeError(f"{name} must be a dense (strided) tensor, got one {what}")
 

@@ -59,7 +59,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from .gemm import check_tensor, check_weight, launch_checked, matmul, overlaps, signature, tma_ready
+from .gemm import check_tensor, check_weight, is_dense, launch_checked, matmul, overlaps, signature, tma_ready
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
@@ -244,7 +244,11 @@ class FusedMLP(torch.nn.Module):
         shape, strides, dtype, device) or a configuration changes, the weights and epilogues are
         checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
         own call relies on it."""
-        key = (*(signature(t) for t in self._buffers.values() if t is not None), self.in_config, self.out_config)
+        key = (
+            *(signature(t) if is_dense(t) else None for t in self._buffers.values() if t is not None),
+            self.in_config,
+            self.out_config,
+        )  # fmt: skip (a buffer that is not dense has no signature: checked, and refused, below)
         if self._epi is None or self._epi[0] != key:
             w_in, w_out, name = self.w_in, self.w_out, type(self).__name__
             check_weight(w_in, f"{name}: first weight")

@@ -355,6 +355,7 @@ def test_weights_put_in_after_construction_are_checked_before_the_next_call():
         (good.float(), "do not make a block|dtype"),
         (good.t().contiguous().t(), "contiguous"),
         (good[:, : 2 * INTER - 16].contiguous(), "do not make a block"),
+        (good.to_sparse(), "dense"),
     ):
         block.w_in = bad
         with pytest.raises((ValueError, TypeError), match=match):
