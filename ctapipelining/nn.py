@@ -59,7 +59,17 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from .gemm import check_tensor, check_weight, is_dense, launch_checked, matmul, overlaps, signature, tma_ready
+from .gemm import (
+    check_dense,
+    check_tensor,
+    check_weight,
+    is_dense,
+    launch_checked,
+    matmul,
+    overlaps,
+    signature,
+    tma_ready,
+)
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
@@ -419,11 +429,13 @@ class FusedMLP(torch.nn.Module):
 
 
 def _check_block(ws: dict, shapes: dict, optional: tuple[str, ...] = ()) -> None:
-    """Tensors of the ``shapes`` (by name; the ``optional`` ones may be None), of one dtype on one
-    device."""
+    """Dense tensors of the ``shapes`` (by name; the ``optional`` ones may be None), of one dtype
+    on one device."""
     for name, t in ws.items():
         if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None:
+            check_dense(t, name)
     got = {n: tuple(t.shape) for n, t in ws.items() if t is not None}
     if got != {n: s for n, s in shapes.items() if n in got}:
         raise ValueError(f"shapes do not make a block: {got} (want {shapes})")
@@ -490,7 +502,9 @@ class LlamaMLP(FusedMLP):
         down_config: GemmConfig = DOWN_CONFIG,
     ):
         super().__init__(gate_up_config, down_config)
-        inter, H = w_gate.shape if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 2 else (0, 0)
+        inter, H = (
+            w_gate.shape if isinstance(w_gate, torch.Tensor) and is_dense(w_gate) and w_gate.dim() == 2 else (0, 0)
+        )
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
         if inter % 8 or H % 8 or not inter:
@@ -566,7 +580,7 @@ class GPTMLP(FusedMLP):
         down_config: GemmConfig = DOWN_CONFIG,
     ):
         super().__init__(up_config, down_config)
-        inter, H = w_1.shape if isinstance(w_1, torch.Tensor) and w_1.dim() == 2 else (0, 0)
+        inter, H = w_1.shape if isinstance(w_1, torch.Tensor) and is_dense(w_1) and w_1.dim() == 2 else (0, 0)
         ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
         want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),
                 "norm_bias": (H,)}  # fmt: skip

@@ -333,6 +333,14 @@ def test_bad_epilogues_are_refused_before_launch():
         matmul(a, w, config=SMALL, epilogue=Epilogue(residual=True), residual=torch.zeros(32, 32).half())
     with pytest.raises(ValueError, match="shapes do not make a block"):
         LlamaMLP(torch.zeros(80, 48), torch.zeros(80, 48), torch.zeros(80, 48), torch.zeros(48))
+    gate, down, g = torch.zeros(80, 48).half(), torch.zeros(48, 80).half(), torch.ones(48).half()
+    for bad in (gate.to_sparse(), torch.nested.nested_tensor(list(gate))):  # refused by name, not by torch
+        with pytest.raises(TypeError, match="w_gate must be a dense"):
+            LlamaMLP(bad, gate, down, g)
+        with pytest.raises(TypeError, match="w_1 must be a dense"):
+            GPTMLP(bad, None, down, None, g, None)
+    with pytest.raises(TypeError, match="norm_bias must be a dense"):
+        GPTMLP(gate, None, down, None, g, g.to_sparse())
     block = LlamaMLP(*(torch.zeros(s).half() for s in ((80, 48), (80, 48), (48, 80), (48,))), 1e-5)
     with pytest.raises(ValueError, match="x must be"):
         block(torch.zeros(4, 40).half())
