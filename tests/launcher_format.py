@@ -1,5 +1,6 @@
 """Check, without a GPU, that :meth:`GemmLaunch.raw_args` and :meth:`ChainLaunch.raw_args` fit
-the argument format of the launcher Triton builds for each kernel variant (run by
+the argument format of the launcher Triton builds for each kernel variant, each slot holding what
+the kernel's parameter of that place names (sizes, strides, descriptors) (run by
 ``test_launcher.py`` in a process without the interpreter; prints ``ok`` per variant or
 raises)."""
 
@@ -12,9 +13,10 @@ from triton.backends.nvidia.driver import make_launcher
 from ctapipelining.chain import ChainLaunch, ChainStage
 from ctapipelining.epilogue import Epilogue, gelu, silu
 from ctapipelining.gemm import GemmLaunch, SignalHook, WaitHook
+from ctapipelining.kernels.chain import chain_kernel
 from ctapipelining.kernels.compile_check import compile_chain, compile_norm, compile_variant
 from ctapipelining.kernels.epilogue import norm_rows
-from ctapipelining.kernels.gemm import PIPELINE_CONFIG
+from ctapipelining.kernels.gemm import PIPELINE_CONFIG, gemm_kernel
 
 
 def launcher_format(kernel) -> tuple[str, dict[int, str]]:
@@ -75,6 +77,19 @@ def check(args, fmt, roles, where="", pos=None) -> None:
             raise AssertionError(f"{where}[{i}]: a constexpr slot holds {type(a).__name__}")
 
 
+def by_name(args, names) -> dict:
+    """The kernel's parameters ``names`` with the raw arguments each takes: a descriptor (a
+    parameter named ``*_desc`` or one letter and a digit) its tensor map with the shape and
+    strides after it (5 slots), or None (1); any other parameter 1 slot."""
+    at, i = {}, 0
+    for n in names:
+        desc = n.endswith("_desc") or re.fullmatch(r"[abc]\d", n)
+        width = 5 if desc and isinstance(args[i], TensorMap) else 1
+        at[n], i = (args[i : i + width] if width > 1 else args[i]), i + width
+    assert i == len(args), (i, len(args))
+    return at
+
+
 def i64(n):
     return torch.zeros(n, dtype=torch.int64)
 
@@ -110,7 +125,13 @@ def main():
         assert (launch.tail is not None) == options.get("split_tail", False)
         a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
         c = torch.zeros(M, N + (0 if tma_store else 64), dtype=torch.bfloat16)[:, :N]
-        check(launch.raw_args(fake_map, a, b, c), fmt, roles, str((flags, options)))
+        args = launch.raw_args(fake_map, a, b, c)
+        check(args, fmt, roles, str((flags, options)))
+        at = by_name(args, gemm_kernel.arg_names)  # each slot holds what it names
+        assert (at["M"], at["N"], at["k_tiles"]) == (M, N, K // config.block_k), at
+        assert (at["c_rows"], at["stride_cm"]) == (M, c.stride(0)), at
+        assert (at["c_desc"] is None) == (at["c_ptr"] is not None) == (not tma_store), at
+        assert list(at["a_desc"][1:]) == [M, K, K, 1] and list(at["b_desc"][1:]) == [K, N, N, 1], at
         print("ok", flags, options)
     # fused epilogues: the residual is a call's own tensor, the gated output half as wide
     plain = dataclasses.replace(cfg, split_tail=False)
@@ -171,7 +192,11 @@ def main():
             last = i == len(stages) - 1
             c = torch.zeros(M, N + (0 if tma_store or not last else 64), dtype=torch.bfloat16)[:, :N]
             ops.append((a, b, c))
-        check(launch.raw_args(fake_map, ops), fmt, roles, str((flags, options)))
+        args = launch.raw_args(fake_map, ops)
+        check(args, fmt, roles, str((flags, options)))
+        at = by_name(args, chain_kernel.arg_names)
+        assert (at["M"], at["c_rows"], at["stride_cm"]) == (M, M, ops[-1][2].stride(0)), at
+        assert [at[f"a{i}"] is None for i in range(4)] == [i >= len(stages) for i in range(4)], at
         print("ok chain", flags, options)
 
 

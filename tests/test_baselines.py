@@ -142,15 +142,22 @@ def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
 
 
 @pytest.mark.parametrize("gemm", ["cublas", "ours"])
-@pytest.mark.parametrize("g,M", [(1, 40), (2, 40), (3, 40), (2, 100), (4, 20)])
-def test_data_parallel_rows_and_gather(gemm, g, M):
-    """Rows split in whole 16-row blocks (the last share takes the rest; a share may be empty),
-    each share through the whole chain, gathered into one output."""
+@pytest.mark.parametrize(
+    "g,M,shares",
+    [(1, 40, [40]), (2, 40, [16, 24]), (3, 40, [16, 16, 8]), (2, 100, [48, 52]), (4, 20, [0, 16, 0, 4])],
+)
+def test_data_parallel_rows_and_gather(gemm, g, M, shares):
+    """Rows split in whole 16-row blocks as evenly as they allow (the blocks per share differ by
+    at most one; the last share takes the rest; a share may be empty), each share through the
+    whole chain, gathered into one output."""
     ws = chain(32, 48, 16)
     dp = DataParallel(ws, ["cpu"] * g, M, gemm=gemm, row_align=16)
     cuts = [r.start for r in dp.rows] + [dp.rows[-1].stop]
-    assert cuts[0] == 0 and cuts[-1] == M and all(a <= b for a, b in zip(cuts, cuts[1:]))
-    assert all(c % 16 == 0 for c in cuts[:-1])
+    assert cuts[0] == 0 and cuts[-1] == M and all(c % 16 == 0 for c in cuts[:-1])
+    got = [r.stop - r.start for r in dp.rows]
+    assert got == shares
+    blocks = [-(-n // 16) for n in got]
+    assert max(blocks) - min(blocks) <= 1
     dp.x.copy_(torch.randn(M, 32).half())
     dp.out.fill_(float("nan"))
     y = dp()

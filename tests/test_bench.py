@@ -17,11 +17,21 @@ def results():
 
 
 def test_table_has_every_method_with_ratio_to_floor(results):
-    t = bench.table(results["summaries"])
+    """A line per summary, each median over its row count's Triton floor: the graph-replayed
+    floor where the run has one, else the eager one."""
+    summaries = results["summaries"]
+    rows = [line.split() for line in bench.table(summaries).splitlines()[1:]]
+    assert [r[0] for r in rows] == [s["method"] for s in summaries]
     for method in ("floor_cublas", "floor_triton", "sequential", "microbatch", "tp", "cta_workqueue", "cta_static"):
-        assert method in t
-    floor_line = next(line for line in t.splitlines() if line.startswith("floor_triton") and " 16384 " in line)
-    assert floor_line.rstrip().endswith("1.000")
+        assert method in {r[0] for r in rows}
+    floor = {s["seq"]: s["median_ms"] for s in summaries if s["method"] == "floor_triton"}
+    for r, s in zip(rows, summaries):
+        assert float(r[-1]) == pytest.approx(s["median_ms"] / floor[s["seq"]], abs=6e-4), r
+    assert next(r for r in rows if r[0] == "floor_triton" and r[1] == "16384")[-1] == "1.000"
+    graph = [dict(s, method="floor_triton_graph", median_ms=s["median_ms"] / 2) for s in summaries
+             if s["method"] == "floor_triton"]  # fmt: skip
+    rows = [line.split() for line in bench.table(summaries + graph).splitlines()[1:]]
+    assert next(r for r in rows if r[0] == "floor_triton" and r[1] == "16384")[-1] == "2.000"  # over the graph's
 
 
 def test_headline_ratios_are_recomputed_from_medians(results):

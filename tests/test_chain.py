@@ -75,18 +75,20 @@ def test_chain_ticket_and_counters_do_not_wrap(start):
             assert link.counters.tolist() == [(start + call) * int(k) for k in link.dep.need]
 
 
-def test_chain_timeout_inside_the_kernel_is_clean_and_the_next_call_right():
+@pytest.mark.parametrize("counter", [0, 1])
+def test_chain_timeout_inside_the_kernel_is_clean_and_the_next_call_right(counter):
     """A counter inside the kernel that never fills (its consumer needs one signal more than
-    its producers send): the call raises PipelineTimeout naming the stage, and after it the
-    pipeline runs right again."""
+    its producers send), of a row-block's first part or of its second: the call raises
+    PipelineTimeout naming the stage and the counter, and after it the pipeline runs right
+    again. (A part waited for inside the K loop: ``test_kernels_interpreter.py``.)"""
     ws = chain(16, 24, 40, 16)
     pipe = Pipeline(ws, config=PARTS, timeout_s=0.05, loopback=False)
     x = torch.randn(40, 16).half()
     plan = pipe.plan(40)
-    plan.links[1].need_consumer[0] += 1
-    with pytest.raises(PipelineTimeout, match="stage 2 on cpu"):
+    plan.links[1].need_consumer[counter] += 1
+    with pytest.raises(PipelineTimeout, match=f"stage 2 on cpu.*counter {counter}"):
         pipe(x, check=True)
-    plan.links[1].need_consumer[0] -= 1
+    plan.links[1].need_consumer[counter] -= 1
     assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 

@@ -166,11 +166,15 @@ def test_a_change_pytorch_does_not_count_needs_refresh_replicas():
 
 
 def test_plans_are_bounded_and_captured_ones_stay():
+    """The ``max_plans`` most recently used plans are kept (a plan used again outlives an older
+    one), and a pinned (captured) plan is never freed."""
     ws = chain(16, 16, 16)
     pipe = Pipeline(ws, config=SMALL, max_plans=2, row_buckets=0)
-    for M in (8, 16, 24):
+    for M in (8, 16, 8, 24):  # 8 used again after 16: 16 is the least recently used
         pipe(torch.randn(M, 16).half())
-    assert list(pipe._plans) == [16, 24]
+    assert list(pipe._plans) == [8, 24]
+    pipe(torch.randn(16, 16).half())
+    assert list(pipe._plans) == [24, 16]
     pipe.plan(16).pinned = True  # as a captured graph pins it
     for M in (32, 40):
         pipe(torch.randn(M, 16).half())

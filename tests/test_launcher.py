@@ -33,11 +33,79 @@ def test_addresses_replace_tensors_and_keep_everything_else():
     assert addresses(u) == u.data_ptr() and addresses(None) is None and addresses(3) == 3
 
 
-def test_an_unknown_launcher_falls_back_to_tritons_path():
-    class Kernel:  # no launcher of the shape the raw path knows
-        run = object()
+def test_tensor_maps_are_kept_per_slot_address_shape_stride_and_dtype(monkeypatch):
+    """``RawLaunch.tensor_map`` encodes a tensor map once per slot, address, shape, row stride and
+    dtype (what the map depends on; the block is the slot's own), reads the slot's metadata, and
+    starts over when :data:`MAX_TENSOR_MAPS` are kept."""
+    from ctapipelining import launcher
 
-    assert RawLaunch.of(Kernel()) is None
+    made = []
+
+    def encode(desc, meta):
+        made.append((desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.base.dtype, meta))
+        return [object()]
+
+    monkeypatch.setattr(launcher, "make_tensordesc_arg", encode)
+    raw = object.__new__(RawLaunch)  # the cache alone, without a compiled kernel
+    raw._meta, raw._maps = ["meta0", "meta1"], {}
+    t = torch.zeros(64, 32)
+    first = raw.tensor_map(0, t, [16, 16])
+    assert raw.tensor_map(0, t, [16, 16]) is first and len(made) == 1
+    others = [t.clone(), t[:32], torch.zeros(64, 40)[:, :32], t.half()]  # address, shape, row stride, dtype
+    for i, u in enumerate(others):
+        assert raw.tensor_map(0, u, [16, 16]) is not first and len(made) == 2 + i
+    raw.tensor_map(1, t, [16, 8])
+    assert made[-1][-1] == "meta1" and len(made) == 6
+    assert raw.tensor_map(0, t, [16, 16]) is first  # all still kept
+    keep = [torch.zeros(8, 16) for _ in range(launcher.MAX_TENSOR_MAPS)]
+    for u in keep:
+        raw.tensor_map(0, u, [16, 16])
+    assert len(raw._maps) <= launcher.MAX_TENSOR_MAPS and raw.tensor_map(0, t, [16, 16]) is not first
+
+
+def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
+    """``RawLaunch.of`` takes Triton's launcher only in the shapes it knows: a C function
+    (kernels without descriptors), or a wrapper whose closure holds that function and whose
+    kernel records every descriptor's metadata; anything else (no launcher, scratch memory per
+    launch, a closure of another shape, metadata missing) goes through Triton's path (None)."""
+    from types import SimpleNamespace
+
+    from ctapipelining import launcher
+
+    monkeypatch.setattr(launcher, "make_tensordesc_arg", lambda desc, meta: [desc])
+
+    def kernel(launch, scratch=0, meta=("m",)):
+        run = SimpleNamespace(
+            launch=launch, launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=scratch,
+            profile_scratch_size=0,
+        )  # fmt: skip
+        return SimpleNamespace(run=run, function=1, packed_metadata=2, metadata=SimpleNamespace(tensordesc_meta=meta))
+
+    def c_launcher(*args):  # stands for the compiled launcher
+        return args
+
+    def wrapper_of(inner):
+        launcher = inner  # the name Triton's wrapper closes over
+
+        def launch(*args):
+            return launcher(*args)
+
+        return launch
+
+    def other_wrapper(*args):
+        return args
+
+    assert RawLaunch.of(SimpleNamespace(run=object())) is None  # no launcher
+    assert RawLaunch.of(kernel(len, scratch=64)) is None  # scratch memory allocated per launch
+    plain = RawLaunch.of(kernel(len))  # a C function (no __code__): used as it is
+    assert plain is not None and plain._launch is len and plain._meta == []
+    wrapped = RawLaunch.of(kernel(wrapper_of(c_launcher), meta=("m0", "m1")))
+    assert wrapped is not None and wrapped._launch is c_launcher and wrapped._meta == ["m0", "m1"]
+    assert RawLaunch.of(kernel(other_wrapper)) is None  # a closure without the launcher
+    assert RawLaunch.of(kernel(wrapper_of(c_launcher), meta=None)) is None
+    assert RawLaunch.of(kernel(wrapper_of(c_launcher), meta=("m0", None))) is None
+    monkeypatch.setattr(launcher, "make_tensordesc_arg", None)  # a Triton without it
+    assert RawLaunch.of(kernel(len)) is None
 
 
 def test_launch_hooks_take_tritons_path_not_the_raw_launch():

@@ -103,6 +103,23 @@ def test_pipelining_never_beats_one_kernel_nor_loses_to_sequential(policy, M):
     assert t <= one_after_other * CAL.remote_factor + 2 * CAL.t1_ns * 40
 
 
+def test_workqueue_runs_tiles_in_the_order_they_became_ready_and_static_in_its_tile_order():
+    """A ``workqueue`` consumer starts tiles in readiness order (the last tile, ready first, starts
+    first); a ``static`` one walks the fixed tile order, each CTA's tiles one after another."""
+    grid = deps.TileGrid(4096, 4096, 128, 256)  # 512 tiles on 132 CTAs
+    T = grid.num_tiles
+    ready = np.arange(T)[::-1] * 1000.0  # the last tile's input first
+    rows = sim._gemm_stage(grid, 4096, CAL, ready, "workqueue", 0.0, False, False)
+    starts = rows[np.argsort(ready, kind="stable"), 1]
+    assert np.all(np.diff(starts) >= 0) and np.argmin(rows[:, 1]) == T - 1
+    rows = sim._gemm_stage(grid, 4096, CAL, ready, "static", 0.0, False, False)
+    order = deps.tile_order(grid, CAL.group_m)
+    P = min(CAL.num_sms, T)
+    for pid in range(P):  # each CTA's tiles in the order's stride, one after another
+        mine = order[pid::P]
+        assert np.all(rows[mine, 4] == pid) and np.all(np.diff(rows[mine, 1]) > 0)
+
+
 def test_monotonic_in_work():
     for f in (
         lambda m: sim.simulate_gemm(m, 4096, 4096, CAL),
