@@ -72,6 +72,22 @@ def test_missing_signal_deadlocks_and_says_so(monkeypatch):
         refexec.run_chain(two_gemms(), "static", "random", seed=0)
 
 
+def test_a_cta_that_never_finishes_is_stopped_after_a_bounded_number_of_steps(monkeypatch):
+    """A livelock (a CTA that always runs and never completes, as a wait that spins without
+    end would) stops the run with a DeadlockError after ``max_steps`` steps, not never."""
+
+    def spins(self, s, p, bufs, weights, written):
+        while True:
+            yield None  # runnable again at once: no wait
+
+    monkeypatch.setattr(refexec.Executor, "_cta", spins)
+    ex = refexec.Executor(two_gemms())
+    x = np.zeros((ex.chain.M, ex.chain.K0), np.float32)
+    with pytest.raises(refexec.DeadlockError, match="no completion after 500 steps"):
+        ex.run(x, two_gemms().make_weights(np.random.default_rng(0)), max_steps=500)
+    assert 500 < ex.steps <= 502
+
+
 def test_bad_input_shape():
     ex = refexec.Executor(two_gemms())
     with pytest.raises(ValueError, match="shape"):
