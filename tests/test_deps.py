@@ -139,6 +139,17 @@ def test_split_tail_covers_each_tail_tile_once_and_fits_the_grid(tiles, ctas, k_
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+def test_last_stage_tail_is_the_combined_loops_tail_counted_in_the_last_stage():
+    """A chain kernel's split tail: the whole loop's partial round, when it lies within the last
+    stage, at the position the last stage run alone counts; else none."""
+    two = deps.last_stage_tail([160, 160], 132, 128, 16)  # 320 tiles: 2 rounds, then 56 (positions 264-319)
+    assert two == deps.TailSplit(264 - 160, 56, 2)
+    assert deps.last_stage_tail([160], 132, 128, 16) == deps.split_tail(160, 132, 128, 16)  # one stage: its own
+    assert deps.last_stage_tail([300, 20], 132, 128, 16) is None  # the tail starts in the first stage
+    assert deps.last_stage_tail([132, 132], 132, 128, 16) is None  # whole rounds
+    assert deps.last_stage_tail([160, 160], 132, 16, 16) is None  # the last stage's K too short to split
+
+
 def test_split_tail_none_without_a_partial_round_or_room():
     assert deps.split_tail(4092, 132, 128, 16) is None  # whole rounds
     assert deps.split_tail(100, 132, 128, 16) is None  # one partial round: the grid shrinks to it
