@@ -428,6 +428,12 @@ class FusedMLP(torch.nn.Module):
         return f"hidden={self.hidden}, intermediate={self.intermediate}, eps={self.eps}"
 
 
+def _matrix_shape(w) -> tuple[int, int]:
+    """A block's first weight's shape, or ``(0, 0)`` for what is not a dense matrix (which
+    :func:`_check_block` then refuses by name)."""
+    return tuple(w.shape) if isinstance(w, torch.Tensor) and is_dense(w) and w.dim() == 2 else (0, 0)
+
+
 def _check_block(ws: dict, shapes: dict, optional: tuple[str, ...] = ()) -> None:
     """Dense tensors of the ``shapes`` (by name; the ``optional`` ones may be None), of one dtype
     on one device."""
@@ -502,9 +508,7 @@ class LlamaMLP(FusedMLP):
         down_config: GemmConfig = DOWN_CONFIG,
     ):
         super().__init__(gate_up_config, down_config)
-        inter, H = (
-            w_gate.shape if isinstance(w_gate, torch.Tensor) and is_dense(w_gate) and w_gate.dim() == 2 else (0, 0)
-        )
+        inter, H = _matrix_shape(w_gate)
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
         if inter % 8 or H % 8 or not inter:
@@ -580,7 +584,7 @@ class GPTMLP(FusedMLP):
         down_config: GemmConfig = DOWN_CONFIG,
     ):
         super().__init__(up_config, down_config)
-        inter, H = w_1.shape if isinstance(w_1, torch.Tensor) and is_dense(w_1) and w_1.dim() == 2 else (0, 0)
+        inter, H = _matrix_shape(w_1)
         ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
         want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),
                 "norm_bias": (H,)}  # fmt: skip
