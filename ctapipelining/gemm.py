@@ -697,7 +697,7 @@ class GemmLaunch:
                 pass_raw(grid, stream, *pass_args)
             if copy:
                 with on_stream(stream, a.device):
-                    c.copy_(residual)
+                    c.copy_(untracked(residual))
             raw(self.num_ctas, stream, *args)
             return kernel
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
@@ -718,7 +718,7 @@ class GemmLaunch:
         copy = adds and not compile_only and not same_view(residual, c)
         if copy:  # C starts as the residual, on the same stream
             with on_stream(stream, a.device):
-                c.copy_(residual)
+                c.copy_(untracked(residual))
         if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
             args = self.raw_args(raw.tensor_map, a, b, c, residual)
@@ -823,6 +823,12 @@ MAX_LAUNCHES = 512  # plain launches bound (_plain_launch), the most recently us
 MAX_BOUND = MAX_LAUNCHES
 MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls), the most recently used
 _OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
+
+
+def untracked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its autograd history (where it has one): what a copy into a buffer of ours
+    reads, so that the copy records no graph, as a launch of ours records none."""
+    return t.detach() if t.requires_grad else t
 
 
 def bindable(t) -> bool:

@@ -113,6 +113,7 @@ from .gemm import (
     stage_gemm,
     tail_split,
     tma_ready,
+    untracked,
 )
 from .inflight import CALLERS_EARLIER, InFlight
 from .kernels.chain import MAX_STAGES
@@ -245,7 +246,7 @@ class GraphedCall:
             with contextlib.nullcontext() if here else torch.cuda.device(first.device):
                 start = pipe._in_flight.record([first])
                 if src is not None:  # on the stream the graph replays on (the current one)
-                    self.x.copy_(src)
+                    self.x.copy_(untracked(src))
                 self.graph.replay()
                 done = pipe._in_flight.end_on(first, start)
             for c in callers[1:]:
@@ -584,7 +585,7 @@ class Pipeline:
         return f"stage {seg.first_stage + s} on {seg.where + ', ' if seg.where else ''}{self.devices[s]}"
 
     def _replica(self, w: torch.Tensor, device: torch.device) -> torch.Tensor:
-        copy = w.to(device, copy=True)
+        copy = untracked(w).to(device, copy=True)
         self._replicas.append([w, copy, w._version])
         return copy
 
@@ -609,7 +610,7 @@ class Pipeline:
             self._after_done = [c.cuda_stream for c in callers]
         for rec in stale:
             w, copy, _ = rec
-            copy.copy_(w)
+            copy.copy_(untracked(w))
             rec[2] = w._version
 
     @classmethod

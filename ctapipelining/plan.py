@@ -19,7 +19,7 @@ import triton
 
 from . import deps
 from .chain import ChainLaunch
-from .gemm import GemmLaunch, SignalHook, TailBuffers, WaitHook
+from .gemm import GemmLaunch, SignalHook, TailBuffers, WaitHook, untracked
 from .kernels.gemm import GemmConfig
 from .launcher import launch_hooks
 
@@ -155,7 +155,7 @@ class Launch:
                 return kernel
         if self.copy_x is not None and not compile_only:
             buf, rows = self.copy_x
-            buf.copy_(x[:rows])
+            buf.copy_(untracked(x[:rows]))
         ops = [tuple(_rows(t, x, out) for t in op) for op in self.ops]
         if isinstance(self.gemm, ChainLaunch):
             kernel = self.gemm(ops, stream, compile_only=compile_only)

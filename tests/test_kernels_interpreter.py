@@ -689,6 +689,27 @@ def test_prefill_matches_sequential(policy, split, parts):
     assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
 
 
+def test_a_call_records_no_autograd_graph():
+    """Inference only: with the weights and ``x`` requiring grad, a call with prefill and drain
+    rows (their replicas of the weights and the copy of ``x``'s rows are the pipeline's own
+    buffers) returns an output without a ``grad_fn`` and leaves none on those buffers, also
+    after a weight changed in place (its replica copied again) and on a call with ``out``."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(16, 32) / 4).half().requires_grad_(), (torch.randn(32, 16) / 6).half().requires_grad_()]
+    pipe = Pipeline(ws, config=SMALL, prefill_rows=16, drain_rows=16)
+    x = torch.randn(48, 16).half().requires_grad_()
+    y = pipe(x)
+    buffers = [pipe.prefill_weight, pipe.drain_weight, pipe.plan(48).prefill_x]
+    assert not y.requires_grad and all(not t.requires_grad and t.grad_fn is None for t in buffers)
+    with torch.no_grad():
+        ws[0].mul_(2)  # its replica is refreshed at the next call
+    out = torch.full((48, 16), float("nan")).half()
+    assert pipe(x, out=out) is out and not out.requires_grad
+    assert all(not t.requires_grad for t in buffers)
+    with torch.no_grad():
+        assert torch.equal(out, pipe.sequential(x)) and torch.equal(pipe.prefill_weight, ws[0])
+
+
 def test_prefill_leaves_the_producer_a_row_block_and_is_checked():
     ws = [torch.randn(16, 32).half(), torch.randn(32, 16).half()]
     pipe = Pipeline(ws, config=SMALL, prefill_rows=64)
