@@ -14,7 +14,7 @@ paired), so only ratios inside one run count:
   ``always_pipelined=True``);
 * ``default``: the ``Pipeline`` as a user builds it, which runs plain GEMMs one after another
   (:attr:`~ctapipelining.pipeline.Pipeline.one_after_another`: ours, or cuBLAS's at the row
-  counts where it measured faster, :func:`~ctapipelining.gemm.runs_cublas`) and should time as
+  counts where it measured faster, :func:`~ctapipelining.serial.runs_cublas`) and should time as
   the faster of ``ours_seq`` and ``cublas_seq``;
 * ``chain_wide``: the same on ``PIPELINE_CONFIG``'s 128 x 256 tiles at every height, as are the
   variants below;

@@ -13,7 +13,7 @@ GPU; with one, both on cuda:0 as two kernels, ``loopback=True``) with a 50 ms ti
   :class:`~ctapipelining.pipeline.PipelineTimeout`, and the next call must be right.
 
 Then the default pipeline of the same two layers on cuda:0 (plain GEMMs one after another: ours,
-or cuBLAS's at the heights where it measured faster, :func:`~ctapipelining.gemm.runs_cublas`;
+or cuBLAS's at the heights where it measured faster, :func:`~ctapipelining.serial.runs_cublas`;
 its eager calls on operands seen before launch their bound GEMMs), CALLS calls in a seeded random
 mix: eager calls on inputs from a pool of a few tensors per height (their signatures recur),
 each filled with fresh values, into an ``out`` from a pool or a new one, from the default

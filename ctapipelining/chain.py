@@ -23,7 +23,6 @@ from .gemm import (
     _cdiv,
     check_wait,
     descriptor,
-    interpreting,
     launch_constexprs,
     residual_key,
     signal_bundle,
@@ -35,6 +34,7 @@ from .gemm import (
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
 from .kernels.gemm import GemmConfig
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
+from .operands import interpreting
 
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:

@@ -63,10 +63,11 @@ import torch.distributed as dist
 
 from . import deps, fabric
 from .epilogue import Epilogue
-from .gemm import capturing_on, check_out, check_weight, num_sms, overlaps
+from .gemm import capturing_on, num_sms
 from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
+from .operands import check_out, check_weight, overlaps
 from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency

@@ -3,7 +3,8 @@
 :func:`matmul` is the plain GEMM (both hooks off). A pipeline stage is a :class:`GemmLaunch`
 bound at plan time, with a :class:`WaitHook` (its own scoreboard) and/or a :class:`SignalHook`
 (the next stage's); :func:`launch_gemm` builds and runs one in a call (tests). Inputs are
-checked here, before anything is launched.
+checked (:mod:`ctapipelining.operands`) before anything is launched. A chain's stages run one
+after another as plain GEMMs in :mod:`ctapipelining.serial`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import deps, fabric
@@ -37,24 +37,24 @@ from .kernels.gemm import (
 )
 from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
-from .tables import GEMM_TABLE, pick_config, table_flags, table_rows
-
-DTYPES = (torch.bfloat16, torch.float16)
+from .operands import (
+    bindable,
+    check_operands,
+    check_out,
+    check_tensor,
+    interpreting,
+    overlaps,
+    same_view,
+    signature,
+    untracked,
+)
+from .tables import GEMM_TABLE, pick_config, table_rows
 
 
 def _cdiv(a: int, b: int) -> int:
     """``ceil(a / b)``; plain Python: ``triton.cdiv`` costs ~1.5 us a call on the host, and a
     launch computes several."""
     return -(-a // b)
-
-
-def interpreting() -> bool:
-    """True when the kernels run on Triton's CPU interpreter (``TRITON_INTERPRET=1`` when they
-    were first imported: Triton decides it then)."""
-    return _INTERPRETED
-
-
-_INTERPRETED = isinstance(gemm_kernel, InterpretedFunction)
 
 
 def num_sms(device: torch.device) -> int:
@@ -211,50 +211,6 @@ def plain_config(M: int) -> GemmConfig:
     return PLAIN_CONFIG if interpreting() else pick_config(config_table(), M)
 
 
-def runs_cublas(M: int) -> bool:
-    """Whether a plain GEMM of ``M`` rows that a pipeline runs as one of its stages one after
-    another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`matmul`: the plain GEMM's
-    table row for ``M`` (the one :func:`plain_config` reads) measured cuBLAS faster than every
-    configuration of ours (:func:`ctapipelining.tables.cublas_faster`): 193-384 and 513-768
-    rows, measured at N = K = 8192 on an H200 and used for every width, as the table's tiles
-    are. Never under the interpreter."""
-    return not interpreting() and pick_config(table_flags(GEMM_TABLE, "cublas"), M)
-
-
-CUBLAS_OUT_ALIGN = 256  # bytes: an out aligned at least this far runs cuBLAS's kernel for a fresh tensor
-
-
-def stage_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (into ``out``) as a pipeline runs its stages one after another
-    (:attr:`ctapipelining.pipeline.Pipeline.one_after_another`; operands already checked there):
-    cuBLAS where it measured faster for ``a``'s row count (:func:`runs_cublas`; not in
-    deterministic mode, where cuBLAS may refuse), rounding as ``torch.mm`` does under torch's
-    settings (``torch.backends.cuda.matmul``), else :func:`matmul` in its configuration for that
-    row count."""
-    if a.is_cuda and runs_cublas(a.shape[0]) and not torch.are_deterministic_algorithms_enabled():
-        return mm_into(a, b, out)
-    return matmul(a, b, out=out)
-
-
-def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.mm(a, b)`` into ``out`` (None: a new tensor) as a launch of ours behaves: no
-    autograd graph (weights that require grad are read as they are), no autocast (``out`` keeps
-    ``a``'s dtype), an ``out`` made under inference mode written as well. cuBLAS picks its kernel
-    by the operands' strides and alignment, so an ``out`` that a fresh tensor's kernel could not
-    write the same way (rows padded, or its address less aligned than
-    :data:`CUBLAS_OUT_ALIGN`) takes the product through a fresh tensor, copied in: the result is
-    bitwise the one into a new tensor."""
-    M, N = a.shape[0], b.shape[1]
-    direct = out is not None and out.stride() == (N, 1) and out.data_ptr() % CUBLAS_OUT_ALIGN == 0
-    c = out if direct else torch.empty(M, N, dtype=a.dtype, device=a.device)
-    autocast = torch.is_autocast_enabled(a.device.type)
-    with torch.inference_mode(), torch.autocast(a.device.type, enabled=False) if autocast else nullcontext():
-        torch.mm(a, b, out=c)
-        if out is not None and not direct:
-            out.copy_(c)
-    return c if out is None else out
-
-
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
     with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
@@ -266,78 +222,6 @@ def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
     min_k = 1 if interpreting() else deps.TAIL_MIN_SLICE_K
     return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), min_k)
-
-
-def _row_major(t: torch.Tensor) -> bool:
-    """Rows contiguous and at least a row apart, row stride a multiple of 16 bytes: what TMA
-    reads and writes."""
-    return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
-
-
-def tma_ready(t) -> bool:
-    """The common case of :func:`check_tensor`, in a few attribute reads: a contiguous 2-D
-    bf16/fp16 CUDA tensor whose rows are a multiple of 16 bytes, based 16-byte aligned."""
-    if not (
-        isinstance(t, torch.Tensor) and t.is_cuda and t.layout is torch.strided and not t.is_nested
-        and t.dtype in DTYPES and t.dim() == 2 and t.is_contiguous()
-    ):  # fmt: skip
-        return False
-    rows, cols = t.shape
-    # contiguous with both sizes above 1: the strides are (cols, 1); 2-byte elements
-    return cols % 8 == 0 and t.data_ptr() % 16 == 0 and not _INTERPRETED and (rows > 1 < cols or _row_major(t))
-
-
-def check_tensor(t: torch.Tensor, name: str) -> None:
-    """Raise a clear error for a matrix the TMA GEMM cannot read."""
-    if tma_ready(t):
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check_dense(t, name)
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if t.dtype not in DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (row-major)")
-    if t.shape[1] * t.element_size() % 16:
-        raise ValueError(
-            f"{name}: rows of {t.shape[1]} elements are not a multiple of 16 bytes (TMA needs it); "
-            f"pad the last dimension to a multiple of {16 // t.element_size()}"
-        )
-    if t.dtype == torch.bfloat16 and _INTERPRETED:
-        raise TypeError(
-            f"{name} is bfloat16, which Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies wrongly: "
-            "use float16 there, or a GPU"
-        )
-    if not _row_major(t):
-        raise ValueError(f"{name}: rows must be contiguous and a multiple of 16 bytes apart, strides {t.stride()}")
-    if t.numel() and t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address (TMA needs it)")
-    if t.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(f"{name} is on {t.device}; the GEMM runs on CUDA devices (or under TRITON_INTERPRET=1)")
-
-
-def check_weight(w: torch.Tensor, name: str) -> None:
-    """:func:`check_tensor`, and neither dimension empty."""
-    check_tensor(w, name)
-    if 0 in w.shape:
-        raise ValueError(f"{name} is empty: {tuple(w.shape)}")
-
-
-def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
-    """Raise a clear error for operands the TMA GEMM cannot take."""
-    if not (tma_ready(a) and tma_ready(b)):
-        check_tensor(a, f"{what}: A")
-        check_tensor(b, f"{what}: B")
-    if 0 in b.shape:
-        raise ValueError(f"{what}: B is empty: {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"{what}: A is {a.dtype} but B is {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"{what}: A is on {a.device} but B is on {b.device}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"{what}: A is {tuple(a.shape)} and B is {tuple(b.shape)}: inner dimensions differ")
 
 
 def residual_key(residual: torch.Tensor | None):
@@ -815,52 +699,17 @@ def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
 # matmul's checked calls, least recently used first: (signature of a, b, out (None: a new one),
-# config, stream) -> (the launch, weakly: it lives as long as _plain_launch's cache or a graph
+# config, stream) -> (the launch, weakly: it lives as long as plain_launch's cache or a graph
 # keeps it; its raw launch; its arguments (out new each call: [(the last out's address, its
 # arguments)], reused while the new out lands there, swapped whole); out's shape)
 _BOUND: OrderedDict[tuple, tuple] = OrderedDict()
-MAX_LAUNCHES = 512  # plain launches bound (_plain_launch), the most recently used: a large model's blocks
+MAX_LAUNCHES = 512  # plain launches bound (plain_launch), the most recently used: a large model's blocks
 MAX_BOUND = MAX_LAUNCHES
 MAX_CALLS = 16  # calls' arguments a launch keeps (GemmLaunch._calls), the most recently used
-_OPERAND_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass may dispatch elsewhere
-
-
-def untracked(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without its autograd history (where it has one): what a copy into a buffer of ours
-    reads, so that the copy records no graph, as a launch of ours records none."""
-    return t.detach() if t.requires_grad else t
-
-
-def bindable(t) -> bool:
-    """Whether ``t`` may take a bound launch (its checks skipped on its :func:`signature`): a
-    strided CUDA tensor of exactly ``torch.Tensor`` or ``Parameter`` (a subclass may dispatch
-    elsewhere; a sparse or nested tensor has no address to sign: the checks refuse it)."""
-    return type(t) in _OPERAND_TYPES and t.is_cuda and is_dense(t)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` is one strided block of memory (not sparse, not nested): what has an address
-    to sign (:func:`signature`)."""
-    return t.layout is torch.strided and not t.is_nested
-
-
-def check_dense(t: torch.Tensor, name: str) -> None:
-    """Raise a clear error for a tensor without one strided block of memory (sparse, nested)."""
-    if not is_dense(t):
-        what = "nested" if t.is_nested else f"of layout {t.layout}"
-        raise TypeError(f"{name} must be a dense (strided) tensor, got one {what}")
-
-
-def signature(t: torch.Tensor) -> tuple:
-    """What every check of an operand reads: its address, shape, strides, dtype and device (a
-    CUDA device's index, -1 for any other). Addresses are unique across the GPUs of a process
-    (unified addressing), so two tensors with one signature pass or fail the same checks,
-    overlap the same tensors and take the same tensor maps."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device() if t.is_cuda else -1
 
 
 @functools.lru_cache(maxsize=MAX_LAUNCHES)
-def _plain_launch(
+def plain_launch(
     M: int, N: int, K: int, cfg: GemmConfig, device: torch.device, stream: int, epilogue: Epilogue | None,
     owner: int,
 ) -> GemmLaunch:  # fmt: skip
@@ -888,47 +737,6 @@ def capturing_on(index: int) -> bool:
         return torch.cuda.is_current_stream_capturing()
     with torch.cuda.device(index):
         return torch.cuda.is_current_stream_capturing()
-
-
-def span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range ``[first, end)`` that ``t``'s elements occupy (strides >= 0)."""
-    first, (rows, cols), (s0, s1) = t.data_ptr(), t.shape, t.stride()
-    return first, first + ((rows - 1) * s0 + (cols - 1) * s1 + 1) * t.element_size()
-
-
-def overlaps(a: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether matrix ``a`` shares memory with any of ``others`` (same device, non-empty, byte
-    ranges intersect)."""
-    if a.numel() == 0:
-        return False
-    a0, a1 = span(a)
-    for b in others:
-        if b.get_device() == a.get_device() and b.device == a.device and b.numel():
-            b0, b1 = span(b)
-            if a0 < b1 and b0 < a1:
-                return True
-    return False
-
-
-def same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether ``x`` and ``y`` are the same matrix in memory (device, address, shape, strides)."""
-    return x.device == y.device and x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
-
-
-def check_out(out: torch.Tensor, M: int, N: int, dtype: torch.dtype, what: str = "out") -> None:
-    """Raise a clear error for an output the GEMM cannot write: ``[M, N]`` of ``dtype``, rows
-    contiguous (row stride ``>= N``, a multiple of 16 bytes), base 16-byte aligned."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(out).__name__}")
-    check_dense(out, what)
-    if out.shape != (M, N) or out.dtype != dtype:
-        raise ValueError(f"{what} must be a [{M}, {N}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    if M and N and not (M > 1 < N and N % 8 == 0 and out.is_contiguous() or _row_major(out)):
-        raise ValueError(
-            f"{what} must be row-major with rows a multiple of 16 bytes apart, got strides {tuple(out.stride())}"
-        )
-    if out.data_ptr() % 16:
-        raise ValueError(f"{what} must start at a 16-byte aligned address (TMA and the compiled kernel need it)")
 
 
 _CAPTURE_OWNER = contextvars.ContextVar("capture_owner", default=1)  # whose captured launches (0: none)
@@ -976,7 +784,7 @@ def launch_checked(
     # the kernel launches in the current device's context (and its stream is the one captured, if any)
     with nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index):
         captured = torch.cuda.is_current_stream_capturing()
-        launch = _plain_launch(M, N, K, config, a.device, stream, epilogue, _CAPTURE_OWNER.get() if captured else 0)
+        launch = plain_launch(M, N, K, config, a.device, stream, epilogue, _CAPTURE_OWNER.get() if captured else 0)
         if captured:
             if launch in _CAPTURED and launch.tail is not None:
                 # an earlier graph zeroed its arrival counters (their allocation's fill), but
@@ -1109,7 +917,7 @@ def matmul(
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
         fabric.enable_peer_access([a.device.index, out.device.index])
     if a.device.type != "cuda":  # the interpreter
-        launch = _plain_launch(M, N, K, cfg, a.device, 0, epilogue, 0)
+        launch = plain_launch(M, N, K, cfg, a.device, 0, epilogue, 0)
         try:
             launch(a, b, out, residual=residual, a_copy=a_copy)
         except BaseException:  # stopped mid-kernel: the arrival counters it shares may be left counting
@@ -1125,75 +933,3 @@ def matmul(
         while len(_BOUND) > MAX_BOUND:
             _BOUND.popitem(last=False)
     return out
-
-
-class BoundGemms:
-    """:func:`stage_gemm`'s GEMMs ``x @ w_0 @ w_1 ...`` one after another (each on the previous
-    one's output: :func:`matmul`'s plain launches in the configuration for ``x``'s rows, or
-    cuBLAS's, :func:`runs_cublas`), bound to one signature
-    (:func:`signature`) of ``x`` and of the output and to one stream, after a checked call made
-    them: a later eager call with that signature launches them with none of the checks it
-    passed. Its intermediates (and a new output) are new each call, from the caching allocator;
-    a launch's arguments are built again only where its input or output lands elsewhere than in
-    the last call (the allocator mostly gives a freed block of the size back). It holds its
-    launches (and so their split tails' buffers) while it lives, also past their eviction from
-    :func:`matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
-
-    def __init__(self, steps: list[_BoundStep | None]):
-        self._steps = steps  # per GEMM: our bound launch, or None for cuBLAS's (stage_gemm)
-
-    @classmethod
-    def of(cls, tensors: list[torch.Tensor], weights: list[torch.Tensor], stream: int) -> BoundGemms | None:
-        """The GEMMs that ran ``tensors[s + 1] = tensors[s] @ weights[s]`` through
-        :func:`stage_gemm` on ``stream`` (the raw handle of the device's current stream), checked
-        and compiled; None where one of ours does not launch raw (:meth:`GemmLaunch.bound`)."""
-        steps = []
-        for a, w, c in zip(tensors, weights, tensors[1:]):
-            (M, K), N = a.shape, w.shape[1]
-            if runs_cublas(M):
-                steps.append(None)
-                continue
-            launch = _plain_launch(M, N, K, plain_config(M), a.device, stream, None, 0)
-            got = launch.bound(a, w, c)
-            if got is None:
-                return None
-            steps.append(_BoundStep(launch, got[1], ((a.data_ptr(), c.data_ptr()), got[2])))
-        return cls(steps)
-
-    def __call__(self, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None, stream: int):
-        """Launch the GEMMs on ``x`` (of the bound signature, on the current device) into ``out``
-        (of the bound signature, or None: a new tensor) on ``stream``; returns the output."""
-        a, last = x, len(self._steps) - 1
-        for s, (step, w) in enumerate(zip(self._steps, weights)):
-            shape = (a.shape[0], w.shape[1])
-            c = out if s == last and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-            if step is None:
-                stage_gemm(a, w, c)
-            else:
-                step(a, w, c, stream)
-            a = c
-        return a
-
-
-@dataclass(eq=False)
-class _BoundStep:
-    """One of our GEMMs in :class:`BoundGemms`: its launch, raw launch, and ``bound``: the input
-    and output addresses of its last launch with the arguments built for them (one field, set
-    at once, so the two always belong together)."""
-
-    launch: GemmLaunch
-    raw: RawLaunch
-    bound: tuple[tuple[int, int], tuple]
-
-    @property
-    def at(self) -> tuple[int, int]:
-        """The input and output addresses the arguments are built for."""
-        return self.bound[0]
-
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, stream: int) -> None:
-        """Launch ``c = a @ w`` on ``stream``, its arguments built again where ``a`` or ``c`` lies
-        elsewhere than the last time."""
-        at = (a.data_ptr(), c.data_ptr())
-        if at != self.bound[0]:
-            self.bound = (at, self.launch.raw_args(self.raw.tensor_map, a, w, c))
-        self.raw(self.launch.num_ctas, stream, *self.bound[1])

@@ -59,18 +59,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
-from .gemm import (
-    check_dense,
-    check_tensor,
-    check_weight,
-    is_dense,
-    launch_checked,
-    matmul,
-    overlaps,
-    signature,
-    tma_ready,
-)
+from .gemm import launch_checked, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
+from .operands import check_dense, check_tensor, check_weight, is_dense, overlaps, signature, tma_ready
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
 # down GEMM's: the plain GEMM's too, since its residual is added onto the output by TMA (matmul);

@@ -71,7 +71,7 @@ including 1 at 1024 rows only,
 stages all share one device, built without a configuration (nor epilogues, ends, a segment, a
 trace, an SM budget or loopback), runs a call as plain GEMMs one after another
 (:attr:`Pipeline.one_after_another`): ours, or cuBLAS's at the row counts where cuBLAS measured
-faster than every configuration of ours (:func:`~ctapipelining.gemm.stage_gemm`: 193-384 and
+faster than every configuration of ours (:func:`~ctapipelining.serial.stage_gemm`: 193-384 and
 513-768 rows on an H200); ``always_pipelined=True`` keeps the chain kernel. Stages on several GPUs
 always pipeline.
 """
@@ -93,27 +93,15 @@ from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .epilogue import Epilogue
 from .gemm import (
-    BoundGemms,
     GemmLaunch,
     TailBuffers,
-    bindable,
     captures_owned_by,
     capturing_on,
-    check_dense,
-    check_out,
-    check_tensor,
-    check_weight,
     config_table,
     new_capture_owner,
     num_sms,
-    overlaps,
     persistent_grid,
-    signature,
-    span,
-    stage_gemm,
     tail_split,
-    tma_ready,
-    untracked,
 )
 from .inflight import CALLERS_EARLIER, InFlight
 from .kernels.chain import MAX_STAGES
@@ -126,7 +114,20 @@ from .kernels.gemm import (
 )
 from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
 from .launcher import launch_hooks
+from .operands import (
+    bindable,
+    check_dense,
+    check_out,
+    check_tensor,
+    check_weight,
+    overlaps,
+    signature,
+    span,
+    tma_ready,
+    untracked,
+)
 from .plan import Launch, Link, Plan, Segment, SignalLists, i64_zeros, link_dependency, sums_to
+from .serial import BoundGemms, stage_gemm
 from .tables import PIPELINE_TABLE, pick_config
 from .timing import Method, time_interleaved
 
@@ -653,7 +654,7 @@ class Pipeline:
     @property
     def one_after_another(self) -> bool:
         """Whether a call runs the stages one after another as plain GEMMs
-        (:func:`~ctapipelining.gemm.stage_gemm`: ours in its configuration for the call's rows,
+        (:func:`~ctapipelining.serial.stage_gemm`: ours in its configuration for the call's rows,
         or cuBLAS's where it measured faster)
         rather than pipelined: with every stage on one device and nothing that fixes how they
         run (no configuration, epilogues, ends, segment, trace, SM budget or loopback, and not
@@ -700,13 +701,13 @@ class Pipeline:
     @staticmethod
     def _bindable(x, out) -> bool:
         """Whether a call on ``x`` and ``out`` may bind its GEMMs or launch bound ones (each
-        :func:`~ctapipelining.gemm.bindable`)."""
+        :func:`~ctapipelining.operands.bindable`)."""
         return bindable(x) and (out is None or bindable(out))
 
     def _bound_call(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """An eager call of :attr:`one_after_another` whose operands have the signatures
-        (:func:`~ctapipelining.gemm.signature`) of an earlier checked call's on the same stream:
-        it launches the GEMMs bound then (:class:`~ctapipelining.gemm.BoundGemms`) without the
+        (:func:`~ctapipelining.operands.signature`) of an earlier checked call's on the same stream:
+        it launches the GEMMs bound then (:class:`~ctapipelining.serial.BoundGemms`) without the
         checks they passed (the weights' layouts are checked by the caller), ordered as
         :meth:`_call_one_after_another` orders a call. None where there is no such call, or
         operands it does not bind (:meth:`_bindable`), a capture, another current device or a
@@ -750,7 +751,7 @@ class Pipeline:
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, each with its stage's configuration in the plan for
         ``x``'s rows (with :attr:`one_after_another`, what a call runs: each GEMM as
-        :func:`~ctapipelining.gemm.stage_gemm` runs it for ``x``'s rows), no pipelining: what a
+        :func:`~ctapipelining.serial.stage_gemm` runs it for ``x``'s rows), no pipelining: what a
         call must equal bitwise (a reference for tests and benchmarks)."""
         return self._sequential(x)[0]
 

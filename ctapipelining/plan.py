@@ -19,9 +19,10 @@ import triton
 
 from . import deps
 from .chain import ChainLaunch
-from .gemm import GemmLaunch, SignalHook, TailBuffers, WaitHook, untracked
+from .gemm import GemmLaunch, SignalHook, TailBuffers, WaitHook
 from .kernels.gemm import GemmConfig
 from .launcher import launch_hooks
+from .operands import untracked
 
 
 def int32_on(arr, device) -> torch.Tensor:

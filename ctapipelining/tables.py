@@ -6,7 +6,7 @@ Each row names its results folder. Read here without torch, as plain dicts of
 rows as the kernels' host code (:func:`ctapipelining.gemm.config_table`). A row of the plain
 GEMM's table also says whether cuBLAS measured faster than every candidate of ours there
 (:func:`cublas_faster`), which a pipeline's stages run one after another follow
-(:func:`ctapipelining.gemm.runs_cublas`)."""
+(:func:`ctapipelining.serial.runs_cublas`)."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ def test_only_plain_strided_cuda_tensors_take_a_bound_launch():
     """``bindable``: a bound launch signs its operands by address, so a sparse or nested tensor,
     or a subclass that may dispatch elsewhere, goes through the checks, which refuse the first
     two by name, in ``matmul`` and in a pipeline (its bound calls included)."""
-    from ctapipelining.gemm import bindable
+    from ctapipelining.operands import bindable
 
     class Sub(torch.Tensor):
         pass
@@ -215,7 +215,7 @@ def test_plain_split_tail(M, K, N, padded):
     partials are summed in slice order, whichever CTA arrives last), the arrival counters rearmed, and different from
     the unsplit GEMM only in the tail tiles (rounding of the partial sums). ``padded``: the
     output's rows are padded, so tiles are written with ordinary stores."""
-    from ctapipelining.gemm import _plain_launch
+    from ctapipelining.gemm import plain_launch
 
     cfg = dataclasses.replace(PLAIN_CONFIG, split_tail=True)
     split = tail_split(M, N, K, cfg, num_sms(torch.device("cuda:0")))
@@ -228,7 +228,7 @@ def test_plain_split_tail(M, K, N, padded):
     for _ in range(20):
         assert torch.equal(matmul(a, b, config=cfg), out)
     stream = torch.cuda.current_stream().cuda_stream
-    launch = _plain_launch(M, N, K, cfg, a.device, stream, None, 0)
+    launch = plain_launch(M, N, K, cfg, a.device, stream, None, 0)
     assert launch.tail.split == split and int(launch.tail.counters.abs().sum()) == 0
     whole = matmul(a, b, config=dataclasses.replace(cfg, split_tail=False))
     differs = (whole != out).nonzero()[:, 0].unique()  # rows with a difference

@@ -224,12 +224,12 @@ def test_a_repeated_eager_call_of_the_default_launches_its_bound_gemms(monkeypat
     ``MAX_BOUND_CALLS`` are kept."""
     from triton import knobs
 
-    from ctapipelining import gemm, pipeline
+    from ctapipelining import gemm, pipeline, serial
 
     ws = chain(2048, 4096, 2048)
     pipe = Pipeline(ws)
     x, x2, other = rand(1024, 2048), rand(1024, 2048), rand(1024, 2048)  # 1024 rows: our GEMMs, not cuBLAS
-    assert not gemm.runs_cublas(1024)
+    assert not serial.runs_cublas(1024)
     want, want2 = pipe.sequential(x), pipe.sequential(x2)
     y = torch.full_like(want, float("nan"))
     assert torch.equal(pipe(x), want) and torch.equal(pipe(x, out=y), want)
@@ -336,9 +336,9 @@ def test_the_default_runs_cublas_where_it_measured_faster(M, monkeypatch):
     into one are bitwise ``torch.mm`` twice and ``sequential``; with weights that require grad
     (no autograd graph), under autocast (bf16 kept), into an ``out`` made under inference mode.
     In deterministic mode, where cuBLAS may refuse, the stages are our GEMMs."""
-    from ctapipelining import gemm, pipeline
+    from ctapipelining import gemm, operands, pipeline, serial
 
-    assert gemm.runs_cublas(M)
+    assert serial.runs_cublas(M)
     ws = [torch.nn.Parameter(w) for w in chain(8192, 4096, 8192)]  # requires grad
     pipe = Pipeline(ws)
     x = rand(M, 8192)
@@ -350,7 +350,7 @@ def test_the_default_runs_cublas_where_it_measured_faster(M, monkeypatch):
     assert torch.equal(pipe(x, out=y), want)  # checked: bound for (x, y)
     stream = torch.cuda.current_stream().cuda_stream
     for o in (y, None):
-        bound = pipe._bound_calls[gemm.signature(x), None if o is None else gemm.signature(o), stream]
+        bound = pipe._bound_calls[operands.signature(x), None if o is None else operands.signature(o), stream]
         assert bound._steps == [None, None]  # cuBLAS's steps
 
     def refuse(*args, **kw):
@@ -390,7 +390,8 @@ def test_default_graphs_on_one_gpu_own_their_split_tails(M):
     round is split along K at this height): their graphs, replayed at once on two streams, each
     give their own GEMMs one after another (each graph's split tail buffers its own), into a
     padded ``out`` whose padding stays."""
-    from ctapipelining.gemm import matmul, num_sms, plain_config, runs_cublas, tail_split
+    from ctapipelining.gemm import matmul, num_sms, plain_config, tail_split
+    from ctapipelining.serial import runs_cublas
 
     assert not runs_cublas(M) and tail_split(M, 8192, 8192, plain_config(M), num_sms(torch.device("cuda:0")))
 

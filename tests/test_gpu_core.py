@@ -13,7 +13,7 @@ import pytest
 import torch
 from protocol_state import calls_from_two_streams, preset_epoch
 
-from ctapipelining.gemm import GemmLaunch, _plain_launch, grid_size, matmul, plain_config
+from ctapipelining.gemm import GemmLaunch, grid_size, matmul, plain_config, plain_launch
 from ctapipelining.kernels.gemm import PLAIN_CONFIG
 from ctapipelining.pipeline import Pipeline, PipelineHung
 
@@ -294,7 +294,7 @@ def test_cached_launch_equals_tritons_launch_path(M):
     a, b = rand(M, 4096), rand(4096, 3072, scale=4096**-0.5)
     first = matmul(a, b)
     cfg = plain_config(M)  # what matmul runs (narrow tiles for few rows)
-    launch = _plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None, 0)
+    launch = plain_launch(M, 3072, 4096, cfg, a.device, torch.cuda.current_stream().cuda_stream, None, 0)
     assert launch.raw, "Triton's launcher is not the one ctapipelining.launcher knows: launches take the slow path"
     for _ in range(2):
         again = torch.full_like(first, float("nan"))
@@ -326,7 +326,7 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
         raise AssertionError("a bound call ran the checks")
 
     with monkeypatch.context() as m:  # from here on a call that runs the checks fails
-        for name in ("check_operands", "check_out", "overlaps", "_plain_launch"):
+        for name in ("check_operands", "check_out", "overlaps", "plain_launch"):
             m.setattr(gemm, name, refuse)
         for _ in range(3):
             y.fill_(float("nan"))
@@ -367,11 +367,11 @@ def test_a_repeated_matmul_skips_to_its_bound_launch_and_still_refuses_what_it_m
         with torch.cuda.graph(graph, stream=side):
             matmul(a, b, out=y)
             matmul(a2, b2, out=y2, config=PLAIN_CONFIG)
-    captured = gemm._plain_launch(
+    captured = gemm.plain_launch(
         640, 8192, 2048, PLAIN_CONFIG, a.device, side.cuda_stream, None, gemm._CAPTURE_OWNER.get()
     )
     stream = torch.cuda.current_stream().cuda_stream
-    own = gemm._plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, stream, None, 0)
+    own = gemm.plain_launch(640, 8192, 2048, PLAIN_CONFIG, a.device, stream, None, 0)
     assert captured in gemm._CAPTURED and not any(captured is gemm._BOUND[k][0]() for k in gemm._BOUND)
     assert captured.tail is not None and captured.tail.shared is None and own.tail.shared is not None
     captured.tail.counters.fill_(3)

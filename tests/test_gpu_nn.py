@@ -64,10 +64,10 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
         assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
         assert torch.equal(block(x), ours)  # launched raw now: the same
     # the 4096-row launch's norm pass: compiled at its first call, a RawLaunch for the later ones
-    from ctapipelining.gemm import _plain_launch
+    from ctapipelining.gemm import plain_launch
 
     stream = torch.cuda.current_stream().cuda_stream
-    first = _plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0], 0)
+    first = plain_launch(4096, 2 * inter, H, block.in_config, x.device, stream, block._epilogues()[0], 0)
     assert first.stats._compiled and all(raw is not None for raw in first.stats._compiled.values())
     x = torch.randn(4096, H, device="cuda").bfloat16()
     graph_follows_its_source(block, x, lambda: mlp.down_proj.weight.mul_(2))

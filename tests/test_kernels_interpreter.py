@@ -354,7 +354,7 @@ def test_cublas_faster_needs_the_whole_interval_above_the_margin():
 def test_only_cuda_tensors_take_a_bound_launch():
     """``bindable`` (what a bound launch may skip the checks for) refuses whatever is not a CUDA
     tensor; its type and layout tests run on a GPU (``test_gpu.py``)."""
-    from ctapipelining.gemm import bindable
+    from ctapipelining.operands import bindable
 
     meta = torch.empty(8, 8, device="meta")
     assert not bindable(torch.empty(8, 8)) and not bindable(torch.nn.Parameter(torch.empty(8, 8)))
@@ -367,7 +367,7 @@ def test_mm_into_runs_as_a_launch_of_ours():
     autocast, an ``out`` made under inference mode written; an ``out`` with padded rows or an
     address off the alignment a fresh tensor has takes the product through a fresh tensor, so
     every ``out`` holds the bits of ``torch.mm`` into a new tensor, and padding stays."""
-    from ctapipelining.gemm import CUBLAS_OUT_ALIGN, mm_into
+    from ctapipelining.serial import CUBLAS_OUT_ALIGN, mm_into
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(40, 32, generator=g), torch.nn.Parameter(torch.randn(32, 24, generator=g))
@@ -389,17 +389,17 @@ def test_mm_into_runs_as_a_launch_of_ours():
 def test_stages_one_after_another_run_cublas_at_the_tables_row_counts(monkeypatch):
     """runs_cublas follows the plain GEMM's table as plain_config does (the row of the smallest
     tabled row count at or above M), and never under the interpreter."""
-    from ctapipelining import gemm
+    from ctapipelining import serial
     from ctapipelining.tables import GEMM_TABLE, table_flags
 
-    assert not any(gemm.runs_cublas(m) for m in (1, 200, 640, 768, 10**6))  # the interpreter
-    monkeypatch.setattr(gemm, "interpreting", lambda: False)
+    assert not any(serial.runs_cublas(m) for m in (1, 200, 640, 768, 10**6))  # the interpreter
+    monkeypatch.setattr(serial, "interpreting", lambda: False)
     flags = table_flags(GEMM_TABLE, "cublas")
     assert any(f for _, f in flags) and not all(f for _, f in flags)
     for (lo, _), (hi, flag) in zip(flags, flags[1:]):
-        assert gemm.runs_cublas(lo + 1) == gemm.runs_cublas(hi) == flag
-    assert gemm.runs_cublas(flags[0][0]) == flags[0][1] and gemm.runs_cublas(10**6) == flags[-1][1]
-    assert gemm.runs_cublas(640) and gemm.runs_cublas(768) and not gemm.runs_cublas(1024)
+        assert serial.runs_cublas(lo + 1) == serial.runs_cublas(hi) == flag
+    assert serial.runs_cublas(flags[0][0]) == flags[0][1] and serial.runs_cublas(10**6) == flags[-1][1]
+    assert serial.runs_cublas(640) and serial.runs_cublas(768) and not serial.runs_cublas(1024)
 
 
 def test_plain_config_takes_the_smallest_tabled_row_count_at_or_above():
@@ -451,7 +451,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     keeps its own; a launch bound for a CUDA-graph capture has buffers of its own."""
     from ctapipelining import gemm
 
-    gemm._plain_launch.cache_clear()
+    gemm.plain_launch.cache_clear()
     gemm._STREAM_TAILS.clear()
     cpu = torch.device("cpu")
     shapes = [(40, 48, 48), (48, 64, 32), (37, 80, 40)]  # tails of 1 x 3, 2 x 2 and 1 x 4 slices
@@ -459,7 +459,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     for M, K, N in shapes:
         a, b = torch.randn(M, K).half(), (torch.randn(K, N) * K**-0.5).half()
         first[M] = (a, b, matmul(a, b, config=SPLIT))
-    launches = [gemm._plain_launch(M, N, K, SPLIT, cpu, 0, None, 0) for M, K, N in shapes]
+    launches = [gemm.plain_launch(M, N, K, SPLIT, cpu, 0, None, 0) for M, K, N in shapes]
     small, grown, shared = (lc.tail.shared for lc in launches)
     assert small is not None and grown is not small and shared is grown
     assert small.workspace.numel() == 3 * 16 * 16 and grown.counters.numel() == 2
@@ -471,7 +471,7 @@ def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
             assert torch.equal(out, y)
             assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
             assert int(small.counters.abs().sum()) == int(grown.counters.abs().sum()) == 0
-    captured = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, gemm._CAPTURE_OWNER.get())
+    captured = gemm.plain_launch(48, 32, 64, SPLIT, cpu, 0, None, gemm._CAPTURE_OWNER.get())
     assert captured.tail.shared is None and captured.tail.workspace.data_ptr() not in (
         small.workspace.data_ptr(),
         grown.workspace.data_ptr(),
@@ -495,7 +495,7 @@ def test_a_launch_refuses_another_stream_and_a_stopped_kernel_leaves_no_count(mo
 
     a, b = torch.randn(48, 64).half(), torch.randn(64, 32).half()
     matmul(a, b, config=SPLIT)  # binds the launch (a split tail of 2 x 2 slices)
-    counters = gemm._plain_launch(48, 32, 64, SPLIT, cpu, 0, None, 0).tail.counters
+    counters = gemm.plain_launch(48, 32, 64, SPLIT, cpu, 0, None, 0).tail.counters
     monkeypatch.setattr(gemm.GemmLaunch, "__call__", stopped)
     with pytest.raises(RuntimeError, match="stopped midway"):
         matmul(a, b, config=SPLIT)
@@ -537,7 +537,7 @@ def test_each_slice_s_partial_has_a_workspace_slot_of_its_own():
     M, K, N = 48, 64, 32  # 3 x 2 tiles of 16 x 16 on 4 CTAs: 2 tail tiles in 2 slices of 2 K-steps
     a, b = torch.randn(M, K).half(), (torch.randn(K, N) / K**0.5).half()
     matmul(a, b, config=SPLIT)
-    launch = gemm._plain_launch(M, N, K, SPLIT, torch.device("cpu"), 0, None, 0)
+    launch = gemm.plain_launch(M, N, K, SPLIT, torch.device("cpu"), 0, None, 0)
     split, bm, bn, bk = launch.tail.split, SPLIT.block_m, SPLIT.block_n, SPLIT.block_k
     assert split.items == 4
     num_m, num_n = -(-M // bm), -(-N // bn)

@@ -240,12 +240,12 @@ def test_a_launch_binds_per_x_and_out_and_rebinds_when_they_change():
 
 
 def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_moved(monkeypatch):
-    """``gemm.BoundGemms``: each GEMM launches the arguments built for its input's and output's
+    """``serial.BoundGemms``: each GEMM launches the arguments built for its input's and output's
     addresses in the last call; where the intermediate lands elsewhere, the GEMM that writes it
     and the one that reads it both build theirs again, for the new tensors; a given ``out`` is
     written, and without one a new output in the step's shape (its GEMM's arguments built again
     where it lands elsewhere)."""
-    from ctapipelining.gemm import BoundGemms, _BoundStep
+    from ctapipelining.serial import BoundGemms, _BoundStep
 
     class Raw:
         tensor_map = None
@@ -299,17 +299,17 @@ def test_bound_gemms_rebuild_a_gemms_arguments_only_where_its_input_or_output_mo
 def test_bound_gemms_run_a_cublas_step_through_stage_gemm(monkeypatch):
     """A step of ``None`` (cuBLAS's) runs ``stage_gemm`` into the step's output: the given ``out``
     for the last GEMM, else a new tensor, which the next GEMM reads."""
-    from ctapipelining import gemm
+    from ctapipelining import serial
 
     ws = [torch.zeros(8, 16), torch.zeros(16, 4)]
     x, out = torch.zeros(5, 8), torch.zeros(5, 4)
     ran = []
-    monkeypatch.setattr(gemm, "stage_gemm", lambda a, w, c: ran.append((a, w, c)))
-    assert gemm.BoundGemms([None, None])(x, ws, out, 9) is out
+    monkeypatch.setattr(serial, "stage_gemm", lambda a, w, c: ran.append((a, w, c)))
+    assert serial.BoundGemms([None, None])(x, ws, out, 9) is out
     (a0, w0, c0), (a1, w1, c1) = ran
     assert a0 is x and w0 is ws[0] and a1 is c0 and w1 is ws[1] and c1 is out
     assert c0.shape == (5, 16) and c0.dtype == x.dtype and c0.device == x.device
-    new = gemm.BoundGemms([None, None])(x, ws, None, 9)
+    new = serial.BoundGemms([None, None])(x, ws, None, 9)
     assert new is ran[-1][2] and new is not out and new.shape == (5, 4) and new.dtype == x.dtype
 
 
@@ -317,7 +317,7 @@ def test_a_bound_step_whose_arguments_fail_to_build_keeps_its_last_ones():
     """``_BoundStep``: where building the arguments for new addresses raises, the step keeps the
     addresses and arguments it had (one field), so a later launch at the old addresses launches
     the old arguments, not new ones built for other tensors."""
-    from ctapipelining.gemm import _BoundStep
+    from ctapipelining.serial import _BoundStep
 
     class Launch:
         num_ctas = 2
