@@ -63,12 +63,13 @@ import torch.distributed as dist
 
 from . import deps, fabric
 from .epilogue import Epilogue
+from .errors import PipelineHung, PipelineTimeout
 from .gemm import capturing_on, num_sms
 from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
 from .operands import check_out, check_weight, overlaps
-from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, PipelineHung, PipelineTimeout
+from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 

@@ -92,6 +92,7 @@ import torch
 from . import deps, fabric
 from .chain import ChainLaunch, ChainStage, chain_tail_split
 from .epilogue import Epilogue
+from .errors import PipelineHung, PipelineTimeout, failed_call, messages
 from .gemm import (
     GemmLaunch,
     TailBuffers,
@@ -112,7 +113,7 @@ from .kernels.gemm import (
     GemmConfig,
     fits_loaded_residual,
 )
-from .kernels.sync import ERR_FIELDS, KIND_COUNTER, KIND_DONE, KIND_HEAD, KIND_ROWS, KIND_START, KIND_TICKET
+from .kernels.sync import ERR_FIELDS
 from .launcher import launch_hooks
 from .operands import (
     bindable,
@@ -152,19 +153,6 @@ _CALLERS_WORK = {  # running out there raises TimeoutError, saying why the host 
     "waits for them",
     CALLERS_EARLIER: "the caller's own work, queued on its stream before the call: check again once it is done",
 }
-
-
-class PipelineTimeout(RuntimeError):
-    """A stage waited past its deadline for an input that never came."""
-
-
-class PipelineHung(RuntimeError):
-    """A stage's kernels did not finish within the host's bound: the pipeline is unusable."""
-
-
-def _failed(M: int, msgs: list[str]) -> str:
-    """What a call on the plan for ``M`` rows whose error words say ``msgs`` is reported as."""
-    return f"a call with the plan for {M} rows failed: " + "; ".join(msgs)
 
 
 def _layout(w: torch.Tensor) -> tuple:
@@ -943,7 +931,7 @@ class Pipeline:
             self._wait(callers=False)  # a call in flight may still use their buffers (no graph uses them)
             unread = [p for p in (self._plans.pop(m) for m in evict) if self._pending.pop(p, None) is not None]
             failed = [(p.M, self.error_messages(self._read(p.errors))) for p in unread]
-            failed = [_failed(M, msgs) for M, msgs in failed if msgs]
+            failed = [failed_call(M, msgs) for M, msgs in failed if msgs]
             if failed:  # their last calls' errors are not lost with them
                 raise PipelineTimeout(". ".join(failed) + ". Those plans are freed; the next call starts clean.")
         return plan
@@ -1580,7 +1568,7 @@ class Pipeline:
             self._wait()
             for p in [plan] if plan else list(self._plans.values()):
                 self._pending.pop(p, None)
-                self._raise_if_failed(p, self._read(p.errors))
+                self._raise_iffailed_call(p, self._read(p.errors))
 
     def _raise_finished_errors(self) -> None:
         """Raise an earlier call's timeout if that call has finished (never waits): its error
@@ -1597,7 +1585,7 @@ class Pipeline:
             else:  # the device's words (the host copy may be older), reset, raise (pending until then)
                 self.check_errors(plan)
 
-    def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:
+    def _raise_iffailed_call(self, plan: Plan, words: list[list[int]]) -> None:
         msgs = self.error_messages(words)
         if not msgs:
             return
@@ -1605,54 +1593,13 @@ class Pipeline:
             self.reset(plan)
         except TimeoutError as e:  # the caller's work: the next call resets the plan first
             plan.stale = True
-            raise PipelineTimeout(_failed(plan.M, msgs) + f". Not reset yet ({e}).") from e
-        raise PipelineTimeout(_failed(plan.M, msgs) + ". State reset; the next call starts clean.")
+            raise PipelineTimeout(failed_call(plan.M, msgs) + f". Not reset yet ({e}).") from e
+        raise PipelineTimeout(failed_call(plan.M, msgs) + ". State reset; the next call starts clean.")
 
     def error_messages(self, words: list[list[int]]) -> list[str]:
         """What the error words ``words`` (one per stage, :data:`ERR_FIELDS`) say, one line per
-        stage that failed."""
-        msgs = []
-        for s, w in enumerate(words):
-            if not w[0]:
-                continue
-            e, where = dict(zip(ERR_FIELDS, w)), self.where(s)
-            if e["kind"] == KIND_HEAD.value:
-                msgs.append(
-                    f"{where}: CTA {e['cta']} claimed work-queue position "
-                    f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
-                    "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
-                )
-            elif e["kind"] == KIND_TICKET.value:
-                msgs.append(
-                    f"{where}: CTA {e['cta']} of its chain kernel claimed position "
-                    f"{e['index']} of a run of {e['target']} claims: the kernel's ticket is out of step with its "
-                    "epoch (buffers overwritten, or a kernel that never ended)"
-                )
-            elif e["kind"] == KIND_START.value:
-                msgs.append(
-                    f"{where}: the previous segment had started {e['seen']} calls on this plan, this was call "
-                    f"{e['target']}: it did not start this call in time (a rank that never made it, or fell behind)"
-                )
-            elif e["kind"] == KIND_DONE.value:
-                msgs.append(
-                    f"{where}: the next segment had finished {e['seen']} calls on this plan, this call needs "
-                    f"{e['target']} (it still reads the buffer this call overwrites): it did not finish in time, "
-                    "so every call since the last check is suspect"
-                )
-            elif e["kind"] == KIND_ROWS.value:
-                msgs.append(
-                    f"{where}: the previous segment's call had {e['seen']} rows, this one {e['target']}: every rank "
-                    "must pass the same rows"
-                )
-            else:
-                on_counter = e["kind"] == KIND_COUNTER.value
-                what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
-                tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
-                msgs.append(
-                    f"{where}: CTA {e['cta']} timed out waiting for {tile} "
-                    f"({what} was {e['seen']}, needs {e['target']}; deadline {self.timeout_ns / 1e9:g} s)"
-                )
-        return msgs
+        stage that failed (:func:`~ctapipelining.errors.messages`)."""
+        return messages(words, self.where, self.timeout_ns)
 
 
 __all__ = ["Pipeline", "PipelineTimeout", "PipelineHung", "GraphedCall"]
