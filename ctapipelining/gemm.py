@@ -550,7 +550,7 @@ class GemmLaunch:
     def _call_key(a, b, c, residual, a_copy) -> tuple:
         """What a call's raw arguments (and its copy of the residual into ``c``, and its norm
         pass's arguments) are a function of, besides what the launch binds once: the operands'
-        signatures (:func:`signature`); :attr:`_calls`' key."""
+        signatures (:func:`~ctapipelining.operands.signature`); :attr:`_calls`' key."""
         extra = tuple(None if t is None else signature(t) for t in (residual, a_copy))
         return (signature(a), signature(b), signature(c), *extra)
 
@@ -581,7 +581,7 @@ class GemmLaunch:
                 pass_raw(grid, stream, *pass_args)
             if copy:
                 with on_stream(stream, a.device):
-                    c.copy_(untracked(residual))
+                    untracked(c).copy_(untracked(residual))
             raw(self.num_ctas, stream, *args)
             return kernel
         if (residual is not None) != (self.epilogue is not None and self.epilogue.residual):
@@ -602,7 +602,7 @@ class GemmLaunch:
         copy = adds and not compile_only and not same_view(residual, c)
         if copy:  # C starts as the residual, on the same stream
             with on_stream(stream, a.device):
-                c.copy_(untracked(residual))
+                untracked(c).copy_(untracked(residual))
         if got is not None and got[1] is not None and not launch_hooks():
             kernel, raw = got
             args = self.raw_args(raw.tensor_map, a, b, c, residual)
@@ -830,8 +830,9 @@ def matmul(
     buffers apart from eager calls' (shared by the graphs captured on one stream that make the
     same call, which must then not replay at the same time: capture on a stream of its own a
     graph that will, or see :func:`captures_owned_by`), kept for the life of the process, so the
-    buffers the graph points at (split tail, norm statistics) are never freed. An eager call without an epilogue whose
-    operands have the signature (:func:`signature`) of an earlier checked call on the same stream
+    buffers the graph points at (split tail, norm statistics) are never freed. An eager call
+    without an epilogue whose operands have the signature
+    (:func:`~ctapipelining.operands.signature`) of an earlier checked call on the same stream
     skips the checks it passed and launches its bound arguments (:data:`MAX_BOUND` kept, the most
     recently used): the host time of an eager call is then little more than the launch's (with a
     new ``out``, its arguments are built again only where it lands elsewhere than the last)."""

@@ -7,6 +7,9 @@ fp16 matrix on a CUDA device (or on the CPU under Triton's interpreter), rows a 
 bytes apart, based 16-byte aligned. :func:`tma_ready` is the common case in a few attribute
 reads. A launch bound to an operand skips the checks for a later one with the same
 :func:`signature` (:func:`bindable`), and :func:`overlaps` keeps an output off its inputs.
+What a kernel accepts depends on where the kernels run (:func:`interpreting`: on the CPU under
+the interpreter, fp16 only). A copy of an operand into a buffer of the library's reads it
+:func:`untracked`, so that no call records an autograd graph.
 """
 
 from __future__ import annotations

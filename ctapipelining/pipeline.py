@@ -614,7 +614,7 @@ class Pipeline:
             raise RuntimeError(
                 f"a chain of {n} stages on devices {devices} needs {max(devices) + 1} GPUs; found {have}"
             )
-        return cls([w.to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
+        return cls([untracked(w).to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
 
     def plan_configs(self, M: int) -> list[GemmConfig]:
         """Each stage's configuration in the plan of ``M`` rows (a plan height): the
@@ -1568,7 +1568,7 @@ class Pipeline:
             self._wait()
             for p in [plan] if plan else list(self._plans.values()):
                 self._pending.pop(p, None)
-                self._raise_iffailed_call(p, self._read(p.errors))
+                self._raise_if_failed(p, self._read(p.errors))
 
     def _raise_finished_errors(self) -> None:
         """Raise an earlier call's timeout if that call has finished (never waits): its error
@@ -1585,7 +1585,7 @@ class Pipeline:
             else:  # the device's words (the host copy may be older), reset, raise (pending until then)
                 self.check_errors(plan)
 
-    def _raise_iffailed_call(self, plan: Plan, words: list[list[int]]) -> None:
+    def _raise_if_failed(self, plan: Plan, words: list[list[int]]) -> None:
         msgs = self.error_messages(words)
         if not msgs:
             return

@@ -24,8 +24,8 @@ from .tables import GEMM_TABLE, pick_config, table_flags
 
 def runs_cublas(M: int) -> bool:
     """Whether a plain GEMM of ``M`` rows that a pipeline runs as one of its stages one after
-    another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`matmul`: the plain GEMM's
-    table row for ``M`` (the one :func:`plain_config` reads) measured cuBLAS faster than every
+    another (:func:`stage_gemm`) goes to cuBLAS rather than to :func:`~ctapipelining.gemm.matmul`: the plain GEMM's
+    table row for ``M`` (the one :func:`~ctapipelining.gemm.plain_config` reads) measured cuBLAS faster than every
     configuration of ours (:func:`ctapipelining.tables.cublas_faster`): 193-384 and 513-768
     rows, measured at N = K = 8192 on an H200 and used for every width, as the table's tiles
     are. Never under the interpreter."""
@@ -40,7 +40,7 @@ def stage_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     (:attr:`ctapipelining.pipeline.Pipeline.one_after_another`; operands already checked there):
     cuBLAS where it measured faster for ``a``'s row count (:func:`runs_cublas`; not in
     deterministic mode, where cuBLAS may refuse), rounding as ``torch.mm`` does under torch's
-    settings (``torch.backends.cuda.matmul``), else :func:`matmul` in its configuration for that
+    settings (``torch.backends.cuda.matmul``), else :func:`~ctapipelining.gemm.matmul` in its configuration for that
     row count."""
     if a.is_cuda and runs_cublas(a.shape[0]) and not torch.are_deterministic_algorithms_enabled():
         return mm_into(a, b, out)
@@ -68,7 +68,7 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
 
 class BoundGemms:
     """:func:`stage_gemm`'s GEMMs ``x @ w_0 @ w_1 ...`` one after another (each on the previous
-    one's output: :func:`matmul`'s plain launches in the configuration for ``x``'s rows, or
+    one's output: :func:`~ctapipelining.gemm.matmul`'s plain launches in the configuration for ``x``'s rows, or
     cuBLAS's, :func:`runs_cublas`), bound to one signature
     (:func:`~ctapipelining.operands.signature`) of ``x`` and of the output and to one stream, after a checked call made
     them: a later eager call with that signature launches them with none of the checks it
@@ -76,7 +76,7 @@ class BoundGemms:
     a launch's arguments are built again only where its input or output lands elsewhere than in
     the last call (the allocator mostly gives a freed block of the size back). It holds its
     launches (and so their split tails' buffers) while it lives, also past their eviction from
-    :func:`matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
+    :func:`~ctapipelining.gemm.matmul`'s cache. Not thread-safe: its owner calls it under a lock."""
 
     def __init__(self, steps: list[_BoundStep | None]):
         self._steps = steps  # per GEMM: our bound launch, or None for cuBLAS's (stage_gemm)
@@ -85,7 +85,7 @@ class BoundGemms:
     def of(cls, tensors: list[torch.Tensor], weights: list[torch.Tensor], stream: int) -> BoundGemms | None:
         """The GEMMs that ran ``tensors[s + 1] = tensors[s] @ weights[s]`` through
         :func:`stage_gemm` on ``stream`` (the raw handle of the device's current stream), checked
-        and compiled; None where one of ours does not launch raw (:meth:`GemmLaunch.bound`)."""
+        and compiled; None where one of ours does not launch raw (:meth:`ctapipelining.gemm.GemmLaunch.bound`)."""
         steps = []
         for a, w, c in zip(tensors, weights, tensors[1:]):
             (M, K), N = a.shape, w.shape[1]
