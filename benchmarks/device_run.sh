@@ -5,6 +5,7 @@
 # the whole call ends within 10 minutes:
 #   env    date, commit, versions, nvidia-smi, topology                          -> env.txt
 #   demo   ctapipelining demo                                                    -> demo.log
+#   example examples/llama_block.py (one GPU): a transformers Llama-8B block fused, checked, compiled, timed -> example.log
 #   tests  the GPU tests (markers gpu, gpu2, or TESTS_MARK, e.g. "gpu2" alone on 2 GPUs, where the
 #          whole suite may need more than one call's 10 minutes; TESTS: files, default all;
 #          TESTS_TIMEOUT, default 560 s) -> gpu-tests.log
@@ -63,6 +64,8 @@ for step in $STEPS; do
       } > "$OUT/env.txt" 2>&1
       cat "$OUT/env.txt" ;;
     demo) timeout 180 $CLI demo > "$OUT/demo.log" 2>&1; tail -12 "$OUT/demo.log" ;;
+    example) timeout 300 python3 examples/llama_block.py > "$OUT/example.log" 2>&1; echo "rc $?" >> "$OUT/example.log"
+      tail -6 "$OUT/example.log" ;;
     tests) timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -m "${TESTS_MARK:-gpu or gpu2}" ${TESTS:-tests} -rs \
         -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -14 ;;
