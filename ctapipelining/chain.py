@@ -34,7 +34,7 @@ from .gemm import (
 from .kernels.chain import MAX_STAGES, Stage, chain_kernel
 from .kernels.gemm import GemmConfig
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
-from .operands import interpreting
+from .operands import check_arch, interpreting
 
 
 def chain_tail_split(M: int, shapes: list[tuple[int, int]], config: GemmConfig, num_ctas: int) -> deps.TailSplit | None:
@@ -92,6 +92,7 @@ class ChainLaunch:
         queue: bool = False,
         timeout_ns: int = 1_000_000_000,
     ):
+        check_arch(device)
         if not 1 <= len(stages) <= MAX_STAGES:
             raise ValueError(f"a chain kernel runs 1 to {MAX_STAGES} stages, got {len(stages)}")
         for i, st in enumerate(stages):

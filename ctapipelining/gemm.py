@@ -39,6 +39,7 @@ from .kernels.sync import Signal, Wait
 from .launcher import RawLaunch, addresses, launch_hooks, on_stream
 from .operands import (
     bindable,
+    check_arch,
     check_operands,
     check_out,
     check_tensor,
@@ -453,6 +454,7 @@ class GemmLaunch:
         timeout_ns: int = 1_000_000_000,
         stream: int | None = None,
     ):
+        check_arch(device)
         cfg = config
         if epilogue is None and out_sums is not None:
             epilogue = PLAIN  # only the stored rows' sums of squares
@@ -575,7 +577,10 @@ class GemmLaunch:
         call = None if compile_only or not a.is_cuda else self._call_key(a, b, c, residual, a_copy)
         hit = None if call is None else self._calls.get(call)
         if hit is not None and not launch_hooks():  # checked and launched raw before: its arguments again
-            self._calls.move_to_end(call)
+            try:
+                self._calls.move_to_end(call)
+            except KeyError:  # another thread's call dropped it meanwhile
+                pass
             kernel, raw, args, norm, copy = hit
             for pass_raw, grid, pass_args in norm:
                 pass_raw(grid, stream, *pass_args)

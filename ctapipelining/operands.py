@@ -14,6 +14,8 @@ the interpreter, fp16 only). A copy of an operand into a buffer of the library's
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -29,6 +31,30 @@ def interpreting() -> bool:
 
 
 _INTERPRETED = isinstance(gemm_kernel, InterpretedFunction)
+
+
+MIN_CAPABILITY = (9, 0)  # TMA descriptors and bulk copies, fence.proxy.async: Hopper (sm_90) on
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_arch(device: torch.device) -> None:
+    """Raise a clear error for a CUDA device the kernels cannot run on: they load and store
+    through TMA and order its copies with ``fence.proxy.async``, which need sm_90 (Hopper) or
+    later. Checked where a launch is built (once per shape and configuration, or per plan), not
+    per call."""
+    if device.type != "cuda":
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    major, minor = _capability(index)
+    if (major, minor) < MIN_CAPABILITY:
+        raise RuntimeError(
+            f"cuda:{index} ({torch.cuda.get_device_name(index)}) is sm_{major}{minor}; ctapipelining's kernels need "
+            "sm_90 or later (Hopper's TMA)"
+        )
 
 
 def _row_major(t: torch.Tensor) -> bool:

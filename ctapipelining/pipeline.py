@@ -117,6 +117,7 @@ from .kernels.sync import ERR_FIELDS
 from .launcher import launch_hooks
 from .operands import (
     bindable,
+    check_arch,
     check_dense,
     check_out,
     check_tensor,
@@ -478,6 +479,8 @@ class Pipeline:
         if self.on_gpu:
             if any(d.type != "cuda" for d in self.devices):
                 raise ValueError(f"the stages must all be on CUDA devices, got {[str(d) for d in self.devices]}")
+            for d in self.distinct_devices:
+                check_arch(d)
             for s, d in enumerate(self.devices[1:], 1):
                 if self.devices.index(d) != s and self.devices[s - 1] != d:
                     raise ValueError(

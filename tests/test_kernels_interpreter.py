@@ -247,6 +247,22 @@ def test_workqueue_head_behind_its_epoch_is_reported_not_read():
     assert rel_err(pipe(x, check=True), chain_ref(x, ws)) < 2 * TOLERANCES[torch.float16]
 
 
+def test_a_gpu_older_than_hopper_is_refused_by_name(monkeypatch):
+    """``check_arch`` (where every launch is built, and a pipeline's devices at construction):
+    an sm_80 GPU is refused, naming it and what the kernels need; sm_90 and later pass; a CPU
+    tensor (the interpreter) is not a GPU to check."""
+    from ctapipelining import operands
+
+    caps = {0: (8, 0), 1: (9, 0), 2: (10, 0)}
+    monkeypatch.setattr(operands, "_capability", lambda i: caps[i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"cuda:0 \(NVIDIA A100\) is sm_80; .* need sm_90 or later"):
+        operands.check_arch(torch.device("cuda:0"))
+    operands.check_arch(torch.device("cuda:1"))
+    operands.check_arch(torch.device("cuda:2"))
+    operands.check_arch(torch.device("cpu"))
+
+
 def test_bad_inputs_raise_before_launch():
     a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
     with pytest.raises(ValueError, match="stage 1 weight is"):
