@@ -25,6 +25,21 @@ def failed_call(M: int, msgs: list[str]) -> str:
     return f"a call with the plan for {M} rows failed: " + "; ".join(msgs)
 
 
+# what an error word of each kind says (its fields by name), besides a wait that timed out
+SAYS = {
+    KIND_HEAD.value: "CTA {cta} claimed work-queue position {index}, before this run's first: the ring's head is "
+    "behind its epoch (a call launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)",
+    KIND_TICKET.value: "CTA {cta} of its chain kernel claimed position {index} of a run of {target} claims: the "
+    "kernel's ticket is out of step with its epoch (buffers overwritten, or a kernel that never ended)",
+    KIND_START.value: "the previous segment had started {seen} calls on this plan, this was call {target}: it did "
+    "not start this call in time (a rank that never made it, or fell behind)",
+    KIND_DONE.value: "the next segment had finished {seen} calls on this plan, this call needs {target} (it still "
+    "reads the buffer this call overwrites): it did not finish in time, so every call since the last check is suspect",
+    KIND_ROWS.value: "the previous segment's call had {seen} rows, this one {target}: every rank must pass the same "
+    "rows",
+}
+
+
 def messages(words: list[list[int]], name, timeout_ns: int) -> list[str]:
     """What the error words ``words`` (one per stage, :data:`ERR_FIELDS`) say, one line per
     stage that failed; ``name(s)`` names stage ``s`` (its number in the chain and where it runs),
@@ -33,41 +48,15 @@ def messages(words: list[list[int]], name, timeout_ns: int) -> list[str]:
     for s, w in enumerate(words):
         if not w[0]:
             continue
-        e, where = dict(zip(ERR_FIELDS, w)), name(s)
-        if e["kind"] == KIND_HEAD.value:
-            msgs.append(
-                f"{where}: CTA {e['cta']} claimed work-queue position "
-                f"{e['index']}, before this run's first: the ring's head is behind its epoch (a call "
-                "launched without its consumer, or a CUDA graph replaying a freed Pipeline's buffers)"
-            )
-        elif e["kind"] == KIND_TICKET.value:
-            msgs.append(
-                f"{where}: CTA {e['cta']} of its chain kernel claimed position "
-                f"{e['index']} of a run of {e['target']} claims: the kernel's ticket is out of step with its "
-                "epoch (buffers overwritten, or a kernel that never ended)"
-            )
-        elif e["kind"] == KIND_START.value:
-            msgs.append(
-                f"{where}: the previous segment had started {e['seen']} calls on this plan, this was call "
-                f"{e['target']}: it did not start this call in time (a rank that never made it, or fell behind)"
-            )
-        elif e["kind"] == KIND_DONE.value:
-            msgs.append(
-                f"{where}: the next segment had finished {e['seen']} calls on this plan, this call needs "
-                f"{e['target']} (it still reads the buffer this call overwrites): it did not finish in time, "
-                "so every call since the last check is suspect"
-            )
-        elif e["kind"] == KIND_ROWS.value:
-            msgs.append(
-                f"{where}: the previous segment's call had {e['seen']} rows, this one {e['target']}: every rank "
-                "must pass the same rows"
-            )
+        e = dict(zip(ERR_FIELDS, w))
+        if e["kind"] in SAYS:
+            says = SAYS[e["kind"]].format(**e)
         else:
-            on_counter = e["kind"] == KIND_COUNTER.value
-            what = f"counter {e['index']}" if on_counter else f"work-queue position {e['index']}"
+            what = f"counter {e['index']}" if e["kind"] == KIND_COUNTER.value else f"work-queue position {e['index']}"
             tile = f"tile {e['tile']}" if e["tile"] >= 0 else "its next tile"
-            msgs.append(
-                f"{where}: CTA {e['cta']} timed out waiting for {tile} "
+            says = (
+                f"CTA {e['cta']} timed out waiting for {tile} "
                 f"({what} was {e['seen']}, needs {e['target']}; deadline {timeout_ns / 1e9:g} s)"
             )
+        msgs.append(f"{name(s)}: {says}")
     return msgs
