@@ -353,6 +353,7 @@ class Pipeline:
     def __init__(
         self,
         weights: list[torch.Tensor],
+        *,
         policy: str = "static",
         config: GemmConfig | None = None,
         timeout_s: float = 1.0,
