@@ -618,7 +618,9 @@ class Pipeline:
             raise RuntimeError(
                 f"a chain of {n} stages on devices {devices} needs {max(devices) + 1} GPUs; found {have}"
             )
-        return cls([untracked(w).to(f"cuda:{d}") for w, d in zip(weights, devices)], **kw)
+        with torch.no_grad():  # a weight moved records no graph; one already there is the weight itself
+            placed = [w.to(f"cuda:{d}") for w, d in zip(weights, devices)]
+        return cls(placed, **kw)
 
     def plan_configs(self, M: int) -> list[GemmConfig]:
         """Each stage's configuration in the plan of ``M`` rows (a plan height): the

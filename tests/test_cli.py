@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ctapipelining import cli
 
@@ -159,6 +160,7 @@ def test_demo_command_in_a_fresh_process():
     assert "prefill 16 + drain 16 of 40 rows: bitwise equal to the sequential GEMMs cut the same way: True" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the example's GPU branch runs on the device (device_run.sh)")
 def test_the_llama_block_example_runs_on_the_cpu(capsys):
     """``examples/llama_block.py`` at small sizes without a GPU (its ``main``, in this process,
     where the kernels run under the interpreter): the fused block within 2x of

@@ -261,6 +261,25 @@ def test_a_gpu_older_than_hopper_is_refused_by_name(monkeypatch):
     operands.check_arch(torch.device("cuda:1"))
     operands.check_arch(torch.device("cuda:2"))
     operands.check_arch(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"cuda:0 \(NVIDIA A100\) is sm_80"):  # no index: the current device
+        operands.check_arch(torch.device("cuda"))
+
+
+def test_launches_are_refused_on_a_gpu_older_than_hopper_before_anything_else(monkeypatch):
+    """Where a launch is built (a GEMM's, a chain kernel's), an sm_80 device is refused first,
+    before any of the launch's own checks or allocations."""
+    from ctapipelining import operands
+    from ctapipelining.chain import ChainLaunch
+    from ctapipelining.gemm import GemmLaunch
+
+    monkeypatch.setattr(operands, "_capability", lambda i: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100")
+    gpu = torch.device("cuda:0")
+    with pytest.raises(RuntimeError, match="is sm_80"):
+        GemmLaunch(64, 64, 64, SMALL, 4, gpu)
+    with pytest.raises(RuntimeError, match="is sm_80"):
+        ChainLaunch(64, [], SMALL, 4, gpu, ticket=None, epoch=None)
 
 
 def test_bad_inputs_raise_before_launch():
