@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import threading
 import weakref
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -524,6 +525,7 @@ class GemmLaunch:
         # the arguments are a function of the key alone (tensor maps of one address, shape and
         # strides are the same), so a later call with that key skips to its launches
         self._calls: OrderedDict[tuple, tuple] = OrderedDict()
+        self._lock = threading.Lock()  # a call's norm pass, residual copy and kernel, queued together
 
     @staticmethod
     def _key(a: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None) -> tuple:
@@ -569,7 +571,13 @@ class GemmLaunch:
         ``residual``: what an epilogue with a residual adds (``c``'s shape, already checked; ``c``
         itself: ``c`` holds it already). ``a_copy`` (``a``'s shape, checked): the norm's pass over
         ``a`` also stores ``a`` there. ``compile_only``: compile this specialisation (if it is not
-        yet) and launch nothing."""
+        yet) and launch nothing. A call queues its norm pass, its copy of the residual and its kernel
+        under the launch's lock, so calls from threads that share the launch (and its stream) do
+        not interleave them."""
+        with self._lock:
+            return self._call(a, b, c, stream, residual, compile_only, a_copy)
+
+    def _call(self, a, b, c, stream, residual, compile_only, a_copy):
         if stream is None and a.is_cuda:
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
         if self.stream is not None and stream != self.stream:

@@ -486,3 +486,51 @@ def test_a_residual_written_during_the_call_on_the_gpu_before(policy):
         pipe.check_errors()
         want = pipe.sequential(x)
         assert not want.isnan().any() and torch.equal(out, want), M
+
+
+def test_a_block_called_from_two_threads_on_one_stream_gives_each_its_own_result(monkeypatch):
+    """Two threads call one block at once on the same stream, each on rows of its own: a call's
+    norm pass and the GEMM that reads its row statistics (buffers of the launch, shared by the
+    stream's calls) are queued under the launch's lock, so the other thread's pass cannot be
+    queued between them. Each call is the first on its operands (the pass goes through
+    ``NormStats.__call__``), and each pass is followed by a pause that lets the other thread
+    run; a second block with the same weights (launches of its own) gives the expected rows."""
+    import threading
+    import time
+
+    from ctapipelining.gemm import NormStats
+
+    torch.manual_seed(0)
+    H, inter = 1024, 2048
+    ws = [torch.randn(inter, H, device="cuda").bfloat16() / H**0.5 for _ in range(2)]
+    ws.append(torch.randn(H, inter, device="cuda").bfloat16() / inter**0.5)
+    norm_w = (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16()
+    block, twin = LlamaMLP(*ws, norm_w), LlamaMLP(*ws, norm_w)
+    xs = [[(1 + 3 * i) * torch.randn(256, H, device="cuda").bfloat16() for _ in range(4)] for i in (0, 1)]
+    want = [[twin(x) for x in row] for row in xs]
+    torch.cuda.synchronize()
+    real = NormStats.__call__
+
+    def pass_then_pause(self, *args, **kw):
+        out = real(self, *args, **kw)
+        time.sleep(0.01)
+        return out
+
+    monkeypatch.setattr(NormStats, "__call__", pass_then_pause)
+    got, errors = [[], []], []
+
+    def calls(i):
+        try:
+            for x in xs[i]:
+                got[i].append(block(x))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    torch.cuda.synchronize()
+    assert not errors and [len(g) for g in got] == [4, 4], errors
+    assert all(torch.equal(y, w) for i in (0, 1) for y, w in zip(got[i], want[i]))
