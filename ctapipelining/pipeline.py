@@ -156,11 +156,6 @@ _CALLERS_WORK = {  # running out there raises TimeoutError, saying why the host 
 }
 
 
-def _layout(w: torch.Tensor) -> tuple:
-    """What a launch bound to ``w`` relies on: its address, shape, strides, dtype and device."""
-    return w.data_ptr(), w.shape, w.stride(), w.dtype, w.device
-
-
 MAX_PLANS = 8  # plans kept per Pipeline (least recently used go first; captured ones stay)
 MAX_BOUND_CALLS = 8  # eager calls' bound GEMMs kept per Pipeline (Pipeline._bound_call), the most recently used
 ROW_BUCKETS = 4  # plan heights per octave of input rows (deps.bucket_rows): 8 plans for 2049-8192
@@ -430,7 +425,7 @@ class Pipeline:
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
         self._weight_spans = [(w.device, *span(w)) for w in self.weights]  # an out must not overlap one
-        self._weight_layouts = [_layout(w) for w in self.weights]  # the storage the launches are bound to
+        self._weight_layouts = [signature(w) for w in self.weights]  # the storage the launches are bound to
         # each stage's output columns (half of its weight's with a gated epilogue)
         self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
@@ -1225,7 +1220,7 @@ class Pipeline:
         """Refuse a call or replay after a weight's storage or layout changed (``w.data = ...``,
         ``w.set_(...)``, ``w.t_()``): the plans' launches and graphs are bound to the old ones.
         Changes of the values in place are fine."""
-        if [_layout(w) for w in self.weights] != self._weight_layouts:
+        if [signature(w) for w in self.weights] != self._weight_layouts:
             raise RuntimeError(
                 "a weight's storage or layout changed since this Pipeline was built (w.data = ..., w.set_, an "
                 "in-place view op): its plans are bound to the old storage; build a new Pipeline (in-place "
