@@ -17,7 +17,10 @@ nothing, the plain GEMM's). In the order applied to tile ``acc`` of ``C = A @ B`
      of squares (``sq_out``, below), one part per column-block, so the next block's norm costs
      no pass over memory (at the Llama-70B MLP's first GEMM, M = 4096, a sum of squares inside
      the K loop, from the A tiles it loads, made the GEMM 1.30x as long;
-     ``benchmarks/results/2026-12-01-h200-mlp/``);
+     ``benchmarks/results/2026-12-01-h200-mlp/``). The GEMM starts once the pass has completed:
+     started during it (a programmatic dependent launch, its epilogue waiting for the pass) it
+     gained nothing at the Llama-8B block's 1024 rows and made the Llama-70B gate/up GEMM 1.15x
+     as long (``benchmarks/results/2026-12-05-h100-norm-pass-overlap/``);
    - LayerNorm: ``row_shift = mean(a)``, ``row_scale = rsqrt(var(a) + eps)`` (from
      :func:`norm_rows`, which centres before squaring), ``(acc - row_shift * col_sum) * row_scale``
      with ``col_sum`` B's column sums: ``(a - mean) @ B`` without forming ``a - mean``. In a
