@@ -291,14 +291,14 @@ class DistributedPipeline:
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
         link goes through the heap: how one GPU tests the cross-rank path.
 
-    Every rank checks its own arguments and GPU at
-    construction: an error anywhere is raised on every rank (except a current CUDA device that is
-    not the weights', raised on its rank before any collective can run). Calls and graph replays hold a lock
-    (one at a time on the host). A call is ordered after whatever the caller queued on this
+    Every rank checks its own arguments and GPU (a current CUDA device that is not the weights'
+    too) at construction: an error anywhere is raised on every rank. Calls and graph replays hold
+    a lock (one at a time on the host). A call is ordered after whatever the caller queued on this
     GPU's current stream, and that stream waits for it. A call that one rank refuses (bad input)
     or that fails part way puts that rank out of step with the others, who made the call: it
     refuses further calls until every rank calls :meth:`check_errors`, which reports it and
-    resets them all.
+    resets them all (a call with ``check=True`` that this rank refuses makes that check itself,
+    where the other ranks make it, then raises its own error).
     """
 
     def __init__(
@@ -330,14 +330,15 @@ class DistributedPipeline:
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
-        if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and dist.get_backend(self.group) == "nccl":
-            current = torch.cuda.current_device()
-            if current != first_weight.device.index:  # NCCL's collectives (sequential's sends) run there
-                raise RuntimeError(
-                    f"rank {self.rank}'s weights are on {first_weight.device} but the current CUDA device is "
-                    f"cuda:{current}: call torch.cuda.set_device({first_weight.device.index}) first"
-                )
+        nccl = dist.get_backend(self.group) == "nccl"
         try:
+            if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and nccl:
+                current = torch.cuda.current_device()
+                if current != first_weight.device.index:  # NCCL's collectives (sequential's sends) run there
+                    raise RuntimeError(
+                        f"rank {self.rank}'s weights are on {first_weight.device} but the current CUDA device is "
+                        f"cuda:{current}: call torch.cuda.set_device({first_weight.device.index}) first"
+                    )
             self._check_local(weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s,
                               max_plans, row_buckets, sm_budget, loopback)  # fmt: skip
         except Exception as e:  # noqa: BLE001 (any error: raised on every rank after the gather)
@@ -702,6 +703,11 @@ class DistributedPipeline:
             except BaseException as e:
                 # the other ranks made (or are making) this call: ours no longer pair with theirs
                 self._mark_out_of_step(f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})")
+                if check and isinstance(e, Exception) and not self._capturing():
+                    # they check it collectively: meet them there (every rank then raises this
+                    # refusal and resets), rather than leave them waiting; this rank raises its own
+                    with contextlib.suppress(Exception):
+                        self.check_errors()
                 raise
             if check and not self._capturing():
                 self.check_errors()
