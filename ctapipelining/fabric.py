@@ -162,8 +162,6 @@ def symmetric_heap(nbytes: int, device: torch.device, group, meet: Callable) -> 
     error)`` is the caller's labelled collective that raises any rank's error on every rank:
     a rank that cannot allocate (out of memory) or map the heap makes every rank raise, instead
     of leaving the others in the rendezvous."""
-    import torch.distributed as dist
-
     t, symm_mem, error = None, None, None
     try:
         symm_mem = symmetric_memory()
@@ -171,17 +169,28 @@ def symmetric_heap(nbytes: int, device: torch.device, group, meet: Callable) -> 
     except Exception as e:  # noqa: BLE001 (raised on every rank by meet)
         error = _failure(e)
     meet("allocate the heap", None, error)
-    handle, peers, error = None, None, None
+    handle, offset, error = None, None, None
     try:
         handle = symm_mem.rendezvous(t, group)
-        world = dist.get_world_size(group)
-        peers = [t if r == handle.rank else handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)]
+        # the heap may start inside a segment of PyTorch's symmetric memory pool: a peer's copy
+        # lies as far into that rank's segment (``get_buffer`` counts from the segment's start)
+        offset = t.data_ptr() - handle.buffer_ptrs[handle.rank]
     except Exception as e:  # noqa: BLE001
         error = (
             f"symmetric-memory rendezvous failed on {device} ({_failure(e)}): the ranks' GPUs must reach each "
             "other's memory (peer access over NVLink, one host)"
         )
-    meet("map the heap", None, error)
+    offsets = meet("map the heap", offset, error)
+    peers, error = None, None
+    try:
+        peers = [handle.get_buffer(r, (nbytes,), torch.uint8, offsets[r]) for r in range(len(offsets))]
+        if peers[handle.rank].data_ptr() != t.data_ptr():
+            raise RuntimeError(f"this rank's heap is at {t.data_ptr():#x}, its symmetric-memory view at "
+                               f"{peers[handle.rank].data_ptr():#x}")  # fmt: skip
+        peers[handle.rank] = t
+    except Exception as e:  # noqa: BLE001
+        error = f"viewing the ranks' heaps failed on {device}: {_failure(e)}"
+    meet("view the heaps", None, error)
     return Heap(handle.rank, nbytes, peers, keep=[handle, t])
 
 

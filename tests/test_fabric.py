@@ -52,3 +52,67 @@ def test_a_shared_heap_whose_peer_fails_leaves_no_file(monkeypatch):
     with pytest.raises(RuntimeError, match="map the heap"):
         fabric.shared_heap(4096, None, meet)
     assert len(created) == 1 and created[0] and not os.path.exists(created[0])
+
+
+class _FakeSymmetricMemory:
+    """Two ranks' pool segments of PyTorch symmetric memory (CPU tensors), this process rank 0,
+    the heap ``offset`` bytes into each (an allocation that does not start a segment); what
+    ``get_buffer`` gives is counted from the segment's start, as PyTorch's."""
+
+    def __init__(self, offset: int, nbytes: int):
+        import torch
+
+        self.segments = [torch.zeros(offset + nbytes + 64, dtype=torch.uint8) for _ in range(2)]
+        self.offset, self.rank, self.world_size = offset, 0, 2
+        self.buffer_ptrs = [s.data_ptr() for s in self.segments]
+
+    def empty(self, nbytes, dtype, device):
+        return self.segments[0][self.offset : self.offset + nbytes]
+
+    def rendezvous(self, t, group):
+        return self
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        return self.segments[rank][storage_offset : storage_offset + sizes[0]]
+
+
+@pytest.mark.parametrize("offset", [0, 4096])
+def test_a_symmetric_heap_inside_a_pool_segment_is_addressed_where_it_is_on_every_rank(monkeypatch, offset):
+    """A heap that starts ``offset`` bytes into its rank's segment of the symmetric-memory pool
+    is addressed as far into each peer's segment (where that rank's own heap is), not at the
+    segment's start; this rank's view is its own tensor."""
+    import torch
+
+    fake = _FakeSymmetricMemory(offset, 1024)
+    monkeypatch.setattr(fabric, "symmetric_memory", lambda: fake)
+    met = []
+
+    def meet(what, value, error):
+        if error:
+            raise RuntimeError(f"{what}: {error}")
+        met.append(what)
+        return [value, value]  # the other rank's heap lies as far into its segment
+
+    heap = fabric.symmetric_heap(1024, torch.device("cpu"), None, meet)
+    assert met == ["allocate the heap", "map the heap", "view the heaps"]
+    assert heap.local.data_ptr() == fake.segments[0].data_ptr() + offset
+    assert heap.peers[1].data_ptr() == fake.segments[1].data_ptr() + offset and heap.peers[1].numel() == 1024
+
+
+def test_a_symmetric_heap_whose_view_disagrees_with_its_tensor_is_refused(monkeypatch):
+    """A symmetric-memory view of this rank's own heap that is not where its tensor is (an
+    offset counted otherwise) is refused on every rank, rather than letting peers write
+    elsewhere."""
+    import torch
+
+    fake = _FakeSymmetricMemory(4096, 1024)
+    fake.get_buffer = lambda rank, sizes, dtype, storage_offset=0: fake.segments[rank][: sizes[0]]
+    monkeypatch.setattr(fabric, "symmetric_memory", lambda: fake)
+
+    def meet(what, value, error):
+        if error:
+            raise RuntimeError(f"{what}: {error}")
+        return [value, value]
+
+    with pytest.raises(RuntimeError, match="view the heaps: viewing the ranks' heaps failed on cpu: RuntimeError"):
+        fabric.symmetric_heap(1024, torch.device("cpu"), None, meet)
