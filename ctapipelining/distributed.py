@@ -38,7 +38,8 @@ Errors are collective: a call does not read the error words; :meth:`DistributedP
 failed, every rank resets its state (epochs start again in step) and raises the same
 :class:`~ctapipelining.pipeline.PipelineTimeout`, naming rank, stage and tile. A result is known
 good only then. Host waits for this rank's GPU are bounded (``host_timeout_s``); a wait for a
-peer rank inside a collective is bounded by the process group's own timeout.
+peer rank in a host collective by the gloo group's timeout (``meet_timeout_s``; a gloo
+``group``'s own).
 
 Fused epilogues (``epilogues``: a transformer block's norm, activation, bias, residual) run as
 in a one-process pipeline; a residual is read on its own rank, so a stage that adds one shares
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import functools
 import socket
 import threading
@@ -286,6 +288,10 @@ class DistributedPipeline:
         twice this plus ``timeout_s`` per local stage and one more, so that a late peer is a
         clean timeout, not a hung GPU. The timeouts are each rank's own; the other settings must
         be the same on every rank.
+    meet_timeout_s : how long a host collective of the ranks (building a plan, checking errors,
+        freeing plans) waits for a peer rank: the timeout of the gloo group made for them when
+        ``group`` is of another backend (default PyTorch's for a new group, 30 minutes); above
+        ``host_timeout_s``. A gloo ``group`` is used as it is: its own timeout applies.
     max_plans : plan heights kept (least recently used freed first, never one a captured graph
         points at; freeing is collective, at the same call on every rank).
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
@@ -311,6 +317,7 @@ class DistributedPipeline:
         timeout_s: float = 1.0,
         start_timeout_s: float | None = None,
         host_timeout_s: float | None = None,
+        meet_timeout_s: float | None = None,
         max_plans: int = MAX_PLANS,
         row_buckets: int = ROW_BUCKETS,
         sm_budget: int | None = None,
@@ -326,7 +333,14 @@ class DistributedPipeline:
         # NCCL collective would queue behind its kernels)
         ranks = dist.get_process_group_ranks(self.group)
         gloo = dist.get_backend(self.group) == "gloo"
-        self._host_group = self.group if gloo else dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        timeout = None  # a bad meet_timeout_s is refused below, on every rank
+        if _seconds(meet_timeout_s) and not gloo:
+            timeout = datetime.timedelta(seconds=meet_timeout_s)
+        self._host_group = (
+            self.group
+            if gloo
+            else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+        )
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
@@ -341,6 +355,14 @@ class DistributedPipeline:
                     )
             self._check_local(weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s,
                               max_plans, row_buckets, sm_budget, loopback)  # fmt: skip
+            if meet_timeout_s is not None:
+                if gloo:
+                    raise ValueError("meet_timeout_s bounds the gloo group made for a group of another backend; "
+                                     "a gloo group's own timeout bounds its meets")  # fmt: skip
+                if not _seconds(meet_timeout_s) or meet_timeout_s <= self.host_timeout_s:
+                    raise ValueError(f"meet_timeout_s must be a number of seconds above host_timeout_s "
+                                     f"({self.host_timeout_s:g}: a meet may wait that long for a peer's GPU), "
+                                     f"got {meet_timeout_s!r}")  # fmt: skip
         except Exception as e:  # noqa: BLE001 (any error: raised on every rank after the gather)
             local_error = f"{type(e).__name__}: {e}"
         device = weights[0].device if not local_error and weights else None
@@ -1078,6 +1100,11 @@ def _check_stages(placement: Placement) -> None:
                 f"which runs in another segment (rank {placement.rank_of[s - 1]}): keep a block's GEMMs on one "
                 "rank, without loopback"
             )
+
+
+def _seconds(v) -> bool:
+    """Whether ``v`` is a positive number of seconds (below a million)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
 
 
 def _raise_any(every: list[dict]) -> None:

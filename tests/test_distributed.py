@@ -193,6 +193,26 @@ def test_an_nccl_groups_host_collectives_run_on_a_gloo_group_of_its_ranks(world1
     pipe.check_errors()
 
 
+def test_the_meets_of_an_nccl_groups_ranks_take_meet_timeout_s(world1, monkeypatch):
+    """The gloo group made for the host collectives of a group of another backend has
+    ``meet_timeout_s`` as its timeout; it must exceed ``host_timeout_s``, and a gloo group keeps
+    its own (the argument is refused there)."""
+    import datetime
+
+    real_backend, real_new_group, made = dist.get_backend, dist.new_group, []
+    ws = _weights([32, 48, 32])
+    with pytest.raises(ValueError, match="a gloo group's own timeout bounds its meets"):
+        DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: made.append(kw) or real_new_group(*a, **kw))
+    with pytest.raises(ValueError, match=r"meet_timeout_s must be a number of seconds above host_timeout_s \(20"):
+        DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s=20.0, meet_timeout_s=20.0)
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
+    assert made[-1]["timeout"] == datetime.timedelta(seconds=60) and real_backend(pipe._host_group) == "gloo"
+    DistributedPipeline(ws, config=CFG, loopback=True)
+    assert made[-1]["timeout"] is None  # PyTorch's default for a new group
+
+
 @pytest.mark.interpreter
 def test_a_freed_plans_errors_are_not_lost(world1):
     ws = _weights([32, 48, 32])
