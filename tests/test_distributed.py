@@ -123,6 +123,26 @@ def test_a_segment_whose_producer_never_starts_times_out_in_its_gate_then_recove
 
 
 @pytest.mark.interpreter
+def test_a_producer_whose_consumer_never_finished_the_call_before_reports_it_then_recovers(world1):
+    """The first segment launched twice alone: its second gate waits for the second segment to
+    finish the first call (it still reads the buffer the second call overwrites), which never
+    happened; the check names it, resets, and a call is right after it."""
+    ws = _weights([32, 48, 32])
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
+    x = torch.randn(40, 32).half()
+    dp = pipe.plan(40)
+    for _ in range(2):
+        pipe._run(dp, x, torch.empty(40, 32).half(), 40, only=[0])
+    with pytest.raises(
+        PipelineTimeout, match=r"stage 0 on rank 0, cpu: the next segment had finished 0 calls on this plan, this call "
+        r"needs 1 .*every call since the last check is suspect",
+    ):  # fmt: skip
+        pipe.check_errors()
+    assert torch.equal(pipe(x), pipe.sequential(x))
+    pipe.check_errors()
+
+
+@pytest.mark.interpreter
 def test_a_refused_call_puts_the_rank_out_of_step_until_every_rank_checks(world1):
     """Bad input (or a weight whose storage was swapped) is refused before anything runs on this
     rank, but the other ranks made the call: the rank refuses further calls until the collective
@@ -531,9 +551,14 @@ def test_three_ranks_on_a_bucketed_height(tmp_path):
 
 
 def test_default_timeouts_admit_many_stages_on_a_rank(world1):
+    """The defaults (docs/api.md): ``start_timeout_s = max(2.5, 2.5 * timeout_s)`` and
+    ``host_timeout_s = max(10, 10 * timeout_s, 2 * start + (stages + 2) * timeout_s)``, which
+    admits five stages on a rank (the bound ``2 * start + (stages + 1) * timeout_s`` is 11 s)."""
     ws = _weights([32, 48, 32, 48, 32, 48])
     pipe = DistributedPipeline(ws, config=CFG, timeout_s=1.0)
-    assert pipe.segments[0].host_timeout_s > 2 * pipe.start_timeout_ns / 1e9 + 6 * 1.0
+    assert pipe.start_timeout_ns == 2_500_000_000 and pipe.host_timeout_s == 12.0
+    assert pipe.segments[0].host_timeout_s == 12.0
+    assert DistributedPipeline(ws[:1], config=CFG, timeout_s=0.5).host_timeout_s == 10.0
 
 
 def test_a_torch_without_symmetric_memory_is_named(monkeypatch):
