@@ -181,6 +181,11 @@ def test_median_ci_takes_the_binomial_order_statistics():
     med, lo, hi = timing.median_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # too few for a 95% interval
     assert med == 3.0 and lo != lo and hi != hi
     assert timing.median_ci([1.0] * 6) == (1.0, 1.0, 1.0)  # n = 6: the 1st and 6th (1/64 < 2.5%)
+    assert timing.median_ci([9.0, 1.0, 16.0, 4.0, 36.0, 25.0]) == (12.5, 1.0, 36.0)  # the same, distinct
+    # n = 10 at 80%: P(Binom < 3) = 56/1024 <= 10% < P(Binom < 4) = 176/1024, so the 3rd and 8th
+    v = [float(x * x) for x in (3, 10, 1, 7, 5, 2, 9, 4, 8, 6)]
+    assert timing.median_ci(v, level=0.8) == (30.5, 9.0, 64.0)
+    assert timing.median_ci(v) == (30.5, 4.0, 81.0)  # at 95%: P(Binom < 2) = 11/1024 <= 2.5%, the 2nd and 9th
     with pytest.raises(ValueError):
         timing.median_ci([])
 

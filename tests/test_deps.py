@@ -153,6 +153,7 @@ def test_last_stage_tail_is_the_combined_loops_tail_counted_in_the_last_stage():
 def test_split_tail_none_without_a_partial_round_or_room():
     assert deps.split_tail(4092, 132, 128, 16) is None  # whole rounds
     assert deps.split_tail(100, 132, 128, 16) is None  # one partial round: the grid shrinks to it
+    assert deps.split_tail(10, 132, 128, 16) is None  # the same, though 8 slices of 10 tiles would fit
     assert deps.split_tail(132 + 100, 132, 128, 16) is None  # 100 tail tiles, 132 CTAs: no 2 slices each
     assert deps.split_tail(4096, 132, 20, 16) is None  # K too short for two slices
     with pytest.raises(ValueError, match="min_slice_k"):
@@ -213,32 +214,56 @@ def _decode(codes):
     return [(int(c) >> deps.STAGE_SHIFT, int(c) & ((1 << deps.STAGE_SHIFT) - 1)) for c in codes]
 
 
+def _assert_each_tile_waits_only_on_earlier_positions(order, num_m, num_ns, group_m, ring_first=False, tail=None):
+    """Every tile of a stage after the first comes after each tile of the stage before that it
+    reads (all of them when the first stage's tiles come from a ring); a tail slice reads the
+    row-block of its tile, ``tail.first_pos + (q - tail.first_pos) // tail.splits``."""
+    S = len(num_ns)
+
+    def row(s, q):
+        if s == S - 1 and tail is not None and q >= tail.first_pos:
+            q = tail.first_pos + (q - tail.first_pos) // tail.splits
+        return deps.grouped_tile(q, num_m, num_ns[s], group_m) // num_ns[s]
+
+    where = {}  # (stage, row-block) -> positions in the combined order
+    for pos, (s, q) in enumerate(order):
+        where.setdefault((s, row(s, q)), []).append(pos)
+    for pos, (s, q) in enumerate(order):
+        if s == 0:
+            continue
+        r = row(s, q)
+        inputs = [p for (t, rr), ps in where.items() if t == s - 1 and (rr == r or (s == 1 and ring_first)) for p in ps]
+        assert max(inputs) < pos, (pos, s, q)
+
+
 @given(
     num_m=st.integers(1, 12),
     num_ns=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     group_m=st.integers(1, 4),
     lag=st.one_of(st.none(), st.integers(0, 20)),
     ring_first=st.booleans(),
+    tail_tiles=st.integers(0, 6),
+    splits=st.integers(2, 4),
 )
-def test_chain_order_keeps_each_stage_in_order_after_its_inputs(num_m, num_ns, group_m, lag, ring_first):
-    """Every position of every stage once, each stage in its own order, and every tile after
-    each tile of the stage before that it reads (all of them when the first stage's tiles come
-    from a ring): a tile waits only on earlier positions, so the chain kernel cannot deadlock."""
-    order = _decode(deps.chain_order(num_m, num_ns, group_m, lag, ring_first=ring_first))
+def test_chain_order_keeps_each_stage_in_order_after_its_inputs(
+    num_m, num_ns, group_m, lag, ring_first, tail_tiles, splits
+):
+    """Every position of every stage once (the last stage's tail tiles as ``splits`` slices
+    each, when it has a tail), each stage in its own order, and every tile or slice after each
+    tile of the stage before that it reads: a tile waits only on earlier positions, so the chain
+    kernel cannot deadlock."""
+    last_tiles = num_m * num_ns[-1]
+    tail = None
+    if tail_tiles:
+        tiles = min(tail_tiles, last_tiles)
+        tail = deps.TailSplit(last_tiles - tiles, tiles, splits)
+    order = _decode(deps.chain_order(num_m, num_ns, group_m, lag, tail, ring_first))
     S = len(num_ns)
-    where = {}  # (stage, row-block) -> positions in the combined order
     for s in range(S):
         mine = [q for t, q in order if t == s]
-        assert mine == list(range(num_m * num_ns[s])), s
-    for pos, (s, q) in enumerate(order):
-        r = deps.grouped_tile(q, num_m, num_ns[s], group_m) // num_ns[s]
-        where.setdefault((s, r), []).append(pos)
-    for pos, (s, q) in enumerate(order):
-        if s == 0:
-            continue
-        r = deps.grouped_tile(q, num_m, num_ns[s], group_m) // num_ns[s]
-        inputs = [p for (t, rr), ps in where.items() if t == s - 1 and (rr == r or (s == 1 and ring_first)) for p in ps]
-        assert max(inputs) < pos, (pos, s, q)
+        spans = tail.first_pos + tail.items if s == S - 1 and tail is not None else num_m * num_ns[s]
+        assert mine == list(range(spans)), s
+    _assert_each_tile_waits_only_on_earlier_positions(order, num_m, num_ns, group_m, ring_first, tail)
     if lag is None:
         assert [s for s, _ in order] == sorted(s for s, _ in order)  # stage after stage
 
@@ -257,11 +282,24 @@ def test_chain_order_interleaves_so_the_last_stage_starts_early():
     assert _decode(deps.chain_order(num_m, num_ns, 4, None))[512] == (1, 0)  # stage after stage
 
 
-def test_chain_order_places_the_tail_slices_of_the_last_stage():
-    tail = deps.TailSplit(first_pos=6, tiles=2, splits=3)
-    order = _decode(deps.chain_order(2, [4, 4], 1, 2, tail))
+@pytest.mark.parametrize(
+    "num_m,num_ns,lag,tail",
+    [
+        (2, [4, 4], 2, deps.TailSplit(first_pos=6, tiles=2, splits=3)),
+        (4, [3, 3], 0, deps.TailSplit(first_pos=9, tiles=3, splits=2)),  # the tail: the last row-block
+        (8, [1, 1], 0, deps.TailSplit(first_pos=6, tiles=2, splits=2)),  # the tail: the last two row-blocks
+    ],
+)
+def test_chain_order_places_each_tail_slice_of_the_last_stage_after_its_tiles_inputs(num_m, num_ns, lag, tail):
+    """The last stage's positions are its tiles before the tail, then ``splits`` slices of each
+    tail tile, each slice after every tile of the stage before in its tile's row-block."""
+    order = _decode(deps.chain_order(num_m, num_ns, 1, lag, tail))
     last = [q for s, q in order if s == 1]
-    assert last == list(range(6 + 2 * 3))
+    assert last == list(range(tail.first_pos + tail.items))
+    _assert_each_tile_waits_only_on_earlier_positions(order, num_m, num_ns, 1, tail=tail)
+
+
+def test_chain_order_refuses_a_bad_shape_or_a_negative_lag():
     with pytest.raises(ValueError, match="chain_order: bad shape"):
         deps.chain_order(2, [4, 0], 1, 2)
     with pytest.raises(ValueError, match="lag must be >= 0"):

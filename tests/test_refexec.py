@@ -40,10 +40,48 @@ def test_consumers_first_runs_in_readiness_order():
     assert r.order(1, "run") == r.order(1, "ready")
 
 
-def test_static_policy_runs_in_tile_order():
-    ch = two_gemms(policy_ctas=1)
+def _steps(r, stage, kind):
+    """``{(epoch, tile): step}`` of ``stage``'s ``kind`` events."""
+    return {(e.epoch, e.tile): e.step for e in r.events if e.stage == stage and e.kind == kind}
+
+
+def _latest_run_after_ready(r):
+    """The most steps a consumer tile ran after the step its readiness was logged."""
+    run, ready = _steps(r, 1, "run"), _steps(r, 1, "ready")
+    return max(run[k] - ready[k] for k in run)
+
+
+def test_static_consumers_first_runs_each_consumer_tile_no_later_than_it_is_logged_ready():
+    """Under the static policy with three consumer CTAs, ``consumers_first`` runs each consumer
+    tile as soon as its counter fills: no later than the producer's step that logs it ready. A
+    random schedule of the same chain runs some tiles later."""
+    r = refexec.run_chain(two_gemms(), "static", "consumers_first", epochs=2, seed=3)
+    assert _latest_run_after_ready(r) <= 0
+    assert _latest_run_after_ready(refexec.run_chain(two_gemms(), "static", "random", epochs=2, seed=3)) > 0
+
+
+@pytest.mark.parametrize("policy", ["workqueue", "static"])
+def test_producers_first_runs_every_producer_tile_before_any_consumer_tile(policy):
+    """``producers_first``: producer CTAs never wait and run whenever one can, so in each run
+    every tile of stage 0 runs before any tile of stage 1."""
+    r = refexec.run_chain(two_gemms(), policy, "producers_first", epochs=2, seed=11)
+    producer, consumer = _steps(r, 0, "run"), _steps(r, 1, "run")
+    for epoch in (1, 2):
+        last = max(step for (e, _), step in producer.items() if e == epoch)
+        assert last < min(step for (e, _), step in consumer.items() if e == epoch), epoch
+
+
+def test_static_policy_runs_each_stage_in_its_grouped_tile_order():
+    """Under the static policy CTA ``p`` of ``n`` runs positions ``p, p + n, ...`` of its
+    stage's tile order, here grouped by 2 and 3 row-blocks (not row-major): one consumer CTA runs
+    the whole order."""
+    ch = Chain(M=50, K0=20, stages=[Stage("gemm", 30, 16, 8, 4, group_m=2), Stage("gemm", 12, 8, 8, 1, group_m=3)])
+    assert all(o.tolist() != sorted(o.tolist()) for o in ch.orders)
     r = refexec.run_chain(ch, "static", "random", seed=3)
     assert r.order(1, "run") == ch.orders[1].tolist()
+    for pid in range(4):
+        mine = [e.tile for e in r.events if e.stage == 0 and e.kind == "run" and e.cta == pid]
+        assert mine == ch.orders[0][pid::4].tolist(), pid
 
 
 def test_schedules_interleave_differently():

@@ -154,8 +154,10 @@ def test_planner_ranks_layouts_and_knows_when_not_to_pipeline():
     assert "sequential" not in {lay.method for lay in big}
     assert any("tile 128x128" in lay.detail for lay in big)  # tile shape is part of the choice
     assert all(lay.stages * lay.tp <= 4 for lay in big)
-    with pytest.raises(ValueError):
-        sim.plan(0, [8, 8], 1, CAL)
+    refusal = "plan needs M >= 1, at least one layer \\(two dims\\) and at least one GPU"
+    for M, dims, gpus in [(0, [8, 8], 1), (8, [8, 8], 0), (8, [8], 1)]:
+        with pytest.raises(ValueError, match=refusal):
+            sim.plan(M, dims, gpus, CAL)
 
 
 def test_figures_shapes():
@@ -173,6 +175,16 @@ def test_figures_shapes():
         assert f["reduction_vs_best_pct"] == pytest.approx(100 * (1 - cta / best), abs=0.01)
     f7 = sim.figure7(CAL, M=2048, K=2048, gpus=(4,))
     assert f7[0]["hybrid"]["comm_ns"] == pytest.approx(f7[0]["tp_half"]["comm_ns"])
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_tp_all_reduces_the_blocks_output_in_a_ring_over_all_its_gpus(g):
+    """TP's communication: one ring all-reduce of the ``[M, K]`` bf16 output over its ``g``
+    GPUs, ``alpha + 2 (g - 1) / g * bytes / busbw``; one GPU has none."""
+    M, K = 4096, 8192
+    want = CAL.allreduce_alpha_ns + 2 * (g - 1) / g * (M * K * 2) / CAL.allreduce_busbw_gbps
+    assert sim.simulate_tp(M, K, 2 * K, g, CAL)["comm_ns"] == pytest.approx(want, rel=1e-12)
+    assert sim.simulate_tp(M, K, 2 * K, 1, CAL)["comm_ns"] == 0.0
 
 
 def test_hybrid_shards_compute_their_share_of_the_width():

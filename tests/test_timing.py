@@ -54,3 +54,16 @@ def test_each_timed_run_is_synchronised_on_every_device_rested_before_and_timed_
     times = timing.time_interleaved([method], [0, 1], reps=2, warmup=0, rest_ms=5)
     assert log == ["prep", "sync0", "sync1", "rest0.005", "run", "sync0", "sync1"] * 2
     assert all(t >= 2 * 2.0 for t in times["m"])  # the two synchronisations after the run are timed
+
+
+def test_each_warm_up_run_is_prepared_and_synchronised_on_every_device_and_not_timed(monkeypatch):
+    """Per warm-up run: prepare (with the warm-up's index), run, synchronise every device; no
+    synchronisation before the run and no time recorded."""
+    import torch
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: log.append(f"sync{d}"))
+    method = timing.Method("m", lambda: log.append("run"), lambda i: log.append(f"prep{i}"))
+    times = timing.time_interleaved([method], [0, 1], reps=0, warmup=2)
+    assert log == ["prep0", "run", "sync0", "sync1", "prep1", "run", "sync0", "sync1"]
+    assert times == {"m": []}
