@@ -386,45 +386,6 @@ def _two_cpu_ranks(rank, store):
     )
 
 
-def _checked_refusal(rank, store, result):
-    _two_cpu_ranks(rank, store)
-    try:
-        ws = _weights([32, 48, 32])
-        pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0)
-        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6)).half()
-        pipe.plan(40)
-        lines = []
-        try:  # rank 1 refuses (a float32 out) a call both make with check=True
-            pipe(x, check=True) if rank == 0 else pipe(rows=40, out=torch.empty(40, 32), check=True)
-            lines.append("returned")
-        except (ValueError, PipelineTimeout) as e:
-            lines.append(f"{type(e).__name__}: {e}")
-        if rank == 0:  # the next call, checked on both ranks, pairs and is right
-            pipe(x)
-        dist.barrier()
-        y = pipe(rows=40) if rank == 1 else None
-        pipe.check_errors()
-        ref = pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 40)
-        lines.append(rank == 0 or torch.equal(y, ref))
-        result[rank] = lines
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.interpreter
-def test_a_rank_that_refuses_a_checked_call_meets_the_others_in_the_check(tmp_path):
-    """The other ranks check a call with ``check=True`` collectively; a rank that refuses it
-    makes that check too (instead of leaving them waiting for it): they raise its refusal, it
-    raises its own error, all reset, and the next call is right on both."""
-    result = mp.Manager().dict()
-    mp.spawn(_checked_refusal, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
-    (refusal0, right0), (refusal1, right1) = result[0], result[1]
-    assert refusal0.startswith("PipelineTimeout")
-    assert "rank 1 refused or failed a call (ValueError: out must" in refusal0
-    assert refusal1.startswith("ValueError: out must")
-    assert right0 is True and right1 is True
-
-
 def _eviction(rank, store, result):
     _two_cpu_ranks(rank, store)
     try:
@@ -459,7 +420,15 @@ def _eviction(rank, store, result):
         y = call(16)
         pipe.check_errors()
         ref = pipe.sequential(x[:16] if rank == 0 else None, rows=None if rank == 0 else 16)
-        result[rank] = (kept, rank == 0 or torch.equal(y, ref))
+        right = rank == 0 or torch.equal(y, ref)
+        try:  # rank 1 refuses (a float32 out) a call both make with check=True
+            pipe(x[:16], check=True) if rank == 0 else pipe(rows=16, out=torch.empty(16, 32), check=True)
+            refusal = "returned"
+        except (ValueError, PipelineTimeout) as e:
+            refusal = f"{type(e).__name__}: {e}"
+        y = call(16)
+        pipe.check_errors()
+        result[rank] = (kept, right, refusal, rank == 0 or torch.equal(y, ref))
     finally:
         dist.destroy_process_group()
 
@@ -468,11 +437,17 @@ def _eviction(rank, store, result):
 def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     """A call one rank refused leaves the ranks' orders of use apart; the next plan built frees
     the same plan on both (rank 0's order), and a call on the freed height builds it again on
-    both and is right."""
+    both and is right. Then a rank refuses a call both make with ``check=True``: the other
+    checks it collectively, and the refusing rank makes that check too (instead of leaving it
+    waiting): rank 0 raises the refusal, rank 1 its own error, both reset, and the next call is
+    right."""
     result = mp.Manager().dict()
     mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
-    (kept0, _), (kept1, right) = result[0], result[1]
+    (kept0, _, refusal0, _), (kept1, right, refusal1, right_after) = result[0], result[1]
     assert sorted(kept0) == sorted(kept1) and len(kept0) == 2 and right, dict(result)
+    assert refusal0.startswith("PipelineTimeout")
+    assert "rank 1 refused or failed a call (ValueError: out must" in refusal0
+    assert refusal1.startswith("ValueError: out must") and right_after
 
 
 class _Unreadable(list):
