@@ -290,8 +290,10 @@ class DistributedPipeline:
         be the same on every rank.
     meet_timeout_s : how long a host collective of the ranks (building a plan, checking errors,
         freeing plans) waits for a peer rank: the timeout of the gloo group made for them when
-        ``group`` is of another backend (default PyTorch's for a new group, 30 minutes); above
-        ``host_timeout_s``. A gloo ``group`` is used as it is: its own timeout applies.
+        ``group`` is of another backend (default PyTorch's for a new group, 30 minutes). Above
+        ``host_timeout_s``, and long enough for what a peer may do first (compile its kernels at
+        a new height, the caller's own work): once it expires the group is unusable. A gloo
+        ``group`` is used as it is: its own timeout applies.
     max_plans : plan heights kept (least recently used freed first, never one a captured graph
         points at; freeing is collective, at the same call on every rank).
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every
@@ -303,8 +305,7 @@ class DistributedPipeline:
     GPU's current stream, and that stream waits for it. A call that one rank refuses (bad input)
     or that fails part way puts that rank out of step with the others, who made the call: it
     refuses further calls until every rank calls :meth:`check_errors`, which reports it and
-    resets them all (a call with ``check=True`` that this rank refuses makes that check itself,
-    where the other ranks make it, then raises its own error).
+    resets them all (with ``check=True`` the refusing rank makes that check within the call).
     """
 
     def __init__(
@@ -707,8 +708,12 @@ class DistributedPipeline:
         """Run one call of the chain. The first rank passes ``x`` ``[M, K_0]`` (on its GPU), the
         others ``rows=M``; the last rank gets ``[M, N_last]`` (``out`` if given), the others
         None. Does not synchronise and does not read the error words: call
-        :meth:`check_errors` on every rank (``check=True``: here, collectively)."""
+        :meth:`check_errors` on every rank (``check=True``, the same on every rank: here,
+        collectively). A rank that refuses a call with ``check=True`` (its own checks, before
+        anything collective) makes that check too, where the other ranks make it, and raises
+        its own error: the check is made, nothing is left for it to call."""
         with self._lock:
+            refused = True  # until this rank's own checks of the call pass
             try:
                 self._usable()
                 for seg in self.segments:  # its launches are bound to its weights' storage
@@ -716,6 +721,7 @@ class DistributedPipeline:
                 M = self._rows(x, rows)
                 if out is not None:
                     self._check_out(out, x, M)
+                refused = False
                 dp = self.plan(M)
                 if self.is_last and out is None:
                     out = torch.empty(M, self.out_features, dtype=self.weights[0].dtype, device=self.device)
@@ -725,9 +731,11 @@ class DistributedPipeline:
             except BaseException as e:
                 # the other ranks made (or are making) this call: ours no longer pair with theirs
                 self._mark_out_of_step(f"rank {self.rank} refused or failed a call ({type(e).__name__}: {e})")
-                if check and isinstance(e, Exception) and not self._capturing():
-                    # they check it collectively: meet them there (every rank then raises this
-                    # refusal and resets), rather than leave them waiting; this rank raises its own
+                if check and refused and isinstance(e, Exception) and not self._capturing():
+                    # the others check the call collectively: meet them there (every rank then
+                    # raises this refusal and resets) rather than leave them waiting; this rank
+                    # raises its own error. (A failure inside a collective step, such as building
+                    # a plan, has met them already: every rank raises it, and checks by hand.)
                     with contextlib.suppress(Exception):
                         self.check_errors()
                 raise

@@ -159,9 +159,9 @@ def _failure(e: BaseException) -> str:
 def symmetric_heap(nbytes: int, device: torch.device, group, meet: Callable) -> Heap:
     """A :class:`Heap` of PyTorch symmetric memory on ``device`` (collective over ``group``:
     every rank calls it, in the same order, with the same ``nbytes``). ``meet(step, payload,
-    error)`` is the caller's labelled collective that raises any rank's error on every rank:
-    a rank that cannot allocate (out of memory) or map the heap makes every rank raise, instead
-    of leaving the others in the rendezvous."""
+    error)`` is the caller's labelled collective that raises any rank's error on every rank
+    (three: allocate, map, view): a rank that cannot allocate (out of memory), map or view the
+    heap makes every rank raise, instead of leaving the others in the rendezvous."""
     t, symm_mem, error = None, None, None
     try:
         symm_mem = symmetric_memory()

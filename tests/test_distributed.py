@@ -428,7 +428,22 @@ def _eviction(rank, store, result):
             refusal = f"{type(e).__name__}: {e}"
         y = call(16)
         pipe.check_errors()
-        result[rank] = (kept, right, refusal, rank == 0 or torch.equal(y, ref))
+        right_after = rank == 0 or torch.equal(y, ref)
+        # the same at a height with no plan yet: rank 1's check meets rank 0 building the plan;
+        # both learn they are out of step (rank 1 raises its own error) and check by hand
+        try:
+            pipe(x[:8], check=True) if rank == 0 else pipe(rows=8, out=torch.empty(8, 32), check=True)
+            unbuilt = "returned"
+        except (ValueError, RuntimeError) as e:
+            unbuilt = f"{type(e).__name__}: {e}"
+        try:
+            pipe.check_errors()
+            checked = "clean"
+        except PipelineTimeout as e:
+            checked = f"PipelineTimeout: {e}"
+        y = call(16)
+        pipe.check_errors()
+        result[rank] = (kept, right, refusal, right_after, unbuilt, checked, rank == 0 or torch.equal(y, ref))
     finally:
         dist.destroy_process_group()
 
@@ -440,14 +455,24 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     both and is right. Then a rank refuses a call both make with ``check=True``: the other
     checks it collectively, and the refusing rank makes that check too (instead of leaving it
     waiting): rank 0 raises the refusal, rank 1 its own error, both reset, and the next call is
-    right."""
+    right. At a height with no plan yet the refusing rank's check meets the other building the
+    plan: both raise (out of step, and its own error), a check by hand on each reports the
+    refusal and resets, and the next call is right."""
     result = mp.Manager().dict()
     mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
-    (kept0, _, refusal0, _), (kept1, right, refusal1, right_after) = result[0], result[1]
+    (kept0, _, refusal0, _, unbuilt0, checked0, _), (kept1, right, refusal1, right_after, unbuilt1, checked1, last) = (
+        result[0],
+        result[1],
+    )
     assert sorted(kept0) == sorted(kept1) and len(kept0) == 2 and right, dict(result)
     assert refusal0.startswith("PipelineTimeout")
     assert "rank 1 refused or failed a call (ValueError: out must" in refusal0
     assert refusal1.startswith("ValueError: out must") and right_after
+    assert unbuilt0.startswith("RuntimeError: the ranks are out of step (rank 0: build a plan, rank 1: check errors)")
+    assert unbuilt1.startswith("ValueError: out must")
+    for checked in (checked0, checked1):
+        assert checked.startswith("PipelineTimeout") and "rank 1 refused or failed a call (ValueError" in checked
+    assert last
 
 
 class _Unreadable(list):

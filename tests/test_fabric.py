@@ -62,7 +62,7 @@ class _FakeSymmetricMemory:
     def __init__(self, offset: int, nbytes: int):
         import torch
 
-        self.segments = [torch.zeros(offset + nbytes + 64, dtype=torch.uint8) for _ in range(2)]
+        self.segments = [torch.zeros(offset + nbytes + 1024, dtype=torch.uint8) for _ in range(2)]
         self.offset, self.rank, self.world_size = offset, 0, 2
         self.buffer_ptrs = [s.data_ptr() for s in self.segments]
 
@@ -79,8 +79,8 @@ class _FakeSymmetricMemory:
 @pytest.mark.parametrize("offset", [0, 4096])
 def test_a_symmetric_heap_inside_a_pool_segment_is_addressed_where_it_is_on_every_rank(monkeypatch, offset):
     """A heap that starts ``offset`` bytes into its rank's segment of the symmetric-memory pool
-    is addressed as far into each peer's segment (where that rank's own heap is), not at the
-    segment's start; this rank's view is its own tensor."""
+    is addressed on each peer where that rank's heap is (here 512 bytes further into rank 1's
+    segment), not at the segment's start; this rank's view is its own tensor."""
     import torch
 
     fake = _FakeSymmetricMemory(offset, 1024)
@@ -91,12 +91,12 @@ def test_a_symmetric_heap_inside_a_pool_segment_is_addressed_where_it_is_on_ever
         if error:
             raise RuntimeError(f"{what}: {error}")
         met.append(what)
-        return [value, value]  # the other rank's heap lies as far into its segment
+        return [value, None if value is None else value + 512]  # rank 1's offset, as it says
 
     heap = fabric.symmetric_heap(1024, torch.device("cpu"), None, meet)
     assert met == ["allocate the heap", "map the heap", "view the heaps"]
     assert heap.local.data_ptr() == fake.segments[0].data_ptr() + offset
-    assert heap.peers[1].data_ptr() == fake.segments[1].data_ptr() + offset and heap.peers[1].numel() == 1024
+    assert heap.peers[1].data_ptr() == fake.segments[1].data_ptr() + offset + 512 and heap.peers[1].numel() == 1024
 
 
 def test_a_symmetric_heap_whose_view_disagrees_with_its_tensor_is_refused(monkeypatch):
