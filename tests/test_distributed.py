@@ -225,8 +225,10 @@ def test_the_meets_of_an_nccl_groups_ranks_take_meet_timeout_s(world1, monkeypat
         DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", lambda *a, **kw: made.append(kw) or real_new_group(*a, **kw))
-    with pytest.raises(ValueError, match=r"meet_timeout_s must be a number of seconds above host_timeout_s \(20"):
-        DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s=20.0, meet_timeout_s=20.0)
+    for bad in (20.0, -1.0, "60", True):
+        with pytest.raises(ValueError, match=r"meet_timeout_s must be a number of seconds above host_timeout_s \(20"):
+            DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s=20.0, meet_timeout_s=bad)
+    assert all(kw["timeout"] is None for kw in made)  # each of them made its group with PyTorch's default
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
     assert made[-1]["timeout"] == datetime.timedelta(seconds=60) and real_backend(pipe._host_group) == "gloo"
     DistributedPipeline(ws, config=CFG, loopback=True)
