@@ -228,7 +228,9 @@ def test_the_meets_of_an_nccl_groups_ranks_take_meet_timeout_s(world1, monkeypat
     for bad in (20.0, -1.0, "60", True):
         with pytest.raises(ValueError, match=r"meet_timeout_s must be a number of seconds above host_timeout_s \(20"):
             DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s=20.0, meet_timeout_s=bad)
-    assert all(kw["timeout"] is None for kw in made)  # each of them made its group with PyTorch's default
+    # a number of seconds is the group's timeout (then refused: not above host_timeout_s); what is
+    # not one, PyTorch's default
+    assert [kw["timeout"] for kw in made] == [datetime.timedelta(seconds=20), None, None, None]
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
     assert made[-1]["timeout"] == datetime.timedelta(seconds=60) and real_backend(pipe._host_group) == "gloo"
     DistributedPipeline(ws, config=CFG, loopback=True)
