@@ -484,7 +484,7 @@ class DistributedPipeline:
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e6):
+        if not _seconds(timeout_s):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         # defaults: a late peer gets 2.5 s (or 2.5 timeouts); the host waits past every bound a
         # call's kernels can reach (two gate waits and a timeout per stage), at least 10 s
@@ -498,7 +498,7 @@ class DistributedPipeline:
         else:
             host = host_timeout_s
         for name, v in (("host_timeout_s", host), ("start_timeout_s", start)):
-            if not (isinstance(v, (int, float)) and 0 < v < 1e6):
+            if not _seconds(v):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         # a gate may wait twice start_timeout_s, then each stage up to timeout_s: the host waits longer
         if host <= 2 * start + (n + 1) * timeout_s:
