@@ -822,3 +822,23 @@ def test_a_block_per_rank_in_two_processes(tmp_path, kind):
         assert result[0][0] == lines[0] == "refused", (result[0][0], lines[0])
         lines = lines[1:]
     assert lines == [True, (True, True, False), True, True, True] * 2
+
+
+@pytest.mark.interpreter
+def test_one_rank_at_several_heights_and_back_under_torchrun(tmp_path):
+    """``tests/ranks_heights.py`` (which the GPU tests run on one and two GPUs) under torchrun with
+    one CPU rank: six checked calls at three heights, returning to earlier ones, each bitwise equal
+    to the stages one after another, and every height's plan kept."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "ranks_heights.py"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["world"] == 1 and res["equal"] == [True] * 6 and res["plans"] == [16, 40, 64]

@@ -171,3 +171,27 @@ def test_two_ranks_under_torchrun(tmp_path):
     res = json.loads(out.read_text())
     assert res["bitwise_equal_one_process"] is True and res["late_first_rank"]["no_timeout"] is True
     assert '"bitwise_equal_sequential": true' in r.stdout and '"late_calls_right": true' in r.stdout
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.gpu2)])
+def test_ranks_at_several_heights_and_back(ranks):
+    """``tests/ranks_heights.py`` under torchrun (one rank: two stages through the heap; two: a
+    rank per GPU): six checked calls at three heights whose heaps are a few MB each, returning to
+    earlier ones, each bitwise equal to the stages one after another on the last rank, and a graph
+    captured at the first height replayed after the others were built, equal too."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs, found {torch.cuda.device_count()}")
+    script = Path(__file__).parent / "ranks_heights.py"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["world"] == ranks and res["equal"] == [True] * 6 and res["graph_replay_equal"] is True
+    assert res["plans"] == [256, 1024, 3000]
