@@ -399,8 +399,11 @@ class Pipeline:
         # chosen per plan height (plan_configs), where nothing else fixes the tiles
         self._per_height = config is None and not (ends or prefill_rows or drain_rows or any(epilogues) or segment)
         self.epilogues = epilogues
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        for name, v in (("timeout_s", timeout_s), ("host_timeout_s", host_timeout_s)):
+            if not (v is None and name == "host_timeout_s") and not (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         self.timeout_ns = int(timeout_s * 1e9)
         self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
         if self.host_timeout_s <= timeout_s:  # else a wait that ends in time would read as a hang

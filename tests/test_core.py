@@ -382,6 +382,21 @@ def test_operands_with_unaligned_rows_or_empty_weights_are_refused():
         Pipeline([torch.randn(16, 0).half()])
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, "1", True, float("nan"), float("inf")])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="^timeout_s must be a positive number of seconds"):
+        Pipeline(chain(16, 32), config=SMALL, timeout_s=bad)
+    with pytest.raises(ValueError, match="^host_timeout_s must be a positive number of seconds"):
+        Pipeline(chain(16, 32), config=SMALL, timeout_s=0.01, host_timeout_s=bad)
+
+
+def test_an_input_without_rows_is_refused_before_any_state_changes():
+    pipe = Pipeline(chain(16, 32, 16), config=SMALL)
+    with pytest.raises(ValueError, match="x has no rows"):
+        pipe(torch.empty(0, 16).half())
+    assert not pipe._plans
+
+
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_sm_budget_caps_every_stages_grid(budget):
     """Every launch of a plan holds at most ``sm_budget`` CTAs, and the chain still equals its
