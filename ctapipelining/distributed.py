@@ -71,7 +71,7 @@ from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
 from .operands import check_out, check_weight, overlaps
-from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline
+from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, is_seconds
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -333,9 +333,10 @@ class DistributedPipeline:
         # ranks: they exchange host objects, and must complete while a GPU does not finish (an
         # NCCL collective would queue behind its kernels)
         ranks = dist.get_process_group_ranks(self.group)
-        gloo = dist.get_backend(self.group) == "gloo"
+        backend = dist.get_backend(self.group)
+        gloo = backend == "gloo"
         timeout = None  # a bad meet_timeout_s is refused below, on every rank
-        if _seconds(meet_timeout_s) and not gloo:
+        if is_seconds(meet_timeout_s) and not gloo:
             timeout = datetime.timedelta(seconds=meet_timeout_s)
         self._host_group = (
             self.group
@@ -345,9 +346,8 @@ class DistributedPipeline:
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
-        nccl = dist.get_backend(self.group) == "nccl"
         try:
-            if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and nccl:
+            if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and backend == "nccl":
                 current = torch.cuda.current_device()
                 if current != first_weight.device.index:  # NCCL's collectives (sequential's sends) run there
                     raise RuntimeError(
@@ -360,7 +360,7 @@ class DistributedPipeline:
                 if gloo:
                     raise ValueError("meet_timeout_s bounds the gloo group made for a group of another backend; "
                                      "a gloo group's own timeout bounds its meets")  # fmt: skip
-                if not _seconds(meet_timeout_s) or meet_timeout_s <= self.host_timeout_s:
+                if not is_seconds(meet_timeout_s) or meet_timeout_s <= self.host_timeout_s:
                     raise ValueError(f"meet_timeout_s must be a number of seconds above host_timeout_s "
                                      f"({self.host_timeout_s:g}: a meet may wait that long for a peer's GPU), "
                                      f"got {meet_timeout_s!r}")  # fmt: skip
@@ -484,7 +484,7 @@ class DistributedPipeline:
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
-        if not _seconds(timeout_s):
+        if not is_seconds(timeout_s):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         # defaults: a late peer gets 2.5 s (or 2.5 timeouts); the host waits past every bound a
         # call's kernels can reach (two gate waits and a timeout per stage), at least 10 s
@@ -498,7 +498,7 @@ class DistributedPipeline:
         else:
             host = host_timeout_s
         for name, v in (("host_timeout_s", host), ("start_timeout_s", start)):
-            if not _seconds(v):
+            if not is_seconds(v):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         # a gate may wait twice start_timeout_s, then each stage up to timeout_s: the host waits longer
         if host <= 2 * start + (n + 1) * timeout_s:
@@ -1108,11 +1108,6 @@ def _check_stages(placement: Placement) -> None:
                 f"which runs in another segment (rank {placement.rank_of[s - 1]}): keep a block's GEMMs on one "
                 "rank, without loopback"
             )
-
-
-def _seconds(v) -> bool:
-    """Whether ``v`` is a positive number of seconds (below a million)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
 
 
 def _raise_any(every: list[dict]) -> None:

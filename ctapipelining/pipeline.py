@@ -258,6 +258,11 @@ class GraphedCall:
         return f"GraphedCall(x={list(self.x.shape)} -> out={list(self.out.shape)}, {self.x.dtype}, on {devices})"
 
 
+def is_seconds(v) -> bool:
+    """Whether ``v`` is a positive number of seconds (below a million; a bool is not one)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
+
+
 class Pipeline:
     """A chain ``x @ W_0 @ W_1 @ ...`` with stage ``s`` on ``W_s``'s device.
 
@@ -400,9 +405,7 @@ class Pipeline:
         self._per_height = config is None and not (ends or prefill_rows or drain_rows or any(epilogues) or segment)
         self.epilogues = epilogues
         for name, v in (("timeout_s", timeout_s), ("host_timeout_s", host_timeout_s)):
-            if not (v is None and name == "host_timeout_s") and not (
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
-            ):
+            if not is_seconds(v) and not (v is None and name == "host_timeout_s"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         self.timeout_ns = int(timeout_s * 1e9)
         self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
