@@ -1120,8 +1120,8 @@ def _raise_any(every: list[dict]) -> None:
 def _peer_error(every: list[dict], rank: int, device: torch.device) -> str | None:
     """Why this rank's GPU cannot work with its neighbours' (None: it can). GPUs are told apart
     by UUID (each rank may see its GPU as cuda:0); peer access is checked both ways (a producer
-    writes into the next rank's memory, its gate's flags are written back) where this process
-    sees the neighbour's GPU."""
+    writes into the next rank's memory, its gate's flags are written back), with native atomics
+    (the signals are atomics), where this process sees the neighbour's GPU."""
     mine = every[rank]["uuid"]
     visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     for other in (rank - 1, rank + 1):
@@ -1137,6 +1137,9 @@ def _peer_error(every: list[dict], rank: int, device: torch.device) -> str | Non
                     f"rank {rank}'s GPU cuda:{i} and rank {other}'s cuda:{j} cannot access each other's memory "
                     "(no P2P between them): CTA-pipelining needs peer access between consecutive ranks' GPUs"
                 )
+            error = fabric.atomics_error(i, j) or fabric.atomics_error(j, i)
+            if error:
+                return f"rank {rank} and rank {other}: {error}"
     return None
 
 

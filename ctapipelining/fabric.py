@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 _ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+_NATIVE_ATOMICS = 3  # cudaDevP2PAttrNativeAtomicSupported
 
 
 class PeerAccessError(RuntimeError):
@@ -72,6 +73,37 @@ def _enable_one(src: int, dst: int) -> None:
         lib.cudaGetLastError()
 
 
+def native_peer_atomics(src: int, dst: int) -> bool | None:
+    """Whether an atomic of ``src`` on ``dst``'s memory is performed by the hardware (NVLink: yes;
+    most PCIe links: no, and a counter bumped across one may lose a bump). None when it cannot
+    be asked (no CUDA runtime found in the process, or the query failed)."""
+    if src == dst:
+        return True
+    lib = _cudart()
+    if lib is None:
+        return None
+    value = ctypes.c_int(0)
+    rc = lib.cudaDeviceGetP2PAttribute(
+        ctypes.byref(value), ctypes.c_int(_NATIVE_ATOMICS), ctypes.c_int(src), ctypes.c_int(dst)
+    )
+    if rc != 0:
+        lib.cudaGetLastError()
+        return None
+    return bool(value.value)
+
+
+def atomics_error(src: int, dst: int) -> str | None:
+    """Why a producer on ``src`` cannot signal a consumer on ``dst`` (None: it can, or it cannot
+    be told). The signals are atomics on the consumer's memory, so the pair needs them native."""
+    if native_peer_atomics(src, dst) is False:
+        return (
+            f"cuda:{src} cannot make atomic operations on cuda:{dst}'s memory (peer access without native "
+            "atomics, as over most PCIe links): CTA-pipelining signals tiles with atomics and needs NVLink between "
+            "consecutive stages' GPUs"
+        )
+    return None
+
+
 _enabled: set[tuple[int, int]] = set()  # pairs enabled in this process (it lasts as long as the process)
 
 
@@ -83,7 +115,7 @@ def enable_peer_access(devices: list[int]) -> None:
     Pairs already enabled are skipped without a CUDA call, so a GEMM into a peer's memory can
     be captured in a CUDA graph once it has run outside one (``cudaDeviceEnablePeerAccess`` is
     not allowed during capture). Raises :class:`PeerAccessError` naming the pair when the
-    hardware or driver cannot.
+    hardware or driver cannot, or when the pair has peer access without native atomics (PCIe).
     """
     for src, dst in zip(devices, devices[1:]):
         if src == dst or (src, dst) in _enabled:
@@ -98,6 +130,9 @@ def enable_peer_access(devices: list[int]) -> None:
                 f"cuda:{src} cannot access cuda:{dst}'s memory (no P2P over NVLink/PCIe between them): "
                 "CTA-pipelining needs peer access between consecutive stages"
             )
+        error = atomics_error(src, dst)
+        if error:
+            raise PeerAccessError(error)
         _enable_one(src, dst)
         _enabled.add((src, dst))
 

@@ -563,6 +563,34 @@ def test_default_timeouts_admit_many_stages_on_a_rank(world1):
     assert DistributedPipeline(ws[:1], config=CFG, timeout_s=0.5).host_timeout_s == 10.0
 
 
+def test_a_neighbours_gpu_is_checked_for_peer_access_and_native_atomics_both_ways(monkeypatch):
+    """Each rank checks the GPUs of its neighbouring ranks that its process sees (by UUID): the
+    same GPU twice, no peer access either way, or peer access without native atomics either way
+    (a producer's signals are atomics on the consumer's memory) is named; a GPU it cannot see
+    is left to its own rank."""
+    import types
+
+    from ctapipelining import distributed, fabric
+
+    uuids = ["gpu-a", "gpu-b", "gpu-c"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # gpu-c is another process's only
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+    access, atomics = set(), set()
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) not in access)
+    monkeypatch.setattr(fabric, "native_peer_atomics", lambda i, j: (i, j) not in atomics)
+    every = [{"uuid": u} for u in uuids]
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert distributed._peer_error(every, 0, cuda0) is None and distributed._peer_error(every, 1, cuda1) is None
+    atomics.add((1, 0))  # rank 1 cannot signal rank 0's GPU: both ranks say so
+    for rank, device in ((0, cuda0), (1, cuda1)):
+        assert "cuda:1 cannot make atomic operations on cuda:0's memory" in distributed._peer_error(every, rank, device)
+    atomics.clear()
+    access.add((0, 1))
+    assert "cannot access each other's memory" in distributed._peer_error(every, 0, cuda0)
+    access.clear()
+    assert "same GPU (gpu-a)" in distributed._peer_error([{"uuid": "gpu-a"}] * 2, 1, cuda0)
+
+
 def test_a_torch_without_symmetric_memory_is_named(monkeypatch):
     import sys
 

@@ -11,6 +11,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(fabric, "_enabled", set())
     monkeypatch.setattr(fabric.torch.cuda, "can_device_access_peer", lambda s, d: (s, d) != (1, 2))
     monkeypatch.setattr(fabric, "_enable_one", lambda s, d: calls.append((s, d)))
+    monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: True)
     capturing = {"now": False}
     monkeypatch.setattr(fabric.torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
     return calls, capturing
@@ -116,3 +117,44 @@ def test_a_symmetric_heap_whose_view_disagrees_with_its_tensor_is_refused(monkey
 
     with pytest.raises(RuntimeError, match="view the heaps: viewing the ranks' heaps failed on cpu: RuntimeError"):
         fabric.symmetric_heap(1024, torch.device("cpu"), None, meet)
+
+
+def test_a_pair_without_native_peer_atomics_is_refused_before_access_is_enabled(fake_cuda, monkeypatch):
+    """Peer access over PCIe usually comes without native atomics, and the tiles' signals are
+    atomics on the consumer's memory: such a pair is refused by name, and nothing is enabled."""
+    calls, _ = fake_cuda
+    monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: (s, d) != (1, 0))
+    fabric.enable_peer_access([0, 1])
+    with pytest.raises(fabric.PeerAccessError, match=r"cuda:1 cannot make atomic operations on cuda:0's memory"):
+        fabric.enable_peer_access([0, 1, 0])
+    assert calls == [(0, 1)]
+    monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: None)  # cannot be asked: not refused
+    fabric.enable_peer_access([1, 0])
+    assert calls == [(0, 1), (1, 0)]
+
+
+class _FakeCudart:
+    """The two calls of the CUDA runtime that the atomics query makes, answering for a pair."""
+
+    def __init__(self, answer: int, rc: int = 0):
+        self.answer, self.rc, self.asked, self.cleared = answer, rc, [], 0
+
+    def cudaDeviceGetP2PAttribute(self, value, attr, src, dst):  # noqa: N802 (the runtime's name)
+        self.asked.append((attr.value, src.value, dst.value))
+        value._obj.value = self.answer
+        return self.rc
+
+    def cudaGetLastError(self):  # noqa: N802
+        self.cleared += 1
+        return 0
+
+
+@pytest.mark.parametrize(("answer", "rc", "expected"), [(1, 0, True), (0, 0, False), (1, 101, None)])
+def test_native_peer_atomics_asks_the_runtime_for_the_pair(monkeypatch, answer, rc, expected):
+    lib = _FakeCudart(answer, rc)
+    monkeypatch.setattr(fabric, "_cudart", lambda: lib)
+    assert fabric.native_peer_atomics(2, 3) is expected
+    assert lib.asked == [(fabric._NATIVE_ATOMICS, 2, 3)] and lib.cleared == (rc != 0)
+    assert fabric.native_peer_atomics(1, 1) is True and len(lib.asked) == 1  # one GPU: nothing to ask
+    monkeypatch.setattr(fabric, "_cudart", lambda: None)
+    assert fabric.native_peer_atomics(2, 3) is None

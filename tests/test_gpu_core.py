@@ -42,6 +42,19 @@ def test_release_across_gpus_at_the_deadline_ends_right_or_in_a_clean_timeout():
     assert_deadline_race(int(os.environ.get("DEADLINE_TRIALS", "500")), "deadline_race_cross.json", "cross")
 
 
+def test_the_cuda_runtime_is_found_to_ask_for_native_peer_atomics():
+    """The check that refuses GPUs without native peer atomics asks PyTorch's CUDA runtime: it
+    must be found, or the check would pass everything unasked. With two GPUs, the pair's answer
+    is the hardware's (NVLink: native)."""
+    from ctapipelining import fabric
+
+    assert fabric._cudart() is not None
+    assert fabric.native_peer_atomics(0, 0) is True
+    if NGPU >= 2:
+        assert fabric.native_peer_atomics(0, 1) is not None
+        print("native peer atomics cuda:0 -> cuda:1:", fabric.native_peer_atomics(0, 1))
+
+
 def assert_deadline_race(trials: int, name: str, *mode: str):
     out = Path(os.environ.get("OUT", "/tmp")) / name
     r = subprocess.run(
