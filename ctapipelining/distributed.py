@@ -270,8 +270,10 @@ class DistributedPipeline:
     group : the process group (default: the world). GPU ranks need one host and peer access
         between consecutive ranks' GPUs. The ranks' host collectives (errors, plans, resets)
         run on a gloo group of the same ranks, made here (collective) unless ``group`` is gloo.
-    policy, timeout_s, host_timeout_s, row_buckets, sm_budget : as for
-        :class:`~ctapipelining.pipeline.Pipeline`, the same on every rank.
+    policy, timeout_s, row_buckets, sm_budget : as for :class:`~ctapipelining.pipeline.Pipeline`
+        (``policy``, ``row_buckets`` and ``sm_budget`` the same on every rank).
+    host_timeout_s : as for :class:`~ctapipelining.pipeline.Pipeline`, with its own default and
+        bound (``start_timeout_s``, below).
     config : this rank's stages' tiles (:class:`GemmConfig`), or a list of one per stage
         (default :data:`PIPELINE_CONFIG`); every stage of the chain shares ``block_m``.
     epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage of this
@@ -293,7 +295,7 @@ class DistributedPipeline:
         ``group`` is of another backend (default PyTorch's for a new group, 30 minutes). Above
         ``host_timeout_s``, and long enough for what a peer may do first (compile its kernels at
         a new height, the caller's own work): once it expires the group is unusable. A gloo
-        ``group`` is used as it is: its own timeout applies.
+        ``group`` is used as it is: its own timeout applies, and ``meet_timeout_s`` is refused.
     max_plans : plan heights kept (least recently used freed first, never one a captured graph
         points at; freeing is collective, at the same call on every rank).
     loopback : a segment per stage (each on an equal share of the GPU's SMs), so that every

@@ -826,7 +826,7 @@ def matmul(
     :class:`~ctapipelining.fabric.PeerAccessError` says why not). With a split tail the epilogue
     applies to each tail tile once its K-slices are summed. A residual is copied into
     the output first (unless it is the output) and each tile added onto it (TMA reduce-add);
-    into an output with padded rows, or under the interpreter, the epilogue loads it instead,
+    into an output with padded rows, on another GPU, or under the interpreter, the epilogue loads it instead,
     on 128 x 128 tiles (``RESIDUAL_CONFIG``: its tile leaves no room for wider ones).
     ``a_copy`` (``a``'s shape and dtype, rows contiguous, overlapping no operand): with a norm
     epilogue, whose pass over ``a``'s rows reads them anyway, the pass also stores them there: a

@@ -281,9 +281,10 @@ class Pipeline:
     config : tile configuration of every stage (:class:`GemmConfig`), or a list of one per stage
         (sharing ``block_m``: the links count row-blocks; only consecutive stages of one
         configuration share a chain kernel). Default: chosen per plan height
-        (:meth:`plan_configs`: a measured table); with ends :data:`ENDS_CONFIG`. Its ``wait_parts`` is
-        capped at the producer's column-blocks; a ``workqueue`` consumer runs whole tiles once
-        they are ready, so it waits for whole row-blocks (one part).
+        (:meth:`plan_configs`: a measured table); with ends, prefill or drain rows
+        :data:`ENDS_CONFIG`. Its ``wait_parts`` is capped at the producer's column-blocks; a
+        ``workqueue`` consumer runs whole tiles once they are ready, so it waits for whole
+        row-blocks (one part).
     epilogues : one :class:`~ctapipelining.epilogue.Epilogue` (or None) per stage, applied to
         each of its output tiles (a transformer block's norm, bias, activation, residual; a
         gated one halves the stage's columns: the next weight has that many rows). In a chain:
@@ -390,7 +391,8 @@ class Pipeline:
         configs = config if isinstance(config, (list, tuple)) else [config] * len(weights)
         if len(configs) != len(weights) or not all(c is None or isinstance(c, GemmConfig) for c in configs):
             raise ValueError(f"config must be a GemmConfig or a list of one per stage ({len(weights)}), got {config!r}")
-        self.configs = [c or (ENDS_CONFIG if ends else PIPELINE_CONFIG) for c in configs]
+        fixed_ends = ends or prefill_rows or drain_rows
+        self.configs = [c or (ENDS_CONFIG if fixed_ends else PIPELINE_CONFIG) for c in configs]
         self.config = self.configs[0]
         if len({c.block_m for c in self.configs}) > 1:
             raise ValueError(f"the stages' configurations must share block_m, got {[c.block_m for c in self.configs]}")

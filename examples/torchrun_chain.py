@@ -11,7 +11,8 @@ pipelines graph-replayed, taking turns, and prints the median of each and their 
 With one GPU, ``--loopback`` puts a segment per stage on it, so the links go through symmetric
 memory. ``--blocks``: each rank holds ``--stages-per-rank`` fused Llama MLP blocks (hidden
 ``dim``, intermediate ``--inter``; :meth:`ctapipelining.nn.FusedMLP.pipeline_stages`) instead of
-bare layers, against the one-process :class:`~ctapipelining.nn.LlamaStack` (not with
+bare layers, against the one-process :class:`~ctapipelining.pipeline.Pipeline` of the blocks'
+stages (not with
 ``--loopback``: a block's two GEMMs stay in one segment).
 """
 
