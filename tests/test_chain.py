@@ -240,6 +240,7 @@ def test_chain_launch_refuses_what_it_cannot_run():
         "needs its wait": [ok[0], ChainStage(16, 24)],
         "needs its signal": [ChainStage(24, 16), ok[1]],
         "wait on counters": [ok[0], ChainStage(16, 24, wait=link.wait_hook(True), err=err)],
+        "not on a ring": [ChainStage(24, 16, signal=link.signal_hook(True)), ok[1]],  # an inner signal on a ring
         "needs its stage's error word": [ok[0], ChainStage(16, 24, wait=link.wait_hook(False))],
     }
     for match, stages in bad.items():

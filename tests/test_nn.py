@@ -369,6 +369,31 @@ def test_bad_epilogues_are_refused_before_launch():
         block(torch.zeros(4, 48))
 
 
+def test_blocks_and_stacks_the_kernels_cannot_take_are_refused_when_built():
+    """Sizes that are not multiples of 8 (TMA rows), an epsilon that is not a float > 0, and a
+    stack whose blocks differ in hidden size or dtype: refused when built, naming what is wrong."""
+    g = torch.ones(H).half()
+
+    def llama(inter=INTER, hidden=H, **kw):
+        ws = (torch.zeros(inter, hidden), torch.zeros(inter, hidden), torch.zeros(hidden, inter), torch.ones(hidden))
+        return LlamaMLP(*(w.half() for w in ws), **kw)
+
+    for inter, hidden in ((84, H), (INTER, 44)):
+        with pytest.raises(ValueError, match=f"hidden \\({hidden}\\) and intermediate \\({inter}\\) sizes"):
+            llama(inter, hidden)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        GPTMLP(torch.zeros(84, H).half(), None, torch.zeros(H, 84).half(), None, g, None)
+    for eps in (0.0, -1e-5, 1):
+        with pytest.raises(ValueError, match=f"eps must be a float > 0, got {eps!r}"):
+            llama(eps=eps)
+        with pytest.raises(ValueError, match="eps must be a float > 0"):
+            GPTMLP(torch.zeros(INTER, H).half(), None, torch.zeros(H, INTER).half(), None, g, None, eps)
+    with pytest.raises(ValueError, match="block 1 is hidden=48 torch.bfloat16; block 0 is hidden=48 torch.float16"):
+        LlamaStack([llama(), llama().to(torch.bfloat16)])
+    with pytest.raises(ValueError, match="block 1 is hidden=56 torch.float16; block 0 is hidden=48"):
+        LlamaStack([llama(), llama(hidden=56)])
+
+
 def test_weights_put_in_after_construction_are_checked_before_the_next_call():
     """A block checks its weights and epilogues again whenever a buffer's signature or a
     configuration changes (what its own call skips ``matmul``'s checks on): a replaced weight of
@@ -446,7 +471,7 @@ def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_th
     """An eager call on a plain tensor skips the operator's dispatch (host time before the first
     kernel) and equals the operator's result; a fake tensor (what a compiler traces with) and an
     input that asks for a gradient go through the operator (its fake, its refusal); so does a
-    stack's."""
+    stack's. A source changed in place is followed before such a call reaches the operator."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import ctapipelining.nn as cnn
@@ -487,9 +512,16 @@ def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_th
     assert "ctapipelining::mlp_block" in str(traced.graph) and torch.equal(traced(x2), block(x2))
     assert torch.equal(torch.vmap(block)(torch.stack([x, x2])), torch.stack([y, block(x2)]))
     assert dispatched[-3:] == ["mlp_block"] * 3  # the dispatch mode, the trace, vmap
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(2)  # followed before the operator (which writes none of its inputs) is called
+    assert torch.equal(block(x.clone().requires_grad_()), LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL,
+                       down_config=SMALL)(x))  # fmt: skip
 
 
 def test_a_copied_block_runs_its_own_weights():
+    """A deep copy runs its own laid-out weights (changing them leaves the original's as they
+    were) and outlives the original; a copy of a block whose source changed in place since its
+    last call starts in step with that source."""
     import copy
 
     mlp, norm = hf_block()
@@ -501,6 +533,10 @@ def test_a_copied_block_runs_its_own_weights():
     assert not torch.equal(twin(x), block(x))
     del block
     assert twin(x).shape == x.shape
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(2)
+    assert torch.equal(copy.deepcopy(block)(x), LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)(x))
 
 
 def gpt_block(seed=0, dtype=torch.float16, eps=1e-5):
@@ -700,7 +736,8 @@ def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
     """NaN in every plan buffer (intermediates, sums of squares) before a call changes nothing; a
     source weight changed in place changes the stack's next call and its sequential reference
     (each block lays it out again, in place, into the weights the pipeline reads); the stack is
-    an operator torch.compile traces through."""
+    an operator torch.compile traces through; a block's laid-out weight replaced by another
+    tensor is the one the next call reads (as a stack built afresh on the blocks does)."""
     blocks = hf_stack()
     stack = LlamaStack.from_hf(*zip(*blocks), config=SMALL)
     x = torch.randn(64, H).half()
@@ -726,6 +763,9 @@ def test_a_stack_survives_poisoned_buffers_and_follows_its_blocks_weights():
     assert torch.equal(compiled(x), again * 2)
     with pytest.raises(ValueError, match="the stack's first block is"):
         stack(x.float())
+    stack.blocks[1].w_out = 2 * stack.blocks[1].w_out  # a new tensor: the pipeline is built again on it
+    replaced = stack(x)
+    assert not torch.equal(replaced, again) and torch.equal(replaced, LlamaStack(list(stack.blocks), config=SMALL)(x))
 
 
 def test_pipeline_epilogues_are_checked_before_anything_runs():
