@@ -43,14 +43,35 @@ def test_headline_ratios_are_recomputed_from_medians(results):
     assert h["cta_over_microbatch"] == pytest.approx(h["cta_ms"] / h["best_microbatch_ms"], abs=1e-4)
 
 
-def test_plots_and_plot_only_cli(tmp_path, capsys):
-    """``bench --plot-only``: the table, then both figures (drawn by :func:`bench.plot`)."""
+def test_plots_and_plot_only_cli(results, tmp_path, capsys, monkeypatch):
+    """``bench --plot-only``: the table, then both figures (drawn by :func:`bench.plot`); Figure
+    5's lines are the medians per height: sequential, the fastest floor, the fastest chain."""
+    import matplotlib.axes
+
+    lines = {}
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda ax, x, y, *a, **k: lines.__setitem__(k.get("label"), (list(x), list(y))) or real_plot(ax, x, y, *a, **k),
+    )
     assert cli.main(["bench", "--plot-only", str(RECORDED), "--out", str(tmp_path / "again")]) == 0
     out = capsys.readouterr().out
     assert "cta_workqueue" in out and out.count("wrote") == 2
     paths = sorted((tmp_path / "again").iterdir())
     assert [p.name for p in paths] == ["fig4_reduction_vs_microbatch.png", "fig5_latency_vs_seq.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+    sums, seqs = results["summaries"], [1024, 2048, 4096, 8192, 16384]
+
+    def fastest(seq, pred):
+        return min(s["median_ms"] for s in sums if s["seq"] == seq and pred(s["method"]))
+
+    want = {
+        "sequential": [fastest(q, lambda m: m == "sequential") for q in seqs],
+        "one layer (floor)": [fastest(q, lambda m: m in ("floor_cublas", "floor_triton")) for q in seqs],
+        "CTA-pipelining": [fastest(q, lambda m: m.startswith("cta_")) for q in seqs],
+    }
+    assert {label: lines[label] for label in want} == {label: (seqs, ys) for label, ys in want.items()}
 
 
 def test_figure_4_draws_the_reduction_against_each_chunk(results, tmp_path, monkeypatch):
@@ -241,6 +262,19 @@ def test_fewer_layers_than_gpus_is_refused_before_looking_for_gpus(tmp_path, cap
         cli.main(["bench", "--gpus", "2", "--layers", "1", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert "--layers 1: fewer than the 2 GPUs" in capsys.readouterr().err
+    assert cli.main(["bench", "--gpus", "2", "--layers", "2", "--out", str(tmp_path)]) == 2  # as many: no GPUs here
+    assert "needs 2 GPUs" in capsys.readouterr().out
+
+
+def test_a_chain_on_more_gpus_than_there_are_is_not_timed(tmp_path, capsys, monkeypatch):
+    """Two GPUs, and a chain asked for on four: the message names the four it needs, and nothing is timed."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.main(["bench", "--gpus", "4", "--out", str(tmp_path / "out")]) == 2
+    assert "bench needs 4 GPUs with peer access; found 2. Nothing timed." in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_device_script_run_twice_in_one_call_keeps_both_runs_files(tmp_path):

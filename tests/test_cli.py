@@ -45,6 +45,7 @@ def test_every_option_has_help_and_shows_its_default(name):
             assert "(default:" + "".join(str(action.default).split()) + ")" in text, (
                 f"{name} {action.option_strings[0]}"
             )
+    assert "(default:None)" not in text  # an option without a default shows none
 
 
 @pytest.mark.parametrize(
@@ -95,7 +96,10 @@ def test_plan_names_the_machine_its_model_was_calibrated_on(capsys):
     assert cli.main(["plan", "--m", "16384", "--dims", "8192,8192,8192", "--gpus", "4"]) == 0
     out = capsys.readouterr().out
     assert "model calibrated on 2x NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0), runs in " in out
-    assert out.splitlines()[1].startswith(" ->") and "cta+tp" in out
+    lines = out.splitlines()[1:]
+    assert lines[0].startswith(" ->") and "cta+tp" in lines[0]  # the best first
+    ms = [float(line.removeprefix(" ->").split()[0]) for line in lines]
+    assert len(ms) > 5 and ms == sorted(ms)  # then the others, fastest first
 
 
 def test_plan_of_a_llama_block(capsys):

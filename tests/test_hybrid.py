@@ -22,6 +22,7 @@ def test_hybrid_on_cpu_matches_the_mlp(policy, t):
     for _ in range(2):  # back-to-back calls, no reset
         x = torch.randn(37, K).half()
         y = mlp(x)
+        assert y.dtype == x.dtype and y.shape == (37, K)
         ref = x.double() @ A.double() @ B.double()
         assert float((y.double() - ref).norm() / ref.norm()) < 5e-3
     parts = mlp(x, all_reduce=False)  # each shard's partial sum: together they are the product
@@ -29,6 +30,8 @@ def test_hybrid_on_cpu_matches_the_mlp(policy, t):
     total = sum(p.double() for p in parts)
     assert float((total - ref).norm() / ref.norm()) < 5e-3
     assert t == 1 or not any(torch.allclose(p.double(), total, rtol=1e-2, atol=1e-2) for p in parts)  # shards' parts
+    with pytest.raises(ValueError, match=f"{t + 1} input replicas for {t} stage-1 devices"):
+        mlp([x] * (t + 1))
 
 
 def test_hybrid_rejects_bad_layouts():
@@ -39,6 +42,11 @@ def test_hybrid_rejects_bad_layouts():
         HybridMLP(A, B, ["cpu"] * 2, ["cpu"])
     with pytest.raises(ValueError, match="do not chain"):
         HybridMLP(A, torch.randn(40, 16).half(), ["cpu"], ["cpu"])
+    with pytest.raises(ValueError, match="same number \\(>= 1\\) of devices, got \\[\\] and \\[\\]"):
+        HybridMLP(A, B, [], [])
+    for stage1, stage2 in ((["cuda:0"], ["cuda:0"]), (["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"])):
+        with pytest.raises(ValueError, match=f"the {2 * len(stage1)} devices of a hybrid must be distinct GPUs"):
+            HybridMLP(A, B, stage1, stage2)
 
 
 @pytest.mark.gpu2

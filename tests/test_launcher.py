@@ -60,14 +60,17 @@ def test_tensor_maps_are_kept_per_slot_address_shape_stride_and_dtype(monkeypatc
     keep = [torch.zeros(8, 16) for _ in range(launcher.MAX_TENSOR_MAPS)]
     for u in keep:
         raw.tensor_map(0, u, [16, 16])
-    assert len(raw._maps) <= launcher.MAX_TENSOR_MAPS and raw.tensor_map(0, t, [16, 16]) is not first
+        assert len(raw._maps) <= launcher.MAX_TENSOR_MAPS
+    assert raw.tensor_map(0, t, [16, 16]) is not first
 
 
 def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
     """``RawLaunch.of`` takes Triton's launcher only in the shapes it knows: a C function
     (kernels without descriptors), or a wrapper whose closure holds that function and whose
     kernel records every descriptor's metadata; anything else (no launcher, scratch memory per
-    launch, a closure of another shape, metadata missing) goes through Triton's path (None)."""
+    launch, a closure of another shape, metadata missing) goes through Triton's path (None). A
+    raw launch passes the grid, the stream, the kernel's function, its cooperative-grid and PDL
+    flags (each in its place) and packed metadata before the kernel's arguments."""
     from types import SimpleNamespace
 
     from ctapipelining import launcher
@@ -76,12 +79,15 @@ def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
 
     def kernel(launch, scratch=0, meta=("m",)):
         run = SimpleNamespace(
-            launch=launch, launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=scratch,
+            launch=launch, launch_cooperative_grid="coop", launch_pdl="pdl", global_scratch_size=scratch,
             profile_scratch_size=0,
         )  # fmt: skip
         return SimpleNamespace(run=run, function=1, packed_metadata=2, metadata=SimpleNamespace(tensordesc_meta=meta))
 
+    launched = []
+
     def c_launcher(*args):  # stands for the compiled launcher
+        launched.append(args)
         return args
 
     def wrapper_of(inner):
@@ -101,6 +107,8 @@ def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
     assert plain is not None and plain._launch is len and plain._meta == []
     wrapped = RawLaunch.of(kernel(wrapper_of(c_launcher), meta=("m0", "m1")))
     assert wrapped is not None and wrapped._launch is c_launcher and wrapped._meta == ["m0", "m1"]
+    wrapped(5, 9, "a", 3)  # grid, stream, the kernel's arguments: in the launcher's order
+    assert launched == [(5, 1, 1, 9, 1, "coop", "pdl", None, None, 2, None, None, None, "a", 3)]
     assert RawLaunch.of(kernel(other_wrapper)) is None  # a closure without the launcher
     assert RawLaunch.of(kernel(wrapper_of(c_launcher), meta=None)) is None
     assert RawLaunch.of(kernel(wrapper_of(c_launcher), meta=("m0", None))) is None
@@ -108,10 +116,11 @@ def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
     assert RawLaunch.of(kernel(len)) is None
 
 
-def test_launch_hooks_take_tritons_path_not_the_raw_launch():
-    """A profiler's launch hooks are called only on Triton's path: with one registered, a
-    launch whose raw launch is cached must not use it (under the interpreter Triton's path
-    computes the product)."""
+@pytest.mark.parametrize("which", ["launch_enter_hook", "launch_exit_hook"])
+def test_launch_hooks_take_tritons_path_not_the_raw_launch(which):
+    """A profiler's launch hooks are called only on Triton's path: with one registered (an
+    enter hook, or an exit hook alone), a launch whose raw launch is cached must not use it
+    (under the interpreter Triton's path computes the product)."""
     from triton import knobs
 
     from ctapipelining.gemm import GemmLaunch
@@ -132,11 +141,12 @@ def test_launch_hooks_take_tritons_path_not_the_raw_launch():
 
     launch._compiled[(True, 16, torch.float16, None)] = (None, Raw())
     hook = lambda metadata: None  # noqa: E731
-    knobs.runtime.launch_enter_hook.add(hook)
+    hooks = getattr(knobs.runtime, which)
+    hooks.add(hook)
     try:
         launch(a, b, c)
     finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
+        hooks.remove(hook)
     assert not used
     assert torch.allclose(c.float(), a.float() @ b.float(), atol=1e-2, rtol=1e-2)
     launch(a, b, torch.zeros_like(c), stream=0)  # no hook: the cached raw launch
@@ -225,6 +235,15 @@ def test_a_launch_binds_per_x_and_out_and_rebinds_when_they_change():
     launch.run(x, out, 6)  # the least recently used, dropped: full path
     assert len(gemm.full) == full + 1 and gemm.raw_calls[-1][2] == (x.data_ptr(), others[-1].data_ptr())
     assert len(launch._bound) == MAX_BOUND
+    for o in others:  # all bound again, others[0] the least recently used
+        launch.run(x, o, 6)
+    launch.run(x, others[0], 6)  # used again: now the most recent
+    full = len(gemm.full)
+    launch.run(x, out, 6)  # bound anew: drops the least recently used, others[1]
+    launch.run(x, others[0], 6)
+    assert len(gemm.full) == full + 1 and gemm.raw_calls[-1][2] == (x.data_ptr(), others[0].data_ptr())
+    launch.run(x, others[1], 6)
+    assert len(gemm.full) == full + 2
     hooked = Launch(0, _FakeGemm(), launch.ops)
     knobs.runtime.launch_enter_hook.add(print)
     try:

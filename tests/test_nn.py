@@ -521,8 +521,9 @@ def test_an_eager_call_runs_the_kernels_without_the_operator_and_a_traced_one_th
 def test_a_copied_block_runs_its_own_weights():
     """A deep copy runs its own laid-out weights (changing them leaves the original's as they
     were) and outlives the original; a copy of a block whose source changed in place since its
-    last call starts in step with that source."""
+    last call starts in step with that source (deep-copied or pickled)."""
     import copy
+    import pickle
 
     mlp, norm = hf_block()
     block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
@@ -534,9 +535,10 @@ def test_a_copied_block_runs_its_own_weights():
     del block
     assert twin(x).shape == x.shape
     block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
-    with torch.no_grad():
-        mlp.down_proj.weight.mul_(2)
-    assert torch.equal(copy.deepcopy(block)(x), LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)(x))
+    for clone in (copy.deepcopy, lambda b: pickle.loads(pickle.dumps(b))):
+        with torch.no_grad():
+            mlp.down_proj.weight.mul_(2)
+        assert torch.equal(clone(block)(x), LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)(x))
 
 
 def gpt_block(seed=0, dtype=torch.float16, eps=1e-5):

@@ -32,6 +32,9 @@ def test_summary_recovers_the_planted_costs():
     assert s["T2_signal_to_consumer_start"]["median_us"] == pytest.approx(12.0)
     assert s["T3_fetch_when_ready"]["median_us"] == pytest.approx(2.0)
     assert s["T3_fetch_when_ready"]["n"] == 8
+    # each stage's tiles and span (first compute begun to last epilogue done), on the producer's clock:
+    # the producer's 0 to 783 us, the consumer's first tile starts 195 us in and its last is done at 844 us
+    assert s["stages"] == [dict(stage=0, tiles=8, span_ms=0.783), dict(stage=1, tiles=8, span_ms=0.649)]
 
 
 def test_fetch_time_counts_only_tiles_whose_input_was_ready_when_they_began_to_wait():
@@ -53,11 +56,16 @@ def test_wrong_clock_offset_shows_up():
 
 def test_timeline_png(tmp_path):
     """The PNG shows the tiles: computing (blue) covers most of the drawn bars, waiting (grey)
-    some; with the stages' compute times swapped between runs, the blue area follows."""
+    some; with the stages' compute times swapped between runs, the blue area follows. A stage's
+    clock offset is subtracted: its stamps shifted by 1 ms and drawn with an offset of 1 ms give
+    the same picture."""
     import matplotlib.image as mpimg
 
+    def image(stamps, offsets):
+        return mpimg.imread(trace.plot_timeline(stamps, offsets, tmp_path / "t.png"))[..., :3]
+
     def blue_and_grey(stamps):
-        img = mpimg.imread(trace.plot_timeline(stamps, [0.0, 5_000.0], tmp_path / "t.png"))[..., :3]
+        img = image(stamps, [0.0, 5_000.0])
         blue = np.isclose(img, (0x1F / 255, 0x77 / 255, 0xB4 / 255), atol=0.02).all(-1)  # tab:blue
         grey = np.isclose(img, (0.8, 0.8, 0.8), atol=0.02).all(-1)
         return int(blue.sum()), int(grey.sum())
@@ -68,10 +76,20 @@ def test_timeline_png(tmp_path):
     short = prod.copy()
     short[:, trace.STORED] = short[:, trace.START] + 20_000  # the producer computes a quarter as long
     assert blue_and_grey([short, cons])[0] < 0.8 * blue
+    late = cons.copy()
+    late[:, trace.WAIT : trace.CTA] += 1_000_000
+    assert np.array_equal(image([prod, late], [0.0, 1_005_000.0]), image([prod, cons], [0.0, 5_000.0]))
 
 
-def test_trace_needs_a_gpu(capsys, tmp_path):
+def test_trace_needs_a_gpu(capsys, tmp_path, monkeypatch):
+    import torch
+
     from ctapipelining import cli
 
     assert cli.main(["trace", "--out", str(tmp_path)]) == 2
     assert "needs 2 GPUs" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU: still too few
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.main(["trace", "--out", str(tmp_path)]) == 2
+    assert "needs 2 GPUs with peer access; found 1" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing traced, nothing written
