@@ -271,7 +271,8 @@ class DistributedPipeline:
         between consecutive ranks' GPUs. The ranks' host collectives (errors, plans, resets)
         run on a gloo group of the same ranks, made here (collective) unless ``group`` is gloo.
     policy, timeout_s, row_buckets, sm_budget : as for :class:`~ctapipelining.pipeline.Pipeline`
-        (``policy``, ``row_buckets`` and ``sm_budget`` the same on every rank).
+        (``policy``, ``row_buckets`` and ``sm_budget``, like ``max_plans`` and ``loopback``, the
+        same on every rank).
     host_timeout_s : as for :class:`~ctapipelining.pipeline.Pipeline`, with its own default and
         bound (``start_timeout_s``, below).
     config : this rank's stages' tiles (:class:`GemmConfig`), or a list of one per stage

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 _ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-_NATIVE_ATOMICS = 3  # cudaDevP2PAttrNativeAtomicSupported
+_NATIVE_ATOMICS = 3  # cudaDevP2PAttrNativeAtomicSupported: all atomics native
+_SOME_NATIVE_ATOMICS = 5  # cudaDevP2PAttrOnlyPartialNativeAtomicSupported (CUDA 13)
 
 
 class PeerAccessError(RuntimeError):
@@ -74,22 +75,30 @@ def _enable_one(src: int, dst: int) -> None:
 
 
 def native_peer_atomics(src: int, dst: int) -> bool | None:
-    """Whether an atomic of ``src`` on ``dst``'s memory is performed by the hardware (NVLink: yes;
-    most PCIe links: no, and a counter bumped across one may lose a bump). None when it cannot
-    be asked (no CUDA runtime found in the process, or the query failed)."""
+    """Whether the atomics of ``src`` on ``dst``'s memory are performed by the hardware: True for
+    all of them (NVLink), False for none (most PCIe links: a counter bumped across one may lose a
+    bump), None when it cannot be told: only some are (``cuDeviceGetP2PAtomicCapabilities``
+    would say which), no CUDA runtime was found in the process, or the query failed."""
     if src == dst:
         return True
     lib = _cudart()
     if lib is None:
         return None
-    value = ctypes.c_int(0)
-    rc = lib.cudaDeviceGetP2PAttribute(
-        ctypes.byref(value), ctypes.c_int(_NATIVE_ATOMICS), ctypes.c_int(src), ctypes.c_int(dst)
-    )
-    if rc != 0:
-        lib.cudaGetLastError()
+
+    def attribute(attr: int) -> int | None:
+        value = ctypes.c_int(0)
+        rc = lib.cudaDeviceGetP2PAttribute(
+            ctypes.byref(value), ctypes.c_int(attr), ctypes.c_int(src), ctypes.c_int(dst)
+        )
+        if rc != 0:  # an older runtime does not know the attribute: not an error of the pair
+            lib.cudaGetLastError()
+            return None
+        return value.value
+
+    every = attribute(_NATIVE_ATOMICS)
+    if every is None:
         return None
-    return bool(value.value)
+    return True if every else (None if attribute(_SOME_NATIVE_ATOMICS) else False)
 
 
 def atomics_error(src: int, dst: int) -> str | None:
@@ -105,36 +114,45 @@ def atomics_error(src: int, dst: int) -> str | None:
 
 
 _enabled: set[tuple[int, int]] = set()  # pairs enabled in this process (it lasts as long as the process)
+_native: set[tuple[int, int]] = set()  # pairs whose atomics were checked
 
 
-def enable_peer_access(devices: list[int]) -> None:
+def enable_peer_access(devices: list[int], atomics: bool = True) -> None:
     """Let each device of ``devices`` read and write the memory of the next one in the list (one
     direction: a chain's links write forward; a stage that reads a residual on the GPU before
-    it passes the pair the other way round).
+    it passes the pair the other way round). ``atomics``: the first device of a pair makes
+    atomics on the other's memory (a producer signalling its consumer), which the pair must
+    then do natively; False for plain reads and writes (a GEMM storing into a peer's memory, a
+    residual read across).
 
-    Pairs already enabled are skipped without a CUDA call, so a GEMM into a peer's memory can
-    be captured in a CUDA graph once it has run outside one (``cudaDeviceEnablePeerAccess`` is
-    not allowed during capture). Raises :class:`PeerAccessError` naming the pair when the
-    hardware or driver cannot, or when the pair has peer access without native atomics (PCIe).
+    Pairs already enabled (and checked) are skipped without a CUDA call, so a GEMM into a peer's
+    memory can be captured in a CUDA graph once it has run outside one
+    (``cudaDeviceEnablePeerAccess`` is not allowed during capture). Raises
+    :class:`PeerAccessError` naming the pair when the hardware or driver cannot, or, with
+    ``atomics``, when the pair has peer access without native atomics (most PCIe links).
     """
     for src, dst in zip(devices, devices[1:]):
-        if src == dst or (src, dst) in _enabled:
+        if src == dst:
             continue
-        if torch.cuda.is_current_stream_capturing():
-            raise PeerAccessError(
-                f"peer access cuda:{src} -> cuda:{dst} cannot be enabled during CUDA-graph capture: "
-                "run the call once before capturing it"
-            )
-        if not torch.cuda.can_device_access_peer(src, dst):
-            raise PeerAccessError(
-                f"cuda:{src} cannot access cuda:{dst}'s memory (no P2P over NVLink/PCIe between them): "
-                "CTA-pipelining needs peer access between consecutive stages"
-            )
-        error = atomics_error(src, dst)
-        if error:
-            raise PeerAccessError(error)
-        _enable_one(src, dst)
-        _enabled.add((src, dst))
+        if (src, dst) not in _enabled:
+            if torch.cuda.is_current_stream_capturing():
+                raise PeerAccessError(
+                    f"peer access cuda:{src} -> cuda:{dst} cannot be enabled during CUDA-graph capture: "
+                    "run the call once before capturing it"
+                )
+            if not torch.cuda.can_device_access_peer(src, dst):
+                raise PeerAccessError(
+                    f"cuda:{src} cannot access cuda:{dst}'s memory (no P2P over NVLink/PCIe between them): "
+                    "CTA-pipelining needs peer access between consecutive stages"
+                )
+        if atomics and (src, dst) not in _native:
+            error = atomics_error(src, dst)
+            if error:
+                raise PeerAccessError(error)
+            _native.add((src, dst))
+        if (src, dst) not in _enabled:
+            _enable_one(src, dst)
+            _enabled.add((src, dst))
 
 
 SYMMETRIC_MEMORY_TORCH = "2.6"  # the first release with public symm_mem.empty and rendezvous

@@ -929,7 +929,7 @@ def matmul(
     if out.device != a.device:
         if out.device.type != "cuda" or a.device.type != "cuda":
             raise ValueError(f"out is on {out.device} but the GEMM runs on {a.device}")
-        fabric.enable_peer_access([a.device.index, out.device.index])
+        fabric.enable_peer_access([a.device.index, out.device.index], atomics=False)  # stores only
     if a.device.type != "cuda":  # the interpreter
         launch = plain_launch(M, N, K, cfg, a.device, 0, epilogue, 0)
         try:

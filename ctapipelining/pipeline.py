@@ -493,7 +493,7 @@ class Pipeline:
             fabric.enable_peer_access([d.index for d in self.devices])
             for s, epi in enumerate(self.epilogues):  # a residual read on the GPU before: the other way
                 if epi is not None and epi.residual and self.devices[s] != self.devices[s - 1]:
-                    fabric.enable_peer_access([self.devices[s].index, self.devices[s - 1].index])
+                    fabric.enable_peer_access([self.devices[s].index, self.devices[s - 1].index], atomics=False)
             # a stream per stage; outside loopback one per device, so that the chain kernels of a
             # GPU with more than MAX_STAGES stages run one after the other, each on the whole GPU
             own = {d: torch.cuda.Stream(d) for d in self.distinct_devices}
@@ -516,7 +516,7 @@ class Pipeline:
         # the prefill GEMM's weight on stage 1's device, the drain's second on stage 0's: replicas,
         # refreshed when their source changes in place (its version counter moves)
         self._replicas: list[list] = []  # [source, replica, source version at the copy]
-        self.prefill_weight = self._replica(self.weights[0], self.devices[-1]) if prefill_rows or ends else None
+        self.prefill_weight = self._replica(self.weights[0], self.devices[1]) if prefill_rows or ends else None
         self.drain_weight = self._replica(self.weights[1], self.devices[0]) if drain_rows or ends else None
         self._plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.tuned_ends: dict[int, tuple[int, int]] = {}  # M -> (R, D) chosen by tune_ends

@@ -9,6 +9,7 @@ from ctapipelining import fabric
 def fake_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(fabric, "_enabled", set())
+    monkeypatch.setattr(fabric, "_native", set())
     monkeypatch.setattr(fabric.torch.cuda, "can_device_access_peer", lambda s, d: (s, d) != (1, 2))
     monkeypatch.setattr(fabric, "_enable_one", lambda s, d: calls.append((s, d)))
     monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: True)
@@ -128,33 +129,53 @@ def test_a_pair_without_native_peer_atomics_is_refused_before_access_is_enabled(
     with pytest.raises(fabric.PeerAccessError, match=r"cuda:1 cannot make atomic operations on cuda:0's memory"):
         fabric.enable_peer_access([0, 1, 0])
     assert calls == [(0, 1)]
-    monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: None)  # cannot be asked: not refused
+    fabric.enable_peer_access([1, 0], atomics=False)  # plain stores or reads across: enabled
+    assert calls == [(0, 1), (1, 0)]
+    with pytest.raises(fabric.PeerAccessError, match="cannot make atomic operations"):
+        fabric.enable_peer_access([1, 0])  # enabled already, but now for atomics: still checked
+    monkeypatch.setattr(fabric, "native_peer_atomics", lambda s, d: None)  # cannot be told: not refused
     fabric.enable_peer_access([1, 0])
     assert calls == [(0, 1), (1, 0)]
 
 
 class _FakeCudart:
-    """The two calls of the CUDA runtime that the atomics query makes, answering for a pair."""
+    """The two calls of the CUDA runtime that the atomics query makes, answering for a pair:
+    ``answers`` per attribute (an attribute missing: the runtime does not know it, error 1)."""
 
-    def __init__(self, answer: int, rc: int = 0):
-        self.answer, self.rc, self.asked, self.cleared = answer, rc, [], 0
+    def __init__(self, answers: dict):
+        self.answers, self.asked, self.cleared = answers, [], 0
 
     def cudaDeviceGetP2PAttribute(self, value, attr, src, dst):  # noqa: N802 (the runtime's name)
         self.asked.append((attr.value, src.value, dst.value))
-        value._obj.value = self.answer
-        return self.rc
+        if attr.value not in self.answers:
+            return 1  # cudaErrorInvalidValue
+        value._obj.value = self.answers[attr.value]
+        return 0
 
     def cudaGetLastError(self):  # noqa: N802
         self.cleared += 1
         return 0
 
 
-@pytest.mark.parametrize(("answer", "rc", "expected"), [(1, 0, True), (0, 0, False), (1, 101, None)])
-def test_native_peer_atomics_asks_the_runtime_for_the_pair(monkeypatch, answer, rc, expected):
-    lib = _FakeCudart(answer, rc)
+ALL, SOME = fabric._NATIVE_ATOMICS, fabric._SOME_NATIVE_ATOMICS
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected", "asked"),
+    [
+        ({ALL: 1, SOME: 0}, True, [ALL]),
+        ({ALL: 0, SOME: 0}, False, [ALL, SOME]),
+        ({ALL: 0}, False, [ALL, SOME]),  # a runtime before CUDA 13: no partial answer
+        ({ALL: 0, SOME: 1}, None, [ALL, SOME]),  # some atomics native: not refused
+        ({}, None, [ALL]),  # the query failed
+    ],
+)
+def test_native_peer_atomics_asks_the_runtime_for_the_pair(monkeypatch, answers, expected, asked):
+    lib = _FakeCudart(answers)
     monkeypatch.setattr(fabric, "_cudart", lambda: lib)
     assert fabric.native_peer_atomics(2, 3) is expected
-    assert lib.asked == [(fabric._NATIVE_ATOMICS, 2, 3)] and lib.cleared == (rc != 0)
-    assert fabric.native_peer_atomics(1, 1) is True and len(lib.asked) == 1  # one GPU: nothing to ask
+    assert lib.asked == [(a, 2, 3) for a in asked]
+    assert lib.cleared == sum(a not in answers for a in asked)
+    assert fabric.native_peer_atomics(1, 1) is True and len(lib.asked) == len(asked)  # one GPU: nothing to ask
     monkeypatch.setattr(fabric, "_cudart", lambda: None)
     assert fabric.native_peer_atomics(2, 3) is None

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ctapipelining import deps
 from ctapipelining.gemm import matmul, tail_split
-from ctapipelining.kernels.gemm import ENDS_CONFIG, PIPELINE_CONFIG, GemmConfig, get_configs, tile_of_position
+from ctapipelining.kernels.gemm import ENDS_CONFIG, GemmConfig, get_configs, tile_of_position
 from ctapipelining.pipeline import Pipeline, PipelineTimeout, faster_by
 
 pytestmark = pytest.mark.interpreter
@@ -809,7 +809,6 @@ def test_balanced_ends_size_both_ends_per_input_height():
     pipe = Pipeline(ws, config=SPLIT, ends="balanced")
     assert Pipeline(ws, ends="balanced").config.split_tail  # ENDS_CONFIG
     assert Pipeline(ws, prefill_rows=128).configs == Pipeline(ws, drain_rows=128).configs == [ENDS_CONFIG] * 2
-    assert Pipeline(ws).configs == [PIPELINE_CONFIG] * 2  # without ends: the per-height table's default
     assert pipe.prefill_weight.shape == ws[0].shape and pipe.drain_weight.shape == ws[1].shape
     assert pipe.ends_for(1024) == (32, 16)
     got = {M: (pipe.plan(M).prefill_rows, pipe.plan(M).drain_rows) for M in (256, 100, 40, 16)}
