@@ -556,3 +556,19 @@ def test_stages_on_one_device_run_one_after_another_unless_something_asks_for_th
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="always_pipelined must be"):
             Pipeline(ws, always_pipelined=bad)
+
+
+def test_a_lone_stage_fed_by_a_ring_splits_no_tail():
+    """A chain kernel of one stage whose input comes through a ring runs its tiles in the order
+    they became ready, so no tile is known to be last: the split tail its configuration asks
+    for is dropped (no tail buffers, no slices claimed); the same stage fed by counters splits it."""
+    cfg = dataclasses.replace(PARTS, split_tail=True)
+    M, K, N, ctas = 48, 64, 80, 7  # 3 x 5 tiles on 7 CTAs: one tile in the last round, 4 K-steps to split
+    dep = deps.build_dependency(deps.TileGrid(M, K, 16, 16), deps.TileGrid(M, N, 16, 16), "gemm", consumer_k=K)
+    link, err = Link.create(dep, CPU, CPU), i64_zeros(8, CPU)
+    for queue in (False, True):
+        stage = ChainStage(N, K, wait=link.wait_hook(queue), err=err)
+        launch = ChainLaunch(M, [stage], cfg, ctas, CPU, ticket=i64_zeros(1, CPU), epoch=i64_zeros(1, CPU), queue=queue)
+        assert (launch.split is None, launch.tail is None) == (queue, queue), queue
+        claims = 15 if queue else 15 - 1 + 4  # the last tile as 4 K-slices
+        assert launch.claims_per_run == ctas * (-(-claims // ctas) + 1)
