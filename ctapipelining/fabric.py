@@ -2,7 +2,8 @@
 across processes.
 
 A producer stage writes its output tiles, bumps counters and pushes ring slots directly in
-the consumer GPU's memory.
+the consumer GPU's memory. The bumps and pushes are atomics, so the pair of GPUs must do
+atomics natively (:func:`native_peer_atomics`: NVLink does, most PCIe links do not).
 
 - One process driving every GPU: that needs CUDA peer access from the producer's device to the
   consumer's. PyTorch has no public call to enable it (it enables it as a side effect of a
