@@ -135,7 +135,8 @@ def enable_peer_access(devices: list[int], atomics: bool = True) -> None:
     for src, dst in zip(devices, devices[1:]):
         if src == dst:
             continue
-        if (src, dst) not in _enabled:
+        new = (src, dst) not in _enabled
+        if new:
             if torch.cuda.is_current_stream_capturing():
                 raise PeerAccessError(
                     f"peer access cuda:{src} -> cuda:{dst} cannot be enabled during CUDA-graph capture: "
@@ -151,7 +152,7 @@ def enable_peer_access(devices: list[int], atomics: bool = True) -> None:
             if error:
                 raise PeerAccessError(error)
             _native.add((src, dst))
-        if (src, dst) not in _enabled:
+        if new:
             _enable_one(src, dst)
             _enabled.add((src, dst))
 

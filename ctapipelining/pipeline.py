@@ -380,19 +380,19 @@ class Pipeline:
             raise ValueError(f"always_pipelined must be True or False, got {always_pipelined!r}")
         if ends and (prefill_rows or drain_rows):
             raise ValueError("ends='balanced' sizes prefill_rows and drain_rows itself: pass one or the other")
+        has_ends = bool(ends or prefill_rows or drain_rows)  # rows run from the other GPU's replica
         if ends and trace:
             raise ValueError("trace mode does not stamp the prefill and drain GEMMs: use ends=None to trace")
         if ends and len(weights) != 2:
             raise ValueError(f"ends='balanced' needs a chain of exactly two stages, got {len(weights)}")
-        if segment is not None and (ends or prefill_rows or drain_rows):
+        if segment is not None and has_ends:
             raise ValueError("a segment of a longer chain has no prefill or drain rows")
         self.segment = segment
         self.ends = ends
         configs = config if isinstance(config, (list, tuple)) else [config] * len(weights)
         if len(configs) != len(weights) or not all(c is None or isinstance(c, GemmConfig) for c in configs):
             raise ValueError(f"config must be a GemmConfig or a list of one per stage ({len(weights)}), got {config!r}")
-        fixed_ends = ends or prefill_rows or drain_rows
-        self.configs = [c or (ENDS_CONFIG if fixed_ends else PIPELINE_CONFIG) for c in configs]
+        self.configs = [c or (ENDS_CONFIG if has_ends else PIPELINE_CONFIG) for c in configs]
         self.config = self.configs[0]
         if len({c.block_m for c in self.configs}) > 1:
             raise ValueError(f"the stages' configurations must share block_m, got {[c.block_m for c in self.configs]}")
@@ -401,10 +401,10 @@ class Pipeline:
         epilogues = [None] * len(weights) if epilogues is None else list(epilogues)
         if len(epilogues) != len(weights) or not all(e is None or isinstance(e, Epilogue) for e in epilogues):
             raise ValueError(f"epilogues must be a list of one Epilogue or None per stage ({len(weights)})")
-        if any(epilogues) and (ends or prefill_rows or drain_rows):
+        if any(epilogues) and has_ends:
             raise ValueError("epilogues and prefill or drain rows do not go together: pass one or the other")
         # chosen per plan height (plan_configs), where nothing else fixes the tiles
-        self._per_height = config is None and not (ends or prefill_rows or drain_rows or any(epilogues) or segment)
+        self._per_height = config is None and not (has_ends or any(epilogues) or segment)
         self.epilogues = epilogues
         for name, v in (("timeout_s", timeout_s), ("host_timeout_s", host_timeout_s)):
             if not is_seconds(v) and not (v is None and name == "host_timeout_s"):
@@ -424,7 +424,7 @@ class Pipeline:
         ):
             raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
         # the ends' rows are cut from the call's own rows: their plans are per exact height
-        self.row_buckets = 0 if (ends or prefill_rows or drain_rows) else row_buckets
+        self.row_buckets = 0 if has_ends else row_buckets
         self.trace = trace
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
@@ -473,7 +473,7 @@ class Pipeline:
                 self.groups.append([s])
         self._group_of = [g for g in self.groups for _ in g]
         shared = len(self.distinct_devices) < len(self.devices) if self.on_gpu else len(self.groups) < len(self.devices)
-        if shared and (prefill_rows or drain_rows or ends):
+        if shared and has_ends:
             raise ValueError("prefill and drain rows fill a second GPU's idle time: they need the stages on two GPUs")
         if self.on_gpu and self.loopback and sm_budget is not None:
             for d in self.distinct_devices:
