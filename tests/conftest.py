@@ -1,11 +1,17 @@
 """Markers: ``gpu`` needs one CUDA GPU, ``gpu2`` two with peer access; both skip cleanly
 without them. Without any GPU the Triton kernels run under the interpreter, so the
-interpreter must be switched on before anything imports them."""
+interpreter must be switched on before anything imports them. The processes the tests start
+(torchrun, ``python -m ctapipelining``) import this checkout, not whichever copy of the
+package is installed: the checkout's root leads their ``PYTHONPATH``."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 if NGPU == 0:
