@@ -655,6 +655,23 @@ class GemmLaunch:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
         return kernel
 
+    def steps(self, a, b, c, residual=None, a_copy=None) -> tuple | None:
+        """What a call on these operands launched raw, in order (its norm pass, then its kernel),
+        as ``(RawLaunch, grid, arguments)`` steps for :meth:`relaunch`; None where no such call
+        is remembered (:attr:`_calls`) or where it also copied the residual into ``c``."""
+        hit = self._calls.get(self._call_key(a, b, c, residual, a_copy))
+        if hit is None or hit[4]:
+            return None
+        _, raw, args, norm, _ = hit
+        return (*norm, (raw, self.num_ctas, args))
+
+    def relaunch(self, steps: tuple, stream: int) -> None:
+        """Launch ``steps`` (:meth:`steps`) again on ``stream``, under the launch's lock (a
+        norm pass and its kernel queued together, as :meth:`__call__` queues them)."""
+        with self._lock:
+            for raw, grid, args in steps:
+                raw(grid, stream, *args)
+
     def raw_args(
         self, tensor_map, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple:

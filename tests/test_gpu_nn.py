@@ -534,3 +534,82 @@ def test_a_block_called_from_two_threads_on_one_stream_gives_each_its_own_result
     torch.cuda.synchronize()
     assert not errors and [len(g) for g in got] == [4, 4], errors
     assert all(torch.equal(y, w) for i in (0, 1) for y, w in zip(got[i], want[i]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(kind, monkeypatch):
+    """A block's common call remembers its two launches' raw arguments by its rows' signature,
+    stream and the addresses its intermediate and output land at; a later such call launches
+    them again without ``launch_checked``. Every call stays bitwise equal to the checked call
+    (``run``): repeated calls (the freed output's memory comes back), a laid-out weight changed
+    in place (the arguments are addresses: the new values are read; a GPT block's column sums
+    follow), a weight buffer replaced by another tensor (the old one NaN-poisoned: nothing
+    bound to it is launched), on another stream, and replayed from a CUDA graph captured after."""
+    from ctapipelining import nn
+    from ctapipelining.gemm import GemmLaunch
+    from ctapipelining.nn import GPTMLP
+
+    torch.manual_seed(0)
+    H, inter, M = 1024, 2048, 777
+
+    def w(*shape):
+        return (torch.randn(*shape, device="cuda") * shape[-1] ** -0.5).bfloat16()
+
+    if kind == "llama":
+        block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16())
+    else:
+        vec = lambda n: (0.1 * torch.randn(n, device="cuda")).bfloat16()  # noqa: E731
+        block = GPTMLP(w(inter, H), vec(inter), w(H, inter), vec(H), 1 + vec(H), vec(H))
+    x = torch.randn(M, H, device="cuda").bfloat16()
+
+    def checked():
+        out = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h = torch.full((M, block.w_out.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        return block.run(x, out, h)
+
+    counts = {"checked": 0, "relaunched": 0}
+    real_checked, real_relaunch = nn.launch_checked, GemmLaunch.relaunch
+
+    def counted_checked(*a, **k):
+        counts["checked"] += 1
+        return real_checked(*a, **k)
+
+    def counted_relaunch(self, *a, **k):
+        counts["relaunched"] += 1
+        return real_relaunch(self, *a, **k)
+
+    monkeypatch.setattr(nn, "launch_checked", counted_checked)
+    monkeypatch.setattr(GemmLaunch, "relaunch", counted_relaunch)
+
+    def calls(n):
+        want = checked()
+        counts.update(checked=0, relaunched=0)
+        for _ in range(n):
+            assert torch.equal(block(x), want)  # each output freed before the next call
+        return dict(counts)
+
+    first = calls(6)
+    assert first["relaunched"] >= 2 * 4 and first["checked"] <= 2 * 2, first  # bound by the second call at most
+    assert calls(4) == {"checked": 0, "relaunched": 2 * 4}
+    with torch.no_grad():
+        block.w_in.mul_(-1)  # in place: same addresses, new values (a GPT block's column sums follow)
+    assert calls(4) == {"checked": 0, "relaunched": 2 * 4}
+    old = block.w_out
+    block.w_out = old.clone()  # another tensor: the epilogues are rebuilt, the bound launches dropped
+    with torch.no_grad():
+        old.fill_(float("nan"))
+    replaced = calls(4)
+    assert replaced["checked"] >= 2 and replaced["relaunched"] >= 2 * 2, replaced
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = [block(x) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    want = checked()
+    assert all(torch.equal(y, want) for y in on_side)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = block(static_x)
+    graph.replay()
+    assert torch.equal(static_y, want)

@@ -271,6 +271,11 @@ def test_block_takes_any_leading_shape_and_refreshes_from_its_source():
     y = block(x)
     assert y.shape == (2, 5, H)
     assert torch.equal(y.reshape(10, H), block(x.reshape(10, H)))
+    # rows with a wider stride, or columns apart: the block reads them as rows of H, contiguous
+    wide, cols = torch.randn(10, H + 8).half(), torch.randn(H, 10).half()
+    for strided in (wide[:, :H], cols.t()):
+        before = strided.clone()
+        assert torch.equal(block(strided), block(strided.contiguous())) and torch.equal(strided, before)
     with torch.no_grad():
         mlp.down_proj.weight.mul_(2)  # an in-place change PyTorch counts: the next call lays it out again
     doubled = block(x)
