@@ -194,7 +194,8 @@ class FusedMLP(torch.nn.Module):
         self._epi = None  # (the buffers' addresses, first epilogue, second): rebuilt when they move
         self._derived = None  # the buffers' versions the epilogues' derived tensors follow (_buffer_versions)
         # the common call's launches, by rows' signature, stream and the addresses of h and y
-        self._bound: dict[tuple, _BoundCall] = {}
+        # (None: seen once, not bound yet)
+        self._bound: dict[tuple, _BoundCall | None] = {}
         self._register()
 
     def _register(self) -> None:
@@ -362,18 +363,24 @@ class FusedMLP(torch.nn.Module):
                 stream = torch._C._cuda_getCurrentRawStream(index)
                 key = (signature(rows), stream, h.data_ptr(), y.data_ptr())
                 got = self._bound.get(key)
-                if got is not None:
+                # (the epilogues' identity: a call that began before another thread replaced a
+                # weight may have bound launches of the old ones after the rebuild)
+                if got is not None and got.first.epilogue is first and got.second.epilogue is second:
                     got.first.relaunch(got.first_steps, stream)
                     got.second.relaunch(got.second_steps, stream)
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
             if bind:
-                steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)
-                if None not in steps:  # both launched raw: bind them for the next such call
-                    bound = self._bound if len(self._bound) < MAX_CALLS else {}
-                    bound[key] = _BoundCall(first_launch, steps[0], second_launch, steps[1])
-                    self._bound = bound
+                # bound at its second sighting (None: seen once): a caller whose calls never
+                # repeat one (it keeps its outputs, its row counts change) looks up no steps
+                seen, bound = key in self._bound, self._bound if len(self._bound) < MAX_CALLS else {}
+                bound[key] = None
+                if seen:
+                    steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)
+                    if None not in steps:  # both launched raw
+                        bound[key] = _BoundCall(first_launch, steps[0], second_launch, steps[1])
+                self._bound = bound
             return y
         if out is not None:  # what the second GEMM would refuse, refused before the first writes
             if (
