@@ -34,6 +34,23 @@ def graph_follows_its_source(block, x, change):
     assert torch.equal(static_y, y2) and not torch.equal(y2, y)
 
 
+def small_block(kind: str, H: int = 1024, inter: int = 2048):
+    """A Llama (``kind`` "llama") or GPT block of random weights (seeded), hidden ``H``."""
+    from ctapipelining.nn import GPTMLP
+
+    torch.manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, device="cuda") * shape[-1] ** -0.5).bfloat16()
+
+    if kind == "llama":
+        block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16())
+    else:
+        vec = lambda n: (0.1 * torch.randn(n, device="cuda")).bfloat16()  # noqa: E731
+        block = GPTMLP(w(inter, H), vec(inter), w(H, inter), vec(H), 1 + vec(H), vec(H))
+    return block
+
+
 @pytest.mark.parametrize("H,inter", [(4096, 14336), (8192, 28672)])
 def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
     """At Llama-8B and -70B sizes, M = 1, 777, 4096: against float32, the fused block's error is
@@ -127,19 +144,9 @@ def test_a_block_call_on_its_own_tensors_makes_no_matmul_check_and_equals_the_ch
     not fill a tile and several waves. Rows it cannot take as they are go through the checks:
     no rows give no rows, rows 2 bytes off alignment a clear error."""
     from ctapipelining import nn
-    from ctapipelining.nn import GPTMLP
 
-    torch.manual_seed(0)
-    H, inter = 1024, 2048
-
-    def w(*shape):
-        return (torch.randn(*shape, device="cuda") * shape[-1] ** -0.5).bfloat16()
-
-    if kind == "llama":
-        block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16())
-    else:
-        vec = lambda n: (0.1 * torch.randn(n, device="cuda")).bfloat16()  # noqa: E731
-        block = GPTMLP(w(inter, H), vec(inter), w(H, inter), vec(H), 1 + vec(H), vec(H))
+    H = 1024
+    block = small_block(kind)
     checked = {}
     for M in (1, 777, 4096):
         x = torch.randn(M, H, device="cuda").bfloat16()
@@ -549,19 +556,9 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     another stream, and replayed from a CUDA graph captured after."""
     from ctapipelining import nn
     from ctapipelining.gemm import GemmLaunch
-    from ctapipelining.nn import GPTMLP
 
-    torch.manual_seed(0)
-    H, inter, M = 1024, 2048, 777
-
-    def w(*shape):
-        return (torch.randn(*shape, device="cuda") * shape[-1] ** -0.5).bfloat16()
-
-    if kind == "llama":
-        block = LlamaMLP(w(inter, H), w(inter, H), w(H, inter), (1 + 0.2 * torch.randn(H, device="cuda")).bfloat16())
-    else:
-        vec = lambda n: (0.1 * torch.randn(n, device="cuda")).bfloat16()  # noqa: E731
-        block = GPTMLP(w(inter, H), vec(inter), w(H, inter), vec(H), 1 + vec(H), vec(H))
+    H, M = 1024, 777
+    block = small_block(kind)
     x = torch.randn(M, H, device="cuda").bfloat16()
     replacement = block.w_out.clone()
 
