@@ -301,6 +301,8 @@ class FusedMLP(torch.nn.Module):
         return self._epi[1], self._epi[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            check_dense(x, "x")  # (a nested tensor has no shape to read)
         if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
             raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
         if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
@@ -808,6 +810,8 @@ class MLPStack(torch.nn.Module):
         return self._built[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            check_dense(x, "x")  # (a nested tensor has no shape to read)
         if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
             raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
         first = self.blocks[0].w_out

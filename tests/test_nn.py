@@ -372,6 +372,11 @@ def test_bad_epilogues_are_refused_before_launch():
         block(torch.zeros(4, 40).half())
     with pytest.raises(ValueError, match="x is torch.float32"):
         block(torch.zeros(4, 48))
+    rows = torch.zeros(4, 48).half()
+    for module in (block, LlamaStack([block, block])):  # inputs refused by name, not by torch
+        for bad, what in ((rows.to_sparse(), "torch.sparse_coo"), (torch.nested.nested_tensor(list(rows)), "nested")):
+            with pytest.raises(TypeError, match=f"x must be a dense \\(strided\\) tensor, got one .*{what}"):
+                module(bad)
 
 
 def test_blocks_and_stacks_the_kernels_cannot_take_are_refused_when_built():
