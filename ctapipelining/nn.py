@@ -210,7 +210,7 @@ class FusedMLP(torch.nn.Module):
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
-        self._bound = {}  # (a block pickled before it kept bound calls has none)
+        self._bound = {}
         if self._source is not None:  # its own copy of the source, whose versions start anew
             self._source_versions = self._versions()
         self._register()

@@ -1,16 +1,19 @@
 """Markers: ``gpu`` needs one CUDA GPU, ``gpu2`` two with peer access; both skip cleanly
 without them. Without any GPU the Triton kernels run under the interpreter, so the
 interpreter must be switched on before anything imports them. The processes the tests start
-(torchrun, ``python -m ctapipelining``) import this checkout, not whichever copy of the
-package is installed: the checkout's root leads their ``PYTHONPATH``."""
+(torchrun, ``python -m ctapipelining``) import this checkout, as the tests do, not whichever
+copy of the package is installed: the checkout's root leads their ``PYTHONPATH``."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:  # this process imports the checkout too (pytest's entry point puts tests/ there)
+    sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
