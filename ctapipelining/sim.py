@@ -1225,6 +1225,19 @@ def _shared_rows(cal: Calibration, path: Path, tables: bool = False) -> list[dic
         raise UsageError(f"--validate-shared {path}: not a shared_gpu.py results file ({what})") from None
 
 
+def measured_on(cal: Calibration, path: Path) -> str:
+    """The GPU a results file was measured on (its ``environment``), and whether the calibration
+    is of another GPU, whose tile time and memory bandwidth the model then uses: for a report's
+    header (empty where the file names none)."""
+    gpus = json.loads(Path(path).read_text()).get("environment", {}).get("gpus") or []
+    if not gpus:
+        return ""
+    note = f"measured on {gpus[0]}"
+    if cal.source != "defaults" and gpus[0] not in cal.device:
+        note += "; the model is calibrated on another GPU"
+    return f" ({note})"
+
+
 def run(args) -> int:
     """``ctapipelining sim``: calibration, validation table, Figures 4 and 7, a timeline."""
     cal = _calibration(args)
@@ -1258,7 +1271,10 @@ def run(args) -> int:
                 )
     for path, rows in zip(args.validate_shared, shared):
         report["validation"][_rel(path)] = rows
-        print(f"\nstages sharing one GPU, against {_rel(path)} (ratios; the error of the predicted one):")
+        print(
+            f"\nstages sharing one GPU, against {_rel(path)}{measured_on(cal, path)} "
+            "(ratios; the error of the predicted one):"
+        )
         _print_ratios(rows)
     print("\nFigure 4 (N-layer chain on N GPUs, M=16384): reduction vs best micro-batching")
     for f in report["figure4"]:

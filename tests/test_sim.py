@@ -598,3 +598,16 @@ def test_planner_lays_out_gated_blocks():
     one = (sim.simulate_gemm(M, H, 2 * inter, CAL) + sim.simulate_gemm(M, inter, H, CAL)) / 1e6
     assert layouts["single"].predicted_ms == pytest.approx(one)
     assert "tp" in {lay.method for lay in sim.plan(M, [H, 2 * inter, H], 2, CAL)}  # ungated: TP offered
+
+
+def test_a_validation_names_the_gpu_it_was_measured_on_and_a_calibration_of_another(tmp_path):
+    """The report's header names the run's GPU, and says so where the calibration (of H200s)
+    is of another GPU; a file that names none adds nothing, and built-in defaults claim no GPU."""
+    h200 = RESULTS / "2026-12-05-h200-default/shared_gpu.json"
+    h100 = RESULTS / "2026-12-06-h100-verify-dd27f5f/shared_gpu.json"
+    assert sim.measured_on(CAL, h200) == " (measured on NVIDIA H200)"
+    assert sim.measured_on(CAL, h100) == " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU)"
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rows": {}}))
+    assert sim.measured_on(CAL, bare) == ""
+    assert sim.measured_on(replace(CAL, source="defaults"), h100) == " (measured on NVIDIA H100 80GB HBM3)"
