@@ -1229,8 +1229,10 @@ def measured_on(cal: Calibration, path: Path) -> str:
     """The GPU a results file was measured on (its ``environment``), and whether the calibration
     is of another GPU, whose tile time and memory bandwidth the model then uses: for a report's
     header (empty where the file names none)."""
-    gpus = json.loads(Path(path).read_text()).get("environment", {}).get("gpus") or []
-    if not gpus:
+    data = json.loads(Path(path).read_text())
+    env = data.get("environment") if isinstance(data, dict) else None
+    gpus = env.get("gpus") if isinstance(env, dict) else None
+    if not gpus or not isinstance(gpus, list):
         return ""
     note = f"measured on {gpus[0]}"
     if cal.source != "defaults" and gpus[0] not in cal.device:
@@ -1251,7 +1253,10 @@ def run(args) -> int:
     for path, depth in zip(args.validate, deep):
         if depth is not None:
             rows = report["validation"][_rel(path)] = depth
-            print(f"\nmore layers than GPUs, against {_rel(path)} (ratios; the error of the predicted one):")
+            print(
+                f"\nmore layers than GPUs, against {_rel(path)}{measured_on(cal, path)} "
+                "(ratios; the error of the predicted one):"
+            )
             _print_ratios(rows)
             continue
         rows = validate(cal, path)
@@ -1261,7 +1266,8 @@ def run(args) -> int:
             continue
         worst = max(rows, key=lambda r: abs(r["error_pct"]))
         print(
-            f"\nvalidation against {_rel(path)}: worst {worst['error_pct']:+.1f}% ({worst['method']} at {worst['seq']})"
+            f"\nvalidation against {_rel(path)}{measured_on(cal, path)}: worst {worst['error_pct']:+.1f}% "
+            f"({worst['method']} at {worst['seq']})"
         )
         for r in rows:
             if "/" not in r["method"]:

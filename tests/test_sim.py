@@ -608,6 +608,7 @@ def test_a_validation_names_the_gpu_it_was_measured_on_and_a_calibration_of_anot
     assert sim.measured_on(CAL, h200) == " (measured on NVIDIA H200)"
     assert sim.measured_on(CAL, h100) == " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU)"
     bare = tmp_path / "bare.json"
-    bare.write_text(json.dumps({"rows": {}}))
-    assert sim.measured_on(CAL, bare) == ""
+    for data in ({"rows": {}}, {"environment": None}, {"environment": {"gpus": []}}, []):
+        bare.write_text(json.dumps(data))
+        assert sim.measured_on(CAL, bare) == ""
     assert sim.measured_on(replace(CAL, source="defaults"), h100) == " (measured on NVIDIA H100 80GB HBM3)"
