@@ -161,6 +161,15 @@ def _tracing() -> bool:
     )
 
 
+def _check_input(x, hidden: int) -> None:
+    """Refuse, by name, an ``x`` a block or stack of width ``hidden`` cannot take: not a dense
+    tensor (a nested one has no shape to read), or not ``[..., hidden]``."""
+    if isinstance(x, torch.Tensor):
+        check_dense(x, "x")
+    if not isinstance(x, torch.Tensor) or x.shape[-1:] != (hidden,):
+        raise ValueError(f"x must be [..., {hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+
+
 class _BoundCall(NamedTuple):
     """A block's common call, as its two launches ran it (:meth:`GemmLaunch.steps`): the next
     call on rows of the same signature, on the same stream, whose intermediate and output land
@@ -210,7 +219,7 @@ class FusedMLP(torch.nn.Module):
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
-        self._bound = {}
+        self._bound = {}  # (a state may lack it: a block pickled without bound calls)
         if self._source is not None:  # its own copy of the source, whose versions start anew
             self._source_versions = self._versions()
         self._register()
@@ -301,10 +310,7 @@ class FusedMLP(torch.nn.Module):
         return self._epi[1], self._epi[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            check_dense(x, "x")  # (a nested tensor has no shape to read)
-        if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
-            raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+        _check_input(x, self.hidden)
         if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
@@ -810,10 +816,7 @@ class MLPStack(torch.nn.Module):
         return self._built[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            check_dense(x, "x")  # (a nested tensor has no shape to read)
-        if not isinstance(x, torch.Tensor) or x.shape[-1:] != (self.hidden,):
-            raise ValueError(f"x must be [..., {self.hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+        _check_input(x, self.hidden)
         first = self.blocks[0].w_out
         if x.dtype != first.dtype or x.device != first.device:
             raise ValueError(
