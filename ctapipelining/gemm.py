@@ -525,7 +525,7 @@ class GemmLaunch:
         # the arguments are a function of the key alone (tensor maps of one address, shape and
         # strides are the same), so a later call with that key skips to its launches
         self._calls: OrderedDict[tuple, tuple] = OrderedDict()
-        self._lock = threading.Lock()  # a call's norm pass, residual copy and kernel, queued together
+        self.lock = threading.Lock()  # a call's norm pass, residual copy and kernel, queued together
 
     @staticmethod
     def _key(a: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None) -> tuple:
@@ -574,7 +574,7 @@ class GemmLaunch:
         yet) and launch nothing. A call queues its norm pass, its copy of the residual and its kernel
         under the launch's lock, so calls from threads that share the launch (and its stream) do
         not interleave them."""
-        with self._lock:
+        with self.lock:
             return self._call(a, b, c, stream, residual, compile_only, a_copy)
 
     def _call(self, a, b, c, stream, residual, compile_only, a_copy):
@@ -668,7 +668,7 @@ class GemmLaunch:
     def relaunch(self, steps: tuple, stream: int) -> None:
         """Launch ``steps`` (:meth:`steps`) again on ``stream``, under the launch's lock (a
         norm pass and its kernel queued together, as :meth:`__call__` queues them)."""
-        with self._lock:
+        with self.lock:
             for raw, grid, args in steps:
                 raw(grid, stream, *args)
 

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .cugraph import CaptureError, StreamGraph
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import MAX_CALLS, GemmLaunch, launch_checked, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
@@ -173,13 +174,30 @@ def _check_input(x, hidden: int) -> None:
 class _BoundCall(NamedTuple):
     """A block's common call, as its two launches ran it (:meth:`GemmLaunch.steps`): the next
     call on rows of the same signature, on the same stream, whose intermediate and output land
-    at the same addresses, launches the same arguments. It holds its launches, so their buffers
-    (norm statistics, split tails) outlive their eviction from the launch cache."""
+    at the same addresses, launches the same arguments, as one CUDA graph of them where it
+    could be captured (:class:`~ctapipelining.cugraph.StreamGraph`; None: launched one by one).
+    It holds its launches, so their buffers (norm statistics, split tails) outlive their
+    eviction from the launch cache."""
 
     first: GemmLaunch
     first_steps: tuple
     second: GemmLaunch
     second_steps: tuple
+    graph: StreamGraph | None
+
+    def launch(self, stream: int) -> None:
+        """The call's launches on ``stream``, one by one."""
+        self.first.relaunch(self.first_steps, stream)
+        self.second.relaunch(self.second_steps, stream)
+
+    @classmethod
+    def of(cls, first: GemmLaunch, first_steps: tuple, second: GemmLaunch, second_steps: tuple, stream: int):
+        """The call, its graph captured (to replay on ``stream``) unless the capture fails."""
+        call = cls(first, first_steps, second, second_steps, None)
+        try:
+            return call._replace(graph=StreamGraph(call.launch, stream))
+        except CaptureError:
+            return call
 
 
 class FusedMLP(torch.nn.Module):
@@ -374,8 +392,11 @@ class FusedMLP(torch.nn.Module):
                 # (the epilogues' identity: a call that began before another thread replaced a
                 # weight may have bound launches of the old ones after the rebuild)
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:
-                    got.first.relaunch(got.first_steps, stream)
-                    got.second.relaunch(got.second_steps, stream)
+                    if got.graph is None:
+                        got.launch(stream)
+                    else:  # (under the first launch's lock, as its norm pass and kernel are queued)
+                        with got.first.lock:
+                            got.graph.replay(stream)
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
@@ -387,7 +408,7 @@ class FusedMLP(torch.nn.Module):
                 if seen:
                     steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)
                     if None not in steps:  # both launched raw
-                        bound[key] = _BoundCall(first_launch, steps[0], second_launch, steps[1])
+                        bound[key] = _BoundCall.of(first_launch, steps[0], second_launch, steps[1], stream)
                 self._bound = bound
             return y
         if out is not None:  # what the second GEMM would refuse, refused before the first writes

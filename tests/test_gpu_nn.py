@@ -546,15 +546,17 @@ def test_a_block_called_from_two_threads_on_one_stream_gives_each_its_own_result
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(kind, monkeypatch):
     """A block's common call is bound at its second sighting (the same rows' signature, stream,
-    and addresses its intermediate and output land at): a later such call launches the two
-    launches' raw steps again without ``launch_checked``. A caller that keeps its outputs
-    repeats no call and looks up no steps. Every call stays bitwise equal to the checked call
-    (``run``): repeated calls (the freed output's memory comes back), a laid-out weight changed
-    in place (the arguments are addresses: the new values are read; a GPT block's column sums
-    follow), a weight buffer replaced by another tensor allocated beforehand (so the calls'
-    memory lands where it did; the old one NaN-poisoned: nothing bound to it is launched), on
-    another stream, and replayed from a CUDA graph captured after."""
+    and addresses its intermediate and output land at), its two launches' raw steps captured
+    once into a CUDA graph: a later such call replays the graph without ``launch_checked``. A
+    caller that keeps its outputs repeats no call and looks up no steps. Every call stays
+    bitwise equal to the checked call (``run``): repeated calls (the freed output's memory comes
+    back), the rows and a laid-out weight changed in place (the arguments are addresses: the
+    new values are read; a GPT block's column sums follow), a weight buffer replaced by another
+    tensor allocated beforehand (so the calls' memory lands where it did; the old one
+    NaN-poisoned: nothing bound to it is launched), on another stream, and replayed from a
+    CUDA graph captured after."""
     from ctapipelining import nn
+    from ctapipelining.cugraph import StreamGraph
     from ctapipelining.gemm import GemmLaunch
 
     H, M = 1024, 777
@@ -567,7 +569,7 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
         h = torch.full((M, block.w_out.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
         return block.run(x, out, h)
 
-    counts = {"checked": 0, "relaunched": 0, "steps": 0}
+    counts = {"checked": 0, "relaunched": 0, "steps": 0, "replayed": 0}
 
     def counted(name, real):
         def call(*a, **k):
@@ -579,31 +581,34 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     monkeypatch.setattr(nn, "launch_checked", counted("checked", nn.launch_checked))
     monkeypatch.setattr(GemmLaunch, "relaunch", counted("relaunched", GemmLaunch.relaunch))
     monkeypatch.setattr(GemmLaunch, "steps", counted("steps", GemmLaunch.steps))
+    monkeypatch.setattr(StreamGraph, "replay", counted("replayed", StreamGraph.replay))
 
     def calls(n):
         want = checked()
-        counts.update(checked=0, relaunched=0, steps=0)
+        counts.update(checked=0, relaunched=0, steps=0, replayed=0)
         for _ in range(n):
             assert torch.equal(block(x), want)  # each output freed before the next call
         return dict(counts)
 
-    assert calls(6) == {"checked": 2 * 2, "relaunched": 2 * 4, "steps": 2}  # bound at the second call
+    # bound at the second call, its launches captured (not run) into the graph the later calls replay
+    assert calls(6) == {"checked": 2 * 2, "relaunched": 2, "steps": 2, "replayed": 4}
     want = checked()
-    counts.update(checked=0, relaunched=0, steps=0)
+    counts.update(checked=0, relaunched=0, steps=0, replayed=0)
     kept = [block(x) for _ in range(4)]  # outputs kept: after the first, no call repeats one
     assert all(torch.equal(y, want) for y in kept) and counts["steps"] == 0 and counts["checked"] >= 2 * 3, counts
     del kept
     again = calls(4)
-    assert again["checked"] <= 2 * 2 and again["relaunched"] >= 2 * 2, again
+    assert again["checked"] <= 2 * 2 and again["replayed"] >= 2, again
     with torch.no_grad():
+        x.mul_(0.5)  # the rows in place: the graph reads the new values
         block.w_in.mul_(-1)  # in place: same addresses, new values (a GPT block's column sums follow)
     changed = calls(4)
-    assert changed["relaunched"] >= 2 * 2, changed
+    assert changed["replayed"] >= 2, changed
     old, block.w_out = block.w_out, replacement  # another tensor: the epilogues are rebuilt, the launches dropped
     with torch.no_grad():
         old.fill_(float("nan"))
     replaced = calls(4)
-    assert replaced["checked"] >= 2 * 2 and replaced["relaunched"] >= 2 * 2, replaced
+    assert replaced["checked"] >= 2 * 2 and replaced["replayed"] >= 2, replaced
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -617,3 +622,31 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
         static_y = block(static_x)
     graph.replay()
     assert torch.equal(static_y, want)
+
+
+def test_a_bound_block_call_whose_graph_capture_fails_launches_its_steps(monkeypatch):
+    """Where the driver refuses the capture of a bound call's launches, the call is still bound
+    and launches its steps one by one, bitwise equal to the checked call."""
+    from ctapipelining import nn
+    from ctapipelining.cugraph import CaptureError
+    from ctapipelining.gemm import GemmLaunch
+
+    def refused(*a, **k):
+        raise CaptureError("cuStreamBeginCapture failed: CUDA error 900 (refused by the test)")
+
+    block, M = small_block("llama"), 640
+    x = torch.randn(M, 1024, device="cuda").bfloat16()
+    want = block.run(x, torch.empty_like(x))
+    relaunched, real = [], GemmLaunch.relaunch
+
+    def counted(launch, steps, stream):
+        relaunched.append(steps)
+        return real(launch, steps, stream)
+
+    monkeypatch.setattr(nn, "StreamGraph", refused)
+    monkeypatch.setattr(GemmLaunch, "relaunch", counted)
+    for _ in range(4):
+        assert torch.equal(block(x), want)
+    assert len(relaunched) == 2 * 2  # calls 3 and 4: both launches' steps, one by one
+    bound = [b for b in block._bound.values() if b is not None]
+    assert bound and all(b.graph is None for b in bound)
