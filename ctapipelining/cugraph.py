@@ -23,8 +23,13 @@ from collections.abc import Callable
 import torch
 
 _THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 _CAPTURE_LOCK = threading.Lock()  # one capture at a time on the capture streams
-_STREAMS: dict[int, torch.cuda.Stream] = {}  # a capture stream per device index
+# a capture stream per device index, created here and handed to nobody else (a stream of
+# PyTorch's pool is handed out again: another thread's work queued on it during a capture would
+# be captured, not run)
+_STREAMS: dict[int, int] = {}
+_UNFREED: list[ctypes.c_void_p] = []  # executable graphs released during a capture, freed at the next graph
 
 
 class CaptureError(RuntimeError):
@@ -38,6 +43,7 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     p, u64 = ctypes.c_void_p, ctypes.c_ulonglong
     for name, args in (
+        ("cuStreamCreate", [ctypes.POINTER(p), ctypes.c_uint]),
         ("cuStreamBeginCapture_v2", [p, ctypes.c_int]),
         ("cuStreamEndCapture", [p, ctypes.POINTER(p)]),
         ("cuGraphInstantiateWithFlags", [ctypes.POINTER(p), p, u64]),
@@ -64,21 +70,27 @@ class StreamGraph:
     (``launch`` gets that stream's raw ``CUstream`` handle) and uploaded on ``stream`` (raw handle:
     where it is to run); :meth:`replay` launches it on any stream of that device. Raises
     :class:`CaptureError` where the capture fails (the stream is then out of capture) and
-    re-raises what ``launch`` raised, after ending the capture."""
+    raises it too where ``launch`` raises (chained to what it raised), after ending the capture."""
 
     def __init__(self, launch: Callable[[int], object], stream: int):
         lib, index = _driver(), torch.cuda.current_device()
         graph, self._exec = ctypes.c_void_p(), ctypes.c_void_p()
         with _CAPTURE_LOCK:
-            if index not in _STREAMS:
-                _STREAMS[index] = torch.cuda.Stream(index)
-            capturing = _STREAMS[index].cuda_stream
+            while _UNFREED:
+                lib.cuGraphExecDestroy(_UNFREED.pop())
+            if index not in _STREAMS:  # (in the current context: the device's primary one, PyTorch's)
+                created = ctypes.c_void_p()
+                _check(lib.cuStreamCreate(ctypes.byref(created), _NON_BLOCKING), "cuStreamCreate")
+                _STREAMS[index] = created.value
+            capturing = _STREAMS[index]
             _check(lib.cuStreamBeginCapture_v2(capturing, _THREAD_LOCAL), "cuStreamBeginCapture")
             try:
                 launch(capturing)
-            except BaseException:  # the stream leaves capture whatever happened in it
+            except BaseException as e:  # the stream leaves capture whatever happened in it
                 if not lib.cuStreamEndCapture(capturing, ctypes.byref(graph)) and graph.value:
                     lib.cuGraphDestroy(graph)
+                if isinstance(e, Exception):
+                    raise CaptureError(f"a launch failed in capture: {type(e).__name__}: {e}") from e
                 raise
             ended = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
         try:
@@ -98,8 +110,12 @@ class StreamGraph:
 
     def __del__(self):  # an executable graph still running is freed once it completes
         exe = getattr(self, "_exec", None)
-        if exe is not None and exe.value:
-            try:
+        if exe is None or not exe.value:
+            return
+        try:
+            if torch.cuda.is_current_stream_capturing():  # (a caller's own capture: freed later)
+                _UNFREED.append(exe)
+            else:
                 _driver().cuGraphExecDestroy(exe)
-            except Exception:  # the interpreter is shutting down: the driver frees it with the context
-                pass
+        except Exception:  # the interpreter is shutting down: the driver frees it with the context
+            pass

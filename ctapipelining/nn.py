@@ -394,8 +394,8 @@ class FusedMLP(torch.nn.Module):
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:
                     if got.graph is None:
                         got.launch(stream)
-                    else:  # (under the first launch's lock, as its norm pass and kernel are queued)
-                        with got.first.lock:
+                    else:  # (under the launches' locks, as each one's norm pass and kernel are queued)
+                        with got.first.lock, got.second.lock:
                             got.graph.replay(stream)
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
@@ -403,7 +403,13 @@ class FusedMLP(torch.nn.Module):
             if bind:
                 # bound at its second sighting (None: seen once): a caller whose calls never
                 # repeat one (it keeps its outputs, its row counts change) looks up no steps
-                seen, bound = key in self._bound, self._bound if len(self._bound) < MAX_CALLS else {}
+                # and captures no graph. Past MAX_CALLS keys, the oldest seen once goes first
+                # (else the oldest bound), so such calls do not push the bound ones out.
+                bound, seen = self._bound, key in self._bound
+                if not seen and len(bound) >= MAX_CALLS:
+                    items = list(bound.items())
+                    drop = next((k for k, v in items if v is None), items[0][0])
+                    bound = {k: v for k, v in items if k != drop}
                 bound[key] = None
                 if seen:
                     steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)

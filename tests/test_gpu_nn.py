@@ -587,7 +587,10 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
         want = checked()
         counts.update(checked=0, relaunched=0, steps=0, replayed=0)
         for _ in range(n):
-            assert torch.equal(block(x), want)  # each output freed before the next call
+            y = block(x)
+            assert torch.equal(y, want)
+            y.fill_(float("nan"))  # freed poisoned: the next call's output lands here, written or caught
+            del y
         return dict(counts)
 
     # bound at the second call, its launches captured (not run) into the graph the later calls replay
@@ -609,13 +612,19 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
         old.fill_(float("nan"))
     replaced = calls(4)
     assert replaced["checked"] >= 2 * 2 and replaced["replayed"] >= 2, replaced
+    want = checked()
+    counts.update(replayed=0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        on_side = [block(x) for _ in range(3)]
+    on_side = []
+    with torch.cuda.stream(side):  # bound and replayed on that stream (the key's)
+        for _ in range(4):
+            y = block(x)
+            on_side.append(torch.equal(y, want))
+            y.fill_(float("nan"))
+            del y
     torch.cuda.current_stream().wait_stream(side)
-    want = checked()
-    assert all(torch.equal(y, want) for y in on_side)
+    assert all(on_side) and counts["replayed"] >= 2, (on_side, counts)
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -650,3 +659,36 @@ def test_a_bound_block_call_whose_graph_capture_fails_launches_its_steps(monkeyp
     assert len(relaunched) == 2 * 2  # calls 3 and 4: both launches' steps, one by one
     bound = [b for b in block._bound.values() if b is not None]
     assert bound and all(b.graph is None for b in bound)
+
+
+def test_a_stream_graph_replays_its_launches_on_any_stream_and_a_failed_capture_runs_nothing():
+    """:class:`~ctapipelining.cugraph.StreamGraph` records what its function launches (nothing
+    runs), replays it on the legacy default stream and on a side stream, in their order; a
+    function that raises in the capture raises ``CaptureError`` chained to its error, its
+    launches never run, and the capture stream takes the next capture."""
+    from ctapipelining.cugraph import CaptureError, StreamGraph
+
+    t = torch.zeros(1000, device="cuda")
+
+    def add(stream):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            t.add_(1)
+
+    def fails(stream):
+        add(stream)
+        raise ValueError("in the launch")
+
+    default = torch.cuda.default_stream().cuda_stream
+    with pytest.raises(CaptureError, match="ValueError: in the launch") as raised:
+        StreamGraph(fails, default)
+    assert isinstance(raised.value.__cause__, ValueError)
+    graph = StreamGraph(add, default)
+    torch.cuda.synchronize()
+    assert t.eq(0).all()  # recorded, not run
+    graph.replay(default)
+    t.mul_(10)  # after the first replay, before the second: stream order holds
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph.replay(side.cuda_stream)
+    torch.cuda.synchronize()
+    assert t.eq(11).all()
