@@ -329,12 +329,13 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden)
-        if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
-            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
+        w = self.w_out
+        if x.dtype != w.dtype or x.device != w.device:
+            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {w.dtype} on {w.device}")
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
-            y = self._run(rows, self.w_in, self.w_out)
+            y = self._run(rows, self.w_in, self.w_out, fits=True)
             return y if flat else y.reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             self._follow_source()
@@ -362,15 +363,17 @@ class FusedMLP(torch.nn.Module):
         w_out: torch.Tensor,
         out: torch.Tensor | None = None,
         h: torch.Tensor | None = None,
+        fits: bool = False,
     ) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body), into ``out`` (default
         a new tensor), the intermediate into ``h`` (default a new tensor). The first GEMM's norm
         pass, which reads the rows anyway, also copies them into the output, and the second adds
-        its tiles onto them there: the residual is read once."""
+        its tiles onto them there: the residual is read once. ``fits``: the caller checked that
+        the rows are of the block's width, dtype and device (:meth:`forward` does)."""
         self._follow_source()
         first, second = self._epilogues()
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
-        fits = rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device)
+        fits = fits or (rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device))
         if own and fits and rows.shape[0] and tma_ready(rows):
             # the common call: rows TMA-ready and of the block's width, dtype and device, the
             # weights and epilogues checked (``_epilogues``), the intermediate and output new (so
@@ -381,8 +384,8 @@ class FusedMLP(torch.nn.Module):
             index = rows.device.index
             bind = (
                 rows.is_cuda
-                and index == torch.cuda.current_device()
-                and not torch.cuda.is_current_stream_capturing()
+                and index == torch._C._cuda_getDevice()  # (torch.cuda's wrappers of these cost more)
+                and not torch._C._cuda_isCurrentStreamCapturing()
                 and not launch_hooks()
             )
             if bind:  # the launches of an earlier call on these rows whose h and y landed where these did
