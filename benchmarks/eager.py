@@ -9,7 +9,7 @@ usage: python3 benchmarks/eager.py OUT_DIR [REPS] [OLD_PACKAGE_PARENT]
    2 GEMMs), at M = 2048; median and
    range of 7 batches (with
    OLD_PACKAGE_PARENT, the earlier tree's batches taking turns with these).
-2. Eager against graph-replayed: the plain GEMM (and cuBLAS, for reference) at M = 2048 and
+2. Eager against graph-replayed (1. and 2. unless CALLS=0): the plain GEMM (and cuBLAS, for reference) at M = 2048 and
    the chain (two 8192-wide layers sharing the GPU, one chain kernel; with OLD_PACKAGE_PARENT,
    the earlier tree's eager beside it) at M = 2048 and 16384, and
    the default ``Pipeline``, which runs our GEMMs one after another there (also its graph against
@@ -111,8 +111,10 @@ def paired(methods, pairs, devices=(0,)):
     return out
 
 
-def main():
-    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv)}
+def gemms_and_chains() -> dict:
+    """Parts 1 and 2 of the module's description: host time per launch, and the plain GEMM, cuBLAS,
+    the chain kernel and the default pipeline eager against graph-replayed."""
+    report = {}
     w = rand(K, K, scale=K**-0.5)
     ws = [rand(K, K, scale=K**-0.5) for _ in range(2)]
     pipe = Pipeline(ws, always_pipelined=True)  # both stages on one GPU: one chain kernel at every height
@@ -201,6 +203,13 @@ def main():
             assert torch.equal(cross(x, check=True), cross.sequential(x))
         report["eager_vs_graph"] |= paired(methods, pairs, (0, 1))
         cross.check_errors()
+    return report
+
+
+def main():
+    report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv)}
+    if os.environ.get("CALLS", "1") != "0":
+        report |= gemms_and_chains()
     if os.environ.get("BLOCKS", "1") != "0":
         report["block_eager_vs_graph"] = blocks()
     if os.environ.get("PREFILL", "1") != "0":
