@@ -171,6 +171,18 @@ def _check_input(x, hidden: int) -> None:
         raise ValueError(f"x must be [..., {hidden}], got {getattr(x, 'shape', type(x).__name__)}")
 
 
+def _room_for(bound: dict, key, limit: int = MAX_CALLS) -> dict:
+    """``bound`` (a block's calls by key: a :class:`_BoundCall`, or None for a call seen once),
+    or a copy of it without one entry where it holds ``limit`` entries and not ``key``: the
+    oldest seen once, else the oldest bound, so that calls which never repeat do not push the
+    bound ones out."""
+    if key in bound or len(bound) < limit:
+        return bound
+    items = list(bound.items())
+    drop = next((k for k, v in items if v is None), items[0][0])
+    return {k: v for k, v in items if k != drop}
+
+
 class _BoundCall(NamedTuple):
     """A block's common call, as its two launches ran it (:meth:`GemmLaunch.steps`): the next
     call on rows of the same signature, on the same stream, whose intermediate and output land
@@ -406,13 +418,8 @@ class FusedMLP(torch.nn.Module):
             if bind:
                 # bound at its second sighting (None: seen once): a caller whose calls never
                 # repeat one (it keeps its outputs, its row counts change) looks up no steps
-                # and captures no graph. Past MAX_CALLS keys, the oldest seen once goes first
-                # (else the oldest bound), so such calls do not push the bound ones out.
-                bound, seen = self._bound, key in self._bound
-                if not seen and len(bound) >= MAX_CALLS:
-                    items = list(bound.items())
-                    drop = next((k for k, v in items if v is None), items[0][0])
-                    bound = {k: v for k, v in items if k != drop}
+                # and captures no graph
+                seen, bound = key in self._bound, _room_for(self._bound, key)
                 bound[key] = None
                 if seen:
                     steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)

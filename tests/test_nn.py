@@ -949,3 +949,23 @@ def test_a_stack_on_one_device_runs_its_blocks_one_after_another(kind):
         y = piped(x)
         assert piped.pipeline._plans and torch.equal(y, piped.sequential(x)), kw
         assert rel(y, want) < 2e-3, kw
+
+
+def test_a_blocks_bound_calls_make_room_from_the_oldest_seen_once_then_the_oldest_bound():
+    """``_room_for``: a key already held, or room left, keeps the dict itself (updated in
+    place); a full dict without the key is copied without its oldest call seen once (None),
+    else without its oldest bound call, so callers whose calls never repeat do not push bound
+    calls (and their CUDA graphs) out."""
+    from ctapipelining.nn import _room_for
+
+    bound = {"a": "A", "b": None, "c": "C", "d": None}
+    assert _room_for(bound, "e", limit=5) is bound
+    assert _room_for(bound, "b", limit=4) is bound
+    assert list(_room_for(bound, "e", limit=4)) == ["a", "c", "d"]
+    assert bound == {"a": "A", "b": None, "c": "C", "d": None}  # the caller's dict untouched
+    full = {"a": "A", "c": "C"}
+    assert _room_for(full, "e", limit=2) == {"c": "C"}
+    for n in range(40):  # a caller that never repeats: the bound ones stay
+        full = _room_for(full, n, limit=2 + 3)
+        full[n] = None
+    assert full["a"] == "A" and full["c"] == "C" and len(full) == 5
