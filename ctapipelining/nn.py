@@ -304,7 +304,9 @@ class FusedMLP(torch.nn.Module):
         checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
         own call relies on it."""
         key = (
+            # (its parameters too: a weight reassigned as an nn.Parameter leaves the buffers)
             *(signature(t) if is_dense(t) else None for t in self._buffers.values() if t is not None),
+            *(signature(t) if is_dense(t) else None for t in self._parameters.values() if t is not None),
             self.in_config,
             self.out_config,
         )  # fmt: skip (a buffer that is not dense has no signature: checked, and refused, below)
@@ -341,17 +343,17 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden)
-        w = self.w_out
-        if x.dtype != w.dtype or x.device != w.device:
-            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {w.dtype} on {w.device}")
+        w_in, w_out = self.w_in, self.w_out  # (read once: the weights checked are the ones run)
+        if x.dtype != w_out.dtype or x.device != w_out.device:
+            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {w_out.dtype} on {w_out.device}")
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
-            y = self._run(rows, self.w_in, self.w_out, fits=True)
+            y = self._run(rows, w_in, w_out, fits=True)
             return y if flat else y.reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             self._follow_source()
-        return mlp_block(rows, self.w_in, self.w_out, self._key).reshape(x.shape)
+        return mlp_block(rows, w_in, w_out, self._key).reshape(x.shape)
 
     def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The first GEMM alone, its epilogue included: what the second GEMM reads (``x``
