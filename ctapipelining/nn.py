@@ -303,10 +303,9 @@ class FusedMLP(torch.nn.Module):
         shape, strides, dtype, device) or a configuration changes, the weights and epilogues are
         checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
         own call relies on it."""
+        tensors = (*self._buffers.values(), *self._parameters.values())  # (a weight reassigned as a parameter)
         key = (
-            # (its parameters too: a weight reassigned as an nn.Parameter leaves the buffers)
-            *(signature(t) if is_dense(t) else None for t in self._buffers.values() if t is not None),
-            *(signature(t) if is_dense(t) else None for t in self._parameters.values() if t is not None),
+            *(signature(t) if is_dense(t) else None for t in tensors if t is not None),
             self.in_config,
             self.out_config,
         )  # fmt: skip (a buffer that is not dense has no signature: checked, and refused, below)
