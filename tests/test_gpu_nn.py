@@ -569,7 +569,7 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
         h = torch.full((M, block.w_out.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
         return block.run(x, out, h)
 
-    counts = {"checked": 0, "relaunched": 0, "steps": 0, "replayed": 0}
+    counts = {"checked": 0, "relaunched": 0, "steps": 0, "replayed": 0, "run": 0}
 
     def counted(name, real):
         def call(*a, **k):
@@ -582,10 +582,11 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     monkeypatch.setattr(GemmLaunch, "relaunch", counted("relaunched", GemmLaunch.relaunch))
     monkeypatch.setattr(GemmLaunch, "steps", counted("steps", GemmLaunch.steps))
     monkeypatch.setattr(StreamGraph, "replay", counted("replayed", StreamGraph.replay))
+    monkeypatch.setattr(type(block), "_run", counted("run", type(block)._run))  # the checked path
 
     def calls(n):
         want = checked()
-        counts.update(checked=0, relaunched=0, steps=0, replayed=0)
+        counts.update(checked=0, relaunched=0, steps=0, replayed=0, run=0)
         for _ in range(n):
             y = block(x)
             assert torch.equal(y, want)
@@ -593,8 +594,22 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
             del y
         return dict(counts)
 
-    # bound at the second call, its launches captured (not run) into the graph the later calls replay
-    assert calls(6) == {"checked": 2 * 2, "relaunched": 2, "steps": 2, "replayed": 4}
+    # bound at the second call, its launches captured (not run) into the graph the later calls
+    # replay, straight from forward (the last bound call: no checked path)
+    assert calls(6) == {"checked": 2 * 2, "relaunched": 2, "steps": 2, "replayed": 4, "run": 2}
+    # two row counts in turn: once both are bound, each call is not the last one bound, and
+    # replays its own from the checked path
+    x2 = torch.randn(M // 2, H, device="cuda").bfloat16()
+    want2 = block.run(x2, torch.full_like(x2, float("nan")))
+    want = checked()
+    counts.update(checked=0, relaunched=0, steps=0, replayed=0, run=0)
+    for _ in range(4):
+        for rows, expected in ((x, want), (x2, want2)):
+            y = block(rows)
+            assert torch.equal(y, expected)
+            y.fill_(float("nan"))
+            del y
+    assert counts["run"] >= 4 and counts["replayed"] >= 4, counts
     want = checked()
     counts.update(checked=0, relaunched=0, steps=0, replayed=0)
     kept = [block(x) for _ in range(4)]  # outputs kept: after the first, no call repeats one
