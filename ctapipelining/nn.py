@@ -155,10 +155,10 @@ def _direct(x: torch.Tensor) -> bool:
 def _tracing() -> bool:
     """Whether something records or transforms the calls now (:func:`_direct`)."""
     return (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
+        torch.compiler.is_compiling()  # (first: under Dynamo, nothing after it is traced)
+        or torch._C._is_tracing()  # torch.jit.is_tracing()
         or torch._C._are_functorch_transforms_active()
-        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+        or torch._C._len_torch_dispatch_stack() > 0  # a dispatch mode (_python_dispatch._get_current_dispatch_mode)
     )
 
 
@@ -223,10 +223,10 @@ class _BoundCall(NamedTuple):
 
 class _LastCall(NamedTuple):
     """A block's last bound call that ran (:meth:`FusedMLP._replay`): its key in the block's
-    bound calls (rows' signature, stream, addresses of h and y), the width of h, the call."""
+    bound calls (rows' signature, stream, addresses of h and y), the bytes of h per row, the call."""
 
     key: tuple
-    h_cols: int
+    h_row_bytes: int
     call: _BoundCall
 
 
@@ -383,8 +383,12 @@ class FusedMLP(torch.nn.Module):
         call: rows of the same signature (so they pass the checks those rows passed: ``forward``
         makes none of its own first), on the same device and stream, outside any capture and
         launch hooks, with the epilogues the call was bound to (the weights where they were,
-        ``_epilogues``), and the new h and y landing at its addresses. Else None, nothing
-        launched: the caller takes the checked path, which looks up the other bound calls."""
+        ``_epilogues``), and the new y and h landing at its addresses. Else None, nothing
+        launched: the caller takes the checked path, which looks up the other bound calls.
+        Its host time comes before the first kernel starts, so it makes as few calls as it
+        can: h, which no one sees, is raw memory of PyTorch's caching allocator (the block a
+        tensor of h's size would get), given back once the call is queued, as h's tensor
+        would be (stream-ordered: only work queued after the call reuses it)."""
         last = self._last
         if last is None or not is_dense(rows) or signature(rows) != last.key[0] or launch_hooks():
             return None  # (a tensor that is not dense has no signature: forward refuses it by name)
@@ -395,16 +399,20 @@ class FusedMLP(torch.nn.Module):
             or torch._C._cuda_getCurrentRawStream(index) != stream
         ):
             return None
-        self._follow_source()
+        if self._source is not None:
+            self._follow_source()
         first, second = self._epilogues()
         call = last.call
         if call.first.epilogue is not first or call.second.epilogue is not second:
             return None
         y = torch.empty_like(rows)
-        h = torch.empty(rows.shape[0], last.h_cols, dtype=rows.dtype, device=rows.device)
-        if (h.data_ptr(), y.data_ptr()) != last.key[2:]:
-            return None
-        call.run(stream)
+        h = torch._C._cuda_cudaCachingAllocator_raw_alloc(rows.shape[0] * last.h_row_bytes, stream)
+        try:
+            if (h, y.data_ptr()) != last.key[2:]:
+                return None
+            call.run(stream)
+        finally:
+            torch._C._cuda_cudaCachingAllocator_raw_delete(h)
         return y
 
     def first_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -462,7 +470,7 @@ class FusedMLP(torch.nn.Module):
                 # weight may have bound launches of the old ones after the rebuild)
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:
                     got.run(stream)
-                    self._last = _LastCall(key, h.shape[1], got)
+                    self._last = _LastCall(key, h.stride(0) * h.element_size(), got)
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
@@ -476,7 +484,7 @@ class FusedMLP(torch.nn.Module):
                     steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)
                     if None not in steps:  # both launched raw
                         bound[key] = _BoundCall.of(first_launch, steps[0], second_launch, steps[1], stream)
-                        self._last = _LastCall(key, h.shape[1], bound[key])
+                        self._last = _LastCall(key, h.stride(0) * h.element_size(), bound[key])
                 self._bound = bound
                 if self._last is not None and self._last.key not in bound:  # evicted (_room_for)
                     self._last = None
