@@ -323,11 +323,10 @@ class FusedMLP(torch.nn.Module):
         checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
         own call relies on it."""
         tensors = (*self._buffers.values(), *self._parameters.values())  # (a weight reassigned as a parameter)
-        key = (
-            *(signature(t) if is_dense(t) else None for t in tensors if t is not None),
-            self.in_config,
-            self.out_config,
-        )  # fmt: skip (a buffer that is not dense has no signature: checked, and refused, below)
+        # (a list, not a generator: Python 3.12 runs it inline, and every call of a block makes this key;
+        # a buffer that is not dense has no signature: checked, and refused, below)
+        signed = [signature(t) if is_dense(t) else None for t in tensors if t is not None]
+        key = (*signed, self.in_config, self.out_config)
         if self._epi is None or self._epi[0] != key:
             w_in, w_out, name = self.w_in, self.w_out, type(self).__name__
             check_weight(w_in, f"{name}: first weight")
