@@ -222,12 +222,17 @@ class _BoundCall(NamedTuple):
 
 
 class _LastCall(NamedTuple):
-    """A block's last bound call that ran (:meth:`FusedMLP._replay`): its key in the block's
-    bound calls (rows' signature, stream, addresses of h and y), the bytes of h per row, the call."""
+    """A block's bound call last bound or looked up by ``forward`` (:meth:`FusedMLP._replay`):
+    its key in the block's bound calls (rows' signature, stream, addresses of h and y), the
+    signature of the tensor ``forward`` took (the rows, or a contiguous tensor of more dims whose
+    bytes they are), the bytes of h per row, the call, and the weights it reads (held, so that
+    another thread's replacement cannot free them before a replay is queued)."""
 
     key: tuple
+    entry: tuple
     h_row_bytes: int
     call: _BoundCall
+    weights: tuple[torch.Tensor, torch.Tensor]
 
 
 class FusedMLP(torch.nn.Module):
@@ -370,26 +375,27 @@ class FusedMLP(torch.nn.Module):
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {w_out.dtype} on {w_out.device}")
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
-        if direct:
-            y = self._run(rows, w_in, w_out, fits=True)
+        if direct:  # (a contiguous x's rows are a view of its bytes: a later call on them is x's)
+            y = self._run(rows, w_in, w_out, fits=True, entry=signature(x) if flat or x.is_contiguous() else None)
             return y if flat else y.reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             self._follow_source()
         return mlp_block(rows, w_in, w_out, self._key).reshape(x.shape)
 
-    def _replay(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """The block's last bound call (:class:`_LastCall`) run again on ``rows``, if it is that
-        call: rows of the same signature (so they pass the checks those rows passed: ``forward``
-        makes none of its own first), on the same device and stream, outside any capture and
-        launch hooks, with the epilogues the call was bound to (the weights where they were,
-        ``_epilogues``), and the new y and h landing at its addresses. Else None, nothing
-        launched: the caller takes the checked path, which looks up the other bound calls.
-        Its host time comes before the first kernel starts, so it makes as few calls as it
-        can: h, which no one sees, is raw memory of PyTorch's caching allocator (the block a
-        tensor of h's size would get), given back once the call is queued, as h's tensor
-        would be (stream-ordered: only work queued after the call reuses it)."""
+    def _replay(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The block's last bound call (:class:`_LastCall`) run again on ``x``, if it is that
+        call: ``x`` of the same signature as that call's (so it passes the checks that one
+        passed: ``forward`` makes none of its own first), on the same device and stream,
+        outside any capture and launch hooks, with the epilogues the call was bound to (the
+        weights where they were, ``_epilogues``), and the new y and h landing at its
+        addresses. Else None, neither GEMM launched: the caller takes the checked path, which
+        looks up the other bound calls. Its host time comes before the first kernel starts, so
+        it makes as few calls as it can: h, which no one sees, is raw memory of PyTorch's
+        caching allocator (the block a tensor of h's size would get), given back once the call
+        is queued, as h's tensor would be (stream-ordered: only work queued after the call
+        reuses it)."""
         last = self._last
-        if last is None or not is_dense(rows) or signature(rows) != last.key[0] or launch_hooks():
+        if last is None or not is_dense(x) or signature(x) != last.entry or launch_hooks():
             return None  # (a tensor that is not dense has no signature: forward refuses it by name)
         index, stream = last.key[0][4], last.key[1]
         if (
@@ -404,8 +410,8 @@ class FusedMLP(torch.nn.Module):
         call = last.call
         if call.first.epilogue is not first or call.second.epilogue is not second:
             return None
-        y = torch.empty_like(rows)
-        h = torch._C._cuda_cudaCachingAllocator_raw_alloc(rows.shape[0] * last.h_row_bytes, stream)
+        y = torch.empty_like(x)  # (x is contiguous: the rows' output, in x's shape)
+        h = torch._C._cuda_cudaCachingAllocator_raw_alloc(last.key[0][1][0] * last.h_row_bytes, stream)
         try:
             if (h, y.data_ptr()) != last.key[2:]:
                 return None
@@ -437,12 +443,15 @@ class FusedMLP(torch.nn.Module):
         out: torch.Tensor | None = None,
         h: torch.Tensor | None = None,
         fits: bool = False,
+        entry: tuple | None = None,
     ) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body), into ``out`` (default
         a new tensor), the intermediate into ``h`` (default a new tensor). The first GEMM's norm
         pass, which reads the rows anyway, also copies them into the output, and the second adds
         its tiles onto them there: the residual is read once. ``fits``: the caller checked that
-        the rows are of the block's width, dtype and device (:meth:`forward` does)."""
+        the rows are of the block's width, dtype and device (:meth:`forward` does). ``entry``:
+        the signature of the tensor ``forward`` took, whose bytes the rows are: a bound call then
+        becomes the block's last (:meth:`_replay`)."""
         self._follow_source()
         first, second = self._epilogues()
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
@@ -469,7 +478,8 @@ class FusedMLP(torch.nn.Module):
                 # weight may have bound launches of the old ones after the rebuild)
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:
                     got.run(stream)
-                    self._last = _LastCall(key, h.stride(0) * h.element_size(), got)
+                    if entry is not None:
+                        self._last = _LastCall(key, entry, h.stride(0) * h.element_size(), got, (w_in, w_out))
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
@@ -482,10 +492,12 @@ class FusedMLP(torch.nn.Module):
                 if seen:
                     steps = first_launch.steps(rows, w_in, h, a_copy=y), second_launch.steps(h, w_out, y, residual=y)
                     if None not in steps:  # both launched raw
-                        bound[key] = _BoundCall.of(first_launch, steps[0], second_launch, steps[1], stream)
-                        self._last = _LastCall(key, h.stride(0) * h.element_size(), bound[key])
+                        call = bound[key] = _BoundCall.of(first_launch, steps[0], second_launch, steps[1], stream)
+                        if entry is not None:
+                            self._last = _LastCall(key, entry, h.stride(0) * h.element_size(), call, (w_in, w_out))
                 self._bound = bound
-                if self._last is not None and self._last.key not in bound:  # evicted (_room_for)
+                last = self._last
+                if last is not None and last.key not in bound:  # evicted (_room_for)
                     self._last = None
             return y
         if out is not None:  # what the second GEMM would refuse, refused before the first writes

@@ -597,19 +597,38 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     # bound at the second call, its launches captured (not run) into the graph the later calls
     # replay, straight from forward (the last bound call: no checked path)
     assert calls(6) == {"checked": 2 * 2, "relaunched": 2, "steps": 2, "replayed": 4, "run": 2}
-    # two row counts in turn: once both are bound, each call is not the last one bound, and
-    # replays its own from the checked path
+    # two row counts in turn: once both are bound (three rounds), each call is not the last one
+    # bound, and replays its own from the checked path
     x2 = torch.randn(M // 2, H, device="cuda").bfloat16()
     want2 = block.run(x2, torch.full_like(x2, float("nan")))
     want = checked()
-    counts.update(checked=0, relaunched=0, steps=0, replayed=0, run=0)
-    for _ in range(4):
-        for rows, expected in ((x, want), (x2, want2)):
-            y = block(rows)
-            assert torch.equal(y, expected)
-            y.fill_(float("nan"))
-            del y
-    assert counts["run"] >= 4 and counts["replayed"] >= 4, counts
+
+    def in_turn(rounds, inputs):
+        counts.update(checked=0, relaunched=0, steps=0, replayed=0, run=0)
+        for _ in range(rounds):
+            for rows, expected in inputs:
+                y = block(rows)
+                assert y.shape == rows.shape and torch.equal(y.view(expected.shape), expected)
+                y.fill_(float("nan"))
+                del y
+        return dict(counts)
+
+    unchecked = {"checked": 0, "relaunched": 0, "steps": 0}  # (no launch but the graphs')
+    in_turn(3, ((x, want), (x2, want2)))
+    assert in_turn(2, ((x, want), (x2, want2))) == unchecked | {"replayed": 4, "run": 4}
+    # x of more dims whose bytes are the rows: its call becomes the last one, output in x's shape
+    in_turn(2, ((x.view(1, M, H), want),))
+    assert in_turn(2, ((x.view(1, M, H), want),)) == unchecked | {"replayed": 2, "run": 0}
+    # a launch hook set: the calls go through Triton's launch path, which calls it
+    from triton import knobs
+
+    hooked = []
+    hook = hooked.append
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert in_turn(2, ((x, want),))["replayed"] == 0 and len(hooked) >= 2 * 2
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
     want = checked()
     counts.update(checked=0, relaunched=0, steps=0, replayed=0)
     kept = [block(x) for _ in range(4)]  # outputs kept: after the first, no call repeats one
@@ -642,7 +661,7 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     assert all(on_side) and counts["replayed"] >= 2, (on_side, counts)
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # the bound call's stream, now capturing
         static_y = block(static_x)
     graph.replay()
     assert torch.equal(static_y, want)
