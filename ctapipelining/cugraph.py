@@ -98,13 +98,14 @@ class StreamGraph:
             _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), graph, 0), "cuGraphInstantiate")
             # (its first launch would upload it: the first replay then takes no longer than the next)
             _check(lib.cuGraphUpload(self._exec, stream), "cuGraphUpload")
+            self._launch = lib.cuGraphLaunch  # (what replay calls, looked up once)
         finally:
             if graph.value:
                 lib.cuGraphDestroy(graph)
 
     def replay(self, stream: int) -> None:
         """Launch the captured work on ``stream`` (raw handle), after what is queued there."""
-        rc = _driver().cuGraphLaunch(self._exec, stream)
+        rc = self._launch(self._exec, stream)
         if rc:
             _check(rc, "cuGraphLaunch")
 
