@@ -53,6 +53,17 @@ def launch_hooks() -> bool:
     return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
+def bound_stream(index: int) -> int | None:
+    """The raw handle of CUDA device ``index``'s current stream, where work bound by an earlier
+    call (its launches' arguments, or a graph of them) may be launched there as it is: ``index``
+    is the current device, its current stream is not being captured, and no profiler's launch
+    hooks are set (Triton's own path calls them; a bound launch would not). Else None. (It reads
+    ``torch._C``: ``torch.cuda``'s wrappers cost more host time, on paths that save it.)"""
+    if index != torch._C._cuda_getDevice() or torch._C._cuda_isCurrentStreamCapturing() or launch_hooks():
+        return None
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 def addresses(bundle):
     """``bundle`` (a kernel argument: a tensor, a (named) tuple of them, or anything else) with
     every tensor replaced by its address: the launcher then passes the integer as the pointer

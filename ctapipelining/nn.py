@@ -63,7 +63,7 @@ from .cugraph import CaptureError, StreamGraph
 from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import MAX_CALLS, GemmLaunch, launch_checked, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
-from .launcher import launch_hooks
+from .launcher import bound_stream
 from .operands import check_dense, check_tensor, check_weight, is_dense, overlaps, signature, tma_ready
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
@@ -395,14 +395,10 @@ class FusedMLP(torch.nn.Module):
         is queued, as h's tensor would be (stream-ordered: only work queued after the call
         reuses it)."""
         last = self._last
-        if last is None or not is_dense(x) or signature(x) != last.entry or launch_hooks():
+        if last is None or not is_dense(x) or signature(x) != last.entry:
             return None  # (a tensor that is not dense has no signature: forward refuses it by name)
-        index, stream = last.key[0][4], last.key[1]
-        if (
-            index != torch._C._cuda_getDevice()
-            or torch._C._cuda_isCurrentStreamCapturing()
-            or torch._C._cuda_getCurrentRawStream(index) != stream
-        ):
+        stream = last.key[1]
+        if bound_stream(last.key[0][4]) != stream:
             return None
         if self._source is not None:
             self._follow_source()
@@ -464,15 +460,9 @@ class FusedMLP(torch.nn.Module):
             # kernel starts sooner. Any other call goes through matmul's checks.
             y = torch.empty_like(rows)
             h = torch.empty(rows.shape[0], first.out_cols(w_in.shape[1]), dtype=rows.dtype, device=rows.device)
-            index = rows.device.index
-            bind = (
-                rows.is_cuda
-                and index == torch._C._cuda_getDevice()  # (torch.cuda's wrappers of these cost more)
-                and not torch._C._cuda_isCurrentStreamCapturing()
-                and not launch_hooks()
-            )
+            stream = bound_stream(rows.device.index) if rows.is_cuda else None
+            bind = stream is not None
             if bind:  # the launches of an earlier call on these rows whose h and y landed where these did
-                stream = torch._C._cuda_getCurrentRawStream(index)
                 key = (signature(rows), stream, h.data_ptr(), y.data_ptr())
                 got = self._bound.get(key)
                 # (the epilogues' identity: a call that began before another thread replaced a

@@ -114,7 +114,7 @@ from .kernels.gemm import (
     fits_loaded_residual,
 )
 from .kernels.sync import ERR_FIELDS
-from .launcher import launch_hooks
+from .launcher import bound_stream
 from .operands import (
     bindable,
     check_arch,
@@ -709,13 +709,9 @@ class Pipeline:
         :meth:`_call_one_after_another` orders a call. None where there is no such call, or
         operands it does not bind (:meth:`_bindable`), a capture, another current device or a
         profiler's launch hooks: the checked path then."""
-        index = self._device_indices[0]
-        if (
-            not self._bindable(x, out) or torch.cuda.current_device() != index
-            or torch.cuda.is_current_stream_capturing() or launch_hooks()
-        ):  # fmt: skip
+        stream = bound_stream(self._device_indices[0]) if self._bindable(x, out) else None
+        if stream is None:
             return None
-        stream = torch._C._cuda_getCurrentRawStream(index)
         key = (signature(x), None if out is None else signature(out), stream)
         bound = self._bound_calls.get(key)
         if bound is None:
