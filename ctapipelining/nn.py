@@ -225,14 +225,19 @@ class _LastCall(NamedTuple):
     """A block's bound call last bound or looked up by ``forward`` (:meth:`FusedMLP._replay`):
     its key in the block's bound calls (rows' signature, stream, addresses of h and y), the
     signature of the tensor ``forward`` took (the rows, or a contiguous tensor of more dims whose
-    bytes they are), the bytes of h per row, the call, and the weights it reads (held, so that
-    another thread's replacement cannot free them before a replay is queued)."""
+    bytes they are), the bytes of h per row, the call, and the storages of the weights it reads
+    (held, so that another thread's replacement of a weight, or of its ``.data``, cannot free
+    them before a replay is queued; the call's launches hold the epilogues' vectors)."""
 
     key: tuple
     entry: tuple
     h_row_bytes: int
     call: _BoundCall
-    weights: tuple[torch.Tensor, torch.Tensor]
+    storages: tuple
+
+    @classmethod
+    def of(cls, key: tuple, entry: tuple, h: torch.Tensor, call: _BoundCall, w_in, w_out) -> _LastCall:
+        return cls(key, entry, h.stride(0) * h.element_size(), call, (w_in.untyped_storage(), w_out.untyped_storage()))
 
 
 class FusedMLP(torch.nn.Module):
@@ -270,6 +275,12 @@ class FusedMLP(torch.nn.Module):
         self._follow_source()  # the copy starts in step with its source
         # (weak references, and launches bound to this process's GPU buffers: not copied)
         return {**self.__dict__, "_epi": None, "_source_versions": None, "_bound": {}, "_last": None}
+
+    def _apply(self, fn, recurse=True):
+        # the buffers moved or cast (``.to()``, ``.cpu()``, ``.half()``): what was built on the
+        # old ones, and the last call holding their memory, go now rather than at the next call
+        self._epi, self._derived, self._bound, self._last = None, None, {}, None
+        return super()._apply(fn, recurse)
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
@@ -470,7 +481,7 @@ class FusedMLP(torch.nn.Module):
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:
                     got.run(stream)
                     if entry is not None:
-                        self._last = _LastCall(key, entry, h.stride(0) * h.element_size(), got, (w_in, w_out))
+                        self._last = _LastCall.of(key, entry, h, got, w_in, w_out)
                     return y
             first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
@@ -485,7 +496,7 @@ class FusedMLP(torch.nn.Module):
                     if None not in steps:  # both launched raw
                         call = bound[key] = _BoundCall.of(first_launch, steps[0], second_launch, steps[1], stream)
                         if entry is not None:
-                            self._last = _LastCall(key, entry, h.stride(0) * h.element_size(), call, (w_in, w_out))
+                            self._last = _LastCall.of(key, entry, h, call, w_in, w_out)
                 self._bound = bound
                 last = self._last
                 if last is not None and last.key not in bound:  # evicted (_room_for)

@@ -558,6 +558,7 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
     from ctapipelining import nn
     from ctapipelining.cugraph import StreamGraph
     from ctapipelining.gemm import GemmLaunch
+    from ctapipelining.launcher import bound_stream
 
     H, M = 1024, 777
     block = small_block(kind)
@@ -659,12 +660,39 @@ def test_a_repeated_block_call_relaunches_what_it_bound_and_follows_its_weights(
             del y
     torch.cuda.current_stream().wait_stream(side)
     assert all(on_side) and counts["replayed"] >= 2, (on_side, counts)
-    static_x = x.clone()
+    # the last call's rows on its stream, now capturing: nothing bound may launch there (the
+    # capture's private pool would also put y and h elsewhere), the checked launches are captured
+    counts.update(checked=0, relaunched=0, steps=0, replayed=0, run=0)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # the bound call's stream, now capturing
-        static_y = block(static_x)
+    with torch.cuda.graph(graph, stream=side):
+        capturing = bound_stream(torch.cuda.current_device())
+        static_y = block(x)
+    assert capturing is None
+    assert counts == {"checked": 2, "relaunched": 0, "steps": 0, "replayed": 0, "run": 1}, counts
     graph.replay()
     assert torch.equal(static_y, want)
+
+
+def test_a_bound_block_moved_off_the_gpu_frees_its_weights_there():
+    """After calls that bound and replayed a graph (the last call holds its weights' memory),
+    ``.cpu()`` frees the block's weights on the GPU at once, and the block moved back runs
+    bitwise as before."""
+    import gc
+
+    block = small_block("llama", H=2048, inter=4096)
+    x = torch.randn(640, 2048, device="cuda").bfloat16()
+    want = block(x)
+    for _ in range(3):
+        assert torch.equal(block(x), want)
+    assert block._last is not None
+    weights = sum(t.numel() * t.element_size() for t in block._buffers.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    block.cpu()
+    gc.collect()
+    freed = before - torch.cuda.memory_allocated()
+    assert freed >= weights, (freed, weights)
+    assert torch.equal(block.cuda()(x), want)
 
 
 def test_a_bound_block_call_whose_graph_capture_fails_launches_its_steps(monkeypatch):

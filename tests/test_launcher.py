@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ctapipelining.launcher import RawLaunch, addresses, on_stream
+from ctapipelining.launcher import RawLaunch, addresses, bound_stream, on_stream
 
 
 @pytest.mark.xdist_group("sm90_compile")  # where conftest's sm90 report is built
@@ -151,6 +151,33 @@ def test_launch_hooks_take_tritons_path_not_the_raw_launch(which):
     assert torch.allclose(c.float(), a.float() @ b.float(), atol=1e-2, rtol=1e-2)
     launch(a, b, torch.zeros_like(c), stream=0)  # no hook: the cached raw launch
     assert len(used) == 1
+
+
+def test_bound_stream_is_the_current_raw_stream_only_on_the_current_device_outside_capture_and_hooks(monkeypatch):
+    """Where a bound call may launch (torch's queries patched: no GPU here): the current raw
+    stream of the current device, the null (default) stream's handle 0 included; None on another
+    device, while that stream is captured, or while a launch hook is set."""
+    from triton import knobs
+
+    state = {"device": 0, "capturing": False, "streams": {0: 0, 1: 0x7F01}}
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: state["device"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: state["capturing"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: state["streams"][i], raising=False)
+    assert bound_stream(0) == 0 and bound_stream(1) is None  # the null stream is a stream
+    state["device"] = 1
+    assert bound_stream(1) == 0x7F01 and bound_stream(0) is None
+    state["device"], state["streams"][0] = 0, 0x7F00
+    assert bound_stream(0) == 0x7F00
+    state["capturing"] = True
+    assert bound_stream(0) is None
+    state["capturing"] = False
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert bound_stream(0) is None
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert bound_stream(0) == 0x7F00
 
 
 def test_on_stream_makes_the_handles_stream_and_its_device_current(monkeypatch):

@@ -675,6 +675,23 @@ def test_a_backward_through_a_block_says_it_is_inference_only():
         block(x).sum().backward()
 
 
+def test_a_moved_or_cast_block_drops_what_it_built_on_its_old_buffers():
+    """``.to()``, ``.half()`` and the like replace the buffers: the epilogues, the bound calls
+    and the last call (which holds the old weights' memory) go at once, not at the next call
+    (on the CPU nothing binds: a stand-in last call and bound entry)."""
+    mlp, norm = gpt_block()
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = torch.randn(5, H).half()
+    y = block(x)
+    for move in (lambda b: b.half(), lambda b: b.to("cpu"), lambda b: b.float()):
+        assert block._epi is not None
+        block._last, block._bound = object(), {"key": None}
+        move(block)
+        assert (block._epi, block._last, block._bound) == (None, None, {})
+        block.half()
+        assert torch.equal(block(x), y)
+
+
 def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     """The epilogues' vectors are buffers (``.to()`` moves them, and the epilogues follow); a
     pickled or copied block runs; ``refresh`` writes the new weights into the same buffers (a
