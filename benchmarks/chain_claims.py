@@ -1,17 +1,16 @@
-"""What the chain kernel's ticket costs: two 8192-wide layers sharing one GPU, the chain kernel
-as it is (each CTA claims its next position from the atomic ticket) against the same kernel with
-positions assigned statically (CTA ``i`` runs positions ``i, i + grid, ...``: no atomic and no
-wait on it before a tile; deadlock-free only because every CTA of the grid is resident), and our
-GEMMs one after another, graph-replayed, paired, in one run.
+"""What the chain kernel's ticket costs: two 8192-wide layers sharing one GPU, graph-replayed,
+paired, in one run: this tree's chain kernel (each CTA claims its next position during its
+current tile), an earlier tree's (``ctapipelining_old`` in OLD_PARENT: each claim before its
+tile), that kernel with positions assigned statically (CTA ``i`` runs positions ``i, i + grid,
+...``: no claim at all; deadlock-free only because every CTA of the grid is resident), and our
+GEMMs one after another.
 
-usage: python3 benchmarks/chain_claims.py OUT_DIR [REPS]
+usage: python3 benchmarks/chain_claims.py OUT_DIR REPS [OLD_PARENT]
 
-The static variant is this tree's package copied to a temporary folder as
-``ctapipelining_static``, its claim replaced (a diagnostic: the variant is not the library's;
-under the interpreter, which runs CTAs one at a time, it would deadlock). If the static
-assignment is not faster, claiming the next position earlier (during the current tile) cannot
-gain either: what the claim loop costs is elsewhere (its K loop restarting per tile).
-Writes chain_claims.json in OUT_DIR and prints a table.
+Without OLD_PARENT, this tree is the earlier one (its claim must then be before its tile). The
+static variant is the earlier package copied to a temporary folder as ``ctapipelining_static``,
+its claim replaced (a diagnostic, not the library's; under the interpreter, which runs CTAs one
+at a time, it would deadlock). Writes chain_claims.json in OUT_DIR and prints a table.
 """
 
 import json
@@ -29,6 +28,7 @@ from ctapipelining.timing import Method, capture, environment, median_ci, time_i
 
 OUT = Path(sys.argv[1])
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+OLD = sys.argv[3] if len(sys.argv) > 3 else None
 K = 8192
 ROWS = (640, 1024, 2048, 16384)
 
@@ -37,7 +37,7 @@ def graphed(fn):
     return capture(fn, [0]).replay
 
 
-CLAIM = (
+CLAIM = (  # the earlier tree's claim, before each tile
     "    for _ in tl.range(0, trips, flatten=True):\n"
     '        pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base  # one thread; the CTA shares it\n'
 )
@@ -45,10 +45,11 @@ STATIC = "    for it in tl.range(0, trips, flatten=True):\n        pos = (tl.pro
 
 
 def static_package() -> str:
-    """A folder holding ``ctapipelining_static``: this package, its chain kernel's claim static."""
+    """A folder holding ``ctapipelining_static``: the earlier package, its chain kernel's claim static."""
     parent = tempfile.mkdtemp()
     root = Path(parent) / "ctapipelining_static"
-    shutil.copytree(Path(__file__).resolve().parents[1] / "ctapipelining", root,
+    source = Path(OLD) / "ctapipelining_old" if OLD else Path(__file__).resolve().parents[1] / "ctapipelining"
+    shutil.copytree(source, root,
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     chain = root / "kernels" / "chain.py"
     text = chain.read_text()
@@ -64,6 +65,11 @@ def main():
     torch.manual_seed(0)
     a, b = ((torch.randn(K, K, device="cuda:0") * K**-0.5).bfloat16() for _ in range(2))
     pipes = {"ticket": Pipeline([a, b], always_pipelined=True), "static": StaticPipeline([a, b], always_pipelined=True)}
+    if OLD:
+        sys.path.insert(0, OLD)
+        from ctapipelining_old.pipeline import Pipeline as OldPipeline
+
+        pipes["ticket_before"] = OldPipeline([a, b], always_pipelined=True)
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
     OUT.mkdir(parents=True, exist_ok=True)
     for M in ROWS:
@@ -78,7 +84,10 @@ def main():
         for name, pipe in pipes.items():  # still right after the timed replays
             assert torch.equal(pipe(x, check=True), want), (M, name)
         row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "bitwise_equal": same}
-        for num, den in (("static", "ticket"), ("ticket", "ours_seq"), ("static", "ours_seq")):
+        ratios = [("static", "ticket"), ("ticket", "ours_seq"), ("static", "ours_seq")]
+        if OLD:
+            ratios += [("ticket", "ticket_before"), ("static", "ticket_before"), ("ticket_before", "ours_seq")]
+        for num, den in ratios:
             med, lo, hi = median_ci([p / q for p, q in zip(times[num], times[den])])
             row[f"{num}/{den}"] = {"median": med, "ci95": [lo, hi]}
         report["rows"][M] = row
