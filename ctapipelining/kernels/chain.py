@@ -11,15 +11,9 @@ as soon as its input rows are written and fills the SMs its producer leaves idle
 ``X[640, 8192] @ A @ B`` (160 tiles a layer on 132 SMs) that is three rounds of tiles where
 two kernels one after the other take four (``docs/design.md``, placement).
 
-A CTA claims its next position during its current tile, at the first step of that tile's K
-loop, while the loads ahead of it are in flight (:func:`~.gemm._mma_tile`): the claim's round
-trip then delays no tile (where a tile never reaches its K loop, the CTA claims after it).
-
 No deadlock whatever the number of resident CTAs: a tile only waits for tiles of the stage
 before it, which sit at earlier positions, and a position is claimed only by a CTA that is
-running, during a tile at an earlier position (a CTA's claims come in increasing order); so
-the earliest unfinished position is never held behind another tile and never waits, and by
-induction every tile ends.
+running; so the earliest unfinished position never waits, and by induction every tile ends.
 A CTA signals its tiles late (a quarter into its next tile, :func:`~.gemm._mma_tile`), so
 before it waits on a tile of a later stage it signals the tile it still holds.
 
@@ -122,20 +116,18 @@ def _flush(
 
 @triton.jit
 def _stage_tile(
-    stage, op, pos, num_m, epoch, pending, timeout_ns, ticket, ahead,
+    stage, op, pos, num_m, epoch, pending, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUEUE_IN: tl.constexpr, QUEUE_OUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The tile at position ``pos`` of ``stage`` (a :class:`Stage`; its operands ``op``:
     :class:`~.gemm.Operands`; ``QUEUE_IN``: its input comes through a ring, ``QUEUE_OUT``: its
-    signal pushes into one; ``ahead``: the tile claims the CTA's next position from ``ticket``
-    in its K loop). Returns ``(pending, alive, claimed)``: the tile still to signal, false if a
-    wait timed out (CTA-uniform, reported), and the ticket's value claimed (-1: none)."""
+    signal pushes into one). Returns ``(pending, alive)``: the tile still to signal, and false
+    if a wait timed out (CTA-uniform, reported)."""
     num_n = tl.cdiv(stage.N, BLOCK_N)
-    prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr, ticket, ahead)
+    prot = Protocol(epoch, stage.err_ptr, stage.stage, timeout_ns, stage.trace_ptr)
     t_wait = _now(stage.trace_ptr)
     alive = tl.program_id(0) >= 0
-    claimed = tl.zeros((), dtype=tl.int64) - 1
     if QUEUE_IN:
         # the ring of a link from the previous GPU: the tile that became ready pos-th
         tile, ok = wait_slot(
@@ -143,7 +135,7 @@ def _stage_tile(
         )
         if ok:  # CTA-uniform (voted)
             fence_proxy_async(INTERPRET)
-            pending, _, claimed = _run_tile(
+            pending, _ = _run_tile(
                 op, prot, tile, num_n, stage.signal, pending, None, 0, True, t_wait, stage.epi, BLOCK_M,
                 BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
             )  # fmt: skip
@@ -156,13 +148,13 @@ def _stage_tile(
             counter0 = tl.load(stage.wait.counter_of_tile + tile)
             ok = _poll_before(stage.wait, counter0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
             fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
-        pending, ok, claimed = _run_tile(
+        pending, ok = _run_tile(
             op, prot, tile, num_n, stage.signal, pending, stage.wait, counter0, ok, t_wait, stage.epi,
             BLOCK_M, BLOCK_N, BLOCK_K, QUEUE_OUT, INTERPRET,
         )  # fmt: skip
         if stage.wait is not None:
             alive = ok
-    return pending, alive, claimed
+    return pending, alive
 
 
 @triton.jit(do_not_specialize=["c_rows", "timeout_ns"])
@@ -196,13 +188,8 @@ def chain_kernel(
     grid = tl.num_programs(0)
     trips = tl.cdiv(total, grid) + 1
     base = (epoch - 1) * grid * trips  # the claims of the runs before this one
-    # each claim but the first is made during the tile before (module docstring): its round trip
-    # overlaps that tile's first loads rather than delaying the next tile's
-    claimed = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # one thread; the CTA shares it
-    for it in tl.range(0, trips, flatten=True):
-        pos = claimed - base
-        ahead = it < trips - 1  # CTA-uniform: this iteration claims the CTA's next position
-        claimed = claimed * 0 - 1
+    for _ in tl.range(0, trips, flatten=True):
+        pos = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base  # one thread; the CTA shares it
         if (pos < 0) | (pos >= grid * trips):  # not this run's: the ticket is out of step with the epoch
             report_timeout(stages[S - 1].err_ptr, stages[S - 1].stage, -1, KIND_TICKET, pos, pos, grid * trips)
             alive = alive & False
@@ -227,24 +214,21 @@ def chain_kernel(
                                 pending = _signal_pending(
                                     pending, epoch, stages[s].signal, c_descs[s] is not None, QUEUE, INTERPRET
                                 )
-                            st = stages[s]
-                            prot = Protocol(epoch, st.err_ptr, st.stage, timeout_ns, st.trace_ptr, ticket, ahead)
-                            alive, claimed = _split_tail(
+                            prot = Protocol(epoch, stages[s].err_ptr, stages[s].stage, timeout_ns, stages[s].trace_ptr)
+                            alive = _split_tail(
                                 op, prot, tail, q - tail.first, num_m,
                                 tl.cdiv(stages[s].N, BLOCK_N), alive, stages[s].wait, stages[s].signal, stages[s].epi,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, QUEUE, INTERPRET,
                             )  # fmt: skip
                         else:
-                            pending, alive, claimed = _stage_tile(
-                                stages[s], op, q, num_m, epoch, pending, timeout_ns, ticket, ahead, BLOCK_M, BLOCK_N,
-                                BLOCK_K, GROUP_M, queue_in, QUEUE, INTERPRET,
+                            pending, alive = _stage_tile(
+                                stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, queue_in, QUEUE, INTERPRET,
                             )  # fmt: skip
                     else:
-                        pending, alive, claimed = _stage_tile(
-                            stages[s], op, q, num_m, epoch, pending, timeout_ns, ticket, ahead, BLOCK_M, BLOCK_N,
-                            BLOCK_K, GROUP_M, queue_in, QUEUE and s == S - 1, INTERPRET,
+                        pending, alive = _stage_tile(
+                            stages[s], op, q, num_m, epoch, pending, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, queue_in, QUEUE and s == S - 1, INTERPRET,
                         )  # fmt: skip
-        if ahead & (claimed < 0):  # CTA-uniform: no tile claimed it (none ran, or none reached its K loop)
-            claimed = tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     # the CTA's last tile: its stage's signal (the last stage's may cross to the next GPU)
     _flush(pending, pending_stage, epoch, stages, c_descs, -1, S, QUEUE, INTERPRET)

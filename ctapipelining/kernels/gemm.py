@@ -169,17 +169,13 @@ class Operands(NamedTuple):
 
 class Protocol(NamedTuple):
     """A stage's protocol state inside a kernel: the run count ``epoch``, its error word and
-    index, its waits' ``timeout_ns``, its per-tile stamps (``trace_ptr`` None: none); in a
-    chain kernel, its ``ticket`` and whether this tile claims the CTA's next position from it
-    (``ahead``, CTA-uniform; :func:`_mma_tile`). The plain kernel has no ticket (None)."""
+    index, its waits' ``timeout_ns``, its per-tile stamps (``trace_ptr`` None: none)."""
 
     epoch: object
     err_ptr: object
     stage: object
     timeout_ns: object
     trace_ptr: object
-    ticket: object
-    ahead: object
 
 
 class Tail(NamedTuple):
@@ -271,25 +267,16 @@ def _mma_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The compute body: one output tile of ``op`` (:class:`Operands`) from K-steps
-    ``[k_begin, k_end)`` (all of K but in a split tail), fp32 accumulator. Three hooks reach
-    into the K loop, each a branch at one step: with ``signal`` the CTA's previous tile
+    ``[k_begin, k_end)`` (all of K but in a split tail), fp32 accumulator. Two hooks reach into
+    the K loop, each a branch at one step: with ``signal`` the CTA's previous tile
     (``pending``) is signalled a quarter into the loop, by when its writes have drained; with
     ``wait`` in parts this thread waits for part ``q`` of the input rows (counters from ``c0``)
-    at step :func:`_part_step` (``ok``: per thread); with a ticket (``prot.ticket``, a chain
-    kernel's) and ``prot.ahead``, the CTA claims its next position at the first step, while
-    the loads ahead of it are in flight: the claim's round trip then costs the tile nothing.
-    Otherwise the loop is the plain GEMM's. Returns ``(acc, pending, ok, claimed)``:
-    ``claimed`` is the ticket's value claimed (-1: none, CTA-uniform)."""
+    at step :func:`_part_step` (``ok``: per thread). Otherwise the loop is the plain GEMM's.
+    Returns ``(acc, pending, ok)``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    claimed = -1
-    if prot.ticket is not None:
-        claimed = tl.zeros((), dtype=tl.int64) - 1
     for ki in range(k_begin, k_end):
         a = op.a_desc.load([pm * BLOCK_M, ki * BLOCK_K])
         b = op.b_desc.load([ki * BLOCK_K, pn * BLOCK_N])
-        if prot.ticket is not None:
-            if (ki == k_begin) & prot.ahead:  # CTA-uniform
-                claimed = tl.atomic_add(prot.ticket, 1, sem="relaxed", scope="gpu")  # one thread; the CTA shares it
         acc = tl.dot(a, b, acc)
         if signal is not None:
             if ki == k_begin + (k_end - k_begin) // 4:
@@ -299,7 +286,7 @@ def _mma_tile(
                 if ki == _part_step(q, wait, BLOCK_K):
                     ok = _poll_counter(wait, c0 + q, prot.epoch, prot.timeout_ns, ok, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads of the part
-    return acc, pending, ok, claimed
+    return acc, pending, ok
 
 
 @triton.jit
@@ -365,11 +352,11 @@ def _run_tile(
     """One tile (``epi``: its :class:`.epilogue.Epilogue`, all None for none): compute, then, if every wait of every
     thread held (a static consumer's one vote per tile; ``ok`` comes in per thread), store it
     and note it for signalling, else report the timeout and drop it. Returns ``(tile still to
-    signal, ok, claimed)``, ``ok`` CTA-uniform, ``claimed`` :func:`_mma_tile`'s."""
+    signal, ok)``, ``ok`` CTA-uniform."""
     pm = tile // num_n
     pn = tile % num_n
     t_start = _now(prot.trace_ptr)
-    acc, pending, ok, claimed = _mma_tile(
+    acc, pending, ok = _mma_tile(
         op, pm, pn, 0, op.k_tiles, prot, signal, pending, wait, c0, ok, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
     )
     if wait is not None:
@@ -382,7 +369,7 @@ def _run_tile(
     else:
         if wait is not None:
             _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
-    return pending, ok, claimed
+    return pending, ok
 
 
 @triton.jit
@@ -404,14 +391,10 @@ def _split_tail(
     slice's release; after a second barrier its threads read all partials from L2 (``.cg``),
     add them in slice order (so the sum does not depend on who came last), store and signal
     the tile, and set the counter back to 0 for the next launch. Returns whether its waits
-    held (CTA-uniform; ``alive`` if the item has no slice), and the ticket's value the slice
-    claimed (:func:`_mma_tile`; -1: none).
+    held (CTA-uniform; ``alive`` if the item has no slice).
     """
     j = item // tail.splits
     ready = alive
-    claimed = -1
-    if prot.ticket is not None:
-        claimed = tl.zeros((), dtype=tl.int64) - 1
     if (tail.first + j < num_m * num_n) & alive:  # items past tiles * splits have no slice
         part = item % tail.splits
         tile = tile_of_position(tail.first + j, num_m, num_n, GROUP_M)
@@ -428,7 +411,7 @@ def _split_tail(
             pm = tile // num_n
             pn = tile % num_n
             k0, k1 = part * op.k_tiles // tail.splits, (part + 1) * op.k_tiles // tail.splits
-            acc, _, _, claimed = _mma_tile(
+            acc, _, _ = _mma_tile(
                 op, pm, pn, k0, k1, prot, None, -1, None, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, QUEUE, INTERPRET
             )
             offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -450,7 +433,7 @@ def _split_tail(
         else:
             if wait is not None:
                 _report_wait(wait, c0, tile, prot.epoch, prot.err_ptr, prot.stage)
-    return ready, claimed
+    return ready
 
 
 @triton.jit(do_not_specialize=["c_rows", "stage", "timeout_ns"])
@@ -475,7 +458,7 @@ def gemm_kernel(
         epoch = tl.load(epoch_ptr) + 1  # this run: the host bumps the count after the launch (sync.py)
     pending = tl.program_id(0) * 0 - 1  # tile stored but not yet signalled
     op = Operands(a_desc, b_desc, c_desc, c_ptr, c_rows, N, k_tiles, stride_cm)
-    prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr, None, False)
+    prot = Protocol(epoch, err_ptr, stage, timeout_ns, trace_ptr)
     # Without a wait `alive` is the constant True, so the plain GEMM has no branch on it.
     alive = True
     if wait is not None:
@@ -488,7 +471,7 @@ def gemm_kernel(
             tile, ok = wait_slot(wait.slots, pos, epoch, num_tiles, err_ptr, stage, timeout_ns, INTERPRET)
             if ok:  # CTA-uniform (voted)
                 fence_proxy_async(INTERPRET)
-                pending, _, _ = _run_tile(
+                pending, _ = _run_tile(
                     op, prot, tile, num_n, signal, pending, None, 0, True, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
                     QUEUE, INTERPRET,
                 )  # fmt: skip
@@ -511,7 +494,7 @@ def gemm_kernel(
                     c0 = tl.load(wait.counter_of_tile + tile)
                     ok = _poll_before(wait, c0, epoch, timeout_ns, False, BLOCK_K, INTERPRET)
                     fence_proxy_async(INTERPRET)  # this thread's acquire before its TMA reads
-                pending, ok, _ = _run_tile(
+                pending, ok = _run_tile(
                     op, prot, tile, num_n, signal, pending, wait, c0, ok, t_wait, epi, BLOCK_M, BLOCK_N, BLOCK_K,
                     QUEUE, INTERPRET,
                 )  # fmt: skip
