@@ -893,6 +893,8 @@ def matmul(
                 raw(launch.num_ctas, stream, *args)
             return out
     check_operands(a, b)
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(config).__name__}")
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a ctapipelining.epilogue.Epilogue, got {type(epilogue).__name__}")
     # a residual added onto C by TMA (an output without padded rows, on the GPU) leaves the plain

@@ -253,6 +253,9 @@ class FusedMLP(torch.nn.Module):
     w_out: torch.Tensor
 
     def __init__(self, in_config: GemmConfig, out_config: GemmConfig):
+        for name, cfg in (("first GEMM's", in_config), ("second GEMM's", out_config)):
+            if not isinstance(cfg, GemmConfig):
+                raise TypeError(f"the {name} configuration must be a GemmConfig, got {type(cfg).__name__}")
         super().__init__()
         self.in_config, self.out_config = in_config, out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
@@ -441,6 +444,9 @@ class FusedMLP(torch.nn.Module):
         stack over GPUs, :class:`ctapipelining.baselines.MicroBatch`). ``h``: where the first GEMM
         writes the intermediate (``[M, I]``; default a new tensor), for a schedule captured in a
         CUDA graph on another GPU's stream, whose own allocations would not be the graph's."""
+        for name, t in (("rows", rows), ("out", out), ("h", h)):
+            if isinstance(t, torch.Tensor) and t.dim() != 2:
+                raise ValueError(f"{name} must be a matrix, got {list(t.shape)}")
         return self._run(rows, self.w_in, self.w_out, out, h)
 
     def _run(
@@ -515,6 +521,10 @@ class FusedMLP(torch.nn.Module):
             bias = None if second.bias is None else second.bias.view(1, -1)
             if overlaps(out, *[t for t in (h, w_out, bias) if t is not None]):
                 raise ValueError("out shares memory with h or the second GEMM's weight or bias")
+        if h is not None and h.dim() == 2:  # what the second GEMM reads besides h, refused before the first writes h
+            bias = None if second.bias is None else second.bias.view(1, -1)
+            if overlaps(h, *[t for t in (w_out, bias) if t is not None]):
+                raise ValueError("h shares memory with the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
@@ -620,7 +630,12 @@ def _check_norm(norm: torch.nn.Module, kind: str, eps: float) -> bool:
     yet; the block probes it when it lays its weights out again, :meth:`FusedMLP.refresh`)."""
     if kind not in ("rms", "layer"):
         raise ValueError(f"kind must be 'rms' or 'layer', got {kind!r}")
-    w, b = norm.weight, getattr(norm, "bias", None)
+    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(
+            f"{type(norm).__name__} has no weight (elementwise_affine=False?): build the block from tensors, "
+            "with a norm weight of ones"
+        )
     if w.is_meta:
         return False
     if kind == "rms":
@@ -698,9 +713,11 @@ class LlamaMLP(FusedMLP):
         for name in ("gate_proj", "up_proj", "down_proj"):
             if getattr(mlp, name).bias is not None:
                 raise ValueError(f"{name} has a bias: a Llama MLP has none")
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        checked = _check_norm(norm, cls._norm_kind, eps)
-        block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        if eps is None:  # torch.nn.RMSNorm's default: it normalises in float32, with float32's epsilon
+            eps = torch.finfo(torch.float32).eps  # (the probe below checks that it does)
+        checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
+        block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, float(eps), **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
@@ -784,7 +801,7 @@ class GPTMLP(FusedMLP):
         if type(act).__name__ not in GELU_TANH:
             raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
         eps = float(norm.eps)
-        checked = _check_norm(norm, cls._norm_kind, eps)
+        checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
         block = cls(*cls._hf_weights(mlp, norm), eps, **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
@@ -928,12 +945,7 @@ class MLPStack(torch.nn.Module):
         return self._built[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.hidden)
-        first = self.blocks[0].w_out
-        if x.dtype != first.dtype or x.device != first.device:
-            raise ValueError(
-                f"x is {x.dtype} on {x.device}; the stack's first block is {first.dtype} on {first.device}"
-            )
+        self._check_x(x)
         rows = x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
             return self._run(rows).reshape(x.shape)
@@ -959,9 +971,19 @@ class MLPStack(torch.nn.Module):
             return rows
         return pipeline(rows)
 
+    def _check_x(self, x) -> None:
+        """Refuse, by name, an ``x`` that is not ``[..., H]`` of the first block's dtype and device."""
+        _check_input(x, self.hidden)
+        first = self.blocks[0].w_out
+        if x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"x is {x.dtype} on {x.device}; the stack's first block is {first.dtype} on {first.device}"
+            )
+
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise (the
         blocks one after another, when :meth:`blocks_apart`)."""
+        self._check_x(x)
         rows = x.reshape(-1, self.hidden).contiguous()
         if self.blocks_apart():
             return self._run(rows).reshape(x.shape)

@@ -986,3 +986,54 @@ def test_a_blocks_bound_calls_make_room_from_the_oldest_seen_once_then_the_oldes
         full = _room_for(full, n, limit=2 + 3)
         full[n] = None
     assert full["a"] == "A" and full["c"] == "C" and len(full) == 5
+
+
+def test_what_a_block_refuses_before_it_writes_anything():
+    """A block's ``run`` refuses an ``h`` over its second GEMM's weight (the first GEMM would
+    write the weight the second then reads) and inputs that are not matrices; a stack's
+    ``sequential``, the bitwise reference, refuses an ``x`` of another width as its call does;
+    configurations that are not :class:`GemmConfig` are refused by name, at construction and
+    by ``matmul``."""
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    x = torch.randn(8, H).half()
+    weight = block.w_out.clone()
+    h = block.w_out.view(-1)[: 8 * INTER].view(8, INTER)
+    with pytest.raises(ValueError, match="h shares memory with the second GEMM's weight"):
+        block.run(x, torch.empty(8, H).half(), h)
+    assert torch.equal(block.w_out, weight)
+    with pytest.raises(ValueError, match="rows must be a matrix"):
+        block.run(x.view(2, 4, H), torch.empty(2, 4, H).half())
+    assert torch.equal(block.run(x, torch.empty(8, H).half()), block(x))
+    stack = LlamaStack([block, block])
+    for bad in (torch.randn(8, 2 * H).half(), torch.randn(2 * H).half(), torch.randn(8, H // 2).half()):
+        with pytest.raises(ValueError, match=f"x must be \\[..., {H}\\]"):
+            stack.sequential(bad)
+    with pytest.raises(ValueError, match="x is torch.float32"):
+        stack.sequential(x.float())
+    with pytest.raises(TypeError, match="second GEMM's configuration must be a GemmConfig, got NoneType"):
+        LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=None)
+    with pytest.raises(TypeError, match="config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
+        matmul(x, block.w_in, config="small")
+    with pytest.raises(TypeError, match="got dict"):
+        matmul(x, block.w_in, config=dataclasses.asdict(SMALL))
+
+
+def test_norms_of_torch_nn_fold_or_are_refused_by_name():
+    """``torch.nn.RMSNorm`` without an epsilon folds with the one it normalises with (float32's),
+    as the same norm with that epsilon given; a LayerNorm without a weight is refused by name."""
+    mlp, _ = hf_block()
+    norm = torch.nn.RMSNorm(H).half()  # eps=None
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(H))
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    eps = torch.finfo(torch.float32).eps
+    assert block.eps == eps
+    given = torch.nn.RMSNorm(H, eps=eps).half()
+    with torch.no_grad():
+        given.weight.copy_(norm.weight)
+    x = torch.randn(9, H).half()
+    assert torch.equal(block(x), LlamaMLP.from_hf(mlp, given, gate_up_config=SMALL, down_config=SMALL)(x))
+    gmlp, _ = gpt_block()
+    with pytest.raises(ValueError, match="LayerNorm has no weight"):
+        GPTMLP.from_hf(gmlp, torch.nn.LayerNorm(H, elementwise_affine=False).half(), up_config=SMALL, down_config=SMALL)
