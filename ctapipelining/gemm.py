@@ -383,14 +383,13 @@ class NormStats:
         )  # fmt: skip
 
 
-def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None, pdl: bool = False) -> dict:
-    """A kernel's trailing ``tl.constexpr`` arguments, in signature order (``NUM_CTAS`` and
-    ``PDL``: the GEMM kernel's; a chain kernel counts its grid itself)."""
+def launch_constexprs(config: GemmConfig, queue: bool, num_ctas: int | None = None) -> dict:
+    """A kernel's trailing ``tl.constexpr`` arguments, in signature order (``NUM_CTAS``: the GEMM
+    kernel's; a chain kernel counts its grid itself)."""
     out = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
     if num_ctas is not None:
         out["NUM_CTAS"] = num_ctas
-    out |= dict(QUEUE=queue, INTERPRET=interpreting())
-    return out if num_ctas is None else out | dict(PDL=pdl)
+    return out | dict(QUEUE=queue, INTERPRET=interpreting())
 
 
 def tma_blocks(config: GemmConfig, gated: bool = False) -> tuple[list[int], list[int], list[int]]:
@@ -517,10 +516,7 @@ class GemmLaunch:
         self._sizes = (M, N, _cdiv(K, cfg.block_k))
         self._bundles = bundles
         self._addresses = tuple(addresses(b) for b in bundles)  # plan-held: they never move
-        # a GEMM without hooks is a programmatic dependent launch (gemm_kernel's PDL): the next
-        # such GEMM's CTAs start on the SMs this one's leave, as soon as they leave them
-        self.pdl = wait is None and signal is None and not interpreting()
-        self._constexprs = launch_constexprs(cfg, self.queue, num_ctas, self.pdl)
+        self._constexprs = launch_constexprs(cfg, self.queue, num_ctas)
         self._trailing = tuple(self._constexprs.values())  # the launcher takes them after the arguments
         self._blocks = tma_blocks(cfg, gated=epilogue is not None and epilogue.gated)
         self._compiled = {}  # (TMA store, row stride of c, dtype, residual's) -> (compiled kernel, its RawLaunch)
@@ -647,18 +643,13 @@ class GemmLaunch:
         cfg = self.config
         if compile_only:
             kernel = gemm_kernel.warmup(
-                *args,
-                grid=(self.num_ctas,),
-                **self._constexprs,
-                num_stages=cfg.num_stages,
-                num_warps=cfg.num_warps,
-                launch_pdl=self.pdl,
+                *args, grid=(self.num_ctas,), **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )
             self._compiled[key] = (kernel, RawLaunch.of(kernel))
             return kernel
         with on_stream(stream, a.device):
             kernel = gemm_kernel[(self.num_ctas,)](
-                *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps, launch_pdl=self.pdl
+                *args, **self._constexprs, num_stages=cfg.num_stages, num_warps=cfg.num_warps
             )
         if not interpreting() and got is None:
             self._compiled[key] = (kernel, RawLaunch.of(kernel))

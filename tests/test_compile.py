@@ -54,16 +54,6 @@ def test_plain_has_no_protocol_instructions(report):
         assert p["ld_acquire_sys"] == p["atom_sys"] == p["globaltimer"] == p["vote"] == p["atom_gpu"] == 0, name
 
 
-def test_only_a_gemm_without_hooks_is_a_programmatic_dependent_launch(report):
-    """A GEMM without wait or signal (plain, split tail, epilogues) waits for the kernel before
-    it and lets the next one begin, one instruction each, before anything else; a stage with a
-    hook waits on counters instead and launches as usual."""
-    for name in ("plain", "plain+ordinary_store", "plain+split_tail", "plain+trace"):
-        assert report[name]["griddepcontrol"] == 2, name
-    for name in ("wait_static", "wait_workqueue", "signal_static", "signal_workqueue", "wait_signal_static"):
-        assert report[name]["griddepcontrol"] == 0, name
-
-
 def test_hooks_add_exactly_their_instructions(report):
     for name in ("wait_static", "wait_workqueue"):
         assert report[name]["ld_acquire_sys"] == 1 and report[name]["globaltimer"] == 2, name  # one bounded spin

@@ -35,7 +35,6 @@ PATTERNS = {
     "ld_cg": r"ld\.global\.cg",
     "vote": r"bar\.red\.and\.pred",
     "st_shared_b16": r"st\.shared\.b16",  # a tile stored into shared memory an element at a time
-    "griddepcontrol": r"griddepcontrol\.(wait|launch_dependents)",  # a programmatic dependent launch's
     "stmatrix": r"stmatrix\.sync",
     "tanh_approx": r"tanh\.approx\.f32",  # the special-function unit's tanh (an activation's)
     "ex2_approx": r"ex2\.approx",
@@ -69,7 +68,7 @@ SIGNAL_TYPES = dict(counters="*i64", signal_ptr="*i32", signal_counters="*i32", 
                     push_tiles="*i32", slots="*i64", tail="*i64", consumer_tiles="i32")  # fmt: skip
 
 
-def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int, launch_pdl: bool = False):
+def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int):
     """Compile ``kernel`` for sm_90 with the argument types ``sig`` (its constexpr parameters,
     those after ``timeout_ns``, filled in) and the constexpr values ``const``."""
     names = kernel.arg_names
@@ -78,9 +77,8 @@ def _compile(kernel, sig: dict, const: dict, num_warps: int, num_stages: int, la
     assert set(sig) == set(names), set(names) ^ set(sig)
     src = triton.compiler.ASTSource(fn=kernel, signature={n: sig[n] for n in names}, constexprs=const)
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl),
-    )  # fmt: skip
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
 
 
 def compile_norm(center: bool, copy: bool = False, cols: int = 4096):
@@ -149,9 +147,8 @@ def compile_variant(
         sig["trace_ptr"] = "*i64"
     else:
         off("trace_ptr")
-    pdl = not (wait or signal)  # as GemmLaunch launches it
-    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, NUM_CTAS=132, QUEUE=queue, INTERPRET=False, PDL=pdl)
-    return _compile(gemm_kernel, sig, const, num_warps, num_stages, launch_pdl=pdl)
+    const |= dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, NUM_CTAS=132, QUEUE=queue, INTERPRET=False)
+    return _compile(gemm_kernel, sig, const, num_warps, num_stages)
 
 
 def compile_chain(

@@ -31,7 +31,6 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import epilogue
 from .sync import (
@@ -446,18 +445,10 @@ def gemm_kernel(
     epoch_ptr, err_ptr, trace_ptr,  # this stage's runs before this one, error word, per-tile stamps; None: unused
     stage, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_CTAS: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    NUM_CTAS: tl.constexpr, QUEUE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``C = A @ B`` over a persistent grid of ``NUM_CTAS`` CTAs; ``QUEUE``: the hooks follow
-    the workqueue policy (else static). ``PDL``: launched as a programmatic dependent launch
-    (the host's ``launch_pdl``): the CTA waits for the kernel before it in the stream to finish
-    and flush (``griddepcontrol.wait``) before anything else, so it reads what that kernel
-    wrote as after an ordinary launch; then it lets the next such launch begin
-    (``launch_dependents``), whose CTAs take the SMs this grid's CTAs leave and wait there in
-    turn. What overlaps is the launch and the CTAs' start, not work."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    the workqueue policy (else static)."""
     tl.static_assert(not (tail is not None and wait is not None and QUEUE), "a workqueue consumer has no split tail")
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
