@@ -252,10 +252,10 @@ class FusedMLP(torch.nn.Module):
     w_in: torch.Tensor
     w_out: torch.Tensor
 
-    def __init__(self, in_config: GemmConfig, out_config: GemmConfig):
-        for name, cfg in (("first GEMM's", in_config), ("second GEMM's", out_config)):
+    def __init__(self, in_config: GemmConfig, out_config: GemmConfig, names=("in_config", "out_config")):
+        for name, cfg in zip(names, (in_config, out_config)):  # (names: the subclass's keywords)
             if not isinstance(cfg, GemmConfig):
-                raise TypeError(f"the {name} configuration must be a GemmConfig, got {type(cfg).__name__}")
+                raise TypeError(f"{name} must be a ctapipelining.kernels.gemm.GemmConfig, got {type(cfg).__name__}")
         super().__init__()
         self.in_config, self.out_config = in_config, out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
@@ -445,7 +445,12 @@ class FusedMLP(torch.nn.Module):
         writes the intermediate (``[M, I]``; default a new tensor), for a schedule captured in a
         CUDA graph on another GPU's stream, whose own allocations would not be the graph's."""
         for name, t in (("rows", rows), ("out", out), ("h", h)):
-            if isinstance(t, torch.Tensor) and t.dim() != 2:
+            if t is None and name != "rows":
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_dense(t, name)
+            if t.dim() != 2:
                 raise ValueError(f"{name} must be a matrix, got {list(t.shape)}")
         return self._run(rows, self.w_in, self.w_out, out, h)
 
@@ -682,7 +687,7 @@ class LlamaMLP(FusedMLP):
         gate_up_config: GemmConfig = GATE_UP_CONFIG,
         down_config: GemmConfig = DOWN_CONFIG,
     ):
-        super().__init__(gate_up_config, down_config)
+        super().__init__(gate_up_config, down_config, ("gate_up_config", "down_config"))
         inter, H = _matrix_shape(w_gate)
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
@@ -760,7 +765,7 @@ class GPTMLP(FusedMLP):
         up_config: GemmConfig = UP_CONFIG,
         down_config: GemmConfig = DOWN_CONFIG,
     ):
-        super().__init__(up_config, down_config)
+        super().__init__(up_config, down_config, ("up_config", "down_config"))
         inter, H = _matrix_shape(w_1)
         ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
         want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),
@@ -912,6 +917,11 @@ class MLPStack(torch.nn.Module):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_built": None}
+
+    def _apply(self, fn, recurse=True):
+        # the blocks' buffers moved or cast: the pipeline built on the old ones (and holding them) goes now
+        self._built = None
+        return super()._apply(fn, recurse)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)

@@ -692,6 +692,24 @@ def test_a_moved_or_cast_block_drops_what_it_built_on_its_old_buffers():
         assert torch.equal(block(x), y)
 
 
+def test_a_moved_or_cast_stack_drops_the_pipeline_built_on_its_old_weights():
+    """A stack's pipeline holds the weights it was built on: ``.to()`` and the like drop it at
+    once (the old weights' memory goes), and the next call builds it on the new ones."""
+    import gc
+    import weakref
+
+    mlp, norm = hf_block()
+    stack = LlamaStack([LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)] * 2)
+    x = torch.randn(7, H).half()
+    y = stack(x)
+    assert stack._built is not None
+    old = weakref.ref(stack.blocks[0].w_in)
+    stack.float()
+    gc.collect()
+    assert stack._built is None and old() is None
+    assert torch.equal(stack.half()(x), y)
+
+
 def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     """The epilogues' vectors are buffers (``.to()`` moves them, and the epilogues follow); a
     pickled or copied block runs; ``refresh`` writes the new weights into the same buffers (a
@@ -1011,8 +1029,12 @@ def test_what_a_block_refuses_before_it_writes_anything():
             stack.sequential(bad)
     with pytest.raises(ValueError, match="x is torch.float32"):
         stack.sequential(x.float())
-    with pytest.raises(TypeError, match="second GEMM's configuration must be a GemmConfig, got NoneType"):
+    with pytest.raises(TypeError, match="down_config must be a ctapipelining.kernels.gemm.GemmConfig, got NoneType"):
         LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=None)
+    with pytest.raises(TypeError, match="h must be a torch.Tensor, got str"):
+        block.run(x, torch.empty(8, H).half(), "h")
+    with pytest.raises(TypeError, match="h must be a dense"):
+        block.run(x, torch.empty(8, H).half(), torch.zeros(8, INTER).half().to_sparse())
     with pytest.raises(TypeError, match="config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
         matmul(x, block.w_in, config="small")
     with pytest.raises(TypeError, match="got dict"):
