@@ -974,6 +974,8 @@ class MLPStack(torch.nn.Module):
         return self.config is None and pipeline.free_on_one_device
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        if not rows.shape[0]:  # no rows, no output rows (as a block gives; a Pipeline refuses them)
+            return rows.new_empty(rows.shape, device=self.blocks[-1].w_out.device)
         pipeline = self._pipeline()
         if self._apart(pipeline):
             for b in self.blocks:
@@ -995,7 +997,7 @@ class MLPStack(torch.nn.Module):
         blocks one after another, when :meth:`blocks_apart`)."""
         self._check_x(x)
         rows = x.reshape(-1, self.hidden).contiguous()
-        if self.blocks_apart():
+        if self.blocks_apart() or not rows.shape[0]:
             return self._run(rows).reshape(x.shape)
         return self._pipeline().sequential(rows).reshape(x.shape)
 

@@ -1059,3 +1059,16 @@ def test_norms_of_torch_nn_fold_or_are_refused_by_name():
     gmlp, _ = gpt_block()
     with pytest.raises(ValueError, match="LayerNorm has no weight"):
         GPTMLP.from_hf(gmlp, torch.nn.LayerNorm(H, elementwise_affine=False).half(), up_config=SMALL, down_config=SMALL)
+
+
+def test_a_stack_takes_no_rows_as_a_block_does():
+    """An ``x`` without rows gives an output without rows, from a block and from a pipelined
+    stack alike (its pipeline, which refuses them, is not called)."""
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    stack = LlamaStack([block, block], config=SMALL, always_pipelined=True)
+    assert not stack.blocks_apart()
+    for x in (torch.empty(0, H).half(), torch.empty(2, 0, H).half()):
+        for module in (block, stack, stack.sequential):
+            y = module(x)
+            assert y.shape == x.shape and y.dtype == x.dtype, module
