@@ -77,6 +77,8 @@ from .plan import link_dependency as _link_dependency
 
 ALIGN = 256  # bytes: every heap region starts on this boundary (TMA wants 16; a cache line is 128)
 HANDSHAKE_WARPS = 1
+# DistributedPipelines built in this process, per process group (by name): each one's serial
+_BUILT: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -370,7 +372,12 @@ class DistributedPipeline:
         except Exception as e:  # noqa: BLE001 (any error: raised on every rank after the gather)
             local_error = f"{type(e).__name__}: {e}"
         device = weights[0].device if not local_error and weights else None
+        # which of the pipelines built on this group it is: every meet names it (_meet), so ranks
+        # that call different pipelines find out rather than wire one's heap to the other's
+        name = self.group.group_name
+        self._serial = _BUILT[name] = _BUILT.get(name, 0) + 1
         mine = {
+            "serial": self._serial,
             "stages": [] if local_error else [stage_spec(*spec) for spec in zip(weights, self.configs, self.epilogues)],
             "dtype": str(weights[0].dtype) if not local_error and weights else None,
             "device": None if device is None else device.type,
@@ -631,16 +638,24 @@ class DistributedPipeline:
         call the others made) find out instead of exchanging each other's data; an ``error`` of
         any rank is raised on every rank."""
         every = [None] * self.world
-        dist.all_gather_object(every, (what, payload, error), group=self._host_group)
-        if not all(isinstance(e, tuple) and len(e) == 3 for e in every):  # a rank inside another library's collective
-            every = [e if isinstance(e, tuple) and len(e) == 3 else ("another collective", None, None) for e in every]
+        dist.all_gather_object(every, ((what, self._serial), payload, error), group=self._host_group)
+        # (a rank inside another library's collective sends something else)
+        every = [e if _is_meet(e) else (("another collective", 0), None, None) for e in every]
         steps = {w for w, _, _ in every}
         if len(steps) > 1:
-            doing = ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(every))
+            apart = len({s for (_, s), _, _ in every}) > 1  # different pipelines: say which
+            doing = ", ".join(
+                f"rank {r}: {w}" + (f" of pipeline {s}" if apart else "") for r, ((w, s), _, _) in enumerate(every)
+            )
             self._mark_out_of_step(f"rank {self.rank} met the others in a different step ({doing})")
+            why = (
+                "the ranks called different pipelines (call them in the same order on every rank)"
+                if apart
+                else "a call one of them refused or failed"
+            )
             raise RuntimeError(
-                f"the ranks are out of step ({doing}); a call one of them refused or failed: call check_errors() "
-                "on every rank (it reports this and resets them all)"
+                f"the ranks are out of step ({doing}); {why}: call check_errors() on every rank (it reports this "
+                "and resets them all)"
             )
         errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(every) if e]
         if errors:
@@ -1068,9 +1083,15 @@ class DistributedGraphedCall:
 
 
 def _check_ranks(every: list[dict]) -> None:
-    """The ranks agree on dtype, device type and settings, and GPU ranks share one host."""
+    """The ranks agree on which pipeline of their group this is, dtype, device type and
+    settings, and GPU ranks share one host."""
     first = every[0]
     for r, e in enumerate(every[1:], 1):
+        if e["serial"] != first["serial"]:
+            raise ValueError(
+                f"this is rank {r}'s DistributedPipeline {e['serial']} on this group and rank 0's "
+                f"{first['serial']}: build them in the same order on every rank"
+            )
         if e["dtype"] != first["dtype"]:
             raise TypeError(f"rank {r}'s weights are {e['dtype']}, rank 0's are {first['dtype']}")
         if e["device"] != first["device"]:
@@ -1111,6 +1132,11 @@ def _check_stages(placement: Placement) -> None:
                 f"which runs in another segment (rank {placement.rank_of[s - 1]}): keep a block's GEMMs on one "
                 "rank, without loopback"
             )
+
+
+def _is_meet(e) -> bool:
+    """Whether ``e`` is what :meth:`DistributedPipeline._meet` sends: ``((step, serial), payload, error)``."""
+    return isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], tuple) and len(e[0]) == 2
 
 
 def _raise_any(every: list[dict]) -> None:

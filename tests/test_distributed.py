@@ -477,6 +477,63 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     assert last
 
 
+def _two_pipelines(rank, store, result):
+    _two_cpu_ranks(rank, store)
+    try:
+        a, b = _weights([32, 48, 32], seed=1), _weights([32, 48, 32], seed=2)  # same shapes, other values
+        pipes = [DistributedPipeline([w[rank]], config=CFG, timeout_s=0.1) for w in (a, b)]
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(5)).half()
+        try:  # the ranks plan different pipelines: found out, not wired to each other
+            pipes[rank].plan(16)
+            crossed = "returned"
+        except RuntimeError as e:
+            crossed = str(e)
+        checks = []
+        for pipe in pipes:  # every rank checks both, in one order: reported and reset
+            try:
+                pipe.check_errors()
+                checks.append("clean")
+            except PipelineTimeout as e:
+                checks.append(f"PipelineTimeout: {e}")
+        ys = []
+        for pipe in pipes:  # (the producer's rank first: the interpreter's CTAs would miss a 0.1 s deadline)
+            pipe.plan(16)
+            if rank == 0:
+                pipe(x)
+            dist.barrier()
+            ys.append(pipe(rows=16) if rank == 1 else None)
+            dist.barrier()
+            pipe.check_errors()
+        refs = [pipe.sequential(x if rank == 0 else None, rows=None if rank == 0 else 16) for pipe in pipes]
+        want = [x.float() @ w[0].float() @ w[1].float() for w in (a, b)]
+        right = rank == 0 or all(
+            torch.equal(y, r) and (y.float() - w).abs().max() < 0.05 for y, r, w in zip(ys, refs, want)
+        )
+        result[rank] = (crossed, checks, right, [p._serial for p in pipes])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_ranks_that_call_different_pipelines_of_one_group_find_out(tmp_path):
+    """Two pipelines of the same shapes on one group: ranks that build a plan of different ones
+    meet with each other's steps. Each pipeline's meets name it (the order it was built in on the
+    group), so both ranks raise that they are out of step, naming the pipelines, instead of
+    wiring one's memory to the other's; checked on every rank, both reset, and then each
+    pipeline computes its own weights' chain."""
+    result = mp.Manager().dict()
+    mp.spawn(_two_pipelines, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    for rank in (0, 1):
+        crossed, checks, right, serials = result[rank]
+        assert crossed.startswith(
+            "the ranks are out of step (rank 0: build a plan of pipeline 1, rank 1: build a plan of pipeline 2); "
+            "the ranks called different pipelines"
+        ), crossed
+        assert serials == [1, 2]
+        assert any(c.startswith("PipelineTimeout") for c in checks), checks
+        assert right
+
+
 class _Unreadable(list):
     def __iter__(self):
         raise RuntimeError("this config cannot be read")
