@@ -71,7 +71,7 @@ from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
 from .operands import check_out, check_weight, overlaps
-from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, is_seconds
+from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, check_row_buckets, is_seconds, plan_rows
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -490,7 +490,7 @@ class DistributedPipeline:
         if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
-        deps.bucket_rows(1, self.block_m, row_buckets)  # validates row_buckets
+        check_row_buckets(row_buckets)
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
@@ -535,7 +535,7 @@ class DistributedPipeline:
     def plan(self, M: int) -> DistributedPlan:
         """The plan for calls on ``M`` rows (collective when it is built or another is freed:
         every rank asks for it at the same call)."""
-        B = self.rows_for(M)
+        B = self.rows_for(plan_rows(M))
         dp = self._plans.get(B)
         if dp is None:
             if self._capturing():

@@ -263,6 +263,25 @@ def is_seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
 
 
+def check_row_buckets(row_buckets) -> None:
+    """Refuse, by name, a ``row_buckets`` that is not 0 or a power of two."""
+    if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0 or (
+        row_buckets & (row_buckets - 1)
+    ):  # fmt: skip
+        raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
+
+
+def plan_rows(M) -> int:
+    """``M``, a plan's row count as a caller gives it (an int >= 1: numpy's and a 0-d tensor's
+    too), or a clear error (a bool is not one)."""
+    if isinstance(M, bool) or not isinstance(M, int) and not hasattr(M, "__index__"):
+        raise TypeError(f"M must be an int number of rows, got {type(M).__name__}")
+    M = M.__index__()
+    if M < 1:
+        raise ValueError(f"M must be at least 1 row, got {M}")
+    return M
+
+
 class Pipeline:
     """A chain ``x @ W_0 @ W_1 @ ...`` with stage ``s`` on ``W_s``'s device.
 
@@ -416,13 +435,7 @@ class Pipeline:
         if not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
-        if (
-            not isinstance(row_buckets, int)
-            or isinstance(row_buckets, bool)
-            or row_buckets < 0
-            or (row_buckets & (row_buckets - 1))
-        ):
-            raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
+        check_row_buckets(row_buckets)
         # the ends' rows are cut from the call's own rows: their plans are per exact height
         self.row_buckets = 0 if has_ends else row_buckets
         self.trace = trace
@@ -913,7 +926,7 @@ class Pipeline:
     def plan(self, M: int) -> Plan:
         """The plan that serves inputs of ``M`` rows, of :meth:`rows_for` ``(M)`` rows (built on
         first use; the :attr:`max_plans` most recently used are kept)."""
-        B = self.rows_for(M)
+        B = self.rows_for(plan_rows(M))
         with self._lock:
             plan = self._plans.get(B)
             if plan is None:

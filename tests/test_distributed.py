@@ -515,6 +515,30 @@ def _two_pipelines(rank, store, result):
 
 
 @pytest.mark.interpreter
+def test_a_plans_rows_and_row_buckets_are_refused_by_name(world1):
+    """``plan(M)`` takes an int number of rows (numpy's too), not a float, None or a bool, and
+    nothing below 1; ``row_buckets`` is named as ``Pipeline`` names it. Nothing is built."""
+    import numpy as np
+
+    ws = _weights([32, 48, 32])
+    with pytest.raises(ValueError, match="row_buckets must be 0 or a power of two, got -1"):
+        DistributedPipeline(ws, config=CFG, loopback=True, row_buckets=-1)
+    pipe = DistributedPipeline(ws, config=CFG, loopback=True)
+    single = Pipeline(ws, config=CFG)
+    for p in (pipe, single):
+        for bad, error, match in (
+            (2.5, TypeError, "M must be an int number of rows, got float"),
+            (None, TypeError, "got NoneType"),
+            (True, TypeError, "got bool"),
+            (0, ValueError, "M must be at least 1 row, got 0"),
+        ):
+            with pytest.raises(error, match=match):
+                p.plan(bad)
+        assert not p._plans
+        assert p.plan(np.int64(16)) is p.plan(16)
+
+
+@pytest.mark.interpreter
 def test_ranks_that_call_different_pipelines_of_one_group_find_out(tmp_path):
     """Two pipelines of the same shapes on one group: ranks that build a plan of different ones
     meet with each other's steps. Each pipeline's meets name it (the order it was built in on the
