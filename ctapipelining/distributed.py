@@ -58,6 +58,7 @@ import datetime
 import functools
 import socket
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +78,9 @@ from .plan import link_dependency as _link_dependency
 
 ALIGN = 256  # bytes: every heap region starts on this boundary (TMA wants 16; a cache line is 128)
 HANDSHAKE_WARPS = 1
-# DistributedPipelines built in this process, per process group (by name): each one's serial
-_BUILT: dict[str, int] = {}
+# DistributedPipelines built in this process, per process group (the group object: a group made
+# after the process group is initialised again counts anew): each one's serial
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -374,8 +376,7 @@ class DistributedPipeline:
         device = weights[0].device if not local_error and weights else None
         # which of the pipelines built on this group it is: every meet names it (_meet), so ranks
         # that call different pipelines find out rather than wire one's heap to the other's
-        name = self.group.group_name
-        self._serial = _BUILT[name] = _BUILT.get(name, 0) + 1
+        self._serial = _BUILT[self.group] = _BUILT.get(self.group, 0) + 1
         mine = {
             "serial": self._serial,
             "stages": [] if local_error else [stage_spec(*spec) for spec in zip(weights, self.configs, self.epilogues)],
@@ -387,11 +388,10 @@ class DistributedPipeline:
             "settings": self._settings if not local_error else None,
             "error": local_error,
         }  # fmt: skip
-        every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self._host_group)
+        every = self._gather_built(mine)
         _raise_any(every)
-        self.placement = Placement.of([e["stages"] for e in every], loopback)
         _check_ranks(every)
+        self.placement = Placement.of([e["stages"] for e in every], loopback)
         _check_stages(self.placement)
         self.device = device
         self.on_gpu = device.type == "cuda"
@@ -435,9 +435,7 @@ class DistributedPipeline:
                 )
         except Exception as e:  # noqa: BLE001 (raised on every rank after the gather)
             error = f"{type(e).__name__}: {e}"
-        errors = [None] * self.world
-        dist.all_gather_object(errors, {"error": error}, group=self._host_group)
-        _raise_any(errors)
+        _raise_any(self._gather_built({"error": error}))
         self.num_stages = self.placement.num_stages
         self.out_features = self.placement.cols(self.num_stages - 1)
         self.in_features = self.placement.shapes[0][0]
@@ -458,6 +456,22 @@ class DistributedPipeline:
             (st, torch.cuda.Event()) for seg in self.segments for st in getattr(seg, "_kernel_streams", [])
         ]
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
+
+    def _gather_built(self, mine: dict) -> list[dict]:
+        """Collective, while the pipeline is built: every rank's ``mine`` (a dict). A rank that
+        sent something else is not building one (it is in a meet of a pipeline built before):
+        every rank that finds out raises that the ranks are out of step (the meeting ranks find
+        out in :meth:`_meet`)."""
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self._host_group)
+        others = [r for r, e in enumerate(every) if not isinstance(e, dict) or e.keys() != mine.keys()]
+        if others:
+            _BUILT[self.group] = self._serial - 1  # not built: the next one built takes its number
+            raise RuntimeError(
+                f"the ranks are out of step: rank {others[0]} is not building a DistributedPipeline on this group "
+                "while this rank is; build pipelines, and call them, in the same order on every rank"
+            )
+        return every
 
     def _check_local(
         self, weights, policy, config, epilogues, timeout_s, start_timeout_s, host_timeout_s, max_plans, row_buckets,
@@ -639,8 +653,8 @@ class DistributedPipeline:
         any rank is raised on every rank."""
         every = [None] * self.world
         dist.all_gather_object(every, ((what, self._serial), payload, error), group=self._host_group)
-        # (a rank inside another library's collective sends something else)
-        every = [e if _is_meet(e) else (("another collective", 0), None, None) for e in every]
+        # (a rank inside another collective, such as another pipeline being built, sends something else)
+        every = [e if _is_meet(e) else (("another collective", self._serial), None, None) for e in every]
         steps = {w for w, _, _ in every}
         if len(steps) > 1:
             apart = len({s for (_, s), _, _ in every}) > 1  # different pipelines: say which
@@ -1136,7 +1150,10 @@ def _check_stages(placement: Placement) -> None:
 
 def _is_meet(e) -> bool:
     """Whether ``e`` is what :meth:`DistributedPipeline._meet` sends: ``((step, serial), payload, error)``."""
-    return isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], tuple) and len(e[0]) == 2
+    return (
+        isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], tuple) and len(e[0]) == 2
+        and isinstance(e[0][0], str) and isinstance(e[0][1], int)
+    )  # fmt: skip
 
 
 def _raise_any(every: list[dict]) -> None:

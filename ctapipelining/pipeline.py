@@ -274,7 +274,10 @@ def check_row_buckets(row_buckets) -> None:
 def plan_rows(M) -> int:
     """``M``, a plan's row count as a caller gives it (an int >= 1: numpy's and a 0-d tensor's
     too), or a clear error (a bool is not one)."""
-    if isinstance(M, bool) or not isinstance(M, int) and not hasattr(M, "__index__"):
+    integral = isinstance(M, int) or hasattr(M, "__index__") and not isinstance(M, torch.Tensor)
+    if isinstance(M, torch.Tensor):  # a 0-d tensor of integers
+        integral = M.dim() == 0 and not M.is_floating_point() and not M.is_complex() and M.dtype != torch.bool
+    if isinstance(M, bool) or not integral:
         raise TypeError(f"M must be an int number of rows, got {type(M).__name__}")
     M = M.__index__()
     if M < 1:

@@ -3,6 +3,7 @@ layout in plain Python; the real kernels under the interpreter with gloo, in one
 size 1, a segment per stage: every link through the heap) and in two processes (a rank per
 stage, the heap in shared memory)."""
 
+import gc
 import os
 
 import pytest
@@ -71,6 +72,7 @@ def world1(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    gc.collect()  # what still holds the group (a refused pipeline in a traceback) goes before a later test forks
 
 
 def _weights(dims, seed=0):
@@ -531,11 +533,48 @@ def test_a_plans_rows_and_row_buckets_are_refused_by_name(world1):
             (None, TypeError, "got NoneType"),
             (True, TypeError, "got bool"),
             (0, ValueError, "M must be at least 1 row, got 0"),
+            (torch.tensor(True), TypeError, "got Tensor"),
+            (torch.tensor([16]), TypeError, "got Tensor"),
+            (torch.tensor(16.0), TypeError, "got Tensor"),
         ):
             with pytest.raises(error, match=match):
                 p.plan(bad)
         assert not p._plans
-        assert p.plan(np.int64(16)) is p.plan(16)
+        assert p.plan(np.int64(16)) is p.plan(16) is p.plan(torch.tensor(16))
+
+
+def _building_while_another_meets(rank, store, result):
+    _two_cpu_ranks(rank, store)
+    try:
+        ws = _weights([32, 48, 32])
+        pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1)
+        try:  # rank 0 builds a second pipeline while rank 1 plans the first: both find out
+            DistributedPipeline([ws[rank]], config=CFG) if rank == 0 else pipe.plan(16)
+            met = "returned"
+        except RuntimeError as e:
+            met = str(e)
+        try:
+            pipe.check_errors()
+            checked = "clean"
+        except PipelineTimeout as e:
+            checked = f"PipelineTimeout: {e}"
+        second = DistributedPipeline([ws[rank]], config=CFG)  # numbered alike on both ranks
+        result[rank] = (met, checked, second._serial)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_a_rank_building_a_pipeline_while_another_meets_in_one_finds_out(tmp_path):
+    """A rank that builds a pipeline while the others meet in one built before: the builder
+    raises that the others are not building, the others that the ranks are out of step; the
+    failed build takes no number, so the next pipeline built is numbered alike on both."""
+    result = mp.Manager().dict()
+    mp.spawn(_building_while_another_meets, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    (met0, _, second0), (met1, checked1, second1) = result[0], result[1]
+    assert met0.startswith("the ranks are out of step: rank 1 is not building a DistributedPipeline"), met0
+    assert met1.startswith("the ranks are out of step (rank 0: another collective, rank 1: build a plan)"), met1
+    assert checked1.startswith("PipelineTimeout") and second0 == second1 == 2
 
 
 @pytest.mark.interpreter
