@@ -79,8 +79,19 @@ from .plan import link_dependency as _link_dependency
 ALIGN = 256  # bytes: every heap region starts on this boundary (TMA wants 16; a cache line is 128)
 HANDSHAKE_WARPS = 1
 # DistributedPipelines built in this process, per process group (the group object: a group made
-# after the process group is initialised again counts anew): each one's serial
+# after the process group is initialised again counts anew; by name for a group object that takes
+# no weak reference): each one's serial
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUILT_BY_NAME: dict[str, int] = {}
+
+
+def _count_built(group, change: int) -> int:
+    """The number of pipelines built on ``group`` in this process, moved by ``change``."""
+    try:
+        n = _BUILT[group] = _BUILT.get(group, 0) + change
+    except TypeError:
+        n = _BUILT_BY_NAME[group.group_name] = _BUILT_BY_NAME.get(group.group_name, 0) + change
+    return n
 
 
 @dataclass(frozen=True)
@@ -376,7 +387,7 @@ class DistributedPipeline:
         device = weights[0].device if not local_error and weights else None
         # which of the pipelines built on this group it is: every meet names it (_meet), so ranks
         # that call different pipelines find out rather than wire one's heap to the other's
-        self._serial = _BUILT[self.group] = _BUILT.get(self.group, 0) + 1
+        self._serial = _count_built(self.group, 1)
         mine = {
             "serial": self._serial,
             "stages": [] if local_error else [stage_spec(*spec) for spec in zip(weights, self.configs, self.epilogues)],
@@ -466,7 +477,7 @@ class DistributedPipeline:
         dist.all_gather_object(every, mine, group=self._host_group)
         others = [r for r, e in enumerate(every) if not isinstance(e, dict) or e.keys() != mine.keys()]
         if others:
-            _BUILT[self.group] = self._serial - 1  # not built: the next one built takes its number
+            _count_built(self.group, -1)  # not built: the next one built takes its number
             raise RuntimeError(
                 f"the ranks are out of step: rank {others[0]} is not building a DistributedPipeline on this group "
                 "while this rank is; build pipelines, and call them, in the same order on every rank"
