@@ -468,6 +468,12 @@ class DistributedPipeline:
         ]
         self._out_of_step: str | None = None  # why this rank's calls no longer pair with the others'
 
+    def __reduce__(self):
+        raise TypeError(
+            "a DistributedPipeline holds process groups, symmetric memory and GPU buffers: it cannot be pickled or "
+            "copied; build one in each process"
+        )
+
     def _gather_built(self, mine: dict) -> list[dict]:
         """Collective, while the pipeline is built: every rank's ``mine`` (a dict). A rank that
         sent something else is not building one (it is in a meet of a pipeline built before):

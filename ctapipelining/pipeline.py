@@ -1278,6 +1278,12 @@ class Pipeline:
         if overlaps(out, x) or any(d == out.device and o0 < hi and lo < o1 for d, lo, hi in self._weight_spans):
             raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
 
+    def __reduce__(self):
+        raise TypeError(
+            "a Pipeline holds GPU buffers, streams and launches bound to them: it cannot be pickled or copied; "
+            "build another from the weights"
+        )
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
         """Run the chain on ``x`` ([M, K_0] on stage 0's device); returns ``[M, N_last]`` on the
         last stage's device (``out`` if given). Does not synchronise: a timeout of this call

@@ -519,7 +519,11 @@ def _two_pipelines(rank, store, result):
 @pytest.mark.interpreter
 def test_a_plans_rows_and_row_buckets_are_refused_by_name(world1):
     """``plan(M)`` takes an int number of rows (numpy's too), not a float, None or a bool, and
-    nothing below 1; ``row_buckets`` is named as ``Pipeline`` names it. Nothing is built."""
+    nothing below 1; ``row_buckets`` is named as ``Pipeline`` names it. Nothing is built. Neither
+    pipeline can be pickled or copied (they hold GPU memory and streams): said by name."""
+    import copy as copy_module
+    import pickle
+
     import numpy as np
 
     ws = _weights([32, 48, 32])
@@ -541,6 +545,9 @@ def test_a_plans_rows_and_row_buckets_are_refused_by_name(world1):
                 p.plan(bad)
         assert not p._plans
         assert p.plan(np.int64(16)) is p.plan(16) is p.plan(torch.tensor(16))
+        for copy in (pickle.dumps, copy_module.copy, copy_module.deepcopy):  # refused by name
+            with pytest.raises(TypeError, match=f"a {type(p).__name__} holds .*: it cannot be pickled or copied"):
+                copy(p)
 
 
 def _building_while_another_meets(rank, store, result):
