@@ -1253,7 +1253,7 @@ class Pipeline:
         if ready and x.shape[1] == w0.shape[0] and x.shape[0]:
             return  # the common case, in a few attribute reads
         if isinstance(x, torch.Tensor):
-            check_dense(x, "pipeline input")
+            check_dense(x, "x")
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor [M, {w0.shape[0]}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != w0.dtype:
@@ -1264,7 +1264,7 @@ class Pipeline:
             raise ValueError(f"x is {tuple(x.shape)}; stage 0 weight is {tuple(w0.shape)}")
         if x.shape[0] == 0:
             raise ValueError("x has no rows")
-        check_tensor(x, "pipeline input")  # the weights were checked once, at construction
+        check_tensor(x, "x")  # the weights were checked once, at construction
 
     def check_output(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` must be a row-major ``[M, N_last]`` tensor on the last stage's device (rows
