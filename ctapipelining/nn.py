@@ -64,7 +64,7 @@ from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, g
 from .gemm import MAX_CALLS, GemmLaunch, launch_checked, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 from .launcher import bound_stream
-from .operands import check_dense, check_tensor, check_weight, is_dense, overlaps, signature, tma_ready
+from .operands import check_dense, check_matrix, check_tensor, check_weight, is_dense, overlaps, signature, tma_ready
 
 # The gate/up GEMM's tiles (a gated epilogue halves the stored tile: room for three stages), and the
 # down GEMM's: the plain GEMM's too, since its residual is added onto the output by TMA (matmul);
@@ -445,13 +445,8 @@ class FusedMLP(torch.nn.Module):
         writes the intermediate (``[M, I]``; default a new tensor), for a schedule captured in a
         CUDA graph on another GPU's stream, whose own allocations would not be the graph's."""
         for name, t in (("rows", rows), ("out", out), ("h", h)):
-            if t is None and name != "rows":
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            check_dense(t, name)
-            if t.dim() != 2:
-                raise ValueError(f"{name} must be a matrix, got {list(t.shape)}")
+            if t is not None or name == "rows":
+                check_matrix(t, name)
         return self._run(rows, self.w_in, self.w_out, out, h)
 
     def _run(
@@ -513,6 +508,9 @@ class FusedMLP(torch.nn.Module):
                 if last is not None and last.key not in bound:  # evicted (_room_for)
                     self._last = None
             return y
+        # what the second GEMM reads besides its input: out and h must overlap none of it, refused
+        # before the first GEMM writes
+        read = [t for t in (w_out, None if second.bias is None else second.bias.view(1, -1)) if t is not None]
         if out is not None:  # what the second GEMM would refuse, refused before the first writes
             if (
                 out.shape != rows.shape
@@ -523,13 +521,10 @@ class FusedMLP(torch.nn.Module):
                     f"out must be a contiguous {list(rows.shape)} {rows.dtype} tensor on {rows.device} (the "
                     f"residual is added onto it in place), got {list(out.shape)} {out.dtype} on {out.device}"
                 )
-            bias = None if second.bias is None else second.bias.view(1, -1)
-            if overlaps(out, *[t for t in (h, w_out, bias) if t is not None]):
+            if overlaps(out, *([] if h is None else [h]), *read):
                 raise ValueError("out shares memory with h or the second GEMM's weight or bias")
-        if h is not None and h.dim() == 2:  # what the second GEMM reads besides h, refused before the first writes h
-            bias = None if second.bias is None else second.bias.view(1, -1)
-            if overlaps(h, *[t for t in (w_out, bias) if t is not None]):
-                raise ValueError("h shares memory with the second GEMM's weight or bias")
+        if h is not None and h.dim() == 2 and overlaps(h, *read):
+            raise ValueError("h shares memory with the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
         h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)

@@ -76,15 +76,20 @@ def tma_ready(t) -> bool:
     return cols % 8 == 0 and t.data_ptr() % 16 == 0 and not _INTERPRETED and (rows > 1 < cols or _row_major(t))
 
 
-def check_tensor(t: torch.Tensor, name: str) -> None:
-    """Raise a clear error for a matrix the TMA GEMM cannot read."""
-    if tma_ready(t):
-        return
+def check_matrix(t, name: str) -> None:
+    """Raise a clear error for ``t`` unless it is a dense 2-D tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_dense(t, name)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def check_tensor(t: torch.Tensor, name: str) -> None:
+    """Raise a clear error for a matrix the TMA GEMM cannot read."""
+    if tma_ready(t):
+        return
+    check_matrix(t, name)
     if t.dtype not in DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16")
     if not t.is_contiguous():

@@ -1020,7 +1020,7 @@ def test_what_a_block_refuses_before_it_writes_anything():
     with pytest.raises(ValueError, match="h shares memory with the second GEMM's weight"):
         block.run(x, torch.empty(8, H).half(), h)
     assert torch.equal(block.w_out, weight)
-    with pytest.raises(ValueError, match="rows must be a matrix"):
+    with pytest.raises(ValueError, match="rows must be 2-D"):
         block.run(x.view(2, 4, H), torch.empty(2, 4, H).half())
     assert torch.equal(block.run(x, torch.empty(8, H).half()), block(x))
     stack = LlamaStack([block, block])
