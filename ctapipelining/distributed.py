@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import deps, fabric
+from . import deps, fabric, hostgroup
 from .epilogue import Epilogue
 from .errors import PipelineHung, PipelineTimeout
 from .gemm import capturing_on, num_sms
@@ -348,19 +348,13 @@ class DistributedPipeline:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         # the host's collectives (the gathers below, every _meet) on a gloo group of the same
-        # ranks: they exchange host objects, and must complete while a GPU does not finish (an
-        # NCCL collective would queue behind its kernels)
-        ranks = dist.get_process_group_ranks(self.group)
+        # ranks (hostgroup: they must complete while a GPU does not finish)
         backend = dist.get_backend(self.group)
         gloo = backend == "gloo"
         timeout = None  # a bad meet_timeout_s is refused below, on every rank
         if is_seconds(meet_timeout_s) and not gloo:
             timeout = datetime.timedelta(seconds=meet_timeout_s)
-        self._host_group = (
-            self.group
-            if gloo
-            else dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-        )
+        self._host_group = self.group if gloo else hostgroup.gloo_group(self.group, timeout)
         # what each rank checks alone is gathered, so that every rank raises the same error
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
@@ -479,8 +473,7 @@ class DistributedPipeline:
         sent something else is not building one (it is in a meet of a pipeline built before):
         every rank that finds out raises that the ranks are out of step (the meeting ranks find
         out in :meth:`_meet`)."""
-        every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self._host_group)
+        every = hostgroup.gather_objects(self._host_group, mine)
         others = [r for r, e in enumerate(every) if not isinstance(e, dict) or e.keys() != mine.keys()]
         if others:
             _count_built(self.group, -1)  # not built: the next one built takes its number
@@ -668,8 +661,7 @@ class DistributedPipeline:
         goes through here, labelled, so ranks that meet in different steps (one rank refused a
         call the others made) find out instead of exchanging each other's data; an ``error`` of
         any rank is raised on every rank."""
-        every = [None] * self.world
-        dist.all_gather_object(every, ((what, self._serial), payload, error), group=self._host_group)
+        every = hostgroup.gather_objects(self._host_group, ((what, self._serial), payload, error))
         # (a rank inside another collective, such as another pipeline being built, sends something else)
         every = [e if _is_meet(e) else (("another collective", self._serial), None, None) for e in every]
         steps = {w for w, _, _ in every}

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctapipelining import deps
+from ctapipelining import deps, hostgroup
 from ctapipelining.distributed import ALIGN, DistributedPipeline, Placement, heap_layout
 from ctapipelining.kernels.gemm import GemmConfig
 from ctapipelining.pipeline import Pipeline, PipelineHung, PipelineTimeout
@@ -204,12 +204,11 @@ def test_a_reset_that_fails_keeps_the_rank_out_of_step_until_one_works(world1, m
 def test_an_nccl_groups_host_collectives_run_on_a_gloo_group_of_its_ranks(world1, monkeypatch):
     """With a group of another backend (NCCL on GPUs) the errors, plans and resets are
     exchanged on a gloo group of the same ranks, so a stuck GPU cannot hold them."""
-    real = dist.get_backend
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     ws = _weights([32, 48, 32])
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
-    assert pipe._host_group is not pipe.group and real(pipe._host_group) == "gloo"
-    assert dist.get_process_group_ranks(pipe._host_group) == dist.get_process_group_ranks(pipe.group)
+    assert isinstance(pipe._host_group, dist.ProcessGroupGloo) and pipe._host_group is not pipe.group
+    assert (pipe._host_group.rank(), pipe._host_group.size()) == (0, 1)
     x = torch.randn(40, 32).half()
     assert torch.equal(pipe(x), pipe.sequential(x))
     pipe.check_errors()
@@ -221,22 +220,23 @@ def test_the_meets_of_an_nccl_groups_ranks_take_meet_timeout_s(world1, monkeypat
     its own (the argument is refused there)."""
     import datetime
 
-    real_backend, real_new_group, made = dist.get_backend, dist.new_group, []
+    real_gloo_group, made = hostgroup.gloo_group, []
     ws = _weights([32, 48, 32])
     with pytest.raises(ValueError, match="a gloo group's own timeout bounds its meets"):
         DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: made.append(kw) or real_new_group(*a, **kw))
+    monkeypatch.setattr(hostgroup, "gloo_group", lambda *a: made.append(real_gloo_group(*a)) or made[-1])
     for bad in (20.0, -1.0, "60", True):
         with pytest.raises(ValueError, match=r"meet_timeout_s must be a number of seconds above host_timeout_s \(20"):
             DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s=20.0, meet_timeout_s=bad)
     # a number of seconds is the group's timeout (then refused: not above host_timeout_s); what is
     # not one, PyTorch's default
-    assert [kw["timeout"] for kw in made] == [datetime.timedelta(seconds=20), None, None, None]
+    minutes = [g.options._timeout.total_seconds() / 60 for g in made]
+    assert minutes == [20 / 60, 30, 30, 30]
     pipe = DistributedPipeline(ws, config=CFG, loopback=True, meet_timeout_s=60.0)
-    assert made[-1]["timeout"] == datetime.timedelta(seconds=60) and real_backend(pipe._host_group) == "gloo"
+    assert pipe._host_group is made[-1] and made[-1].options._timeout == datetime.timedelta(seconds=60)
     DistributedPipeline(ws, config=CFG, loopback=True)
-    assert made[-1]["timeout"] is None  # PyTorch's default for a new group
+    assert made[-1].options._timeout == datetime.timedelta(minutes=30)  # PyTorch's default for a new group
 
 
 @pytest.mark.interpreter
@@ -676,6 +676,41 @@ def test_three_ranks_on_a_bucketed_height(tmp_path):
     """The middle rank runs the call on the call's rows, not its plan's height."""
     result = mp.Manager().dict()
     mp.spawn(_three_ranks, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    assert dict(result) == {0: True, 1: True, 2: True}
+
+
+def _pair_then_three(rank, store, result):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
+    dist.get_backend = lambda group=None: "nccl"  # (this process's own module) each pipeline makes its gloo group
+    try:
+        pair = dist.new_group([0, 1])
+        ws = _weights([32, 48, 32, 16])
+        x = torch.randn(24, 32, generator=torch.Generator().manual_seed(5)).half()
+        if rank < 2:  # a pipeline on two of the three ranks: rank 2 makes no group for it
+            two = DistributedPipeline([ws[rank]], group=pair, config=CFG, row_buckets=0, meet_timeout_s=30.0)
+            two.plan(24)
+        three = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0, meet_timeout_s=30.0)
+        three.plan(24)
+        for r in range(3):
+            if rank == r:
+                y = three(x) if r == 0 else three(rows=24)
+            dist.barrier()
+        three.check_errors()
+        ref = three.sequential(x if rank == 0 else None, rows=None if rank == 0 else 24)
+        result[rank] = rank != 2 or torch.equal(y, ref)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.interpreter
+def test_a_rank_outside_an_earlier_pipeline_meets_its_peers_in_the_next(tmp_path):
+    """On a group of another backend each pipeline makes a gloo group for its meets. A rank that
+    was not in an earlier pipeline (two of three ranks) made one group fewer; the next pipeline's
+    group is still named alike on all three (``hostgroup``), so they meet and compute the chain
+    rather than wait for each other until ``meet_timeout_s``."""
+    result = mp.Manager().dict()
+    mp.spawn(_pair_then_three, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
     assert dict(result) == {0: True, 1: True, 2: True}
 
 
