@@ -703,6 +703,36 @@ def _pair_then_three(rank, store, result):
         dist.destroy_process_group()
 
 
+def _host_groups(rank, store, result):
+    import datetime
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        pair = dist.new_group([0, 1])
+        turned = dist.new_group([2, 0, 1], sort_ranks=False)  # group rank 0 is global rank 2
+        if rank < 2:  # rank 2 makes one group fewer
+            hostgroup.gather_objects(hostgroup.gloo_group(pair), rank)
+        every = hostgroup.gloo_group(dist.group.WORLD, datetime.timedelta(seconds=30))
+        with torch.device("meta"):  # the exchange stays on the CPU
+            seen = hostgroup.gather_objects(every, {"rank": rank, "pad": "x" * 100 * rank})
+        order = hostgroup.gather_objects(hostgroup.gloo_group(turned), (dist.get_rank(turned), rank))
+        result[rank] = ([s["rank"] for s in seen], order)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_groups_are_named_alike_on_every_rank_and_gather_in_group_order(tmp_path):
+    """A group made for all three ranks after one that rank 2 did not make (as a pipeline on
+    two of them makes) meets on every rank; objects of different sizes come back in the group's
+    rank order, which for a group made with ``sort_ranks=False`` is not the global one."""
+    result = mp.Manager().dict()
+    mp.spawn(_host_groups, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    for rank in range(3):
+        assert result[rank] == ([0, 1, 2], [(0, 2), (1, 0), (2, 1)]), (rank, result[rank])
+
+
 @pytest.mark.interpreter
 def test_a_rank_outside_an_earlier_pipeline_meets_its_peers_in_the_next(tmp_path):
     """On a group of another backend each pipeline makes a gloo group for its meets. A rank that
