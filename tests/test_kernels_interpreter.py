@@ -282,6 +282,21 @@ def test_launches_are_refused_on_a_gpu_older_than_hopper_before_anything_else(mo
         ChainLaunch(64, [], SMALL, 4, gpu, ticket=None, epoch=None)
 
 
+def test_the_interpreter_with_a_numpy_it_cannot_run_on_is_refused_by_name(monkeypatch):
+    """Triton 3.6's interpreter fails inside every kernel with NumPy 2.4 or later (it converts
+    1-element arrays to ints): the library says so, before anything is launched."""
+    from ctapipelining import operands
+
+    a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
+    monkeypatch.setattr(operands, "_NUMPY", (2, 4))
+    with pytest.raises(RuntimeError, match=r"cannot run the kernels with NumPy .*install 'numpy<2.4'"):
+        matmul(a, b)
+    with pytest.raises(RuntimeError, match="install 'numpy<2.4'"):
+        Pipeline([a, b])
+    monkeypatch.setattr(operands, "_NUMPY", (2, 3))
+    assert torch.allclose(matmul(a, b, config=SMALL).float(), a.float() @ b.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_bad_inputs_raise_before_launch():
     a, b = torch.randn(16, 32).half(), torch.randn(32, 16).half()
     with pytest.raises(ValueError, match="stage 1 weight is"):

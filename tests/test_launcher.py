@@ -116,6 +116,7 @@ def test_an_unknown_launcher_falls_back_to_tritons_path(monkeypatch):
     assert RawLaunch.of(kernel(len)) is None
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("which", ["launch_enter_hook", "launch_exit_hook"])
 def test_launch_hooks_take_tritons_path_not_the_raw_launch(which):
     """A profiler's launch hooks are called only on Triton's path: with one registered (an
