@@ -34,7 +34,7 @@ def interpreting() -> bool:
 _INTERPRETED = isinstance(gemm_kernel, InterpretedFunction)
 # Triton 3.6's interpreter converts 1-element arrays to Python ints (its loops' bounds), which
 # NumPy 2.4 and later refuse: under the interpreter, every kernel of the library fails there
-_NUMPY = tuple(int(part) for part in np.__version__.split(".")[:2])
+_NUMPY_REFUSED = np.lib.NumpyVersion(np.__version__) >= "2.4.0.dev0"
 
 
 MIN_CAPABILITY = (9, 0)  # TMA descriptors and bulk copies, fence.proxy.async: Hopper (sm_90) on
@@ -103,7 +103,7 @@ def check_tensor(t: torch.Tensor, name: str) -> None:
             f"{name}: rows of {t.shape[1]} elements are not a multiple of 16 bytes (TMA needs it); "
             f"pad the last dimension to a multiple of {16 // t.element_size()}"
         )
-    if _INTERPRETED and _NUMPY >= (2, 4):
+    if _INTERPRETED and _NUMPY_REFUSED:
         raise RuntimeError(
             f"Triton's CPU interpreter (TRITON_INTERPRET=1) cannot run the kernels with NumPy {np.__version__}: "
             "it converts 1-element arrays to ints, which NumPy 2.4 refuses; install 'numpy<2.4' (the package's "
