@@ -5,7 +5,9 @@ usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE] [BLOCKS] [O
 
 BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, intermediate
 28672) at M = 4096 and 8192 and Llama-8B (4096, 14336) at M = 1024 and 4096; a GPT-style block
-(4096, 16384) at M = 4096. ONLY: the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``)
+(4096, 16384) at M = 4096; ``decode``: the two Llama blocks at decode-sized inputs (M = 1, 16
+and 64), where the weights' bandwidth bounds the time (the lines' medians also give the weights'
+bytes per second, ``weights_tbps``). ONLY: the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``)
 contains it. bf16. Lines, graph-replayed, timed by the bench's harness
 (shuffled turns, paired):
 
@@ -38,6 +40,7 @@ ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 SHAPES = {
     "llama": [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)],
     "gpt": [(4096, 16384, 4096)],
+    "decode": [(H, inter, M) for H, inter in ((4096, 14336), (8192, 28672)) for M in (1, 16, 64)],
 }
 
 
@@ -53,7 +56,7 @@ def main():
         key = f"{'GPT_' if kind == 'gpt' else ''}H{H}_I{inter}_M{M}"
         if ONLY not in key:
             continue
-        report["shapes"][key] = row = one_shape(H, inter, M, kind)
+        report["shapes"][key] = row = one_shape(H, inter, M, "llama" if kind == "decode" else kind)
         print(key, json.dumps(row), flush=True)
         torch._dynamo.reset()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -107,6 +110,8 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
         ]
         times = time_interleaved(methods, [0], REPS, 3)
     row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
+    weight_bytes = (w_in.numel() + w_out.numel()) * w_in.element_size()
+    row["weights_tbps"] = {k: round(weight_bytes / (ms * 1e-3) / 1e12, 3) for k, ms in row["median_ms"].items()}
     for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
                      ("compiled", "cublas_gemms")):  # fmt: skip
         row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
