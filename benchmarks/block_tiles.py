@@ -35,8 +35,9 @@ CALLS = 10  # calls per graph: a line's time is long next to the harness's synch
 
 def _candidates() -> dict[str, GemmConfig]:
     out = {"default": EPILOGUE_CONFIG}
-    for bm, bn, bk, st, wp in [(128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 256, 32, 8, 4), (64, 128, 64, 5, 4),
-                               (64, 128, 64, 8, 4), (64, 128, 128, 4, 4), (64, 64, 128, 6, 4), (64, 64, 64, 10, 4)]:  # fmt: skip
+    tiles = [(128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 256, 32, 8, 4), (64, 128, 64, 5, 4), (64, 128, 64, 8, 4),
+             (64, 128, 128, 4, 4), (64, 64, 128, 6, 4), (64, 64, 64, 10, 4)]  # fmt: skip
+    for bm, bn, bk, st, wp in tiles:
         for split in (True, False):
             c = GemmConfig(bm, bn, bk, group_m=8, num_stages=st, num_warps=wp, split_tail=split)
             if c.smem_bytes() <= SMEM_LIMIT:
