@@ -335,7 +335,7 @@ def new_vs_old():
     x, w, w2 = rand(M, K), rand(K, K, scale=K**-0.5), rand(K, K, scale=K**-0.5)
     h, y = torch.empty(M, K, dtype=torch.bfloat16, device=DEV), torch.empty(M, K, dtype=torch.bfloat16, device=DEV)
     cfg, dev = PIPELINE_CONFIG, torch.device(DEV)
-    P = grid_size(M, K, cfg, dev)
+    P = grid_size(M, K, K, cfg, dev)
     grid = deps.TileGrid(M, K, cfg.block_m, cfg.block_n)
     dep = deps.build_dependency(grid, grid, "gemm", consumer_k=K, parts=min(cfg.wait_parts, grid.num_n))
     methods = []

@@ -62,7 +62,7 @@ def parts(H: int, INTER: int, M: int, old_block=None) -> dict:
     gated, gated_rms = Epilogue(silu, gated=True), Epilogue(silu, gated=True, rms_eps=1e-5)
     res = Epilogue(residual=True)
     # the residual loaded by the epilogue (as a pipeline stage does), on the tiles that leave it room
-    load = GemmLaunch(M, H, INTER, n128, grid_size(M, H, n128, x.device), x.device, epilogue=res)
+    load = GemmLaunch(M, H, INTER, n128, grid_size(M, H, INTER, n128, x.device), x.device, epilogue=res)
     lines = {
         "gu_cublas": lambda: torch.mm(x, gu, out=full),
         "gu_plain": lambda: matmul(x, gu, out=full, config=cfg3),

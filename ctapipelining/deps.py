@@ -409,11 +409,13 @@ def split_tail(num_tiles: int, num_ctas: int, k_tiles: int, min_slice_k: int) ->
     """How to split the partial last round of ``num_tiles`` tiles on ``num_ctas`` CTAs, each
     slice at least ``min_slice_k`` K-steps long (shorter slices are mostly pipeline fill and
     make the final sum read more partials); None when there is no partial round or no split
-    of at least 2 slices fits."""
+    of at least 2 slices fits. Fewer tiles than CTAs are one partial round, split whole
+    (split-K: a GEMM of few rows, which the weights' bandwidth bounds, then streams them on
+    more SMs); a grid of as many CTAs as tiles has no partial round."""
     if min_slice_k < 1:
         raise ValueError(f"min_slice_k must be >= 1, got {min_slice_k}")
     tiles = num_tiles % num_ctas
-    if num_tiles <= num_ctas or tiles == 0:
+    if tiles == 0:
         return None
     splits = min(num_ctas // tiles, k_tiles // min_slice_k)
     return TailSplit(num_tiles - tiles, tiles, splits) if splits >= 2 else None

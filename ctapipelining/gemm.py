@@ -722,9 +722,13 @@ def persistent_grid(tiles: int, ctas: int) -> int:
     return max(1, min(ctas, tiles))
 
 
-def grid_size(M: int, N: int, config: GemmConfig, device: torch.device) -> int:
-    """Persistent grid of the plain GEMM: :func:`persistent_grid` on every SM of ``device``."""
-    return persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), num_sms(device))
+def grid_size(M: int, N: int, K: int, config: GemmConfig, device: torch.device) -> int:
+    """Persistent grid of the plain GEMM: :func:`persistent_grid` on every SM of ``device``, or
+    a CTA per K-slice where ``config`` splits fewer tiles than there are SMs (:func:`tail_split`)."""
+    sms = num_sms(device)
+    grid = persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), sms)
+    split = tail_split(M, N, K, config, sms)
+    return grid if split is None else max(grid, split.items)
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction
@@ -752,7 +756,7 @@ def plain_launch(
     stream), shared by the graphs captured on that stream under the same owner that make the
     same call (:func:`launch_checked`, :func:`captures_owned_by`)."""
     add = epilogue is not None and epilogue.residual and not interpreting()
-    num_ctas = grid_size(M, N, cfg, device)
+    num_ctas = grid_size(M, N, K, cfg, device)
     split = tail_split(M, N, K, cfg, num_ctas)
     tail = None if split is None or owner else TailBuffers.on_stream(split, cfg, device, stream)
     on = stream if device.type == "cuda" else None

@@ -103,6 +103,17 @@ def test_split_tail_h200_workload():
     assert deps.split_tail(160, 132, 128, 16) == deps.TailSplit(132, 28, 4)  # 640 rows: 28 tiles on 112 CTAs
 
 
+def test_fewer_tiles_than_ctas_are_split_whole():
+    """A GEMM of fewer tiles than CTAs is one partial round: every tile split along K (split-K),
+    as many slices as the CTAs and its K-steps allow. A Llama-8B block's down GEMM at decode
+    (16 tiles of 128 x 256, K = 14336): 8 slices of 28 K-steps each, on 128 CTAs."""
+    split = deps.split_tail(16, 132, 224, 16)
+    assert split == deps.TailSplit(first_pos=0, tiles=16, splits=8) and split.items == 128
+    assert split.slice_of(0, 224) == (0, 0, 28) and split.slice_of(127, 224) == (15, 196, 224)
+    assert deps.split_tail(16, 132, 40, 16) == deps.TailSplit(0, 16, 2)  # K-steps for 2 slices only
+    assert deps.split_tail(1, 4, 3, 1) == deps.TailSplit(0, 1, 3)  # (the interpreter's 4 CTAs)
+
+
 def test_a_tail_split_that_is_not_its_grids_tail_is_refused():
     """Fewer than two slices a tile is no split; a slice without its CTA would never arrive, and
     its tile would never be summed; a slice without K-steps is a CTA's work for nothing; tiles
@@ -152,8 +163,8 @@ def test_last_stage_tail_is_the_combined_loops_tail_counted_in_the_last_stage():
 
 def test_split_tail_none_without_a_partial_round_or_room():
     assert deps.split_tail(4092, 132, 128, 16) is None  # whole rounds
-    assert deps.split_tail(100, 132, 128, 16) is None  # one partial round: the grid shrinks to it
-    assert deps.split_tail(10, 132, 128, 16) is None  # the same, though 8 slices of 10 tiles would fit
+    assert deps.split_tail(100, 132, 128, 16) is None  # one partial round, no room for 2 slices a tile
+    assert deps.split_tail(10, 10, 128, 16) is None  # a grid of a CTA per tile: no partial round
     assert deps.split_tail(132 + 100, 132, 128, 16) is None  # 100 tail tiles, 132 CTAs: no 2 slices each
     assert deps.split_tail(4096, 132, 20, 16) is None  # K too short for two slices
     with pytest.raises(ValueError, match="min_slice_k"):

@@ -123,7 +123,7 @@ def test_a_launch_given_the_default_streams_handle_runs_on_it():
     dev = torch.device("cuda:0")
     real, b = rand(4096, 4096), rand(4096, 4096, scale=4096**-0.5)
     want = matmul(real, b, config=PLAIN_CONFIG)
-    gemm = GemmLaunch(4096, 4096, 4096, PLAIN_CONFIG, grid_size(4096, 4096, PLAIN_CONFIG, dev), dev)
+    gemm = GemmLaunch(4096, 4096, 4096, PLAIN_CONFIG, grid_size(4096, 4096, 4096, PLAIN_CONFIG, dev), dev)
 
     def hook(*args):
         return None

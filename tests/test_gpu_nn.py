@@ -313,7 +313,7 @@ def test_a_launch_called_again_on_other_operands_writes_where_each_call_says(mon
 
     xs, bs = [r(M, K) for _ in range(2)], [r(K, N, scale=K**-0.5) for _ in range(2)]
     res, outs, copies = [r(M, N) for _ in range(2)], [r(M, N) for _ in range(2)], [r(M, K) for _ in range(2)]
-    P = grid_size(M, N, EPILOGUE_CONFIG, dev)
+    P = grid_size(M, N, K, EPILOGUE_CONFIG, dev)
     add = GemmLaunch(M, N, K, EPILOGUE_CONFIG, P, dev, epilogue=Epilogue(residual=True), add_residual=True)
     norm = GemmLaunch(M, N, K, EPILOGUE_CONFIG, P, dev, epilogue=Epilogue(rms_eps=1e-5))
     cases = []  # (name, launch, x, b, out, residual source or None, residual is out, copy, rows)
