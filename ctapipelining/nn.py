@@ -81,6 +81,24 @@ STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 UP_CONFIG = EPILOGUE_CONFIG
 
 
+def _few(block_m: int, block_n: int, block_k: int, num_stages: int) -> GemmConfig:
+    return GemmConfig(block_m, block_n, block_k, group_m=8, num_stages=num_stages, num_warps=4, split_tail=True)
+
+
+# Decode-sized inputs: a block built without configurations runs a call of up to ``rows`` rows in the
+# first row's tiles that holds them (rows, first GEMM's, second GEMM's), where the weights' bandwidth
+# bounds the time and 128 x 256 tiles leave most SMs idle (a Llama-8B block's down GEMM: 16 tiles).
+# Narrower tiles spread the weights over more CTAs, and a split tail splits a round of fewer tiles
+# than SMs along K. Measured on an H100, each GEMM alone with its epilogue against cuBLAS, the
+# Llama-8B and -70B blocks at 1, 16, 64, 128 and 256 rows, the configuration whose worse ratio of the
+# two is the least (benchmarks/results/2026-12-06-h100-block-decode/, benchmarks/block_tiles.py).
+FEW_ROWS_CONFIGS = (
+    (64, _few(64, 256, 64, 4), _few(64, 64, 128, 6)),
+    (128, EPILOGUE_CONFIG, _few(64, 128, 64, 5)),
+    (256, EPILOGUE_CONFIG, _few(64, 256, 64, 4)),
+)
+
+
 _BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks
 _IN_OPERATOR = contextvars.ContextVar("in_operator", default=False)  # an operator's body: no writes to inputs
 
@@ -249,15 +267,28 @@ class FusedMLP(torch.nn.Module):
     hidden: int
     _norm_kind: str  # what a source norm computes: "rms" or "layer" (_check_norm)
     _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
+    _defaults = (None, None)  # the GEMMs built without a configuration: their defaults (configs_for)
     w_in: torch.Tensor
     w_out: torch.Tensor
 
-    def __init__(self, in_config: GemmConfig, out_config: GemmConfig, names=("in_config", "out_config")):
+    def __init__(
+        self,
+        in_config: GemmConfig | None,
+        out_config: GemmConfig | None,
+        names=("in_config", "out_config"),
+        defaults=(GATE_UP_CONFIG, DOWN_CONFIG),
+    ):
         for name, cfg in zip(names, (in_config, out_config)):  # (names: the subclass's keywords)
-            if not isinstance(cfg, GemmConfig):
-                raise TypeError(f"{name} must be a ctapipelining.kernels.gemm.GemmConfig, got {type(cfg).__name__}")
+            if not (cfg is None or isinstance(cfg, GemmConfig)):
+                raise TypeError(
+                    f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(cfg).__name__}"
+                )
         super().__init__()
-        self.in_config, self.out_config = in_config, out_config
+        # a GEMM given no configuration: ``defaults``, and FEW_ROWS_CONFIGS' tiles at few rows
+        # (configs_for) while it keeps that configuration
+        self._defaults = tuple(d if c is None else None for c, d in zip((in_config, out_config), defaults))
+        self.in_config = defaults[0] if in_config is None else in_config
+        self.out_config = defaults[1] if out_config is None else out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
         self._source_versions = None
         self._norm_unchecked = False  # a source norm on the meta device, probed at refresh (_check_norm)
@@ -320,6 +351,23 @@ class FusedMLP(torch.nn.Module):
             self._update_epilogues(*self._epi[1:])
             self._derived = self._buffer_versions()
 
+    def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
+        """Each GEMM's configuration for a call on ``M`` rows: ``in_config`` and ``out_config``,
+        except for a GEMM built without one that still has its default, which takes the tiles of
+        :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if any."""
+        configs = [self.in_config, self.out_config]
+        row = next((r for r in FEW_ROWS_CONFIGS if M <= r[0]), None)
+        if row is not None:
+            for i, default in enumerate(self._defaults):
+                if default is not None and configs[i] == default:
+                    configs[i] = row[1 + i]
+        return configs[0], configs[1]
+
+    def _gemm_configs(self) -> tuple[list[GemmConfig], list[GemmConfig]]:
+        """Every configuration each GEMM may run in (:meth:`configs_for`)."""
+        both = [self.configs_for(M) for M in (*(r[0] for r in FEW_ROWS_CONFIGS), FEW_ROWS_CONFIGS[-1][0] + 1)]
+        return list(dict.fromkeys(c[0] for c in both)), list(dict.fromkeys(c[1] for c in both))
+
     def _derives(self) -> bool:
         """Whether an epilogue derives something from the laid-out weights (:meth:`_update_epilogues`)."""
         return type(self)._update_epilogues is not FusedMLP._update_epilogues
@@ -360,8 +408,11 @@ class FusedMLP(torch.nn.Module):
                     f"{name}: weights {tuple(w_in.shape)} {w_in.dtype} on {w_in.device} and {tuple(w_out.shape)} "
                     f"{w_out.dtype} on {w_out.device} do not make a block of hidden size {self.hidden}"
                 )
-            first.check(w_in.shape[1], w_in.dtype, w_in.device, self.in_config.block_n)
-            second.check(w_out.shape[1], w_out.dtype, w_out.device, self.out_config.block_n)
+            ins, outs = self._gemm_configs()
+            for cfg in ins:
+                first.check(w_in.shape[1], w_in.dtype, w_in.device, cfg.block_n)
+            for cfg in outs:
+                second.check(w_out.shape[1], w_out.dtype, w_out.device, cfg.block_n)
             self._epi = (key, first, second)
             self._bound, self._last = {}, None  # launches bound to the epilogues replaced
             self._derived = self._buffer_versions()
@@ -435,7 +486,7 @@ class FusedMLP(torch.nn.Module):
         """The first GEMM alone, its epilogue included: what the second GEMM reads (``x``
         ``[M, H]``)."""
         self._follow_source()
-        return matmul(x, self.w_in, config=self.in_config, epilogue=self._epilogues()[0])
+        return matmul(x, self.w_in, config=self.configs_for(x.shape[0])[0], epilogue=self._epilogues()[0])
 
     def run(self, rows: torch.Tensor, out: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """The block on ``rows`` ``[M, H]`` (a row-major matrix on the block's device) into
@@ -468,6 +519,7 @@ class FusedMLP(torch.nn.Module):
         becomes the block's last (:meth:`_replay`)."""
         self._follow_source()
         first, second = self._epilogues()
+        in_config, out_config = self.configs_for(rows.shape[0])
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
         fits = fits or (rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device))
         if own and fits and rows.shape[0] and tma_ready(rows):
@@ -489,8 +541,8 @@ class FusedMLP(torch.nn.Module):
                     if entry is not None:
                         self._last = _LastCall.of(key, entry, h, got, w_in, w_out)
                     return y
-            first_launch = launch_checked(rows, w_in, h, self.in_config, first, a_copy=y)
-            second_launch = launch_checked(h, w_out, y, self.out_config, second, residual=y)
+            first_launch = launch_checked(rows, w_in, h, in_config, first, a_copy=y)
+            second_launch = launch_checked(h, w_out, y, out_config, second, residual=y)
             if bind:
                 # bound at its second sighting (None: seen once): a caller whose calls never
                 # repeat one (it keeps its outputs, its row counts change) looks up no steps
@@ -526,8 +578,8 @@ class FusedMLP(torch.nn.Module):
         if h is not None and h.dim() == 2 and overlaps(h, *read):
             raise ValueError("h shares memory with the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
-        h = matmul(rows, w_in, out=h, config=self.in_config, epilogue=first, a_copy=y)
-        return matmul(h, w_out, out=y, config=self.out_config, epilogue=second, residual=y)
+        h = matmul(rows, w_in, out=h, config=in_config, epilogue=first, a_copy=y)
+        return matmul(h, w_out, out=y, config=out_config, epilogue=second, residual=y)
 
     def pipeline_stages(self) -> tuple[list[torch.Tensor], list[GemmConfig], list[Epilogue]]:
         """The block as two stages of a pipeline (:class:`~ctapipelining.pipeline.Pipeline`,
@@ -679,10 +731,10 @@ class LlamaMLP(FusedMLP):
         norm_weight: torch.Tensor,
         eps: float = 1e-5,
         *,
-        gate_up_config: GemmConfig = GATE_UP_CONFIG,
-        down_config: GemmConfig = DOWN_CONFIG,
+        gate_up_config: GemmConfig | None = None,
+        down_config: GemmConfig | None = None,
     ):
-        super().__init__(gate_up_config, down_config, ("gate_up_config", "down_config"))
+        super().__init__(gate_up_config, down_config, ("gate_up_config", "down_config"), (GATE_UP_CONFIG, DOWN_CONFIG))
         inter, H = _matrix_shape(w_gate)
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
@@ -757,10 +809,10 @@ class GPTMLP(FusedMLP):
         norm_bias: torch.Tensor | None,
         eps: float = 1e-5,
         *,
-        up_config: GemmConfig = UP_CONFIG,
-        down_config: GemmConfig = DOWN_CONFIG,
+        up_config: GemmConfig | None = None,
+        down_config: GemmConfig | None = None,
     ):
-        super().__init__(up_config, down_config, ("up_config", "down_config"))
+        super().__init__(up_config, down_config, ("up_config", "down_config"), (UP_CONFIG, DOWN_CONFIG))
         inter, H = _matrix_shape(w_1)
         ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
         want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),

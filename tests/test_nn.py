@@ -65,6 +65,40 @@ def test_llama_block_is_as_accurate_as_transformers(M):
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
 
 
+def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypatch):
+    """Built without configurations, each GEMM runs ``FEW_ROWS_CONFIGS``' tiles up to 256 rows
+    and its default above; a GEMM given a configuration, at construction or later, runs it at
+    every row count. A call at few rows launches its GEMMs in those tiles, as accurate as the Llama test
+    asks."""
+    from ctapipelining import nn
+
+    few = nn.FEW_ROWS_CONFIGS
+    mlp, norm = hf_block()
+    block = LlamaMLP.from_hf(mlp, norm)
+    assert block.configs_for(1) == block.configs_for(64) == (few[0][1], few[0][2])
+    assert block.configs_for(65) == (nn.GATE_UP_CONFIG, few[1][2])
+    assert block.configs_for(256) == (nn.GATE_UP_CONFIG, few[2][2])
+    assert block.configs_for(257) == block.configs_for(16384) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
+    given = LlamaMLP.from_hf(mlp, norm, down_config=SMALL)
+    assert given.configs_for(1) == (few[0][1], SMALL) and given.configs_for(300) == (nn.GATE_UP_CONFIG, SMALL)
+    given.in_config = SMALL
+    assert given.configs_for(1) == (SMALL, SMALL)
+    gpt = GPTMLP.from_hf(*gpt_block())
+    assert gpt.configs_for(16) == (few[0][1], few[0][2]) and gpt.configs_for(4096) == (nn.UP_CONFIG, nn.DOWN_CONFIG)
+    launched = []
+    for name in ("matmul", "launch_checked"):
+        real = getattr(nn, name)
+        monkeypatch.setattr(nn, name, lambda *a, real=real, **k: launched.append(a[3] if len(a) > 3 else k["config"])
+                            or real(*a, **k))  # fmt: skip
+    x = torch.randn(3, H).half() * 3
+    ours = block(x)
+    assert launched == [few[0][1], few[0][2]]
+    ref = reference(mlp, norm, x)
+    with torch.no_grad():
+        theirs = x + mlp(norm(x))
+    assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+
+
 def test_a_gated_block_whose_last_output_tile_is_ragged():
     """An intermediate size whose gate/up GEMM (80 columns: tiles of 32, 32 and 16) ends in a
     partial tile, as real models' do (DeepSeek-V2-Lite's 10944 on 256-wide tiles): as accurate
@@ -1029,8 +1063,8 @@ def test_what_a_block_refuses_before_it_writes_anything():
             stack.sequential(bad)
     with pytest.raises(ValueError, match="x is torch.float32"):
         stack.sequential(x.float())
-    with pytest.raises(TypeError, match="down_config must be a ctapipelining.kernels.gemm.GemmConfig, got NoneType"):
-        LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=None)
+    with pytest.raises(TypeError, match="down_config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
+        LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config="128x256")
     with pytest.raises(TypeError, match="h must be a torch.Tensor, got str"):
         block.run(x, torch.empty(8, H).half(), "h")
     with pytest.raises(TypeError, match="h must be a dense"):
