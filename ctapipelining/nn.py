@@ -43,8 +43,10 @@ the kernels directly (the operator's dispatch is host time before the first kern
 On the GPU each GEMM is a persistent TMA kernel; without one, the Triton interpreter runs the
 same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16 dots wrongly).
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
-Inputs with few rows (decode) run as they are: the kernels need no minimum, but a block of a
-few hundred rows or fewer leaves most SMs idle in either GEMM, and nothing here changes that.
+Inputs with few rows (decode) run as they are: the kernels need no minimum. There is nothing to
+pipeline, and the weights' bandwidth bounds the time: a block built without configurations runs
+up to 256 rows in narrower tiles (:data:`FEW_ROWS_CONFIGS`), each GEMM split along K where it has
+fewer tiles than SMs.
 """
 
 from __future__ import annotations
