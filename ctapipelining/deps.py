@@ -357,15 +357,17 @@ class TailSplit:
     row-blocks wait for the producer's last round, then run their own last round).
 
     Here each of those ``tiles`` tail tiles is cut into ``splits`` slices of its K loop, one
-    per CTA (``tiles * splits <= P``). A GEMM of fewer tiles than SMs is one partial round,
-    split whole: split-K, for few rows, where the weights' bandwidth bounds the time and whole
-    tiles would stream them on few SMs (a Llama-8B block's down GEMM at decode: 16 tiles of
-    128 x 256; the plain GEMM's grid is then a CTA per slice, :func:`ctapipelining.gemm.grid_size`,
-    while a pipeline's stages keep a CTA per tile, so none is split). Each slice writes an fp32 partial tile to a workspace
+    per CTA (``tiles * splits <= P``). Each slice writes an fp32 partial tile to a workspace
     (slot ``item``); the CTA that stores the last partial of a tile (an arrival counter says
     which) adds the partials in slice order and writes and signals the tile. The order is
     fixed, so the result does not depend on which CTA arrives last; it differs in rounding
     from the unsplit tile.
+
+    A GEMM of fewer tiles than SMs is one partial round, split whole: split-K, for few rows,
+    where the weights' bandwidth bounds the time and whole tiles would stream them on few SMs
+    (a Llama-8B block's down GEMM at decode: 16 tiles of 128 x 256). The plain GEMM's grid is
+    then a CTA per slice (:func:`ctapipelining.gemm.grid_size`); a pipeline's stages keep a CTA
+    per tile, so theirs run whole.
 
     Positions ``[first_pos, first_pos + tiles)`` of the tile order are the tail; item
     ``i < tiles * splits`` (run by CTA ``i``) is slice ``i % splits`` of tail tile ``i // splits``.

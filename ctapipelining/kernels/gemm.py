@@ -58,12 +58,12 @@ class GemmConfig:
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle
     (:class:`ctapipelining.deps.TailSplit`; plain and ``static`` kernels and producers; a
     ``workqueue`` consumer's order is dynamic); a plain GEMM of fewer tiles than SMs is that
-    round whole, split on a CTA per slice (:func:`ctapipelining.gemm.grid_size`). ``wait_parts``: a ``static`` consumer waits for
-    its input rows in this many pieces of the producer's columns, each just before the
-    K-steps that read it, so a tile starts while its rows' right-hand columns are still being
-    written (1: the whole row-block before the tile; :func:`ctapipelining.deps.build_dependency`,
-    :func:`_part_step`). A ``workqueue`` consumer takes whole tiles once ready, so a pipeline
-    gives it one part.
+    round whole, split on a CTA per slice (:func:`ctapipelining.gemm.grid_size`).
+    ``wait_parts``: a ``static`` consumer waits for its input rows in this many pieces of the
+    producer's columns, each just before the K-steps that read it, so a tile starts while its
+    rows' right-hand columns are still being written (1: the whole row-block before the tile;
+    :func:`ctapipelining.deps.build_dependency`, :func:`_part_step`). A ``workqueue`` consumer
+    takes whole tiles once ready, so a pipeline gives it one part.
 
     Always on, where they apply: TMA stores (an output with padded rows takes ordinary
     stores), the flattened persistent loop, a producer signalling each tile a quarter into its
