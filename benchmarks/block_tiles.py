@@ -1,5 +1,5 @@
 """Tile configurations for a fused Llama block's two GEMMs at few rows (decode), each GEMM alone
-with its epilogue against the same GEMM in cuBLAS: the rows of ``ctapipelining.nn.SMALL_ROWS``.
+with its epilogue against the same GEMM in cuBLAS: what ``ctapipelining.nn.FEW_ROWS_CONFIGS`` holds.
 
 usage: python3 benchmarks/block_tiles.py OUT_DIR [REPS] [ROWS]
 
