@@ -722,13 +722,17 @@ def persistent_grid(tiles: int, ctas: int) -> int:
     return max(1, min(ctas, tiles))
 
 
-def grid_size(M: int, N: int, K: int, config: GemmConfig, device: torch.device) -> int:
-    """Persistent grid of the plain GEMM: :func:`persistent_grid` on every SM of ``device``, or
-    a CTA per K-slice where ``config`` splits fewer tiles than there are SMs (:func:`tail_split`)."""
-    sms = num_sms(device)
-    grid = persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), sms)
-    split = tail_split(M, N, K, config, sms)
+def launch_grid(M: int, N: int, K: int, config: GemmConfig, ctas: int) -> int:
+    """Persistent grid of an ``M x N x K`` GEMM given ``ctas`` SMs: :func:`persistent_grid`, or a
+    CTA per K-slice where ``config`` splits a round of fewer tiles than SMs (:func:`tail_split`)."""
+    grid = persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), ctas)
+    split = tail_split(M, N, K, config, ctas)
     return grid if split is None else max(grid, split.items)
+
+
+def grid_size(M: int, N: int, K: int, config: GemmConfig, device: torch.device) -> int:
+    """Persistent grid of the plain GEMM: :func:`launch_grid` on every SM of ``device``."""
+    return launch_grid(M, N, K, config, num_sms(device))
 
 
 _CAPTURED: set[GemmLaunch] = set()  # launches a CUDA graph captured: kept past the cache's eviction

@@ -355,8 +355,9 @@ class FusedMLP(torch.nn.Module):
 
     def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
         """Each GEMM's configuration for a call on ``M`` rows: ``in_config`` and ``out_config``,
-        except for a GEMM built without one that still has its default, which takes the tiles of
-        :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if any."""
+        except for a GEMM built without one whose configuration still equals its default: that
+        one takes the tiles of :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if
+        any. (To run the default's tiles at every row count, pass it at construction.)"""
         configs = [self.in_config, self.out_config]
         row = next((r for r in FEW_ROWS_CONFIGS if M <= r[0]), None)
         if row is not None:
@@ -364,11 +365,6 @@ class FusedMLP(torch.nn.Module):
                 if default is not None and configs[i] == default:
                     configs[i] = row[1 + i]
         return configs[0], configs[1]
-
-    def _gemm_configs(self) -> tuple[list[GemmConfig], list[GemmConfig]]:
-        """Every configuration each GEMM may run in (:meth:`configs_for`)."""
-        both = [self.configs_for(M) for M in (*(r[0] for r in FEW_ROWS_CONFIGS), FEW_ROWS_CONFIGS[-1][0] + 1)]
-        return list(dict.fromkeys(c[0] for c in both)), list(dict.fromkeys(c[1] for c in both))
 
     def _derives(self) -> bool:
         """Whether an epilogue derives something from the laid-out weights (:meth:`_update_epilogues`)."""
@@ -410,11 +406,9 @@ class FusedMLP(torch.nn.Module):
                     f"{name}: weights {tuple(w_in.shape)} {w_in.dtype} on {w_in.device} and {tuple(w_out.shape)} "
                     f"{w_out.dtype} on {w_out.device} do not make a block of hidden size {self.hidden}"
                 )
-            ins, outs = self._gemm_configs()
-            for cfg in ins:
-                first.check(w_in.shape[1], w_in.dtype, w_in.device, cfg.block_n)
-            for cfg in outs:
-                second.check(w_out.shape[1], w_out.dtype, w_out.device, cfg.block_n)
+            # (FEW_ROWS_CONFIGS' tiles are multiples of 16 wide, as every epilogue can close)
+            first.check(w_in.shape[1], w_in.dtype, w_in.device, self.in_config.block_n)
+            second.check(w_out.shape[1], w_out.dtype, w_out.device, self.out_config.block_n)
             self._epi = (key, first, second)
             self._bound, self._last = {}, None  # launches bound to the epilogues replaced
             self._derived = self._buffer_versions()
@@ -521,7 +515,6 @@ class FusedMLP(torch.nn.Module):
         becomes the block's last (:meth:`_replay`)."""
         self._follow_source()
         first, second = self._epilogues()
-        in_config, out_config = self.configs_for(rows.shape[0])
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
         fits = fits or (rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device))
         if own and fits and rows.shape[0] and tma_ready(rows):
@@ -543,6 +536,7 @@ class FusedMLP(torch.nn.Module):
                     if entry is not None:
                         self._last = _LastCall.of(key, entry, h, got, w_in, w_out)
                     return y
+            in_config, out_config = self.configs_for(rows.shape[0])
             first_launch = launch_checked(rows, w_in, h, in_config, first, a_copy=y)
             second_launch = launch_checked(h, w_out, y, out_config, second, residual=y)
             if bind:
@@ -580,6 +574,7 @@ class FusedMLP(torch.nn.Module):
         if h is not None and h.dim() == 2 and overlaps(h, *read):
             raise ValueError("h shares memory with the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
+        in_config, out_config = self.configs_for(rows.shape[0])
         h = matmul(rows, w_in, out=h, config=in_config, epilogue=first, a_copy=y)
         return matmul(h, w_out, out=y, config=out_config, epilogue=second, residual=y)
 

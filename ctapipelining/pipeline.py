@@ -99,9 +99,9 @@ from .gemm import (
     captures_owned_by,
     capturing_on,
     config_table,
+    launch_grid,
     new_capture_owner,
     num_sms,
-    persistent_grid,
     tail_split,
 )
 from .inflight import CALLERS_EARLIER, InFlight
@@ -821,15 +821,16 @@ class Pipeline:
         (rows, K), N = a.shape, w.shape[1]
         epi = None if drain else self.epilogues[s]
         c = torch.empty(rows, N if epi is None else epi.out_cols(N), dtype=w.dtype, device=w.device)
-        cfg, grid, split = self.stage_config(stream, configs), self._grid(stream, rows, N, configs[stream]), None
+        cfg, split = self.stage_config(stream, configs), None
         group = self._group_of[s]
         if not drain and len(group) > 1 and cfg.split_tail:  # a chain kernel's last stage: its tail split
             shapes = [tuple(self.weights[t].shape) for t in group]
             split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows, configs[group[0]]))
             if split is None:
                 cfg = dataclasses.replace(cfg, split_tail=False)
-            else:
-                grid = max(grid, split.items)
+        grid = self._grid(stream, rows, N, K, cfg if split is None else dataclasses.replace(cfg, split_tail=False))
+        if split is not None:
+            grid = max(grid, split.items)
         launch = GemmLaunch(
             rows, N, K, cfg, grid, w.device, split=split, epilogue=epi, norm_sums=sums if self._norm_sums(s) else None,
             out_sums=out_sums,
@@ -1018,7 +1019,7 @@ class Pipeline:
             """A launch on ``rows`` rows of ``w`` on stage ``stream``'s stream, its grid within that
             stage's share of its GPU; ``stage``: the stage it is (None: a prefill or drain GEMM)."""
             dev = devs[stream]
-            ctas = self._grid(stream, rows, w.shape[1], configs[stream])
+            ctas = self._grid(stream, rows, w.shape[1], w.shape[0], s_cfg)
             split = tail_split(rows, w.shape[1], w.shape[0], s_cfg, ctas)
             tail = None if split is None else TailBuffers.create(split, s_cfg, dev)
             plan.tails.append(tail)
@@ -1099,10 +1100,11 @@ class Pipeline:
                 )  # fmt: skip
         return plan
 
-    def _grid(self, s: int, rows: int, N: int, cfg: GemmConfig) -> int:
-        """The persistent grid of a GEMM of ``rows`` x ``N`` outputs on stage ``s``'s stream, in
-        ``cfg``'s tiles: :func:`~ctapipelining.gemm.persistent_grid` on the stage's share of SMs."""
-        return persistent_grid(-(-rows // cfg.block_m) * -(-N // cfg.block_n), self._sm_share(s))
+    def _grid(self, s: int, rows: int, N: int, K: int, cfg: GemmConfig) -> int:
+        """The persistent grid of a GEMM of ``rows`` x ``N`` outputs over ``K`` on stage ``s``'s
+        stream, in ``cfg`` (the configuration it runs): :func:`~ctapipelining.gemm.launch_grid`
+        on the stage's share of SMs, as :func:`~ctapipelining.gemm.matmul` on all of them."""
+        return launch_grid(rows, N, K, cfg, self._sm_share(s))
 
     def _chain_grid(self, group: list[int], rows: int, cfg: GemmConfig) -> int:
         """The persistent grid of a chain kernel over the stages of ``group`` on ``rows`` rows, in

@@ -538,7 +538,9 @@ def simulate_gemm(
     ends = [
         free[i] + (k1 - k0) / k_tiles * t_tile for i in range(split.items) for _, k0, k1 in [split.slice_of(i, k_tiles)]
     ]
-    return max(max(free), max(ends) + split.splits * cal.tail_slice_ns) + cal.launch_ns
+    # (split, the round's tiles no longer bound the streaming: the operands still stream once)
+    stream = 2 * (M * K + K * N) / cal.hbm_gbps
+    return max(max(free), max(ends) + split.splits * cal.tail_slice_ns, stream) + cal.launch_ns
 
 
 def table_config(name: str, M: int) -> dict:

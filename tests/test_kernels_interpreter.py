@@ -494,6 +494,47 @@ def test_split_tail_matmul(M, K, N):
     assert torch.equal(matmul(a, b, config=SPLIT), out)  # partials summed in a fixed order
 
 
+def test_a_lone_partial_round_is_split_whole_on_a_cta_per_slice():
+    """Fewer tiles than CTAs (2 on the interpreter's 4) are one partial round: with a split tail
+    every tile runs as K-slices, a CTA each (split-K), into a NaN-poisoned output wholly
+    written, near float64, bitwise repeatable, the arrival counters back at zero. A
+    one-stage pipeline in that configuration runs the same split: bitwise ``matmul``."""
+    from ctapipelining import gemm
+
+    cpu = torch.device("cpu")
+    M, K, N = 16, 64, 32  # 2 tiles, 4 K-steps: 2 slices a tile
+    assert gemm.grid_size(M, N, K, SPLIT, cpu) == 4 and gemm.grid_size(M, N, K, SMALL, cpu) == 2
+    launch = gemm.plain_launch(M, N, K, SPLIT, cpu, 0, None, 0)
+    assert launch.num_ctas == 4 and launch.tail.split == deps.TailSplit(0, 2, 2)
+    torch.manual_seed(0)
+    a, b = torch.randn(M, K).half(), (torch.randn(K, N) * K**-0.5).half()
+    out = torch.full((M, N), float("nan"), dtype=torch.float16)
+    matmul(a, b, out=out, config=SPLIT)
+    assert not out.isnan().any()
+    assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
+    assert torch.equal(matmul(a, b, config=SPLIT), out)
+    assert int(launch.tail.counters.abs().sum()) == 0
+    pipe = Pipeline([b], config=SPLIT, always_pipelined=True)
+    stage = pipe.plan(M).launches[0].gemm
+    assert stage.num_ctas == 4 and stage.tail.split == deps.TailSplit(0, 2, 2)
+    assert torch.equal(pipe(a), out)
+
+
+def test_a_prefill_runs_in_its_own_configuration_as_its_sequential_gemm_does():
+    """The prefill (stage 0's rows on stage 1's GPU) runs stage 0's configuration: its grid, and
+    so whether its few tiles split, follow that configuration, as the sequential GEMMs' do,
+    where the stages' tiles differ."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(128, 32), (32, 16)]]
+    c0, c1 = dataclasses.replace(SPLIT, block_n=32), SMALL
+    pipe = Pipeline(ws, config=[c0, c1], prefill_rows=16)
+    (prefill,) = [launch.gemm for launch in pipe.plan(48).launches if launch.stream == 1 and not launch.stages]
+    assert prefill.num_ctas == 4 and prefill.tail.split == deps.TailSplit(0, 1, 4)  # c0's: 1 tile, 8 K-steps
+    for _ in range(3):
+        x = torch.randn(48, 128).half()
+        assert torch.equal(pipe(x), pipe.sequential(x))
+
+
 def test_plain_launches_on_one_stream_share_its_split_tail_buffers():
     """Plain launches on one stream share its split-tail buffers (launches there run one after
     another, and each rearms its arrival counters): calls of three shapes, alternated, stay

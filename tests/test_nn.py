@@ -67,18 +67,22 @@ def test_llama_block_is_as_accurate_as_transformers(M):
 
 def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypatch):
     """Built without configurations, each GEMM runs ``FEW_ROWS_CONFIGS``' tiles up to 256 rows
-    and its default above; a GEMM given a configuration, at construction or later, runs it at
-    every row count. A call at few rows launches its GEMMs in those tiles, as accurate as the Llama test
-    asks."""
+    and its default above; a GEMM given a configuration (the default's too) at construction, or
+    another one later, runs it at every row count. A call at few rows, and its first GEMM alone,
+    launch in those tiles (each a multiple of 16 wide, as a gated epilogue needs), as accurate
+    as the Llama test asks."""
     from ctapipelining import nn
 
     few = nn.FEW_ROWS_CONFIGS
+    assert all(c.block_n % 16 == 0 for row in few for c in row[1:])
     mlp, norm = hf_block()
     block = LlamaMLP.from_hf(mlp, norm)
     assert block.configs_for(1) == block.configs_for(64) == (few[0][1], few[0][2])
     assert block.configs_for(65) == (nn.GATE_UP_CONFIG, few[1][2])
     assert block.configs_for(256) == (nn.GATE_UP_CONFIG, few[2][2])
     assert block.configs_for(257) == block.configs_for(16384) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
+    pinned = LlamaMLP.from_hf(mlp, norm, gate_up_config=nn.GATE_UP_CONFIG, down_config=nn.DOWN_CONFIG)
+    assert pinned.configs_for(1) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
     given = LlamaMLP.from_hf(mlp, norm, down_config=SMALL)
     assert given.configs_for(1) == (few[0][1], SMALL) and given.configs_for(300) == (nn.GATE_UP_CONFIG, SMALL)
     given.in_config = SMALL
@@ -93,6 +97,8 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     x = torch.randn(3, H).half() * 3
     ours = block(x)
     assert launched == [few[0][1], few[0][2]]
+    block.first_gemm(x)
+    assert launched[2:] == [few[0][1]]
     ref = reference(mlp, norm, x)
     with torch.no_grad():
         theirs = x + mlp(norm(x))

@@ -25,6 +25,16 @@ def old_cal():
     return replace(cal, signal_lag=0.0)
 
 
+def test_a_split_round_of_few_rows_is_no_faster_than_its_operands_stream():
+    """Few rows: a GEMM split along K on a CTA per slice is bound by streaming its weights from
+    HBM once, and by no less; unsplit it keeps its narrow round's tile time."""
+    for M, K, N in [(1, 28672, 8192), (64, 28672, 8192), (128, 57344, 8192), (16, 14336, 4096)]:  # down GEMMs
+        stream = 2 * (M * K + K * N) / CAL.hbm_gbps + CAL.launch_ns
+        split = sim.simulate_gemm(M, K, N, CAL, split_tail=True)
+        assert split >= stream, (M, K, N)
+        assert split <= sim.simulate_gemm(M, K, N, CAL, split_tail=True, whole_round=False), (M, K, N)
+
+
 def test_packaged_calibration_names_its_source_and_device():
     assert "protocol/final/results.json" in CAL.source and "timeline_static_16384.json" in CAL.source
     assert "tune1.json" in CAL.source
@@ -365,6 +375,13 @@ def test_a_run_that_recorded_its_configurations_is_modelled_in_them(tmp_path):
     by = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, tmp_path / "wide.json")}
     narrow = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, src, tables=True)}
     assert by[128, "chain/ours_seq"] < 0.6 * narrow[128, "chain/ours_seq"]
+    # a run that says our GEMMs split a lone partial round: at 128 rows the 32 wide tiles split,
+    # so our GEMMs one after another are modelled faster
+    run["split_whole_round"] = True
+    (tmp_path / "whole.json").write_text(json.dumps(run))
+    whole = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, tmp_path / "whole.json")}
+    assert whole[128, "chain/ours_seq"] > 1.5 * by[128, "chain/ours_seq"]
+    assert whole[2048, "chain/ours_seq"] == by[2048, "chain/ours_seq"]  # whole rounds there: no change
 
 
 def test_shared_gpu_model_on_the_calibrated_tiles_in_an_earlier_run_with_the_pipeline_table():

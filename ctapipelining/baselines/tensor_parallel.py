@@ -153,7 +153,7 @@ class TensorParallelBlocks:
         self.on_gpu = self.devices[0].type == "cuda"
         self._matmul = matmul
         dtype = blocks[0].w_out.dtype
-        # per block, per GPU: (gate/up columns, down rows, the block's GEMM configurations)
+        # per block, per GPU: (gate/up columns, down rows); the block's configurations per chunk's rows
         self.shards = []
         for b in blocks:
             cols, rows = 2 * b.intermediate // g, b.intermediate // g
@@ -162,13 +162,12 @@ class TensorParallelBlocks:
                     (
                         b.w_in[:, i * cols : (i + 1) * cols].contiguous().to(d),
                         b.w_out[i * rows : (i + 1) * rows].contiguous().to(d),
-                        b.in_config,
-                        b.out_config,
                     )
                     for i, d in enumerate(self.devices)
                 ]
             )
         self._firsts = [b._epilogues()[0] for b in blocks]  # each block's norm and gated SiLU
+        self._configs = [b.configs_for for b in blocks]  # (FusedMLP.configs_for: by the rows a call runs)
         # each GPU's intermediate, sized for the widest block's share (a capture's allocations on
         # another GPU's stream would not be the graph's)
         widest = max(b.intermediate for b in blocks) // g
@@ -196,7 +195,8 @@ class TensorParallelBlocks:
         with the residual added."""
         inputs = self.x if b == 0 else self.ys[b - 1]
         for i, d in enumerate(self.devices):
-            w_in, w_out, in_cfg, out_cfg = self.shards[b][i]
+            w_in, w_out = self.shards[b][i]
+            in_cfg, out_cfg = self._configs[b](rows.stop - rows.start)
             with torch.cuda.device(d) if self.on_gpu else nullcontext():
                 with torch.cuda.stream(self.streams[i]) if self.on_gpu else nullcontext():
                     x = inputs[i][rows]
