@@ -66,7 +66,7 @@ def test_llama_block_is_as_accurate_as_transformers(M):
 
 
 def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypatch):
-    """Built without configurations, each GEMM runs ``FEW_ROWS_CONFIGS``' tiles up to 256 rows
+    """Built without configurations, each GEMM runs ``FEW_ROWS_CONFIGS``' tiles up to 768 rows
     and its default above; a GEMM given a configuration (the default's too) at construction, or
     another one later, runs it at every row count. A call at few rows, and its first GEMM alone,
     launch in those tiles (each a multiple of 16 wide, as a gated epilogue needs), as accurate
@@ -79,8 +79,9 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     block = LlamaMLP.from_hf(mlp, norm)
     assert block.configs_for(1) == block.configs_for(64) == (few[0][1], few[0][2])
     assert block.configs_for(65) == (nn.GATE_UP_CONFIG, few[1][2])
-    assert block.configs_for(256) == (nn.GATE_UP_CONFIG, few[2][2])
-    assert block.configs_for(257) == block.configs_for(16384) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
+    assert block.configs_for(129) == block.configs_for(512) == (nn.GATE_UP_CONFIG, few[2][2])
+    assert block.configs_for(768) == (nn.GATE_UP_CONFIG, few[3][2])
+    assert block.configs_for(769) == block.configs_for(16384) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
     pinned = LlamaMLP.from_hf(mlp, norm, gate_up_config=nn.GATE_UP_CONFIG, down_config=nn.DOWN_CONFIG)
     assert pinned.configs_for(1) == (nn.GATE_UP_CONFIG, nn.DOWN_CONFIG)
     given = LlamaMLP.from_hf(mlp, norm, down_config=SMALL)
