@@ -4,9 +4,9 @@ with its epilogue against the same GEMM in cuBLAS: what ``ctapipelining.nn.FEW_R
 usage: python3 benchmarks/block_tiles.py OUT_DIR [REPS] [ROWS]
 
 On cuda:0, bf16, the Llama-8B (hidden 4096, intermediate 14336) and Llama-70B (8192, 28672)
-blocks from random weights, at each M of ROWS (default 1, 16, 64, 128, 256): the gate/up GEMM
-(its norm pass, the RMSNorm's row scale and the gated SiLU in its epilogue, copying ``x`` into
-the output) and the down GEMM (adding onto the output) under each candidate of
+blocks from random weights, at each M of ROWS (default 1, 16, 64, 128, 256, 384, 512, 768): the
+gate/up GEMM (its norm pass, the RMSNorm's row scale and the gated SiLU in its epilogue, copying
+``x`` into the output) and the down GEMM (adding onto the output) under each candidate of
 :data:`CANDIDATES`, each checked against the block's own configuration; and cuBLAS's
 ``x @ [gate|up]`` and ``h @ down``. Each line is a CUDA graph of 10 calls, timed by the bench's
 harness (shuffled turns, paired). Writes OUT_DIR/block_tiles.json: per shape, M and GEMM the
@@ -28,7 +28,7 @@ from ctapipelining.timing import Method, capture, environment, median_ci, time_i
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16, 64, 128, 256]
+ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16, 64, 128, 256, 384, 512, 768]
 SHAPES = {"llama8b": (4096, 14336), "llama70b": (8192, 28672)}
 CALLS = 10  # calls per graph: a line's time is long next to the harness's synchronisation
 

@@ -57,8 +57,8 @@ class GemmConfig:
     it matters to a producer). ``num_stages``: TMA pipeline depth. ``num_warps``: warps per CTA.
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle
     (:class:`ctapipelining.deps.TailSplit`; plain and ``static`` kernels and producers; a
-    ``workqueue`` consumer's order is dynamic); a plain GEMM of fewer tiles than SMs is that
-    round whole, split on a CTA per slice (:func:`ctapipelining.gemm.grid_size`).
+    ``workqueue`` consumer's order is dynamic); a GEMM of fewer tiles than SMs is that round
+    whole, split on a CTA per slice (:func:`ctapipelining.gemm.launch_grid`).
     ``wait_parts``: a ``static`` consumer waits for its input rows in this many pieces of the
     producer's columns, each just before the K-steps that read it, so a tile starts while its
     rows' right-hand columns are still being written (1: the whole row-block before the tile;
