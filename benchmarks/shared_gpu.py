@@ -79,9 +79,7 @@ def main():
         "chain_split": Pipeline([a, b], config=dataclasses.replace(wide, split_tail=True)),
         "chain_stage_major": Pipeline([a, b], config=wide),
     }
-    # split_whole_round: our GEMMs split a lone partial round whole (sim.validate_shared models it so)
     report = {"environment": environment(), "reps": REPS, "command": " ".join(sys.argv), "rows": {}}
-    report["split_whole_round"] = True
     for M in ROWS:
         x = torch.randn(M, K, device="cuda:0").bfloat16()
         h, y = torch.empty(M, K, dtype=torch.bfloat16, device="cuda:0"), torch.empty_like(x)

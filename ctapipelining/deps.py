@@ -363,11 +363,11 @@ class TailSplit:
     fixed, so the result does not depend on which CTA arrives last; it differs in rounding
     from the unsplit tile.
 
-    A GEMM of fewer tiles than SMs is one partial round, split whole: split-K, for few rows,
-    where the weights' bandwidth bounds the time and whole tiles would stream them on few SMs
-    (a Llama-8B block's down GEMM at decode: 16 tiles of 128 x 256). The GEMM's grid is then a
-    CTA per slice (:func:`ctapipelining.gemm.launch_grid`: the plain GEMM's and a pipeline
-    stage's alike); a chain kernel splits only the tail of its combined order.
+    A GEMM of fewer tiles than CTAs is one partial round, split whole here: split-K, for few
+    rows, where the weights' bandwidth bounds the time and whole tiles would stream them on few
+    SMs (a Llama-8B block's down GEMM at decode: 16 tiles of 128 x 256). A configuration asks
+    for it (``GemmConfig.split_k``); the GEMM's grid is then a CTA per slice
+    (:func:`ctapipelining.gemm.launch_grid`: the plain GEMM's and a pipeline stage's alike).
 
     Positions ``[first_pos, first_pos + tiles)`` of the tile order are the tail; item
     ``i < tiles * splits`` (run by CTA ``i``) is slice ``i % splits`` of tail tile ``i // splits``.

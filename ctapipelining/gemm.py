@@ -214,14 +214,15 @@ def plain_config(M: int) -> GemmConfig:
 
 
 def tail_split(M: int, N: int, K: int, config: GemmConfig, num_ctas: int):
-    """The :class:`~ctapipelining.deps.TailSplit` a launch uses (None: no split tail): only
-    with ``config.split_tail`` (which a ``workqueue`` consumer cannot run: its order is
-    dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns it off there). Each
+    """The :class:`~ctapipelining.deps.TailSplit` a launch on ``num_ctas`` CTAs uses (None: no
+    split): the partial last round after full ones with ``config.split_tail``, a lone one (fewer
+    tiles than CTAs) with ``config.split_k`` (a ``workqueue`` consumer can run neither: its order
+    is dynamic; :meth:`ctapipelining.pipeline.Pipeline.stage_config` turns them off there). Each
     slice has at least :data:`~ctapipelining.deps.TAIL_MIN_SLICE_K` K-steps; under the
     interpreter, whose sizes are small, any number."""
-    if not config.split_tail:
-        return None
     tiles = _cdiv(M, config.block_m) * _cdiv(N, config.block_n)
+    if not (config.split_k if tiles < num_ctas else config.split_tail):
+        return None
     min_k = 1 if interpreting() else deps.TAIL_MIN_SLICE_K
     return deps.split_tail(tiles, num_ctas, _cdiv(K, config.block_k), min_k)
 
@@ -724,7 +725,8 @@ def persistent_grid(tiles: int, ctas: int) -> int:
 
 def launch_grid(M: int, N: int, K: int, config: GemmConfig, ctas: int) -> int:
     """Persistent grid of an ``M x N x K`` GEMM given ``ctas`` SMs: :func:`persistent_grid`, or a
-    CTA per K-slice where ``config`` splits a round of fewer tiles than SMs (:func:`tail_split`)."""
+    CTA per K-slice where ``config`` splits a round of fewer tiles than SMs (``split_k``,
+    :func:`tail_split`)."""
     grid = persistent_grid(_cdiv(M, config.block_m) * _cdiv(N, config.block_n), ctas)
     split = tail_split(M, N, K, config, ctas)
     return grid if split is None else max(grid, split.items)

@@ -45,8 +45,8 @@ same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
 Inputs with few rows (decode) run as they are: the kernels need no minimum. There is nothing to
 pipeline, and the weights' bandwidth bounds the time: a block built without configurations runs
-up to 768 rows in narrower tiles (:data:`FEW_ROWS_CONFIGS`), each GEMM split along K where it has
-fewer tiles than SMs.
+its down GEMM up to 768 rows, and its first GEMM up to 64, in narrower tiles split along K where
+they are fewer than the SMs (:data:`FEW_ROWS_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -84,14 +84,16 @@ UP_CONFIG = EPILOGUE_CONFIG
 
 
 def _few(block_m: int, block_n: int, block_k: int, num_stages: int) -> GemmConfig:
-    """Tiles for few rows: 4 warps, a split tail (split-K where the tiles are fewer than SMs)."""
-    return GemmConfig(block_m, block_n, block_k, group_m=8, num_stages=num_stages, num_warps=4, split_tail=True)
+    """Tiles for few rows: 4 warps, a split tail, split-K where the tiles are fewer than SMs."""
+    return GemmConfig(
+        block_m, block_n, block_k, group_m=8, num_stages=num_stages, num_warps=4, split_tail=True, split_k=True
+    )
 
 
 # Decode-sized inputs: a block built without configurations runs a call of ``M`` rows in the tiles of
 # the first row (rows, first GEMM's, second GEMM's) whose rows are at least ``M``: few rows, where the
 # weights' bandwidth bounds the time and 128 x 256 tiles leave most SMs idle (a Llama-8B block's down
-# GEMM: 16 tiles up to 128 rows). Narrower tiles spread the weights over more CTAs, and a split tail
+# GEMM: 16 tiles up to 128 rows). Narrower tiles spread the weights over more CTAs, and ``split_k``
 # splits a round of fewer tiles than SMs along K. Measured on an H100, each GEMM alone with its
 # epilogue against cuBLAS, the Llama-8B and -70B blocks at 1, 16, 64, 128, 256, 384, 512 and 768
 # rows: per row, the configuration whose worse ratio of the two is the least

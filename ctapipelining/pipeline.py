@@ -745,7 +745,8 @@ class Pipeline:
         default the constructor's), without a split tail for a
         ``workqueue`` consumer (it runs whole tiles in readiness order) and for a chain
         kernel's stages but its last (the tail of the combined order lies in the last stage:
-        :func:`ctapipelining.chain.chain_tail_split`). The sequential GEMMs with these
+        :func:`ctapipelining.chain.chain_tail_split`), and without ``split_k`` for either (a
+        chain kernel's rounds are its combined order's). The sequential GEMMs with these
         configurations (and a chain kernel's tail split, :func:`ctapipelining.chain.chain_tail_split`:
         the last stage run alone with this configuration splits its own tail, not the chain's) give
         bitwise the chain's result."""
@@ -753,9 +754,12 @@ class Pipeline:
         queue_consumer = consumer and self.policy.uses_queue and not self._same_kernel(s - 1, s)
         group = self._group_of[s]
         cfg = (configs or self.configs)[s]
+        off = {}
         if cfg.split_tail and (queue_consumer or len(group) > 1 and s != group[-1]):
-            return dataclasses.replace(cfg, split_tail=False)
-        return cfg
+            off["split_tail"] = False
+        if cfg.split_k and (queue_consumer or len(group) > 1):
+            off["split_k"] = False
+        return dataclasses.replace(cfg, **off) if off else cfg
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, each with its stage's configuration in the plan for

@@ -517,18 +517,15 @@ def simulate_cta(
     return CtaResult(max(ends) + cal.launch_ns, ends, traces)
 
 
-def simulate_gemm(
-    M: int, K: int, N: int, cal: Calibration, split_tail: bool = False, whole_round: bool = True
-) -> float:
+def simulate_gemm(M: int, K: int, N: int, cal: Calibration, split_tail: bool = False, split_k: bool = False) -> float:
     """Our persistent GEMM alone (GPU time); ``split_tail``: its partial last round split along
     K over the CTAs it leaves idle (:func:`ctapipelining.deps.split_tail`), each tail tile done
-    when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice. ``whole_round``:
-    a lone partial round (fewer tiles than SMs) is split too, on a CTA per slice, as the library
-    splits it; False: left whole, as in runs recorded before it did (:func:`validate_shared`)."""
+    when its last slice is, plus :attr:`Calibration.tail_slice_ns` per slice; ``split_k``: a lone
+    partial round (fewer tiles than SMs) too, on a CTA per slice (``GemmConfig.split_k``)."""
     cal = cal.for_gemm(M, K, N)
     grid = deps.TileGrid(M, N, cal.block_m, cal.block_n)
     P, k_tiles = min(cal.num_sms, grid.num_tiles), -(-K // cal.block_k)
-    split_tail = split_tail and (whole_round or grid.num_tiles > cal.num_sms)
+    split_tail = split_k if grid.num_tiles < cal.num_sms else split_tail
     split = deps.split_tail(grid.num_tiles, cal.num_sms, k_tiles, deps.TAIL_MIN_SLICE_K) if split_tail else None
     if split is None:
         rows = _gemm_stage(grid, K, cal, None, "static", 0.0, False, False)
@@ -551,18 +548,16 @@ def table_config(name: str, M: int) -> dict:
     return pick_config(table_rows(name), M)
 
 
-def simulate_ours_sequential(
-    M: int, dims: list[int], cal: Calibration, config: dict | None = None, whole_round: bool = True
-) -> float:
+def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, config: dict | None = None) -> float:
     """Our GEMMs one after another on one GPU, in one graph (GPU time): on the calibrated tiles
     with split tails, or each in ``config`` (e.g. ``table_config(GEMM_TABLE, M)``, the one
-    :func:`~ctapipelining.gemm.matmul` runs for ``M`` rows); ``whole_round`` as for
-    :func:`simulate_gemm`."""
+    :func:`~ctapipelining.gemm.matmul` runs for ``M`` rows; a configuration recorded without
+    ``split_k`` has none)."""
     if config is not None:
-        cal, split = cal.with_config(config), config["split_tail"]
+        cal, split, split_k = cal.with_config(config), config["split_tail"], config.get("split_k", False)
     else:
-        split = True
-    return sum(simulate_gemm(M, k, n, cal, split, whole_round) for k, n in zip(dims, dims[1:]))
+        split, split_k = True, False
+    return sum(simulate_gemm(M, k, n, cal, split, split_k) for k, n in zip(dims, dims[1:]))
 
 
 def simulate_chain_kernel(
@@ -804,13 +799,10 @@ def validate_shared(
     compared through the ``chain_wide`` line (the chain on 128 x 256 tiles at every height).
     ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in place of the
     calibration's. The model has no clocks: a GPU whose SMs partly idle (a loopback's waiting
-    consumer, a round of few tiles) clocks up, which it does not see. Our GEMMs split a lone
-    partial round (fewer tiles than SMs) only in runs that say so (``split_whole_round``, which
-    ``benchmarks/shared_gpu.py`` records): the library did not before."""
+    consumer, a round of few tiles) clocks up, which it does not see."""
     if tile_ns is not None:
         cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
     r = json.loads(Path(results).read_text())
-    whole = bool(r.get("split_whole_round", False))
     rows = []
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
@@ -822,13 +814,13 @@ def validate_shared(
             chain: (simulate_chain_kernel, {}),
             "chain_stage_major": (simulate_chain_kernel, {"interleave": False}),
             "chain_split": (simulate_chain_kernel, {"split_tail": True}),
-            "ours_seq": (simulate_ours_sequential, {"whole_round": whole}),
+            "ours_seq": (simulate_ours_sequential, {}),
             "loopback": (simulate_loopback, {}),
         }
         p = {k: f(M, [K, K, K], cal, **kw) for k, (f, kw) in model.items() if k in med}
         if configs is not None:  # our GEMMs and the chain as the run configured them
             plain, cfg = configs["ours_seq"], configs["chain"]
-            p["ours_seq"] = simulate_ours_sequential(M, [K, K, K], cal, plain, whole)
+            p["ours_seq"] = simulate_ours_sequential(M, [K, K, K], cal, plain)
             p["chain"] = simulate_chain_kernel(
                 M, [K, K, K], cal.with_config(cfg), wait_parts=cfg["wait_parts"], split_tail=cfg["split_tail"]
             )

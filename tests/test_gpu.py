@@ -419,11 +419,11 @@ def test_chain_of_n_stages_on_n_gpus(n, policy):
 @pytest.mark.gpu
 def test_single_stage_is_the_plain_gemm():
     """A one-stage pipeline is the plain GEMM in its plan's configuration, whole tiles or (32
-    tiles of 128 x 256 on 132 SMs) split along K, on the grid ``matmul`` gives it."""
+    tiles of 128 x 256 on 132 SMs, ``split_k``) split along K, on the grid ``matmul`` gives it."""
     (w,) = weights([2048, 1024], ["cuda:0"])
     x = rand(1000, 2048, device="cuda:0")
     for split in (False, True):
-        pipe = Pipeline([w], always_pipelined=True, config=dataclasses.replace(PLAIN_CONFIG, split_tail=split))
+        pipe = Pipeline([w], always_pipelined=True, config=dataclasses.replace(PLAIN_CONFIG, split_k=split))
         assert (pipe.plan(1000).launches[0].gemm.tail is not None) == split
         assert torch.equal(pipe(x), matmul(x, w, config=pipe.plan(1000).configs[0]))
 

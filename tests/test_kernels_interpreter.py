@@ -19,6 +19,7 @@ pytestmark = pytest.mark.interpreter
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=2, num_warps=4)
 TOLERANCES = {torch.float16: 2e-3}
 SPLIT = dataclasses.replace(SMALL, split_tail=True)  # the interpreter runs 4 CTAs
+SPLIT_K = dataclasses.replace(SPLIT, split_k=True)  # fewer tiles than CTAs split too
 
 
 def rel_err(y, ref):
@@ -495,29 +496,69 @@ def test_split_tail_matmul(M, K, N):
 
 
 def test_a_lone_partial_round_is_split_whole_on_a_cta_per_slice():
-    """Fewer tiles than CTAs (2 on the interpreter's 4) are one partial round: with a split tail
+    """Fewer tiles than CTAs (2 on the interpreter's 4) are one partial round: with ``split_k``
     every tile runs as K-slices, a CTA each (split-K), into a NaN-poisoned output wholly
-    written, near float64, bitwise repeatable, the arrival counters back at zero. A
-    one-stage pipeline in that configuration runs the same split: bitwise ``matmul``."""
+    written, near float64, bitwise repeatable, the arrival counters back at zero; a split tail
+    alone leaves such a round whole. A one-stage pipeline in that configuration runs the same
+    split: bitwise ``matmul``."""
     from ctapipelining import gemm
 
     cpu = torch.device("cpu")
     M, K, N = 16, 64, 32  # 2 tiles, 4 K-steps: 2 slices a tile
-    assert gemm.grid_size(M, N, K, SPLIT, cpu) == 4 and gemm.grid_size(M, N, K, SMALL, cpu) == 2
-    launch = gemm.plain_launch(M, N, K, SPLIT, cpu, 0, None, 0)
+    assert gemm.grid_size(M, N, K, SPLIT_K, cpu) == 4 and gemm.grid_size(M, N, K, SPLIT, cpu) == 2
+    assert gemm.plain_launch(M, N, K, SPLIT, cpu, 0, None, 0).tail is None
+    launch = gemm.plain_launch(M, N, K, SPLIT_K, cpu, 0, None, 0)
     assert launch.num_ctas == 4 and launch.tail.split == deps.TailSplit(0, 2, 2)
     torch.manual_seed(0)
     a, b = torch.randn(M, K).half(), (torch.randn(K, N) * K**-0.5).half()
     out = torch.full((M, N), float("nan"), dtype=torch.float16)
-    matmul(a, b, out=out, config=SPLIT)
+    matmul(a, b, out=out, config=SPLIT_K)
     assert not out.isnan().any()
     assert rel_err(out, a.double() @ b.double()) < TOLERANCES[torch.float16]
-    assert torch.equal(matmul(a, b, config=SPLIT), out)
+    assert torch.equal(matmul(a, b, config=SPLIT_K), out)
     assert int(launch.tail.counters.abs().sum()) == 0
-    pipe = Pipeline([b], config=SPLIT, always_pipelined=True)
+    pipe = Pipeline([b], config=SPLIT_K, always_pipelined=True)
     stage = pipe.plan(M).launches[0].gemm
     assert stage.num_ctas == 4 and stage.tail.split == deps.TailSplit(0, 2, 2)
     assert torch.equal(pipe(a), out)
+
+
+@pytest.mark.parametrize("policy,parts", [("static", 1), ("static", 2), ("workqueue", 1)])
+def test_a_consumer_of_few_tiles_splits_them_whole_and_waits_for_each_tiles_rows(policy, parts):
+    """Two stages of 2 tiles each with ``split_k``: the producer and a static consumer (whose
+    slices wait for every part of their tile's rows) each on a CTA per slice; a workqueue
+    consumer runs whole tiles in readiness order. Three epochs bitwise the stages one after
+    another, the arrival counters back at zero."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 32), (32, 32)]]
+    pipe = Pipeline(ws, policy=policy, config=dataclasses.replace(SPLIT_K, wait_parts=parts))
+    plan = pipe.plan(16)
+    producer, consumer = (launch.gemm for launch in plan.launches)
+    assert producer.num_ctas == 4 and producer.tail.split == deps.TailSplit(0, 2, 2)
+    if policy == "static":
+        assert consumer.num_ctas == 4 and consumer.tail.split == deps.TailSplit(0, 2, 2)
+    else:
+        assert consumer.num_ctas == 2 and consumer.tail is None
+    assert_epochs_right(pipe, 16, epochs=3)
+    assert all(int(t.counters.abs().sum()) == 0 for t in plan.tails if t is not None)
+
+
+def test_a_consumer_of_few_tiles_split_whole_times_out_cleanly():
+    """A split-K consumer whose producer never runs: it times out naming its stage, its arrival
+    counters (left part-filled) are zeroed with the plan's state, and the next calls are right."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(64, 32), (32, 32)]]
+    pipe = Pipeline(ws, config=dataclasses.replace(SPLIT_K, wait_parts=2), timeout_s=0.05)
+    plan = pipe.plan(16)
+    assert plan.tails[1] is not None and plan.tails[1].split.first_pos == 0
+    pipe._launch(plan, torch.randn(16, 64).half(), torch.empty(16, 32).half(), only=[1])
+    plan.tails[1].counters.fill_(1)
+    with pytest.raises(PipelineTimeout, match="stage 1 on cpu"):
+        pipe.check_errors(plan)
+    assert int(plan.tails[1].counters.abs().sum()) == 0
+    for _ in range(2):
+        x = torch.randn(16, 64).half()
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 
 def test_a_prefill_runs_in_its_own_configuration_as_its_sequential_gemm_does():
@@ -526,7 +567,7 @@ def test_a_prefill_runs_in_its_own_configuration_as_its_sequential_gemm_does():
     where the stages' tiles differ."""
     torch.manual_seed(0)
     ws = [(torch.randn(k, n) / k**0.5).half() for k, n in [(128, 32), (32, 16)]]
-    c0, c1 = dataclasses.replace(SPLIT, block_n=32), SMALL
+    c0, c1 = dataclasses.replace(SPLIT_K, block_n=32), SMALL
     pipe = Pipeline(ws, config=[c0, c1], prefill_rows=16)
     (prefill,) = [launch.gemm for launch in pipe.plan(48).launches if launch.stream == 1 and not launch.stages]
     assert prefill.num_ctas == 4 and prefill.tail.split == deps.TailSplit(0, 1, 4)  # c0's: 1 tile, 8 K-steps

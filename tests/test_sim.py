@@ -30,9 +30,9 @@ def test_a_split_round_of_few_rows_is_no_faster_than_its_operands_stream():
     HBM once, and by no less; unsplit it keeps its narrow round's tile time."""
     for M, K, N in [(1, 28672, 8192), (64, 28672, 8192), (128, 57344, 8192), (16, 14336, 4096)]:  # down GEMMs
         stream = 2 * (M * K + K * N) / CAL.hbm_gbps + CAL.launch_ns
-        split = sim.simulate_gemm(M, K, N, CAL, split_tail=True)
+        split = sim.simulate_gemm(M, K, N, CAL, split_tail=True, split_k=True)
         assert split >= stream, (M, K, N)
-        assert split <= sim.simulate_gemm(M, K, N, CAL, split_tail=True, whole_round=False), (M, K, N)
+        assert split <= sim.simulate_gemm(M, K, N, CAL, split_tail=True, split_k=False), (M, K, N)
 
 
 def test_packaged_calibration_names_its_source_and_device():
@@ -375,9 +375,10 @@ def test_a_run_that_recorded_its_configurations_is_modelled_in_them(tmp_path):
     by = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, tmp_path / "wide.json")}
     narrow = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, src, tables=True)}
     assert by[128, "chain/ours_seq"] < 0.6 * narrow[128, "chain/ours_seq"]
-    # a run that says our GEMMs split a lone partial round: at 128 rows the 32 wide tiles split,
-    # so our GEMMs one after another are modelled faster
-    run["split_whole_round"] = True
+    # our GEMMs recorded with split_k: at 128 rows the 32 wide tiles split along K, so our GEMMs
+    # one after another are modelled faster
+    for row in run["rows"].values():
+        row["configs"]["ours_seq"] = {**row["configs"]["ours_seq"], "split_k": True}
     (tmp_path / "whole.json").write_text(json.dumps(run))
     whole = {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(CAL, tmp_path / "whole.json")}
     assert whole[128, "chain/ours_seq"] > 1.5 * by[128, "chain/ours_seq"]

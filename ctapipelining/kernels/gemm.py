@@ -57,8 +57,11 @@ class GemmConfig:
     it matters to a producer). ``num_stages``: TMA pipeline depth. ``num_warps``: warps per CTA.
     ``split_tail``: split the partial last round's tiles along K over the CTAs it leaves idle
     (:class:`ctapipelining.deps.TailSplit`; plain and ``static`` kernels and producers; a
-    ``workqueue`` consumer's order is dynamic); a GEMM of fewer tiles than SMs is that round
-    whole, split on a CTA per slice (:func:`ctapipelining.gemm.launch_grid`).
+    ``workqueue`` consumer's order is dynamic). ``split_k``: a GEMM of fewer tiles than its
+    CTAs, one partial round, runs every tile as K-slices too, on a CTA per slice (split-K, for
+    few rows, where the weights' bandwidth bounds the time; :func:`ctapipelining.gemm.launch_grid`;
+    ``workqueue`` consumers excepted). Off in the measured tables, whose tiles split lose there
+    at most row counts; on in :data:`ctapipelining.nn.FEW_ROWS_CONFIGS`.
     ``wait_parts``: a ``static`` consumer waits for its input rows in this many pieces of the
     producer's columns, each just before the K-steps that read it, so a tile starts while its
     rows' right-hand columns are still being written (1: the whole row-block before the tile;
@@ -78,8 +81,12 @@ class GemmConfig:
     num_warps: int = 8
     split_tail: bool = False
     wait_parts: int = 1
+    split_k: bool = False
 
     def __post_init__(self):
+        for name in ("split_tail", "split_k"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "block_k", "group_m", "num_stages", "num_warps", "wait_parts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
