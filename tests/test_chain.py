@@ -302,6 +302,20 @@ def test_chain_split_tail_equals_the_stages_with_the_same_split(M):
         assert int(plan.tickets[0]) == call * ch.claims_per_run
 
 
+def test_a_chain_kernels_stages_run_whole_tiles_whatever_their_split_k():
+    """A chain kernel's rounds are its combined order's: with ``split_k``, its stages' few tiles
+    (2 each, 4 CTAs) run whole, and so do the sequential GEMMs it must equal bitwise (a stage
+    run alone would otherwise split its lone round along K)."""
+    ws = chain(16, 32, 32)
+    pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, split_k=True), loopback=False)
+    plan = pipe.plan(16)
+    assert len(plan.launches) == 1 and plan.launches[0].gemm.split is None
+    assert not any(pipe.stage_config(s, plan.configs).split_k for s in (0, 1))
+    for _ in range(2):
+        x = torch.randn(16, 16).half()
+        assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+
+
 def test_chain_split_tail_timeout_is_clean():
     """A tail tile whose input never completes: PipelineTimeout naming the last stage, and the
     pipeline right again after it (its arrival counters reset)."""

@@ -150,6 +150,8 @@ def test_in_loop_signal_with_pending_tiles(policy):
         (dict(wait_parts=0), "wait_parts must be an int >= 1"),
         (dict(num_stages=2.0), "num_stages must be an int"),
         (dict(group_m=True), "group_m must be an int"),
+        (dict(split_k=1), "split_k must be a bool"),
+        (dict(split_tail="yes"), "split_tail must be a bool"),
     ],
 )
 def test_config_is_checked(kw, match):

@@ -71,10 +71,13 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     another one later, runs it at every row count. A call at few rows, and its first GEMM alone,
     launch in those tiles (each a multiple of 16 wide, as a gated epilogue needs), as accurate
     as the Llama test asks."""
-    from ctapipelining import nn
+    from ctapipelining import deps, nn
 
     few = nn.FEW_ROWS_CONFIGS
     assert all(c.block_n % 16 == 0 for row in few for c in row[1:])
+    # at decode a Llama-8B block's down GEMM (K = 14336, N = 4096: 64 tiles) splits along K on 132 SMs
+    assert tail_split(1, 4096, 14336, few[0][2], 132) == deps.TailSplit(0, 64, 2)
+    assert tail_split(1, 4096, 14336, nn.DOWN_CONFIG, 132) is None  # (16 tiles, whole)
     mlp, norm = hf_block()
     block = LlamaMLP.from_hf(mlp, norm)
     assert block.configs_for(1) == block.configs_for(64) == (few[0][1], few[0][2])
