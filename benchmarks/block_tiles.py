@@ -39,7 +39,7 @@ def _candidates() -> dict[str, GemmConfig]:
              (64, 128, 128, 4, 4), (64, 64, 128, 6, 4), (64, 64, 64, 10, 4)]  # fmt: skip
     for bm, bn, bk, st, wp in tiles:
         for split in (True, False):
-            c = GemmConfig(bm, bn, bk, group_m=8, num_stages=st, num_warps=wp, split_tail=split)
+            c = GemmConfig(bm, bn, bk, group_m=8, num_stages=st, num_warps=wp, split_tail=split, split_k=split)
             if c.smem_bytes() <= SMEM_LIMIT:
                 out[f"{bm}x{bn}x{bk}_s{st}_w{wp}{'_split' if split else ''}"] = c
     return out

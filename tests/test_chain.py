@@ -302,18 +302,24 @@ def test_chain_split_tail_equals_the_stages_with_the_same_split(M):
         assert int(plan.tickets[0]) == call * ch.claims_per_run
 
 
-def test_a_chain_kernels_stages_run_whole_tiles_whatever_their_split_k():
+def test_a_chain_kernels_stages_run_whole_tiles_whatever_their_split_k(monkeypatch):
     """A chain kernel's rounds are its combined order's: with ``split_k``, its stages' few tiles
     (2 each, 4 CTAs) run whole, and so do the sequential GEMMs it must equal bitwise (a stage
-    run alone would otherwise split its lone round along K)."""
+    run alone would otherwise split its lone round along K; on the interpreter, in fp16, the
+    results alone would not show it)."""
+    from ctapipelining import pipeline
+
     ws = chain(16, 32, 32)
     pipe = Pipeline(ws, config=dataclasses.replace(SPLIT, split_k=True), loopback=False)
     plan = pipe.plan(16)
     assert len(plan.launches) == 1 and plan.launches[0].gemm.split is None
     assert not any(pipe.stage_config(s, plan.configs).split_k for s in (0, 1))
+    made, real = [], pipeline.GemmLaunch
+    monkeypatch.setattr(pipeline, "GemmLaunch", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     for _ in range(2):
         x = torch.randn(16, 16).half()
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
+    assert len(made) == 4 and all(launch.tail is None for launch in made)  # the sequential GEMMs
 
 
 def test_chain_split_tail_timeout_is_clean():

@@ -563,6 +563,17 @@ def test_a_consumer_of_few_tiles_split_whole_times_out_cleanly():
         assert torch.equal(pipe(x, check=True), pipe.sequential(x))
 
 
+def test_split_k_alone_leaves_a_partial_round_after_full_ones_whole():
+    """``split_k`` without ``split_tail``: a lone partial round splits, one after full rounds
+    does not (that is ``split_tail``'s)."""
+    from ctapipelining import gemm
+
+    cfg, cpu = dataclasses.replace(SMALL, split_k=True), torch.device("cpu")
+    assert gemm.plain_launch(16, 32, 64, cfg, cpu, 0, None, 0).tail is not None  # 2 tiles on 4 CTAs
+    assert gemm.plain_launch(16, 80, 64, cfg, cpu, 0, None, 0).tail is None  # 5 tiles on 4: 1 left
+    assert gemm.plain_launch(16, 80, 64, dataclasses.replace(cfg, split_tail=True), cpu, 0, None, 0).tail is not None
+
+
 def test_a_prefill_runs_in_its_own_configuration_as_its_sequential_gemm_does():
     """The prefill (stage 0's rows on stage 1's GPU) runs stage 0's configuration: its grid, and
     so whether its few tiles split, follow that configuration, as the sequential GEMMs' do,

@@ -60,8 +60,9 @@ class GemmConfig:
     ``workqueue`` consumer's order is dynamic). ``split_k``: a GEMM of fewer tiles than its
     CTAs, one partial round, runs every tile as K-slices too, on a CTA per slice (split-K, for
     few rows, where the weights' bandwidth bounds the time; :func:`ctapipelining.gemm.launch_grid`;
-    ``workqueue`` consumers excepted). Off in the measured tables, whose tiles split lose there
-    at most row counts; on in :data:`ctapipelining.nn.FEW_ROWS_CONFIGS`.
+    ``workqueue`` consumers and chain kernels' stages excepted). Off in the measured tables (the
+    plain GEMM's few-rows tiles, split, lost at 16 and 64 rows); on in
+    :data:`ctapipelining.nn.FEW_ROWS_CONFIGS`.
     ``wait_parts``: a ``static`` consumer waits for its input rows in this many pieces of the
     producer's columns, each just before the K-steps that read it, so a tile starts while its
     rows' right-hand columns are still being written (1: the whole row-block before the tile;
