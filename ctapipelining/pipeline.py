@@ -832,7 +832,7 @@ class Pipeline:
             split = chain_tail_split(rows, shapes, cfg, self._chain_grid(group, rows, configs[group[0]]))
             if split is None:
                 cfg = dataclasses.replace(cfg, split_tail=False)
-        grid = self._grid(stream, rows, N, K, cfg if split is None else dataclasses.replace(cfg, split_tail=False))
+        grid = self._grid(stream, rows, N, K, cfg)  # (a chain's tail: on its share, whatever cfg's own split)
         if split is not None:
             grid = max(grid, split.items)
         launch = GemmLaunch(

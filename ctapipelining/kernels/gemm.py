@@ -22,7 +22,7 @@ persistent GEMM), wrap the compute body (:func:`_mma_tile`):
 ``tail`` (:class:`Tail`, :func:`_split_tail`, :class:`ctapipelining.deps.TailSplit`) changes
 the schedule, not the protocol: the persistent loop runs the full rounds, and the partial last
 round's tiles are computed as K-slices by the CTAs that would otherwise idle, then summed in a
-fixed order (fewer tiles than SMs: every tile, on a CTA per slice).
+fixed order (with ``split_k``, fewer tiles than SMs: every tile, on a CTA per slice).
 """
 
 import dataclasses
