@@ -28,7 +28,7 @@
 #          the default one-GPU pipeline (bound eager calls) in two mixes of operands -> soak.log, soak.json
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
-#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt; decode),
+#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt; decode; few),
 #          MLP_ONLY (shapes whose key contains it)                              -> mlp_block.log, mlp_block.json
 #   tiles  (1 GPU) benchmarks/block_tiles.py: a Llama block's two GEMMs at few rows under candidate tiles against
 #          cuBLAS (nn.FEW_ROWS_CONFIGS), TILES_ROWS (default the script's), TILES_REPS (default 20) -> block_tiles.log, tiles/

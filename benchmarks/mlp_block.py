@@ -5,11 +5,12 @@ usage: python3 benchmarks/mlp_block.py OUT_DIR [REPS] [COMPILE_MODE] [BLOCKS] [O
 
 BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, intermediate
 28672) at M = 4096 and 8192 and Llama-8B (4096, 14336) at M = 1024 and 4096; a GPT-style block
-(4096, 16384) at M = 4096; ``decode``: the two Llama blocks at decode-sized inputs (M = 1, 16
-and 64), where the weights' bandwidth bounds the time (the lines' medians also give the weights'
-bytes per second, ``weights_tbps``). ONLY: the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``)
-contains it. bf16. Lines, graph-replayed, timed by the bench's harness
-(shuffled turns, paired):
+(4096, 16384) at M = 4096; ``decode``: the two Llama blocks and the GPT block at decode-sized
+inputs (M = 1, 16 and 64), where the weights' bandwidth bounds the time (the lines' medians also
+give the weights' bytes per second, ``weights_tbps``); ``few``: the two Llama blocks at M = 128,
+256, 384, 512 and 768 (the rows of :data:`ctapipelining.nn.FEW_ROWS_CONFIGS` past 64). ONLY:
+the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``) contains it. bf16. Lines,
+graph-replayed, timed by the bench's harness (shuffled turns, paired):
 
 * ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused),
   or :class:`ctapipelining.nn.GPTMLP` (LayerNorm, biases, GELU and residual fused);
@@ -37,10 +38,14 @@ REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
 BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
 ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
-SHAPES = {
-    "llama": [(8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096)],
-    "gpt": [(4096, 16384, 4096)],
-    "decode": [(H, inter, M) for H, inter in ((4096, 14336), (8192, 28672)) for M in (1, 16, 64)],
+LLAMA = ((4096, 14336), (8192, 28672))  # Llama-8B, Llama-70B
+SHAPES = {  # (kind, hidden, intermediate, M)
+    "llama": [("llama", 8192, 28672, 4096), ("llama", 8192, 28672, 8192), ("llama", 4096, 14336, 1024),
+              ("llama", 4096, 14336, 4096)],  # fmt: skip
+    "gpt": [("gpt", 4096, 16384, 4096)],
+    "decode": [("llama", H, inter, M) for H, inter in LLAMA for M in (1, 16, 64)]
+    + [("gpt", 4096, 16384, M) for M in (1, 16, 64)],
+    "few": [("llama", H, inter, M) for H, inter in LLAMA for M in (128, 256, 384, 512, 768)],
 }
 
 
@@ -52,11 +57,11 @@ def ci(ratios):
 def main():
     report = {"environment": environment(), "reps": REPS, "compile_mode": MODE, "command": " ".join(sys.argv)}
     report["shapes"] = {}
-    for kind, H, inter, M in [(k, *shape) for k in BLOCKS for shape in SHAPES[k]]:
+    for kind, H, inter, M in [shape for k in BLOCKS for shape in SHAPES[k]]:
         key = f"{'GPT_' if kind == 'gpt' else ''}H{H}_I{inter}_M{M}"
         if ONLY not in key:
             continue
-        report["shapes"][key] = row = one_shape(H, inter, M, "llama" if kind == "decode" else kind)
+        report["shapes"][key] = row = one_shape(H, inter, M, kind)
         print(key, json.dumps(row), flush=True)
         torch._dynamo.reset()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 the same block in its default tiles, for compute-sanitizer."""
 import torch
 
-from ctapipelining.nn import LlamaMLP, GATE_UP_CONFIG, DOWN_CONFIG
+from ctapipelining.nn import DOWN_CONFIG, GATE_UP_CONFIG, LlamaMLP
 
 torch.manual_seed(0)
 H, inter = 1024, 2048
