@@ -40,8 +40,10 @@ BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
 ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 LLAMA = ((4096, 14336), (8192, 28672))  # Llama-8B, Llama-70B
 SHAPES = {  # (kind, hidden, intermediate, M)
-    "llama": [("llama", 8192, 28672, 4096), ("llama", 8192, 28672, 8192), ("llama", 4096, 14336, 1024),
-              ("llama", 4096, 14336, 4096)],  # fmt: skip
+    "llama": [
+        ("llama", H, inter, M)
+        for H, inter, M in ((8192, 28672, 4096), (8192, 28672, 8192), (4096, 14336, 1024), (4096, 14336, 4096))
+    ],
     "gpt": [("gpt", 4096, 16384, 4096)],
     "decode": [("llama", H, inter, M) for H, inter in LLAMA for M in (1, 16, 64)]
     + [("gpt", 4096, 16384, M) for M in (1, 16, 64)],
