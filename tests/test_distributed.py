@@ -75,6 +75,12 @@ def world1(tmp_path):
     gc.collect()  # what still holds the group (a refused pipeline in a traceback) goes before a later test forks
 
 
+def _results():
+    """A dict the ranks of ``mp.spawn`` fill, held by a manager process spawned afresh (not a
+    fork of this process, which pytest-xdist runs threads in)."""
+    return mp.get_context("spawn").Manager().dict()
+
+
 def _weights(dims, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(k, n, generator=g) / k**0.5).half() for k, n in zip(dims, dims[1:])]
@@ -366,7 +372,7 @@ def test_two_ranks_in_two_processes(tmp_path):
     pipeline; a consumer whose producer never comes, a call one rank refuses, and rows that
     differ between ranks are each reported on both ranks, after which calls are right; settings
     that differ are refused on both ranks."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_scenarios, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     r0, r1 = result[0], result[1]
     assert r1[1] == "static equal True True" and r1[3] == "workqueue equal True True"
@@ -464,7 +470,7 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     right. At a height with no plan yet the refusing rank's check meets the other building the
     plan: both raise (out of step, and its own error), a check by hand on each reports the
     refusal and resets, and the next call is right."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     (kept0, _, refusal0, _, unbuilt0, checked0, _), (kept1, right, refusal1, right_after, unbuilt1, checked1, last) = (
         result[0],
@@ -578,7 +584,7 @@ def test_a_rank_building_a_pipeline_while_another_meets_in_one_finds_out(tmp_pat
     """A rank that builds a pipeline while the others meet in one built before: the builder
     raises that the others are not building, the others that the ranks are out of step; the
     failed build takes no number, so the next pipeline built is numbered alike on both."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_building_while_another_meets, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     (met0, _, second0), (met1, checked1, second1) = result[0], result[1]
     assert met0.startswith("the ranks are out of step: rank 1 is not building a DistributedPipeline"), met0
@@ -593,7 +599,7 @@ def test_ranks_that_call_different_pipelines_of_one_group_find_out(tmp_path):
     group), so both ranks raise that they are out of step, naming the pipelines, instead of
     wiring one's memory to the other's; checked on every rank, both reset, and then each
     pipeline computes its own weights' chain."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_two_pipelines, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     for rank in (0, 1):
         crossed, checks, right, serials = result[rank]
@@ -645,7 +651,7 @@ def test_a_rank_whose_gpu_hung_makes_every_rank_raise_and_refuse(tmp_path):
     that rank (none zeroes its state under that GPU's kernels), and every rank then refuses
     calls (the chain cannot run without it). Before that, a construction one rank refuses with
     an error of any type is refused on both ranks, naming the rank and the error."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_a_rank_hung, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
     for rank in (0, 1):
         refused, check, call = result[rank]
@@ -676,7 +682,7 @@ def _three_ranks(rank, store, result):
 @pytest.mark.interpreter
 def test_three_ranks_on_a_bucketed_height(tmp_path):
     """The middle rank runs the call on the call's rows, not its plan's height."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_three_ranks, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
     assert dict(result) == {0: True, 1: True, 2: True}
 
@@ -733,7 +739,7 @@ def test_host_groups_are_named_alike_on_every_rank_and_gather_in_group_order(tmp
     """A group made for all three ranks after one that rank 2 did not make (as a pipeline on
     two of them makes) meets on every rank; objects of different sizes come back in the group's
     rank order, which for a group made with ``sort_ranks=False`` is not the global one."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_host_groups, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
     for rank in range(3):
         seen, order = result[rank]
@@ -746,7 +752,7 @@ def test_a_rank_outside_an_earlier_pipeline_meets_its_peers_in_the_next(tmp_path
     was not in an earlier pipeline (two of three ranks) made one group fewer; the next pipeline's
     group is still named alike on all three (``hostgroup``), so they meet and compute the chain
     rather than wait for each other until ``meet_timeout_s``."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_pair_then_three, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
     assert dict(result) == {0: True, 1: True, 2: True}
 
@@ -1022,6 +1028,7 @@ def _block_per_rank(rank, store, result, kind):
                 again = seg._sequential(h[:37], got)[0]
                 lines.append(torch.equal(again, y) and not torch.equal(seg._sequential(h[:37], scaled)[0], again))
             # block 1's norm reads those sums: scaled, its output changes
+            dist.barrier()  # rank 1 has read its heap before rank 0 writes into it again
             pipe.plan(37)
             if rank == 0:
                 pipe(x)
@@ -1044,7 +1051,7 @@ def test_a_block_per_rank_in_two_processes(tmp_path, kind):
     sums too) that block 0's down GEMM writes into rank 1's heap with its tiles. With every
     buffer NaN-poisoned first, both policies bitwise the stages one after another (the sums sent
     along) and the one-process stack."""
-    result = mp.Manager().dict()
+    result = _results()
     mp.spawn(_block_per_rank, args=(str(tmp_path / "store"), result, kind), nprocs=2, join=True)
     lines = result[1]
     if kind == "llama":
