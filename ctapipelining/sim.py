@@ -77,7 +77,12 @@ What is modelled
   round of 32 tiles leaves 100 SMs idle, and the GPU clocks up (the model has no clocks). With
   the packaged calibration's tile time instead (``ctapipelining sim --validate-shared ...
   --tables``): up to 3.2% from 640 rows on (768 rows), 1.4-1.9% for the chain at 128 rows,
-  30-34% for the 128 x 256 tiles at 128 rows.
+  30-34% for the 128 x 256 tiles at 128 rows. A run on another GPU is modelled with the HBM
+  rate scaled to that GPU's peak (:meth:`Calibration.on_gpu`): on the two H100 runs of the
+  current tables (``benchmarks/results/2026-12-05-cublas-stages/h100-4270285/``,
+  ``benchmarks/results/2026-12-06-h100-verify-dd27f5f/``), the chain against our GEMMs one after
+  another within 2.7-4.1% at 128 rows (7.3-8.8% at the H200's rate), 3.3-4.8% at 640, 2.8-3.3%
+  at 768 and 2.2% from 1024 rows on.
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -157,6 +162,18 @@ def _device(environment: dict | None) -> str:
         what = " + ".join(gpus) or "unknown device"
     versions = [f"{name} {env[key]}" for key, name in (("torch", "torch"), ("triton", "Triton")) if env.get(key)]
     return f"{what} ({', '.join(versions)})" if versions else what
+
+
+# Peak HBM bandwidth of the GPUs the model knows, TB/s, by a part of the name PyTorch gives
+# (the first that matches; NVIDIA's data sheets). A calibration used on another of them scales its
+# HBM rate by their ratio (:meth:`Calibration.on_gpu`): H100 and H200 SXM have the same SMs and
+# clocks, so a tile computes in the same time on both, and what differs is the memory.
+HBM_PEAK_TBPS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35))
+
+
+def hbm_peak_tbps(name: str | None) -> float | None:
+    """The peak HBM bandwidth of the GPU ``name`` names (:data:`HBM_PEAK_TBPS`), or None."""
+    return next((tbps for part, tbps in HBM_PEAK_TBPS if name and part in name), None)
 
 
 @dataclass(frozen=True)
@@ -257,6 +274,15 @@ class Calibration:
         per_k = 2 * (rows * self.block_m + cols * self.block_n)  # bytes a round reads per unit of K
         floor = float(per_k.mean()) / (self.hbm_gbps * share)
         return self if floor <= self.tile_ns_per_k else replace(self, tile_ns_per_k=floor)
+
+    def on_gpu(self, name: str | None) -> Calibration:
+        """This calibration on the GPU ``name`` names (as PyTorch names it): :attr:`hbm_gbps`
+        scaled by the two GPUs' peak HBM bandwidths (:data:`HBM_PEAK_TBPS`) where both are known
+        and differ; else unchanged. A tile's compute time stays as calibrated."""
+        here, there = hbm_peak_tbps(self.device), hbm_peak_tbps(name)
+        if self.source == "defaults" or here is None or there is None or here == there:
+            return self
+        return replace(self, hbm_gbps=self.hbm_gbps * there / here)
 
     def part_check_ns(self, M: int, K: int, N: int) -> float:
         """What checking a later part of a tile's input costs mid K loop (``wait_parts``): the
@@ -803,6 +829,7 @@ def validate_shared(
     if tile_ns is not None:
         cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
     r = json.loads(Path(results).read_text())
+    cal = cal.on_gpu(_run_gpu(r))
     rows = []
     for M, row in r["rows"].items():
         M, med = int(M), row["median_ms"]
@@ -1230,18 +1257,26 @@ def _shared_rows(cal: Calibration, path: Path, tables: bool = False) -> list[dic
         raise UsageError(f"--validate-shared {path}: not a shared_gpu.py results file ({what})") from None
 
 
-def measured_on(cal: Calibration, path: Path) -> str:
-    """The GPU a results file was measured on (its ``environment``), and whether the calibration
-    is of another GPU, whose tile time and memory bandwidth the model then uses: for a report's
-    header (empty where the file names none)."""
-    data = json.loads(Path(path).read_text())
+def _run_gpu(data) -> str | None:
+    """The first GPU a results file's ``environment`` names, or None."""
     env = data.get("environment") if isinstance(data, dict) else None
     gpus = env.get("gpus") if isinstance(env, dict) else None
-    if not gpus or not isinstance(gpus, list):
+    return gpus[0] if gpus and isinstance(gpus, list) and isinstance(gpus[0], str) else None
+
+
+def measured_on(cal: Calibration, path: Path) -> str:
+    """The GPU a results file was measured on (its ``environment``), and whether the calibration
+    is of another GPU, whose tile time the model then uses, and its memory bandwidth scaled to
+    the run's GPU where it knows both (:meth:`Calibration.on_gpu`): for a report's header (empty
+    where the file names none)."""
+    gpu = _run_gpu(json.loads(Path(path).read_text()))
+    if gpu is None:
         return ""
-    note = f"measured on {gpus[0]}"
-    if cal.source != "defaults" and gpus[0] not in cal.device:
+    note = f"measured on {gpu}"
+    if cal.source != "defaults" and gpu not in cal.device:
         note += "; the model is calibrated on another GPU"
+        if cal.on_gpu(gpu) is not cal:
+            note += f", its HBM rate scaled to this one's ({hbm_peak_tbps(gpu)} TB/s peak)"
     return f" ({note})"
 
 

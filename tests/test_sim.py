@@ -624,9 +624,43 @@ def test_a_validation_names_the_gpu_it_was_measured_on_and_a_calibration_of_anot
     h200 = RESULTS / "2026-12-05-h200-default/shared_gpu.json"
     h100 = RESULTS / "2026-12-06-h100-verify-dd27f5f/shared_gpu.json"
     assert sim.measured_on(CAL, h200) == " (measured on NVIDIA H200)"
-    assert sim.measured_on(CAL, h100) == " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU)"
+    assert sim.measured_on(CAL, h100) == (
+        " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU, "
+        "its HBM rate scaled to this one's (3.35 TB/s peak))"
+    )
     bare = tmp_path / "bare.json"
     for data in ({"rows": {}}, {"environment": None}, {"environment": {"gpus": []}}, []):
         bare.write_text(json.dumps(data))
         assert sim.measured_on(CAL, bare) == ""
     assert sim.measured_on(replace(CAL, source="defaults"), h100) == " (measured on NVIDIA H100 80GB HBM3)"
+
+
+def test_a_calibration_on_another_gpu_takes_that_gpus_memory_bandwidth():
+    """The packaged calibration (of H200s) on an H100 streams at 3.35 / 4.8 of its HBM rate; on
+    an H200, a GPU it does not know, or as built-in defaults (no GPU of their own) it is itself."""
+    assert [sim.hbm_peak_tbps(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                           "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", None)] == [
+        4.8, 3.35, 2.0, 3.9, None, None]  # fmt: skip
+    assert CAL.on_gpu("NVIDIA H100 80GB HBM3").hbm_gbps == pytest.approx(CAL.hbm_gbps * 3.35 / 4.8)
+    assert CAL.on_gpu("NVIDIA H100 80GB HBM3").tile_ns_per_k == CAL.tile_ns_per_k
+    for name in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", None):
+        assert CAL.on_gpu(name) is CAL
+    defaults = sim.Calibration()
+    assert defaults.on_gpu("NVIDIA H100 80GB HBM3") is defaults
+
+
+def test_a_validation_models_the_gpu_its_run_names(tmp_path):
+    """``validate_shared`` models a run on the GPU it names: an H100's run as the same run on an
+    H200 whose calibration streams at the H100's rate; at 128 rows, where HBM bounds the GEMMs,
+    that changes the prediction."""
+    data = json.loads((RESULTS / "2026-12-06-h100-verify-dd27f5f/shared_gpu.json").read_text())
+    as_h200 = tmp_path / "h200.json"
+    as_h200.write_text(json.dumps({**data, "environment": {**data["environment"], "gpus": ["NVIDIA H200"]}}))
+    slower = replace(CAL, hbm_gbps=CAL.hbm_gbps * 3.35 / 4.8)
+
+    def predicted(cal, path):
+        return {(r["seq"], r["ratio"]): r["predicted"] for r in sim.validate_shared(cal, path, tables=True)}
+
+    on_h100 = predicted(CAL, RESULTS / "2026-12-06-h100-verify-dd27f5f/shared_gpu.json")
+    assert on_h100 == predicted(slower, as_h200)
+    assert on_h100[128, "chain/ours_seq"] != pytest.approx(predicted(CAL, as_h200)[128, "chain/ours_seq"], rel=1e-3)
