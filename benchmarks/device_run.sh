@@ -46,11 +46,10 @@
 #          (default the script's), CONFIGS_REPS (default 20); OLD_PACKAGE_PARENT (plain): an older tree's
 #          matmul timed in the same turns                                        -> configs-KIND.log, configs-KIND/
 #   tune   benchmarks/tune.py at TUNE_M rows (default 16384), TUNE_REPS (default 20) -> tune.log, tune.json
-# On a 2-GPU machine (issue 19's second part), each call under 10 minutes, the claims first:
-#   STEPS="env depth stack"                            4 layers on 2 GPUs; two Llama-70B blocks, one per GPU
-#   STEPS="env dist tests" TESTS_MARK=gpu2 TESTS_TIMEOUT=300   one process per GPU; the 2-GPU tests
-#   STEPS="env soak sancross" SOAK_CALLS=10000         the soak and the sanitizers across the GPUs
-#   STEPS="env tests" TESTS_MARK=gpu                   the one-GPU tests on that machine
+# On a 2-GPU machine (issue 19's second part), the claims first, one call each (the steps'
+# timeouts keep each under 10 minutes): STEPS="env depth"; "env stack"; "env dist";
+# "env tests" with TESTS_MARK=gpu2; "env soak" with SOAK_CALLS=10000; "env sancross"; then
+# "env tests" with TESTS_MARK=gpu (the one-GPU tests on that machine).
 # The environment keeps NVLink multicast off (NCCL, symmetric memory, NVSHMEM). At most 8 files come
 # back from a device call: everything but env.txt and gpu-tests.log travels in all.tar.gz.
 set -uo pipefail

@@ -80,9 +80,9 @@ What is modelled
   30-34% for the 128 x 256 tiles at 128 rows. A run on another GPU is modelled with the HBM
   rate scaled to that GPU's peak (:meth:`Calibration.on_gpu`): on the two H100 runs of the
   current tables (``benchmarks/results/2026-12-05-cublas-stages/h100-4270285/``,
-  ``benchmarks/results/2026-12-06-h100-verify-dd27f5f/``), the chain against our GEMMs one after
-  another within 2.7-4.1% at 128 rows (7.3-8.8% at the H200's rate), 3.3-4.8% at 640, 2.8-3.3%
-  at 768 and 2.2% from 1024 rows on.
+  ``benchmarks/results/2026-12-06-h100-verify-dd27f5f/``), the chain in its table's tiles against
+  our GEMMs one after another within 2.7-4.1% at 128 rows (7.3-8.8% at the H200's rate),
+  3.3-4.8% at 640, 2.8-3.3% at 768 and 2.2% from 1024 rows on.
 * **More layers than GPUs** (:func:`simulate_placed`; :func:`placement` spreads them in
   contiguous ranges): each GPU's stages as chain kernels of up to
   :data:`ctapipelining.deps.CHAIN_MAX_STAGES` stages, the first stage of each waiting for the
@@ -126,6 +126,7 @@ import heapq
 import importlib.resources
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -164,16 +165,16 @@ def _device(environment: dict | None) -> str:
     return f"{what} ({', '.join(versions)})" if versions else what
 
 
-# Peak HBM bandwidth of the GPUs the model knows, TB/s, by a part of the name PyTorch gives
-# (the first that matches; NVIDIA's data sheets). A calibration used on another of them scales its
-# HBM rate by their ratio (:meth:`Calibration.on_gpu`): H100 and H200 SXM have the same SMs and
-# clocks, so a tile computes in the same time on both, and what differs is the memory.
-HBM_PEAK_TBPS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35))
+# Peak HBM bandwidth of the GPUs whose SMs and clocks are the calibrated H200's (the H100 SXM's
+# are the same), TB/s, by a pattern of the name PyTorch gives them (NVIDIA's data sheets): on one
+# of them a tile computes in the calibrated time, and the memory is what differs
+# (:meth:`Calibration.on_gpu`). Other GPUs (an H100 PCIe or NVL, a GH200) are not modelled.
+HBM_PEAK_TBPS = ((r"\bH200\b", 4.8), (r"\bH100 80GB HBM3\b", 3.35))
 
 
 def hbm_peak_tbps(name: str | None) -> float | None:
     """The peak HBM bandwidth of the GPU ``name`` names (:data:`HBM_PEAK_TBPS`), or None."""
-    return next((tbps for part, tbps in HBM_PEAK_TBPS if name and part in name), None)
+    return next((tbps for pattern, tbps in HBM_PEAK_TBPS if name and re.search(pattern, name)), None)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class Calibration:
     # than they read (benchmarks/results/2026-12-05-h200-default/shared_gpu.json: 41.2 us a
     # GEMM of X[128, 8192] @ W[8192, 8192], a launch included)
     hbm_gbps: float = 3_770.0
+    hbm_gpu: str = "NVIDIA H200"  # the GPU hbm_gbps is of (Calibration.on_gpu)
     source: str = "defaults"  # the files fitted on, " + "-separated
     device: str = "unknown device"  # the machine and versions they were measured with
 
@@ -277,12 +279,13 @@ class Calibration:
 
     def on_gpu(self, name: str | None) -> Calibration:
         """This calibration on the GPU ``name`` names (as PyTorch names it): :attr:`hbm_gbps`
-        scaled by the two GPUs' peak HBM bandwidths (:data:`HBM_PEAK_TBPS`) where both are known
-        and differ; else unchanged. A tile's compute time stays as calibrated."""
-        here, there = hbm_peak_tbps(self.device), hbm_peak_tbps(name)
-        if self.source == "defaults" or here is None or there is None or here == there:
+        (of :attr:`hbm_gpu`) scaled by the two GPUs' peak HBM bandwidths
+        (:data:`HBM_PEAK_TBPS`) where both are known and differ; else unchanged. A tile's
+        compute time stays as calibrated."""
+        here, there = hbm_peak_tbps(self.hbm_gpu), hbm_peak_tbps(name)
+        if here is None or there is None or here == there:
             return self
-        return replace(self, hbm_gbps=self.hbm_gbps * there / here)
+        return replace(self, hbm_gbps=self.hbm_gbps * there / here, hbm_gpu=name)
 
     def part_check_ns(self, M: int, K: int, N: int) -> float:
         """What checking a later part of a tile's input costs mid K loop (``wait_parts``): the
@@ -824,8 +827,9 @@ def validate_shared(
     :attr:`~ctapipelining.pipeline.Pipeline.one_after_another` decides on), and the variants are
     compared through the ``chain_wide`` line (the chain on 128 x 256 tiles at every height).
     ``tile_ns``: the tile time on that GPU (e.g. :func:`traced_tile_ns`), in place of the
-    calibration's. The model has no clocks: a GPU whose SMs partly idle (a loopback's waiting
-    consumer, a round of few tiles) clocks up, which it does not see."""
+    calibration's. The run is modelled on the GPU it names (:meth:`Calibration.on_gpu`: its HBM
+    rate). The model has no clocks: a GPU whose SMs partly idle (a loopback's waiting consumer, a
+    round of few tiles) clocks up, which it does not see."""
     if tile_ns is not None:
         cal = replace(cal, tile_ns_per_k=(tile_ns - cal.epilogue_ns) / K)
     r = json.loads(Path(results).read_text())
@@ -903,6 +907,7 @@ def validate_depth(cal: Calibration, results: Path) -> list[dict]:
     that it gives the run's floor) and how much slower a GEMM writing into the other GPU runs
     (``triton_remote_write`` over one GEMM of ``floor_triton``)."""
     r = json.loads(Path(results).read_text())
+    cal = cal.on_gpu(_run_gpu(r))
     layers, gpus = r.get("layers", r["gpus"]), r["gpus"]
     if layers <= gpus:
         raise ValueError(f"{results}: {layers} layers on {gpus} GPUs; validate_depth wants more layers than GPUs")
@@ -1131,6 +1136,7 @@ PAPER_REDUCTION_VS_TP = 29.6
 def validate(cal: Calibration, results: Path, seqs=(2048, 8192, 16384), K: int = 8192) -> list[dict]:
     """Predicted vs measured for every method the results file has, at ``seqs``."""
     r = json.loads(Path(results).read_text())
+    cal = cal.on_gpu(_run_gpu(r))
     med = {(s["method"], s["seq"], s["chunk"]): s["median_ms"] for s in r["summaries"]}
     rows = []
     for M in seqs:
@@ -1265,18 +1271,18 @@ def _run_gpu(data) -> str | None:
 
 
 def measured_on(cal: Calibration, path: Path) -> str:
-    """The GPU a results file was measured on (its ``environment``), and whether the calibration
-    is of another GPU, whose tile time the model then uses, and its memory bandwidth scaled to
-    the run's GPU where it knows both (:meth:`Calibration.on_gpu`): for a report's header (empty
-    where the file names none)."""
+    """The GPU a results file was measured on (its ``environment``), whether the calibration is
+    of another GPU (whose tile time the model then uses), and whether the model scales its HBM
+    rate to the run's GPU (:meth:`Calibration.on_gpu`, as every validation does): for a report's
+    header (empty where the file names none)."""
     gpu = _run_gpu(json.loads(Path(path).read_text()))
     if gpu is None:
         return ""
     note = f"measured on {gpu}"
     if cal.source != "defaults" and gpu not in cal.device:
         note += "; the model is calibrated on another GPU"
-        if cal.on_gpu(gpu) is not cal:
-            note += f", its HBM rate scaled to this one's ({hbm_peak_tbps(gpu)} TB/s peak)"
+    if cal.on_gpu(gpu) is not cal:
+        note += f"; its HBM rate is scaled to this GPU's ({hbm_peak_tbps(gpu)} TB/s peak)"
     return f" ({note})"
 
 

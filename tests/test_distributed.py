@@ -1027,8 +1027,8 @@ def _block_per_rank(rank, store, result, kind):
                 scaled = tuple(4 * t for t in got) if kind == "gpt" else 4 * got
                 again = seg._sequential(h[:37], got)[0]
                 lines.append(torch.equal(again, y) and not torch.equal(seg._sequential(h[:37], scaled)[0], again))
-            # block 1's norm reads those sums: scaled, its output changes
             dist.barrier()  # rank 1 has read its heap before rank 0 writes into it again
+            # block 1's norm reads those sums: scaled, its output changes
             pipe.plan(37)
             if rank == 0:
                 pipe(x)

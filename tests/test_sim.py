@@ -624,29 +624,34 @@ def test_a_validation_names_the_gpu_it_was_measured_on_and_a_calibration_of_anot
     h200 = RESULTS / "2026-12-05-h200-default/shared_gpu.json"
     h100 = RESULTS / "2026-12-06-h100-verify-dd27f5f/shared_gpu.json"
     assert sim.measured_on(CAL, h200) == " (measured on NVIDIA H200)"
+    scaled = "; its HBM rate is scaled to this GPU's (3.35 TB/s peak))"
     assert sim.measured_on(CAL, h100) == (
-        " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU, "
-        "its HBM rate scaled to this one's (3.35 TB/s peak))"
+        " (measured on NVIDIA H100 80GB HBM3; the model is calibrated on another GPU" + scaled
     )
     bare = tmp_path / "bare.json"
     for data in ({"rows": {}}, {"environment": None}, {"environment": {"gpus": []}}, []):
         bare.write_text(json.dumps(data))
         assert sim.measured_on(CAL, bare) == ""
-    assert sim.measured_on(replace(CAL, source="defaults"), h100) == " (measured on NVIDIA H100 80GB HBM3)"
+    assert sim.measured_on(replace(CAL, source="defaults"), h100) == " (measured on NVIDIA H100 80GB HBM3" + scaled
+    assert sim.measured_on(replace(CAL, source="defaults"), h200) == " (measured on NVIDIA H200)"
 
 
-def test_a_calibration_on_another_gpu_takes_that_gpus_memory_bandwidth():
-    """The packaged calibration (of H200s) on an H100 streams at 3.35 / 4.8 of its HBM rate; on
-    an H200, a GPU it does not know, or as built-in defaults (no GPU of their own) it is itself."""
-    assert [sim.hbm_peak_tbps(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
-                                           "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", None)] == [
-        4.8, 3.35, 2.0, 3.9, None, None]  # fmt: skip
-    assert CAL.on_gpu("NVIDIA H100 80GB HBM3").hbm_gbps == pytest.approx(CAL.hbm_gbps * 3.35 / 4.8)
-    assert CAL.on_gpu("NVIDIA H100 80GB HBM3").tile_ns_per_k == CAL.tile_ns_per_k
-    for name in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", None):
+def test_a_calibration_on_another_gpu_takes_that_gpus_memory_bandwidth(tmp_path):
+    """The packaged calibration (its HBM rate an H200's) on an H100 SXM streams at 3.35 / 4.8 of
+    that rate, once however often it is asked, and back on an H200 at its own; on a GPU whose SMs
+    differ (an H100 PCIe or NVL, a GH200) or one it does not know, it is itself. A calibration
+    saved and loaded keeps the GPU its rate is of."""
+    names = ("NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+             "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB", None)  # fmt: skip
+    assert [sim.hbm_peak_tbps(n) for n in names] == [4.8, 4.8, 3.35, None, None, None, None, None]
+    h100 = CAL.on_gpu("NVIDIA H100 80GB HBM3")
+    assert h100.hbm_gbps == pytest.approx(CAL.hbm_gbps * 3.35 / 4.8)
+    assert h100.tile_ns_per_k == CAL.tile_ns_per_k
+    assert h100.on_gpu("NVIDIA H100 80GB HBM3") is h100
+    assert h100.on_gpu("NVIDIA H200").hbm_gbps == pytest.approx(CAL.hbm_gbps)
+    for name in ("NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", None):
         assert CAL.on_gpu(name) is CAL
-    defaults = sim.Calibration()
-    assert defaults.on_gpu("NVIDIA H100 80GB HBM3") is defaults
+    assert sim.Calibration.load(h100.save(tmp_path / "h100.json")) == h100
 
 
 def test_a_validation_models_the_gpu_its_run_names(tmp_path):
