@@ -389,14 +389,14 @@ class FusedMLP(torch.nn.Module):
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
         """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
         a launch is compiled and cached per epilogue). Whenever a buffer's signature (address,
-        shape, strides, dtype, device) or a configuration changes, the weights and epilogues are
+        shape, strides, dtype, device), a configuration or ``eps`` changes, the weights and epilogues are
         checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
         own call relies on it."""
         tensors = (*self._buffers.values(), *self._parameters.values())  # (a weight reassigned as a parameter)
         # (a list, not a generator: Python 3.12 runs it inline, and every call of a block makes this key;
         # a buffer that is not dense has no signature: checked, and refused, below)
         signed = [signature(t) if is_dense(t) else None for t in tensors if t is not None]
-        key = (*signed, self.in_config, self.out_config)
+        key = (*signed, self.in_config, self.out_config, self.eps)
         if self._epi is None or self._epi[0] != key:
             w_in, w_out, name = self.w_in, self.w_out, type(self).__name__
             check_weight(w_in, f"{name}: first weight")
@@ -576,8 +576,14 @@ class FusedMLP(torch.nn.Module):
                 )
             if overlaps(out, *([] if h is None else [h]), *read):
                 raise ValueError("out shares memory with h or the second GEMM's weight or bias")
-        if h is not None and h.dim() == 2 and overlaps(h, *read):
-            raise ValueError("h shares memory with the second GEMM's weight or bias")
+        if h is not None:  # the second GEMM's input: what it would refuse, refused before the first writes
+            check_tensor(h, "h")
+            want = (rows.shape[0], first.out_cols(w_in.shape[1]))
+            if h.shape != want or (h.dtype, h.device) != (rows.dtype, rows.device):
+                raise ValueError(f"h must be a {list(want)} {rows.dtype} tensor on {rows.device}, "
+                                 f"got {list(h.shape)} {h.dtype} on {h.device}")  # fmt: skip
+            if overlaps(h, *read):
+                raise ValueError("h shares memory with the second GEMM's weight or bias")
         y = torch.empty_like(rows) if out is None else out
         in_config, out_config = self.configs_for(rows.shape[0])
         h = matmul(rows, w_in, out=h, config=in_config, epilogue=first, a_copy=y)
@@ -596,14 +602,16 @@ class FusedMLP(torch.nn.Module):
         return [self.w_in, self.w_out], [self.in_config, out_config], list(self._epilogues())
 
     def refresh(self) -> None:
-        """Lay the weights out again from the module this block was built from (a call does it by
-        itself after an in-place change PyTorch counts; this is for one it does not, such as
-        through ``w.data``). In place, so a CUDA graph that captured the block runs the new
-        weights."""
+        """Lay the weights out again from the module this block was built from, and read its norm's
+        epsilon again (a call does both by itself after an in-place change PyTorch counts or a new
+        epsilon; this is for a change it does not see, such as through ``w.data``). In place, so a
+        CUDA graph that captured the block runs the new weights."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
-        if self._norm_unchecked:  # built on the meta device: the norm is probed once it is real
-            self._norm_unchecked = not _check_norm(self._source[1], self._norm_kind, self.eps)
+        eps = self._source_eps(self._source[1])
+        if self._norm_unchecked or eps != self.eps:  # (unchecked: built on the meta device, probed once real)
+            self._norm_unchecked = not _check_norm(self._source[1], self._norm_kind, eps)
+        self.eps = eps
         self._lay_out(*self._source_weights())
         self._source_versions = self._versions()
 
@@ -627,7 +635,7 @@ class FusedMLP(torch.nn.Module):
         if self._source is None:
             return False
         now, then = [t for t in self._source_tensors() if t is not None], self._source_versions
-        return len(now) != len(then) or any(
+        return len(now) != len(then) or self._source_eps(self._source[1]) != self.eps or any(
             t.data_ptr() != ptr
             or (None if t.is_inference() else t._version) != version
             or ref.expired()
@@ -637,14 +645,16 @@ class FusedMLP(torch.nn.Module):
 
     def _follow_source(self) -> None:
         """Lay the weights out again if a source weight was replaced or changed in place since
-        (its version moved); inside a CUDA-graph capture or the custom operator, refuse instead
-        (the copy would be captured, not run; the operator writes none of its inputs)."""
+        (its version moved), or the source norm's epsilon changed; inside a CUDA-graph capture
+        or the custom operator, refuse instead (the copy would be captured, not run; the
+        operator writes none of its inputs)."""
         if not self._source_moved():
             return
         if _IN_OPERATOR.get() or _capture_underway():
             raise RuntimeError(
-                "a weight of the block's source module changed since it was laid out: call the block "
-                "once eagerly outside any CUDA-graph capture or compiled region (or refresh()) to lay it out again"
+                "a weight or the norm's epsilon of the block's source module changed since it was laid out: call "
+                "the block once eagerly outside any CUDA-graph capture or compiled region (or refresh()) to lay it "
+                "out again"
             )
         self.refresh()
 
@@ -767,14 +777,20 @@ class LlamaMLP(FusedMLP):
         for name in ("gate_proj", "up_proj", "down_proj"):
             if getattr(mlp, name).bias is not None:
                 raise ValueError(f"{name} has a bias: a Llama MLP has none")
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        if eps is None:  # torch.nn.RMSNorm's default: it normalises in float32, with float32's epsilon
-            eps = torch.finfo(torch.float32).eps  # (the probe below checks that it does)
+        eps = cls._source_eps(norm)
         checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
-        block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, float(eps), **configs)
+        block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
+
+    @staticmethod
+    def _source_eps(norm: torch.nn.Module) -> float:
+        """The epsilon of an RMSNorm module (``transformers``' ``variance_epsilon``, else ``eps``)."""
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        if eps is None:  # torch.nn.RMSNorm's default: it normalises in float32, with float32's epsilon
+            eps = torch.finfo(torch.float32).eps  # (_check_norm's probe checks that it does)
+        return float(eps)
 
     def _source_weights(self):
         mlp, norm = self._source
@@ -854,12 +870,17 @@ class GPTMLP(FusedMLP):
         act = getattr(mlp, "act", None)
         if type(act).__name__ not in GELU_TANH:
             raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
-        eps = float(norm.eps)
+        eps = cls._source_eps(norm)
         checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
         block = cls(*cls._hf_weights(mlp, norm), eps, **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
+
+    @staticmethod
+    def _source_eps(norm: torch.nn.Module) -> float:
+        """The epsilon of a LayerNorm module."""
+        return float(norm.eps)
 
     @staticmethod
     def _hf_weights(mlp, norm, raw: bool = False):
@@ -995,7 +1016,7 @@ class MLPStack(torch.nn.Module):
         weights = self._weights()
         key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
             (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
-        )
+        ) + tuple((b.in_config, b.out_config, b.eps) for b in self.blocks)
         if self._built is None or self._built[0] != key:
             stages = [b.pipeline_stages() for b in self.blocks]  # each block's configurations, epilogues
             epilogues = [e for _, _, epis in stages for e in epis]

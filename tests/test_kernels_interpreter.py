@@ -147,6 +147,9 @@ def test_in_loop_signal_with_pending_tiles(policy):
     [
         (dict(block_m=0), "block_m must be an int >= 1"),
         (dict(block_n=48), "block_n must be a power of two"),
+        (dict(block_k=4), "block_k must be at least 16"),
+        (dict(block_n=8), "block_n must be at least 16"),
+        (dict(block_m=8), "block_m must be at least 16"),
         (dict(wait_parts=0), "wait_parts must be an int >= 1"),
         (dict(num_stages=2.0), "num_stages must be an int"),
         (dict(group_m=True), "group_m must be an int"),

@@ -297,6 +297,14 @@ def test_a_refused_refresh_changes_nothing_and_run_checks_out_before_writing():
     with pytest.raises(ValueError, match="out must be a contiguous"):
         llama.run(rows, out, h)
     assert out.isnan().all() and h.isnan().all()
+    out = torch.full((8, H), float("nan")).half()
+    for bad_h, match in (
+        (torch.full((8, 2 * INTER), float("nan")).half()[:, :INTER], "h must be contiguous"),  # padded rows
+        (torch.full((8, INTER + 8), float("nan")).half(), r"h must be a \[8, 80\]"),
+    ):  # (what the second GEMM would refuse as its input: refused before the first writes out or h)
+        with pytest.raises(ValueError, match=match):
+            llama.run(rows, out, bad_h)
+        assert out.isnan().all() and bad_h.isnan().all()
     w_out = llama.w_out.clone()
     with pytest.raises(ValueError, match="out shares memory"):
         llama.run(rows, llama.w_out[:8])  # the second GEMM's own weight: refused before the first writes it
@@ -388,11 +396,10 @@ def test_bad_epilogues_are_refused_before_launch():
         matmul(a, torch.randn(48, 72).half(), config=SMALL, epilogue=Epilogue(silu, gated=True))
     with pytest.raises(ValueError, match="multiple of 8"):  # gate and up columns in runs of 8
         interleave(torch.zeros(48, 12).half(), torch.zeros(48, 12).half())
-    narrow = GemmConfig(16, 8, 16)  # a tile narrower than one run of gate and one of up columns
-    with pytest.raises(ValueError, match="tiles a multiple of 16 wide, got 8"):
-        matmul(a, w, config=narrow, epilogue=Epilogue(silu, gated=True))
-    with pytest.raises(ValueError, match="tiles a multiple of 16 wide, got 8"):  # the launch a pipeline binds
-        GemmLaunch(32, 64, 48, narrow, 4, a.device, epilogue=Epilogue(silu, gated=True))
+    with pytest.raises(ValueError, match="block_n must be at least 16"):  # narrower than a run of gate and of up
+        GemmConfig(16, 8, 16)
+    with pytest.raises(ValueError, match="halves B's 40 columns"):  # the launch a pipeline binds
+        GemmLaunch(32, 40, 48, SMALL, 4, a.device, epilogue=Epilogue(silu, gated=True))
     with pytest.raises(ValueError, match="bias must be a \\[64\\]"):
         matmul(a, w, config=SMALL, epilogue=Epilogue(silu, gated=True, bias=torch.zeros(32).half()))
     with pytest.raises(ValueError, match="pass residual exactly"):
@@ -451,8 +458,8 @@ def test_blocks_and_stacks_the_kernels_cannot_take_are_refused_when_built():
 def test_weights_put_in_after_construction_are_checked_before_the_next_call():
     """A block checks its weights and epilogues again whenever a buffer's signature or a
     configuration changes (what its own call skips ``matmul``'s checks on): a replaced weight of
-    the wrong shape, dtype or layout, or a configuration whose tiles cannot close the gated
-    epilogue, is refused with a clear error before anything runs; put back, the block runs."""
+    the wrong shape, dtype or layout is refused with a clear error before anything runs; put
+    back, the block runs; a configuration put in runs at the next call."""
     mlp, norm = hf_block()
     block = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
     x = torch.randn(5, H).half()
@@ -469,9 +476,9 @@ def test_weights_put_in_after_construction_are_checked_before_the_next_call():
         with pytest.raises((ValueError, TypeError), match=match):
             block(x)
     block.w_in = good
-    block.in_config = GemmConfig(16, 8, 16)
-    with pytest.raises(ValueError, match="multiple of 16 wide"):
-        block(x)
+    block.in_config = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)  # runs at the next call
+    other = LlamaMLP.from_hf(mlp, norm, gate_up_config=block.in_config, down_config=block.out_config)
+    assert torch.equal(block(x), other(x))
     block.in_config = SMALL
     assert torch.equal(block(x), want)
 
@@ -1116,3 +1123,37 @@ def test_a_stack_takes_no_rows_as_a_block_does():
         for module in (block, stack, stack.sequential):
             y = module(x)
             assert y.shape == x.shape and y.dtype == x.dtype, module
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_call(kind):
+    """A block's ``eps`` set directly runs at the next call (as a block built with it); a block
+    built from ``transformers`` follows its norm's epsilon changed there, at the next call and
+    through ``refresh``; a stack of such blocks follows it too; a bad epsilon is refused."""
+    x = torch.randn(9, H).half() * 0.05  # small rows: the epsilon weighs
+    mlp, norm = hf_block() if kind == "llama" else gpt_block()
+    cls, configs = (LlamaMLP, dict(gate_up_config=SMALL, down_config=SMALL)) if kind == "llama" else (
+        GPTMLP, dict(up_config=SMALL, down_config=SMALL))  # fmt: skip
+    block = cls.from_hf(mlp, norm, **configs)
+    before = block(x)
+    block._source = None  # as if built from tensors
+    block.eps = 0.5
+    changed = block(x)
+    assert not torch.equal(changed, before)
+    attr = "variance_epsilon" if kind == "llama" else "eps"
+    setattr(norm, attr, 0.5)
+    assert torch.equal(cls.from_hf(mlp, norm, **configs)(x), changed)
+    setattr(norm, attr, 1e-5)
+    followed = cls.from_hf(mlp, norm, **configs)
+    stack = (LlamaStack if kind == "llama" else GPTStack)([followed], always_pipelined=True)
+    assert torch.equal(followed(x), before) and torch.equal(stack(x), stack.sequential(x))
+    stacked = stack(x)
+    setattr(norm, attr, 0.5)  # no tensor changes: only the epsilon
+    assert torch.equal(followed(x), changed) and followed.eps == 0.5
+    assert torch.equal(stack(x), stack.sequential(x)) and not torch.equal(stack(x), stacked)
+    setattr(norm, attr, 1e-5)
+    followed.refresh()
+    assert followed.eps == 1e-5 and torch.equal(followed(x), before)
+    block.eps = -1.0
+    with pytest.raises(ValueError, match="eps must be a float > 0"):
+        block(x)

@@ -96,6 +96,9 @@ class GemmConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n", "block_k"):  # tl.dot's least, and TMA's 16-byte rows
+            if getattr(self, name) < 16:
+                raise ValueError(f"GemmConfig.{name} must be at least 16, got {getattr(self, name)}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory a CTA needs: the TMA load ring and the TMA store's staging tile."""
