@@ -596,7 +596,8 @@ class FusedMLP(torch.nn.Module):
         (the first stage's input), so where its configuration leaves no shared memory for the
         residual's tile (the default :data:`DOWN_CONFIG`'s) it runs in
         :data:`~ctapipelining.kernels.gemm.RESIDUAL_CONFIG`. The weights are the block's own:
-        :meth:`refresh` updates them in place."""
+        :meth:`refresh` updates them in place. The epilogues hold the norm's epsilon as it is now:
+        a pipeline built from them keeps it (build another after the epsilon changes)."""
         self._follow_source()
         out_config = self.out_config if fits_loaded_residual(self.out_config) else RESIDUAL_CONFIG
         return [self.w_in, self.w_out], [self.in_config, out_config], list(self._epilogues())
@@ -608,11 +609,14 @@ class FusedMLP(torch.nn.Module):
         CUDA graph that captured the block runs the new weights."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
-        eps = self._source_eps(self._source[1])
-        if self._norm_unchecked or eps != self.eps:  # (unchecked: built on the meta device, probed once real)
-            self._norm_unchecked = not _check_norm(self._source[1], self._norm_kind, eps)
-        self.eps = eps
-        self._lay_out(*self._source_weights())
+        norm = self._source[1]
+        eps, unchecked, w = self._source_eps(norm), self._norm_unchecked, getattr(norm, "weight", None)
+        # probed (unchecked: built on the meta device, probed once real) unless its weight changed
+        # shape, which _lay_out refuses by name
+        if (unchecked or eps != self.eps) and not (isinstance(w, torch.Tensor) and w.shape != (self.hidden,)):
+            unchecked = not _check_norm(norm, self._norm_kind, eps)
+        self._lay_out(*self._source_weights())  # (refused: nothing changed)
+        self.eps, self._norm_unchecked = eps, unchecked
         self._source_versions = self._versions()
 
     def _versions(self) -> tuple:
@@ -786,8 +790,11 @@ class LlamaMLP(FusedMLP):
 
     @staticmethod
     def _source_eps(norm: torch.nn.Module) -> float:
-        """The epsilon of an RMSNorm module (``transformers``' ``variance_epsilon``, else ``eps``)."""
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        """The epsilon of an RMSNorm module (``transformers``' ``variance_epsilon``, else ``eps``;
+        read at every call of a block built from one: the common attribute first)."""
+        eps = norm.__dict__.get("variance_epsilon")
+        if eps is None:
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         if eps is None:  # torch.nn.RMSNorm's default: it normalises in float32, with float32's epsilon
             eps = torch.finfo(torch.float32).eps  # (_check_norm's probe checks that it does)
         return float(eps)

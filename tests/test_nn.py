@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter looks it up in a jit function's module)
 
+from ctapipelining import nn
 from ctapipelining.epilogue import Epilogue, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from ctapipelining.gemm import GemmLaunch, matmul, tail_split
 from ctapipelining.kernels.gemm import GemmConfig
@@ -455,7 +456,7 @@ def test_blocks_and_stacks_the_kernels_cannot_take_are_refused_when_built():
         LlamaStack([llama(), llama(hidden=56)])
 
 
-def test_weights_put_in_after_construction_are_checked_before_the_next_call():
+def test_weights_put_in_after_construction_are_checked_before_the_next_call(monkeypatch):
     """A block checks its weights and epilogues again whenever a buffer's signature or a
     configuration changes (what its own call skips ``matmul``'s checks on): a replaced weight of
     the wrong shape, dtype or layout is refused with a clear error before anything runs; put
@@ -477,10 +478,12 @@ def test_weights_put_in_after_construction_are_checked_before_the_next_call():
             block(x)
     block.w_in = good
     block.in_config = GemmConfig(16, 16, 16, group_m=1, num_stages=2, num_warps=4)  # runs at the next call
-    other = LlamaMLP.from_hf(mlp, norm, gate_up_config=block.in_config, down_config=block.out_config)
-    assert torch.equal(block(x), other(x))
+    ran = []
+    monkeypatch.setattr(nn, "matmul", lambda *a, **kw: ran.append(kw["config"]) or matmul(*a, **kw))
+    assert torch.equal(block(x), want)  # (the interpreter rounds both tiles alike)
+    assert ran == [block.in_config, SMALL]
     block.in_config = SMALL
-    assert torch.equal(block(x), want)
+    assert torch.equal(block(x), want) and ran[2:] == [SMALL, SMALL]
 
 
 def test_the_block_is_an_operator_torch_compile_traces_without_a_graph_break():
@@ -1145,15 +1148,26 @@ def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_
     assert torch.equal(cls.from_hf(mlp, norm, **configs)(x), changed)
     setattr(norm, attr, 1e-5)
     followed = cls.from_hf(mlp, norm, **configs)
-    stack = (LlamaStack if kind == "llama" else GPTStack)([followed], always_pipelined=True)
-    assert torch.equal(followed(x), before) and torch.equal(stack(x), stack.sequential(x))
+    Stack = LlamaStack if kind == "llama" else GPTStack
+    stack = Stack([followed], always_pipelined=True)
     stacked = stack(x)
-    setattr(norm, attr, 0.5)  # no tensor changes: only the epsilon
+    assert torch.equal(followed(x), before)
+    setattr(norm, attr, 0.5)  # no tensor changes: only the epsilon; the stack's call sees it first
+    fresh = Stack([cls.from_hf(mlp, norm, **configs)], always_pipelined=True)(x)
+    assert torch.equal(stack(x), fresh) and not torch.equal(fresh, stacked)
     assert torch.equal(followed(x), changed) and followed.eps == 0.5
-    assert torch.equal(stack(x), stack.sequential(x)) and not torch.equal(stack(x), stacked)
     setattr(norm, attr, 1e-5)
     followed.refresh()
     assert followed.eps == 1e-5 and torch.equal(followed(x), before)
+    setattr(norm, attr, 0.25)
+    with torch.no_grad():
+        weight = norm.weight
+        norm.weight = torch.nn.Parameter(weight[:-8].clone())  # and a weight of another shape: refused
+    laid_out = {k: v.clone() for k, v in followed._buffers.items() if v is not None}
+    with pytest.raises(ValueError, match=r"does not match|got weight \(40,\)"):
+        followed.refresh()
+    assert followed.eps == 1e-5  # a refused refresh changes nothing
+    assert all(torch.equal(followed._buffers[k], v) for k, v in laid_out.items())
     block.eps = -1.0
     with pytest.raises(ValueError, match="eps must be a float > 0"):
         block(x)
