@@ -442,7 +442,9 @@ class FusedMLP(torch.nn.Module):
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
         if direct:  # (a contiguous x's rows are a view of its bytes: a later call on them is x's)
-            y = self._run(rows, w_in, w_out, fits=True, entry=signature(x) if flat or x.is_contiguous() else None)
+            aligned = rows.data_ptr() % 16 == 0  # (TMA reads from 16-byte aligned addresses: else a copy)
+            entry = signature(x) if aligned and (flat or x.is_contiguous()) else None
+            y = self._run(rows if aligned else rows.clone(), w_in, w_out, fits=True, entry=entry)
             return y if flat else y.reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             self._follow_source()
@@ -1035,7 +1037,7 @@ class MLPStack(torch.nn.Module):
         self._check_x(x)
         rows = x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
-            return self._run(rows).reshape(x.shape)
+            return self._run(rows if rows.data_ptr() % 16 == 0 else rows.clone()).reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             for b in self.blocks:
                 b._follow_source()

@@ -1171,3 +1171,19 @@ def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_
     block.eps = -1.0
     with pytest.raises(ValueError, match="eps must be a float > 0"):
         block(x)
+
+
+def test_misaligned_rows_run_and_an_empty_inner_dimension_is_named():
+    """A contiguous ``x`` at an address TMA cannot read from (not 16-byte aligned) runs, through
+    a copy, in a block and in a stack, as the same rows aligned do; a GEMM over an empty inner
+    dimension says so."""
+    block = LlamaMLP.from_hf(*hf_block(), gate_up_config=SMALL, down_config=SMALL)
+    buf = torch.randn(10 * H + 1).half()
+    x = buf[1:].view(10, H)  # 2 bytes past an aligned address
+    assert x.data_ptr() % 16 and x.is_contiguous()
+    want = block(x.clone())
+    assert torch.equal(block(x), want) and torch.equal(block(x.view(2, 5, H)), want.view(2, 5, H))
+    stack = LlamaStack([block], always_pipelined=True)
+    assert torch.equal(stack(x), stack(x.clone()))
+    with pytest.raises(ValueError, match="the inner dimension is empty"):
+        matmul(torch.zeros(20, 0).half(), torch.zeros(0, 32).half())
