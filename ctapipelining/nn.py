@@ -293,6 +293,7 @@ class FusedMLP(torch.nn.Module):
         super().__init__()
         # a GEMM given no configuration: ``defaults``, and FEW_ROWS_CONFIGS' tiles at few rows
         # (configs_for) while it keeps that configuration
+        self._config_defaults = tuple(defaults)
         self._defaults = tuple(d if c is None else None for c, d in zip((in_config, out_config), defaults))
         self.in_config = defaults[0] if in_config is None else in_config
         self.out_config = defaults[1] if out_config is None else out_config
@@ -357,6 +358,20 @@ class FusedMLP(torch.nn.Module):
         if self._epi is not None:  # in place too: a captured graph holds these epilogues
             self._update_epilogues(*self._epi[1:])
             self._derived = self._buffer_versions()
+
+    def __setattr__(self, name: str, value) -> None:
+        """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, or
+        None for the GEMM's default (with :data:`FEW_ROWS_CONFIGS`' tiles at few rows again)."""
+        if name in ("in_config", "out_config"):
+            if not (value is None or isinstance(value, GemmConfig)):
+                raise TypeError(
+                    f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(value).__name__}"
+                )
+            if value is None:
+                i = int(name == "out_config")
+                value = self._config_defaults[i]
+                self._defaults = tuple(value if j == i else d for j, d in enumerate(self._defaults))
+        super().__setattr__(name, value)
 
     def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
         """Each GEMM's configuration for a call on ``M`` rows: ``in_config`` and ``out_config``,
@@ -740,6 +755,7 @@ class LlamaMLP(FusedMLP):
     ``forward(x)`` takes ``[..., H]`` and returns the block's output of that shape."""
 
     _norm_kind = "rms"  # what its source norm must compute (_check_norm)
+    _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # (a block pickled before the field)
 
     def __init__(
         self,
@@ -825,6 +841,7 @@ class GPTMLP(FusedMLP):
     device, one dtype. ``forward(x)`` takes ``[..., H]`` and returns the block's output."""
 
     _norm_kind = "layer"
+    _config_defaults = (UP_CONFIG, DOWN_CONFIG)  # (a block pickled before the field)
 
     def __init__(
         self,

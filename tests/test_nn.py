@@ -1187,3 +1187,23 @@ def test_misaligned_rows_run_and_an_empty_inner_dimension_is_named():
     assert torch.equal(stack(x), stack(x.clone()))
     with pytest.raises(ValueError, match="the inner dimension is empty"):
         matmul(torch.zeros(20, 0).half(), torch.zeros(0, 32).half())
+
+
+def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refused():
+    """``in_config`` / ``out_config`` set after construction take what the constructor takes:
+    None is the GEMM's default again (its few-rows tiles too), anything but a GemmConfig is
+    refused by name, at once."""
+    block = LlamaMLP(*(torch.randn(*s).half() for s in ((INTER, H), (INTER, H), (H, INTER))), torch.ones(H).half())
+    few = block.configs_for(1)
+    block.in_config = SMALL
+    assert block.configs_for(1)[0] == SMALL
+    block.in_config = None
+    assert block.in_config == nn.GATE_UP_CONFIG and block.configs_for(1) == few
+    gpt = GPTMLP(torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None,
+                 up_config=SMALL, down_config=SMALL)  # fmt: skip
+    gpt.out_config = None
+    assert gpt.out_config == nn.DOWN_CONFIG and gpt.configs_for(1)[1] == nn.FEW_ROWS_CONFIGS[0][2]
+    assert gpt.configs_for(1)[0] == SMALL  # built with it: no few-rows tiles
+    with pytest.raises(TypeError, match="in_config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
+        block.in_config = "128x256"
+    assert block.in_config == nn.GATE_UP_CONFIG
