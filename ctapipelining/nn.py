@@ -165,6 +165,12 @@ def _no_backward(ctx, grad):
 mlp_block.register_autograd(_no_backward)
 
 
+def _tma_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (contiguous), or a copy of them where they start at an address TMA cannot read
+    from (not 16-byte aligned)."""
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
 def _direct(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` runs the kernels directly rather than through its custom operator:
     a plain tensor, with no gradient asked of it, and nothing that records or transforms the
@@ -275,6 +281,7 @@ class FusedMLP(torch.nn.Module):
     _norm_kind: str  # what a source norm computes: "rms" or "layer" (_check_norm)
     _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
     _defaults = (None, None)  # the GEMMs built without a configuration: their defaults (configs_for)
+    _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # each GEMM's configuration where none is given
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -283,7 +290,6 @@ class FusedMLP(torch.nn.Module):
         in_config: GemmConfig | None,
         out_config: GemmConfig | None,
         names=("in_config", "out_config"),
-        defaults=(GATE_UP_CONFIG, DOWN_CONFIG),
     ):
         for name, cfg in zip(names, (in_config, out_config)):  # (names: the subclass's keywords)
             if not (cfg is None or isinstance(cfg, GemmConfig)):
@@ -291,12 +297,10 @@ class FusedMLP(torch.nn.Module):
                     f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(cfg).__name__}"
                 )
         super().__init__()
-        # a GEMM given no configuration: ``defaults``, and FEW_ROWS_CONFIGS' tiles at few rows
-        # (configs_for) while it keeps that configuration
-        self._config_defaults = tuple(defaults)
-        self._defaults = tuple(d if c is None else None for c, d in zip((in_config, out_config), defaults))
-        self.in_config = defaults[0] if in_config is None else in_config
-        self.out_config = defaults[1] if out_config is None else out_config
+        # a GEMM given no configuration: its default (_config_defaults), and FEW_ROWS_CONFIGS' tiles
+        # at few rows (configs_for) while it keeps that configuration (__setattr__ records which)
+        self._defaults = (None, None)
+        self.in_config, self.out_config = in_config, out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
         self._source_versions = None
         self._norm_unchecked = False  # a source norm on the meta device, probed at refresh (_check_norm)
@@ -457,9 +461,9 @@ class FusedMLP(torch.nn.Module):
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
         if direct:  # (a contiguous x's rows are a view of its bytes: a later call on them is x's)
-            aligned = rows.data_ptr() % 16 == 0  # (TMA reads from 16-byte aligned addresses: else a copy)
-            entry = signature(x) if aligned and (flat or x.is_contiguous()) else None
-            y = self._run(rows if aligned else rows.clone(), w_in, w_out, fits=True, entry=entry)
+            run = _tma_rows(rows)
+            entry = signature(x) if run is rows and (flat or x.is_contiguous()) else None
+            y = self._run(run, w_in, w_out, fits=True, entry=entry)
             return y if flat else y.reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             self._follow_source()
@@ -755,7 +759,6 @@ class LlamaMLP(FusedMLP):
     ``forward(x)`` takes ``[..., H]`` and returns the block's output of that shape."""
 
     _norm_kind = "rms"  # what its source norm must compute (_check_norm)
-    _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # (a block pickled before the field)
 
     def __init__(
         self,
@@ -768,7 +771,7 @@ class LlamaMLP(FusedMLP):
         gate_up_config: GemmConfig | None = None,
         down_config: GemmConfig | None = None,
     ):
-        super().__init__(gate_up_config, down_config, ("gate_up_config", "down_config"), (GATE_UP_CONFIG, DOWN_CONFIG))
+        super().__init__(gate_up_config, down_config, ("gate_up_config", "down_config"))
         inter, H = _matrix_shape(w_gate)
         ws = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, "norm_weight": norm_weight}
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
@@ -841,7 +844,7 @@ class GPTMLP(FusedMLP):
     device, one dtype. ``forward(x)`` takes ``[..., H]`` and returns the block's output."""
 
     _norm_kind = "layer"
-    _config_defaults = (UP_CONFIG, DOWN_CONFIG)  # (a block pickled before the field)
+    _config_defaults = (UP_CONFIG, DOWN_CONFIG)
 
     def __init__(
         self,
@@ -856,7 +859,7 @@ class GPTMLP(FusedMLP):
         up_config: GemmConfig | None = None,
         down_config: GemmConfig | None = None,
     ):
-        super().__init__(up_config, down_config, ("up_config", "down_config"), (UP_CONFIG, DOWN_CONFIG))
+        super().__init__(up_config, down_config, ("up_config", "down_config"))
         inter, H = _matrix_shape(w_1)
         ws = {"w_1": w_1, "b_1": b_1, "w_2": w_2, "b_2": b_2, "norm_weight": norm_weight, "norm_bias": norm_bias}
         want = {"w_1": (inter, H), "b_1": (inter,), "w_2": (H, inter), "b_2": (H,), "norm_weight": (H,),
@@ -1054,7 +1057,7 @@ class MLPStack(torch.nn.Module):
         self._check_x(x)
         rows = x.reshape(-1, self.hidden).contiguous()
         if _direct(x):
-            return self._run(rows if rows.data_ptr() % 16 == 0 else rows.clone()).reshape(x.shape)
+            return self._run(_tma_rows(rows)).reshape(x.shape)
         if not _tracing():  # here, not in the operator, which writes none of its inputs
             for b in self.blocks:
                 b._follow_source()
