@@ -1,7 +1,7 @@
 """Tile configurations for a fused block's two GEMMs at few rows (decode), each GEMM alone with
 its epilogue against the same GEMM in cuBLAS: what ``ctapipelining.nn.FEW_ROWS_CONFIGS`` holds.
 
-usage: python3 benchmarks/block_tiles.py OUT_DIR [REPS] [ROWS] [BLOCKS]
+usage: python3 benchmarks/block_tiles.py OUT_DIR [REPS] [ROWS] [BLOCKS]  (an empty ROWS or BLOCKS: the default)
 
 On cuda:0, bf16, blocks from random weights (BLOCKS, default ``llama8b,llama70b``: the Llama-8B
 (hidden 4096, intermediate 14336) and Llama-70B (8192, 28672) blocks; ``gpt``: a GPT-style block
@@ -29,8 +29,9 @@ from ctapipelining.timing import Method, capture, environment, median_ci, time_i
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-ROWS = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16, 64, 128, 256, 384, 512, 768]
-BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama8b,llama70b").split(",")
+ARGS = sys.argv[3:] + ["", ""]  # ROWS, BLOCKS; empty: the default
+ROWS = [int(m) for m in ARGS[0].split(",")] if ARGS[0] else [1, 16, 64, 128, 256, 384, 512, 768]
+BLOCKS = (ARGS[1] or "llama8b,llama70b").split(",")
 SHAPES = {"llama8b": (4096, 14336), "llama70b": (8192, 28672), "gpt": (4096, 16384)}
 CALLS = 10  # calls per graph: a line's time is long next to the harness's synchronisation
 

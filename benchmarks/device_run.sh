@@ -31,8 +31,8 @@
 #          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt; decode; few),
 #          MLP_ONLY (shapes whose key contains it)                              -> mlp_block.log, mlp_block.json
 #   tiles  (1 GPU) benchmarks/block_tiles.py: a block's two GEMMs at few rows under candidate tiles against
-#          cuBLAS (nn.FEW_ROWS_CONFIGS), TILES_ROWS (default the script's), TILES_BLOCKS (default llama8b,llama70b;
-#          gpt), TILES_REPS (default 20) -> block_tiles.log, tiles/
+#          cuBLAS (nn.FEW_ROWS_CONFIGS), TILES_ROWS and TILES_BLOCKS (default the script's; gpt: the GPT
+#          block), TILES_REPS (default 20) -> block_tiles.log, tiles/
 #   parts  (1 GPU) benchmarks/mlp_parts.py: a Llama block's GEMMs part by part against cuBLAS, PARTS_SHAPES
 #          (HIDDEN:INTERMEDIATE:M,...; default the Llama-70B block at 4096 rows), PARTS_OLD (a folder with an older
 #          tree as ctapipelining_old: its block timed beside) -> mlp_parts.log, mlp_parts.json
@@ -110,7 +110,7 @@ for step in $STEPS; do
         "${MLP_BLOCKS:-llama}" "${MLP_ONLY:-}" \
         > "$OUT/mlp_block.log" 2>&1; echo "mlp rc=$?"; grep -E "^(GPT_)?H|Error" "$OUT/mlp_block.log" | tail -8 ;;
     tiles) timeout 300 python3 benchmarks/block_tiles.py "$OUT/tiles" "${TILES_REPS:-20}" \
-        "${TILES_ROWS:-1,16,64,128,256,384,512,768}" "${TILES_BLOCKS:-llama8b,llama70b}" \
+        "${TILES_ROWS:-}" "${TILES_BLOCKS:-}" \
         > "$OUT/block_tiles.log" 2>&1; echo "tiles rc=$?"; grep -E "M=|up|down|Error" "$OUT/block_tiles.log" | tail -40 ;;
     parts) timeout 300 python3 benchmarks/mlp_parts.py "$OUT" "${MLP_REPS:-20}" "${PARTS_SHAPES:-8192:28672:4096}" \
         ${PARTS_OLD:-} > "$OUT/mlp_parts.log" 2>&1
