@@ -1,4 +1,4 @@
-"""Host time of a block's eager call (Llama-8B and GPT blocks from random weights, at 16 and 128
+"""Host time of a block's eager call (Llama-8B and GPT blocks from random weights, at 16 and 1024
 rows): whether the call binds (``_last``), its median host time per call (synchronised before,
 not after: the time until ``forward`` returns) and a profile of 200 calls.
 
@@ -40,7 +40,7 @@ blocks = {
 }
 with torch.no_grad():
     for name, block in blocks.items():
-        for M in (16, 128):
+        for M in (16, 1024):
             x = torch.randn(M, H, device=dev).bfloat16()
             for _ in range(5):
                 block(x)
