@@ -1,4 +1,4 @@
-"""Host time of a block's eager call (Llama-8B and GPT blocks from random weights, at 16 and 1024
+"""Host time of a block's eager call (Llama-8B and GPT blocks built from ``transformers``' modules, at 16 and 1024
 rows): whether the call binds (``_last``), its median host time per call (synchronised before,
 not after: the time until ``forward`` returns) and a profile of 200 calls.
 
@@ -23,21 +23,31 @@ dev = "cuda:0"
 torch.manual_seed(0)
 H = 4096
 report = {}
-blocks = {
-    "llama8b": LlamaMLP(
-        *(torch.randn(14336, H, device=dev).bfloat16() * 0.02 for _ in range(2)),
-        torch.randn(H, 14336, device=dev).bfloat16() * 0.01,
-        torch.rand(H, device=dev).bfloat16() + 0.5,
-    ),
-    "gpt": GPTMLP(
-        torch.randn(16384, H, device=dev).bfloat16() * 0.02,
-        torch.randn(16384, device=dev).bfloat16() * 0.1,
-        torch.randn(H, 16384, device=dev).bfloat16() * 0.01,
-        torch.randn(H, device=dev).bfloat16() * 0.1,
-        torch.rand(H, device=dev).bfloat16() + 0.5,
-        torch.randn(H, device=dev).bfloat16() * 0.1,
-    ),
-}
+
+
+def hf_block(kind: str):
+    """A block from ``transformers``' modules (as ``benchmarks/mlp_block.py`` builds it)."""
+    import transformers
+
+    if kind == "llama8b":
+        from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=14336, num_attention_heads=64)
+        mlp, norm = HFMLP(cfg).cuda().bfloat16().eval(), LlamaRMSNorm(H, eps=1e-5).cuda().bfloat16()
+        make = LlamaMLP.from_hf
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        cfg = transformers.GPT2Config(n_embd=H, n_head=32, activation_function="gelu_new")
+        mlp, norm = GPT2MLP(16384, cfg).cuda().bfloat16().eval(), torch.nn.LayerNorm(H).cuda().bfloat16()
+        make = GPTMLP.from_hf
+    for p in list(mlp.parameters()) + list(norm.parameters()):
+        p.requires_grad_(False)
+    return make(mlp, norm)
+
+
+blocks = {"llama8b": hf_block("llama8b"), "gpt": hf_block("gpt")}
 with torch.no_grad():
     for name, block in blocks.items():
         for M in (16, 1024):
