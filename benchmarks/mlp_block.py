@@ -7,7 +7,7 @@ BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, inte
 28672) at M = 4096 and 8192 and Llama-8B (4096, 14336) at M = 1024 and 4096; a GPT-style block
 (4096, 16384) at M = 4096; ``decode``: the two Llama blocks and the GPT block at decode-sized
 inputs (M = 1, 16 and 64), where the weights' bandwidth bounds the time (the lines' medians also
-give the weights' bytes per second, ``weights_tbps``); ``few``: the two Llama blocks at M = 128,
+give the weights' bytes per second, ``weights_tbps``); ``few``: the same three blocks at M = 128,
 256, 384, 512 and 768 (the rows of :data:`ctapipelining.nn.FEW_ROWS_CONFIGS` past 64). ONLY:
 the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``) contains it. bf16. Lines,
 graph-replayed, timed by the bench's harness (shuffled turns, paired):
@@ -39,6 +39,7 @@ MODE = sys.argv[3] if len(sys.argv) > 3 else "max-autotune-no-cudagraphs"
 BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
 ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 LLAMA = ((4096, 14336), (8192, 28672))  # Llama-8B, Llama-70B
+FEW = (128, 256, 384, 512, 768)
 SHAPES = {  # (kind, hidden, intermediate, M)
     "llama": [
         ("llama", H, inter, M)
@@ -47,7 +48,7 @@ SHAPES = {  # (kind, hidden, intermediate, M)
     "gpt": [("gpt", 4096, 16384, 4096)],
     "decode": [("llama", H, inter, M) for H, inter in LLAMA for M in (1, 16, 64)]
     + [("gpt", 4096, 16384, M) for M in (1, 16, 64)],
-    "few": [("llama", H, inter, M) for H, inter in LLAMA for M in (128, 256, 384, 512, 768)],
+    "few": [("llama", H, inter, M) for H, inter in LLAMA for M in FEW] + [("gpt", 4096, 16384, M) for M in FEW],
 }
 
 
