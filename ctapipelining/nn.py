@@ -147,7 +147,7 @@ def mlp_block(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, block: s
     if mlp is None:
         raise _missing("fused MLP block", block)
     with _operator_body():  # its schema mutates nothing: a moved source is refused, not followed
-        return mlp._run(x, w_in, w_out)
+        return mlp._run(_tma_rows(x), w_in, w_out)
 
 
 @mlp_block.register_fake
@@ -191,6 +191,11 @@ def _tracing() -> bool:
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0  # a dispatch mode (_python_dispatch._get_current_dispatch_mode)
     )
+
+
+def _check_eps(eps, name: str = "eps") -> None:
+    if not (isinstance(eps, float) and eps > 0):
+        raise ValueError(f"{name} must be a float > 0, got {eps!r}")
 
 
 def _check_input(x, hidden: int) -> None:
@@ -280,7 +285,7 @@ class FusedMLP(torch.nn.Module):
     hidden: int
     _norm_kind: str  # what a source norm computes: "rms" or "layer" (_check_norm)
     _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
-    _defaults = (None, None)  # the GEMMs built without a configuration: their defaults (configs_for)
+    _defaults = (None, None)  # the GEMMs left to their default configuration: that default (configs_for)
     _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # each GEMM's configuration where none is given
     w_in: torch.Tensor
     w_out: torch.Tensor
@@ -298,7 +303,7 @@ class FusedMLP(torch.nn.Module):
                 )
         super().__init__()
         # a GEMM given no configuration: its default (_config_defaults), and FEW_ROWS_CONFIGS' tiles
-        # at few rows (configs_for) while it keeps that configuration (__setattr__ records which)
+        # at few rows (configs_for) until it is given one (__setattr__ records which)
         self._defaults = (None, None)
         self.in_config, self.out_config = in_config, out_config
         self._source = None  # the modules it was built from (from_hf), and their weights' versions
@@ -364,29 +369,39 @@ class FusedMLP(torch.nn.Module):
             self._derived = self._buffer_versions()
 
     def __setattr__(self, name: str, value) -> None:
-        """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, or
-        None for the GEMM's default (with :data:`FEW_ROWS_CONFIGS`' tiles at few rows again)."""
+        """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
+        at every row count, or None for the GEMM's default (with :data:`FEW_ROWS_CONFIGS`' tiles
+        at few rows)."""
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
                 raise TypeError(
                     f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(value).__name__}"
                 )
-            if value is None:
-                i = int(name == "out_config")
-                value = self._config_defaults[i]
-                self._defaults = tuple(value if j == i else d for j, d in enumerate(self._defaults))
+            i = int(name == "out_config")
+            default = None if value is not None else self._config_defaults[i]
+            self._defaults = tuple(default if j == i else d for j, d in enumerate(self._defaults))
+            value = value if value is not None else default
+        elif name == "eps":
+            _check_eps(value)
+            source = self.__dict__.get("_source")
+            if source is not None and value != self._source_eps(source[1]):
+                raise ValueError(
+                    f"this block follows its source norm's epsilon ({self._source_eps(source[1])!r}): set the norm's "
+                    "instead"
+                )
         super().__setattr__(name, value)
 
     def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
         """Each GEMM's configuration for a call on ``M`` rows: ``in_config`` and ``out_config``,
-        except for a GEMM built without one whose configuration still equals its default: that
-        one takes the tiles of :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if
-        any. (To run the default's tiles at every row count, pass it at construction.)"""
+        except for a GEMM left to its default (given None, at construction or since): that one
+        takes the tiles of :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if any.
+        (To run the default's tiles at every row count, set it: ``block.in_config =
+        nn.GATE_UP_CONFIG``.)"""
         configs = [self.in_config, self.out_config]
         row = next((r for r in FEW_ROWS_CONFIGS if M <= r[0]), None)
         if row is not None:
             for i, default in enumerate(self._defaults):
-                if default is not None and configs[i] == default:
+                if default is not None:
                     configs[i] = row[1 + i]
         return configs[0], configs[1]
 
@@ -408,14 +423,16 @@ class FusedMLP(torch.nn.Module):
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
         """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
         a launch is compiled and cached per epilogue). Whenever a buffer's signature (address,
-        shape, strides, dtype, device), a configuration or ``eps`` changes, the weights and epilogues are
-        checked again, as :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s
-        own call relies on it."""
+        shape, strides, dtype, device), a configuration (or whether it is left to its default) or
+        ``eps`` changes, the weights and epilogues are checked again, as
+        :func:`~ctapipelining.gemm.matmul` checks them at each call: ``_run``'s own call relies on
+        it."""
         tensors = (*self._buffers.values(), *self._parameters.values())  # (a weight reassigned as a parameter)
         # (a list, not a generator: Python 3.12 runs it inline, and every call of a block makes this key;
         # a buffer that is not dense has no signature: checked, and refused, below)
         signed = [signature(t) if is_dense(t) else None for t in tensors if t is not None]
-        key = (*signed, self.in_config, self.out_config, self.eps)
+        # (the configurations kept as defaults too: configs_for gives them few rows' tiles)
+        key = (*signed, self.in_config, self.out_config, self._defaults, self.eps)
         if self._epi is None or self._epi[0] != key:
             w_in, w_out, name = self.w_in, self.w_out, type(self).__name__
             check_weight(w_in, f"{name}: first weight")
@@ -632,6 +649,7 @@ class FusedMLP(torch.nn.Module):
             raise RuntimeError("this block was built from tensors: build a new one instead")
         norm = self._source[1]
         eps, unchecked, w = self._source_eps(norm), self._norm_unchecked, getattr(norm, "weight", None)
+        _check_eps(eps, "the source norm's epsilon")
         # probed (unchecked: built on the meta device, probed once real) unless its weight changed
         # shape, which _lay_out refuses by name
         if (unchecked or eps != self.eps) and not (isinstance(w, torch.Tensor) and w.shape != (self.hidden,)):
@@ -777,8 +795,6 @@ class LlamaMLP(FusedMLP):
         _check_block(ws, {"w_gate": (inter, H), "w_up": (inter, H), "w_down": (H, inter), "norm_weight": (H,)})
         if inter % 8 or H % 8 or not inter:
             raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
-        if not (isinstance(eps, float) and eps > 0):
-            raise ValueError(f"eps must be a float > 0, got {eps!r}")
         self.hidden, self.intermediate, self.eps = H, inter, eps
         self._lay_out(w_gate, w_up, w_down, norm_weight)
 
@@ -867,8 +883,6 @@ class GPTMLP(FusedMLP):
         _check_block(ws, want, optional=("b_1", "b_2", "norm_bias"))
         if inter % 8 or H % 8 or not inter:
             raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
-        if not (isinstance(eps, float) and eps > 0):
-            raise ValueError(f"eps must be a float > 0, got {eps!r}")
         self.hidden, self.intermediate, self.eps = H, inter, eps
         self._lay_out(w_1, b_1, w_2, b_2, norm_weight, norm_bias)
 
@@ -940,7 +954,7 @@ def mlp_stack(x: torch.Tensor, weights: list[torch.Tensor], stack: str) -> torch
     if st is None:
         raise _missing("pipelined MLP stack", stack)
     with _operator_body():  # its schema mutates nothing: a moved source is refused, not followed
-        return st._run(x)
+        return st._run(_tma_rows(x))
 
 
 @mlp_stack.register_fake
@@ -1095,7 +1109,7 @@ class MLPStack(torch.nn.Module):
         """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise (the
         blocks one after another, when :meth:`blocks_apart`)."""
         self._check_x(x)
-        rows = x.reshape(-1, self.hidden).contiguous()
+        rows = _tma_rows(x.reshape(-1, self.hidden).contiguous())
         if self.blocks_apart() or not rows.shape[0]:
             return self._run(rows).reshape(x.shape)
         return self._pipeline().sequential(rows).reshape(x.shape)

@@ -134,7 +134,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> No
     if not (tma_ready(a) and tma_ready(b)):  # (else an empty inner dimension is B's, refused below)
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and is_dense(t) and t.dim() == 2 else None
                   for t in (a, b)]  # fmt: skip
-        if None not in shapes and 0 in (shapes[0][1], shapes[1][0]):
+        if None not in shapes and shapes[0][1] == shapes[1][0] == 0:
             raise ValueError(f"{what}: A is {shapes[0]} and B is {shapes[1]}: the inner dimension is empty")
         check_tensor(a, f"{what}: A")
         check_tensor(b, f"{what}: B")

@@ -1132,13 +1132,18 @@ def test_a_stack_takes_no_rows_as_a_block_does():
 def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_call(kind):
     """A block's ``eps`` set directly runs at the next call (as a block built with it); a block
     built from ``transformers`` follows its norm's epsilon changed there, at the next call and
-    through ``refresh``; a stack of such blocks follows it too; a bad epsilon is refused."""
+    through ``refresh``, and refuses one set on it that differs (the norm's wins); a stack of
+    such blocks follows it too; a bad epsilon is refused when set, a bad one in the source by
+    ``refresh`` before anything changes."""
     x = torch.randn(9, H).half() * 0.05  # small rows: the epsilon weighs
     mlp, norm = hf_block() if kind == "llama" else gpt_block()
     cls, configs = (LlamaMLP, dict(gate_up_config=SMALL, down_config=SMALL)) if kind == "llama" else (
         GPTMLP, dict(up_config=SMALL, down_config=SMALL))  # fmt: skip
     block = cls.from_hf(mlp, norm, **configs)
     before = block(x)
+    with pytest.raises(ValueError, match="follows its source norm's epsilon"):
+        block.eps = 0.5
+    assert block.eps == 1e-5 and torch.equal(block(x), before)
     block._source = None  # as if built from tensors
     block.eps = 0.5
     changed = block(x)
@@ -1168,9 +1173,16 @@ def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_
         followed.refresh()
     assert followed.eps == 1e-5  # a refused refresh changes nothing
     assert all(torch.equal(followed._buffers[k], v) for k, v in laid_out.items())
-    block.eps = -1.0
-    with pytest.raises(ValueError, match="eps must be a float > 0"):
-        block(x)
+    with pytest.raises(ValueError, match="eps must be a float > 0, got -1.0"):
+        block.eps = -1.0
+    with pytest.raises(ValueError, match="eps must be a float > 0, got 1"):
+        block.eps = 1  # (an int: as the constructor refuses it)
+    assert block.eps == 0.5 and torch.equal(block(x), changed)
+    norm.weight = torch.nn.Parameter(weight)
+    setattr(norm, attr, 0.0)
+    with pytest.raises(ValueError, match="the source norm's epsilon must be a float > 0, got 0.0"):
+        followed.refresh()
+    assert followed.eps == 1e-5 and all(torch.equal(followed._buffers[k], v) for k, v in laid_out.items())
 
 
 def test_misaligned_rows_run_and_an_empty_inner_dimension_is_named():
@@ -1183,22 +1195,41 @@ def test_misaligned_rows_run_and_an_empty_inner_dimension_is_named():
     assert x.data_ptr() % 16 and x.is_contiguous()
     want = block(x.clone())
     assert torch.equal(block(x), want) and torch.equal(block(x.view(2, 5, H)), want.view(2, 5, H))
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     stack = LlamaStack([block], always_pipelined=True)
-    assert torch.equal(stack(x), stack(x.clone()))
+    assert torch.equal(stack(x), stack(x.clone())) and torch.equal(stack.sequential(x), stack(x))
+
+    class Passing(TorchDispatchMode):  # a dispatch mode: the calls go through the operators
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert torch.equal(block(x), want) and torch.equal(stack(x), stack.sequential(x.clone()))
     with pytest.raises(ValueError, match="the inner dimension is empty"):
         matmul(torch.zeros(20, 0).half(), torch.zeros(0, 32).half())
+    with pytest.raises(ValueError, match=r"B is empty: \(0, 32\)"):  # (not empty on both sides: B is)
+        matmul(torch.zeros(20, 8).half(), torch.zeros(0, 32).half())
 
 
 def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refused():
     """``in_config`` / ``out_config`` set after construction take what the constructor takes:
-    None is the GEMM's default again (its few-rows tiles too), anything but a GemmConfig is
-    refused by name, at once."""
+    None is the GEMM's default again (its few-rows tiles too), a configuration runs at every row
+    count (the default's too), anything but a GemmConfig is refused by name, at once. Either
+    change drops the launches bound to the old choice."""
     block = LlamaMLP(*(torch.randn(*s).half() for s in ((INTER, H), (INTER, H), (H, INTER))), torch.ones(H).half())
     few = block.configs_for(1)
     block.in_config = SMALL
     assert block.configs_for(1)[0] == SMALL
     block.in_config = None
     assert block.in_config == nn.GATE_UP_CONFIG and block.configs_for(1) == few
+    block.in_config = nn.GATE_UP_CONFIG  # set: run at every row count
+    assert block.configs_for(1)[0] == nn.GATE_UP_CONFIG
+    block._epilogues()
+    block._bound, block._last = {"a call": None}, "bound"  # (as a GPU call leaves them)
+    block.in_config = None  # the same configuration, now left to its default: what was bound goes
+    block._epilogues()
+    assert block.configs_for(1) == few and block._bound == {} and block._last is None
     gpt = GPTMLP(torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None,
                  up_config=SMALL, down_config=SMALL)  # fmt: skip
     gpt.out_config = None
