@@ -736,8 +736,12 @@ class DistributedPipeline:
         check_out(out, M, self.out_features, self.weights[0].dtype)
         if out.device != self.device:
             raise ValueError(f"out is on {out.device}; rank {self.rank} runs on {self.device}")
-        if overlaps(out, *([x] if x is not None else []), *self.weights):
-            raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
+        bound = [t for seg in self.segments for t in seg._bound_tensors]  # the weights, the epilogues' vectors
+        if overlaps(out, *([x] if x is not None else []), *self.weights, *bound):
+            raise ValueError(
+                "out shares memory with x, a weight or an epilogue's bias or column sums: the chain would overwrite "
+                "its own operands"
+            )
 
     def __call__(
         self,

@@ -186,14 +186,15 @@ def signature(t: torch.Tensor) -> tuple:
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range ``[first, end)`` that ``t``'s elements occupy (strides >= 0)."""
-    first, (rows, cols), (s0, s1) = t.data_ptr(), t.shape, t.stride()
-    return first, first + ((rows - 1) * s0 + (cols - 1) * s1 + 1) * t.element_size()
+    """The byte range ``[first, end)`` that ``t``'s elements occupy (a non-empty matrix or
+    vector, strides >= 0)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def overlaps(a: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether matrix ``a`` shares memory with any of ``others`` (same device, non-empty, byte
-    ranges intersect)."""
+    """Whether ``a`` shares memory with any of ``others`` (matrices or vectors: same device,
+    non-empty, byte ranges intersect)."""
     if a.numel() == 0:
         return False
     a0, a1 = span(a)

@@ -271,6 +271,11 @@ def check_row_buckets(row_buckets) -> None:
         raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets!r}")
 
 
+def _real(v) -> bool:
+    """Whether ``v`` is a real number (an int or float; not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def plan_rows(M) -> int:
     """``M``, a plan's row count as a caller gives it (an int >= 1: numpy's and a 0-d tensor's
     too), or a clear error (a bool is not one)."""
@@ -432,10 +437,12 @@ class Pipeline:
             if not is_seconds(v) and not (v is None and name == "host_timeout_s"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         self.timeout_ns = int(timeout_s * 1e9)
+        if self.timeout_ns < 1:  # (0 ns: a wait that looks once)
+            raise ValueError(f"timeout_s must be at least a nanosecond, got {timeout_s!r}")
         self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
         if self.host_timeout_s <= timeout_s:  # else a wait that ends in time would read as a hang
             raise ValueError(f"host_timeout_s={host_timeout_s} must exceed timeout_s={timeout_s}")
-        if not isinstance(max_plans, int) or max_plans < 1:
+        if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
             raise ValueError(f"max_plans must be an int >= 1, got {max_plans!r}")
         self.max_plans = max_plans
         check_row_buckets(row_buckets)
@@ -448,8 +455,6 @@ class Pipeline:
         self.weights = list(weights)
         for s, w in enumerate(self.weights):
             check_weight(w, f"stage {s} weight")
-        self._weight_spans = [(w.device, *span(w)) for w in self.weights]  # an out must not overlap one
-        self._weight_layouts = [signature(w) for w in self.weights]  # the storage the launches are bound to
         # each stage's output columns (half of its weight's with a gated epilogue)
         self.out_cols = [w.shape[1] if e is None else e.out_cols(w.shape[1]) for w, e in zip(self.weights, epilogues)]
         for s in range(1, len(self.weights)):
@@ -472,6 +477,14 @@ class Pipeline:
         self.prefill_rows, self.drain_rows = prefill_rows, drain_rows
         self.devices = [w.device for w in self.weights]
         self._check_epilogues()
+        # what the launches are bound to: the weights and the epilogues' vectors (bias, column
+        # sums), by address; an out must overlap none of them (check_output), and none may move
+        # (check_weights)
+        self._bound_tensors = self.weights + [
+            t for e in self.epilogues if e is not None for t in (e.bias, e.col_sum) if t is not None
+        ]
+        self._weight_spans = [(t.device, *span(t)) for t in self._bound_tensors]
+        self._weight_layouts = [signature(t) for t in self._bound_tensors]
         self.distinct_devices = list(dict.fromkeys(self.devices))
         self.on_gpu = self.devices[0].type == "cuda"
         if loopback is not None and not isinstance(loopback, bool):
@@ -865,14 +878,19 @@ class Pipeline:
 
     def end_candidates(self, M: int, factors=TUNE_FACTORS) -> list[tuple[int, int]]:
         """What :meth:`tune_ends` tries on ``M`` rows: no ends at all, and the rule's drain with
-        the rule's prefill times each of ``factors`` (rounded down to row-blocks), each cut as
-        a call would cut it; without repeats."""
+        the rule's prefill times each of ``factors`` (numbers >= 0; rounded down to row-blocks),
+        each cut as a call would cut it, and the rule's ends (what a candidate must beat), without
+        repeats."""
         if self.ends != "balanced":
             raise ValueError(
                 "tune_ends and end_candidates need Pipeline(ends='balanced') (it keeps the weight replicas)"
             )
+        M = plan_rows(M)
+        factors = tuple(factors) if isinstance(factors, (list, tuple)) else None
+        if factors is None or not all(_real(f) and 0 <= f < float("inf") for f in factors):
+            raise ValueError("factors must be a list or tuple of finite numbers >= 0 (the rule's prefill times each)")
         bm, (R, D) = self.config.block_m, self._rule_ends(M)
-        cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors]
+        cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors] + [self._cut_ends(M, R, D)]
         return list(dict.fromkeys(cands))
 
     def tune_ends(
@@ -893,6 +911,12 @@ class Pipeline:
         ``ends="balanced"`` only, and before the first call on ``M`` rows (a graph captured
         earlier points at that plan). Returns ``(prefill_rows, drain_rows)``.
         """
+        for name, v, least in (("reps", reps, 1), ("warmup", warmup, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
+        if not (_real(margin) and 0 <= margin < 1):
+            raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
+        M = plan_rows(M)
         with self._lock:  # the candidates' launches share the pipeline's streams and events
             cands = self.end_candidates(M, factors)  # refuses a pipeline without ends="balanced"
             if not self.on_gpu:
@@ -918,7 +942,8 @@ class Pipeline:
                 self.check_errors(plan)
             medians = {cand: statistics.median(times[m.name]) for cand, m in zip(plans, methods)}
             del graphs, methods, g  # before the plans they point at
-            best = faster_by(medians, self.ends_for(M), margin)
+            rule = self._cut_ends(M, *self._rule_ends(M))  # (one of the candidates)
+            best = faster_by(medians, rule, margin)
             self.reset(plans[best])  # its replays advanced the device's epochs, not the plan's count
             plans[best].pinned = False  # its graphs are gone
             self.tuning[M] = medians
@@ -1243,14 +1268,14 @@ class Pipeline:
 
     # -- running -----------------------------------------------------------------------------
     def check_weights(self) -> None:
-        """Refuse a call or replay after a weight's storage or layout changed (``w.data = ...``,
-        ``w.set_(...)``, ``w.t_()``): the plans' launches and graphs are bound to the old ones.
-        Changes of the values in place are fine."""
-        if [signature(w) for w in self.weights] != self._weight_layouts:
+        """Refuse a call or replay after the storage or layout of a weight, or of an epilogue's
+        bias or column sums, changed (``w.data = ...``, ``w.set_(...)``, ``w.t_()``): the plans'
+        launches and graphs are bound to the old ones. Changes of the values in place are fine."""
+        if [signature(t) for t in self._bound_tensors] != self._weight_layouts:
             raise RuntimeError(
-                "a weight's storage or layout changed since this Pipeline was built (w.data = ..., w.set_, an "
-                "in-place view op): its plans are bound to the old storage; build a new Pipeline (in-place "
-                "updates of the values are fine)"
+                "a weight's or an epilogue's bias or column sums' storage or layout changed since this Pipeline "
+                "was built (w.data = ..., w.set_, an in-place view op): its plans are bound to the old storage; "
+                "build a new Pipeline (in-place updates of the values are fine)"
             )
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -1275,14 +1300,17 @@ class Pipeline:
     def check_output(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` must be a row-major ``[M, N_last]`` tensor on the last stage's device (rows
         may be padded: the last stage then writes them with ordinary stores instead of TMA)
-        that shares no memory with ``x`` or a weight."""
+        that shares no memory with ``x``, a weight or an epilogue's vector."""
         last = self.weights[-1]
         check_out(out, x.shape[0], self.out_cols[-1], last.dtype)
         if out.device != self.devices[-1]:
             raise ValueError(f"out is on {out.device}; the last stage writes on {self.devices[-1]}")
         o0, o1 = span(out)
         if overlaps(out, x) or any(d == out.device and o0 < hi and lo < o1 for d, lo, hi in self._weight_spans):
-            raise ValueError("out shares memory with x or a weight: the chain would overwrite its own operands")
+            raise ValueError(
+                "out shares memory with x, a weight or an epilogue's bias or column sums: the chain would overwrite "
+                "its own operands"
+            )
 
     def __reduce__(self):
         raise TypeError(

@@ -90,6 +90,30 @@ def test_out_that_overlaps_x_is_refused():
     assert int(pipe.plan(24).epochs[0]) == epoch, "a refused call advanced the epoch"
 
 
+def test_an_epilogues_vectors_are_bound_as_the_weights_are():
+    """An epilogue's bias (and a LayerNorm's column sums) is read by address, as the weights:
+    an ``out`` over it is refused (it would overwrite what the last stage adds), and so is a
+    call after its storage was swapped (``bias.data = ...``, here to a vector the constructor
+    would refuse: too short); a change of its values in place is read."""
+    from ctapipelining.epilogue import Epilogue
+
+    ws = chain(16, 32, 16)
+    buf = torch.zeros(48, 16).half()
+    bias = buf.view(-1)[:16]
+    bias.copy_(torch.randn(16).half())
+    pipe = Pipeline(ws, config=SMALL, epilogues=[None, Epilogue(bias=bias)])
+    x = torch.randn(48, 16).half()
+    want = pipe.sequential(x)
+    with pytest.raises(ValueError, match="shares memory with x, a weight or an epilogue's bias"):
+        pipe(x, out=buf)
+    assert torch.equal(pipe(x, check=True), want)
+    bias.add_(1)
+    assert torch.equal(pipe(x, check=True), pipe.sequential(x)) and not torch.equal(pipe.sequential(x), want)
+    bias.data = torch.randn(4).half()
+    with pytest.raises(RuntimeError, match="storage or layout changed"):
+        pipe(x)
+
+
 def test_out_on_a_weight_and_a_weights_new_storage_are_refused():
     """An ``out`` that overlaps a weight is refused; a weight whose values change in place is
     used as it is now; one whose storage was swapped (``w.data = ...``) or whose layout changed
@@ -98,7 +122,7 @@ def test_out_on_a_weight_and_a_weights_new_storage_are_refused():
     ws = chain(16, 32, 16)
     pipe = Pipeline(ws, config=SMALL)
     x = torch.randn(24, 16).half()
-    with pytest.raises(ValueError, match="shares memory with x or a weight"):
+    with pytest.raises(ValueError, match="shares memory with x, a weight"):
         pipe(x, out=ws[0].view(-1)[: 24 * 16].view(24, 16))
     pipe(x)
     ws[1].mul_(2)
@@ -388,6 +412,13 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(bad):
         Pipeline(chain(16, 32), config=SMALL, timeout_s=bad)
     with pytest.raises(ValueError, match="^host_timeout_s must be a positive number of seconds"):
         Pipeline(chain(16, 32), config=SMALL, timeout_s=0.01, host_timeout_s=bad)
+
+
+def test_a_timeout_under_a_nanosecond_and_a_bool_max_plans_are_refused():
+    with pytest.raises(ValueError, match="timeout_s must be at least a nanosecond, got 1e-10"):
+        Pipeline(chain(16, 32), config=SMALL, timeout_s=1e-10)
+    with pytest.raises(ValueError, match="max_plans must be an int >= 1, got True"):
+        Pipeline(chain(16, 32), config=SMALL, max_plans=True)
 
 
 def test_an_input_without_rows_is_refused_before_any_state_changes():

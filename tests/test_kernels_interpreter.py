@@ -952,8 +952,23 @@ def test_end_candidates_and_what_tune_ends_refuses():
     assert pipe.end_candidates(1024) == [(0, 0), (16, 16), (32, 16), (48, 16), (64, 16)]
     # at 40 rows half a row-block of prefill rounds to none, and every larger one is cut to one
     assert pipe.end_candidates(40) == [(0, 0), (0, 16), (16, 16)]
+    # the rule's ends (what a candidate must beat) are tried whatever the factors
+    assert pipe.end_candidates(1024, factors=(0.5, 2.0)) == [(0, 0), (16, 16), (64, 16), (32, 16)]
+    assert pipe.end_candidates(1024, factors=()) == [(0, 0), (32, 16)]
     with pytest.raises(RuntimeError, match="needs the stages on GPUs"):
         pipe.tune_ends(256)
+    # bad arguments are refused before anything is built or timed
+    for kw, msg in (
+        (dict(reps=0), "reps must be an int >= 1"), (dict(warmup=-1), "warmup must be an int >= 0"),
+        (dict(reps=True), "reps must be"), (dict(margin=1.0), "margin must be a fraction"),
+        (dict(margin=float("nan")), "margin must be"), (dict(factors=(1.0, -0.5)), "factors must be"),
+        (dict(factors=1.0), "factors must be"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            pipe.tune_ends(256, **kw)
+    with pytest.raises(ValueError, match="M must be at least 1 row"):
+        pipe.end_candidates(0)
+    assert not pipe._plans
     with pytest.raises(ValueError, match="ends='balanced'"):
         Pipeline(ws, config=SPLIT).tune_ends(256)
     with pytest.raises(ValueError, match="ends='balanced'"):
