@@ -346,9 +346,11 @@ class FusedMLP(torch.nn.Module):
         a source whose shape, dtype or device changed needs a new block."""
         check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
         check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
+        # where each lives: a buffer, or a parameter it was reassigned as (None: not set yet)
+        slots = {name: next((d for d in (self._buffers, self._parameters) if name in d), None) for name in tensors}
         for name, t in tensors.items():  # every check before any copy: a refused refresh changes nothing
-            old = self._buffers.get(name)
-            if name in self._buffers and (
+            old = None if slots[name] is None else slots[name][name]
+            if slots[name] is not None and (
                 (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
                     t.shape, t.dtype, t.device
                 )
@@ -358,8 +360,8 @@ class FusedMLP(torch.nn.Module):
                     "build a new block"
                 )
         for name, t in tensors.items():
-            old = self._buffers.get(name)
-            if name not in self._buffers:
+            old = None if slots[name] is None else slots[name][name]
+            if slots[name] is None:
                 self.register_buffer(name, t, persistent=False)
             elif old is not None:
                 with torch.inference_mode() if old.is_inference() else torch.no_grad():
@@ -1017,11 +1019,9 @@ class MLPStack(torch.nn.Module):
                 raise ValueError(
                     f"block {i} is hidden={b.hidden} {b.w_out.dtype}; block 0 is hidden={b0.hidden} {b0.w_out.dtype}"
                 )
-        if not (config is None or isinstance(config, GemmConfig)):
-            raise ValueError(f"config must be None (each block's) or a GemmConfig, got {config!r}")
+        self.config = config  # (checked by __setattr__)
         self.blocks = torch.nn.ModuleList(blocks)
         self.hidden = b0.hidden
-        self.config = config
         self._pipeline_kw = pipeline_kw
         self._built = None  # (the weights' addresses, the Pipeline): rebuilt when they move
         self._pipeline()  # builds and checks it now
@@ -1030,6 +1030,13 @@ class MLPStack(torch.nn.Module):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_built": None}
+
+    def __setattr__(self, name: str, value) -> None:
+        """``config`` set as at construction: None (each block's) or a :class:`GemmConfig`,
+        which the next call's pipeline runs."""
+        if name == "config" and not (value is None or isinstance(value, GemmConfig)):
+            raise ValueError(f"config must be None (each block's) or a GemmConfig, got {value!r}")
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         # the blocks' buffers moved or cast: the pipeline built on the old ones (and holding them) goes now
@@ -1052,14 +1059,14 @@ class MLPStack(torch.nn.Module):
     def _pipeline(self):
         from .pipeline import Pipeline  # nn is imported by the package's users; the pipeline only here
 
+        epilogues = []
         for b in self.blocks:  # each lays its weights out again, in place, if its source changed,
             b._follow_source()
-            if b._derives():  # and brings what its epilogues derive from them up to date
-                b._epilogues()
+            # and its epilogues where its buffers, configurations and epsilon are now (the same
+            # objects while nothing changed: compared by identity), what they derive up to date
+            epilogues += b._epilogues()
         weights = self._weights()
-        key = tuple((w.data_ptr(), w.device) for w in weights) + tuple(
-            (t.data_ptr(), t.device) for b in self.blocks for t in b._buffers.values() if t is not None
-        ) + tuple((b.in_config, b.out_config, b.eps) for b in self.blocks)
+        key = (*((w.data_ptr(), w.device) for w in weights), *epilogues, self.config)
         if self._built is None or self._built[0] != key:
             stages = [b.pipeline_stages() for b in self.blocks]  # each block's configurations, epilogues
             epilogues = [e for _, _, epis in stages for e in epis]
@@ -1115,8 +1122,14 @@ class MLPStack(torch.nn.Module):
         return self._pipeline().sequential(rows).reshape(x.shape)
 
     def refresh(self) -> None:
-        """Every block's :meth:`FusedMLP.refresh` (in place: the pipeline reads the new weights)."""
-        for b in self.blocks:
+        """:meth:`FusedMLP.refresh` of every block built from a module, in order (in place: the
+        pipeline reads the new weights; a block built from tensors has nothing to re-read). A
+        block that refuses (its source changed shape) stops it there, the blocks before it
+        refreshed, each consistent."""
+        sourced = [b for b in self.blocks if b._source is not None]
+        if not sourced:
+            raise RuntimeError("every block of this stack was built from tensors: build a new one instead")
+        for b in sourced:
             b.refresh()
 
     @classmethod

@@ -99,6 +99,30 @@ def test_tensor_parallel_blocks_equal_the_blocks_one_after_another(g, chunks):
         assert torch.equal(other, y)
 
 
+def test_tensor_parallel_blocks_shard_what_the_blocks_source_holds_now():
+    """A block built from ``transformers`` whose source changed since its last call is laid out
+    again before its shards are copied: the shards run what the block's next call runs."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ctapipelining.kernels.gemm import GemmConfig
+    from ctapipelining.nn import LlamaMLP
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    mlp, norm = HFMLP(cfg).half().eval(), LlamaRMSNorm(32).half()
+    tiles = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
+    block = LlamaMLP.from_hf(mlp, norm, gate_up_config=tiles, down_config=tiles)
+    x = torch.randn(16, 32).half()
+    block(x)
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(3)
+    tp = TensorParallelBlocks([block], ["cpu"], 16)
+    tp.x[0].copy_(x)
+    assert torch.equal(tp(), block(x))
+
+
 def test_tensor_parallel_blocks_refuse_what_they_cannot_split():
     with pytest.raises(ValueError, match="cannot be split over 4 GPUs"):
         TensorParallelBlocks(llama_blocks(1, H=32, inter=48), ["cpu"] * 4, 16)  # 12 intermediate columns each

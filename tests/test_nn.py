@@ -764,6 +764,58 @@ def test_a_moved_or_cast_stack_drops_the_pipeline_built_on_its_old_weights():
     assert torch.equal(stack.half()(x), y)
 
 
+def test_a_stack_follows_its_blocks_epilogues_and_its_own_configuration():
+    """A stack's pipeline runs its blocks' epilogues as they are now: a block that built new ones
+    at the same addresses (``.half()`` on an fp16 block, a configuration set) rebuilds it, so a
+    later change of a source weight reaches the column sums the stack subtracts (rows whose mean
+    dwarfs their spread show a stale one). ``config`` set later is checked, and the next call's
+    pipeline runs it."""
+    src = [gpt_block(seed) for seed in (0, 1)]
+
+    def build():
+        blocks = [GPTMLP.from_hf(m, n, up_config=SMALL, down_config=SMALL) for m, n in src]
+        return GPTStack(blocks, config=SMALL, loopback=False)
+
+    x = (torch.randn(9, H) + 30).half()
+    for touch in (lambda b: b.half(), lambda b: setattr(b, "in_config", SMALL)):
+        stack = build()
+        stack(x)
+        touch(stack.blocks[0])  # same addresses, new epilogues
+        stack(x)
+        with torch.no_grad():
+            src[0][0].c_fc.weight.mul_(2)
+        assert torch.equal(stack(x), build()(x))
+    other = GemmConfig(16, 16, 16, group_m=2, num_stages=2, num_warps=4)
+    with pytest.raises(ValueError, match="config must be None"):
+        stack.config = "16x16"
+    assert stack.config == SMALL
+    stack.config = other
+    assert stack.pipeline.configs == [other] * 4 and torch.equal(stack(x), stack.sequential(x))
+
+
+def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassigned_weights():
+    """``MLPStack.refresh`` re-reads each block built from a module (a block built from tensors
+    has nothing to re-read; a stack of such blocks refuses); a block whose laid-out weight was
+    reassigned as a parameter lays the source out into it."""
+    mlp, norm = hf_block()
+    sourced = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    plain = LlamaMLP(*(torch.randn(*s).half() * 0.1 for s in ((INTER, H), (INTER, H), (H, INTER))),
+                     torch.ones(H).half(), gate_up_config=SMALL, down_config=SMALL)  # fmt: skip
+    stack = LlamaStack([sourced, plain])
+    x = torch.randn(7, H).half()
+    mlp.down_proj.weight.data.mul_(2)  # a change PyTorch does not count
+    stack.refresh()
+    fresh = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
+    assert torch.equal(stack(x), plain(fresh(x)))
+    with pytest.raises(RuntimeError, match="every block of this stack was built from tensors"):
+        LlamaStack([plain]).refresh()
+    sourced.w_out = torch.nn.Parameter(sourced.w_out.clone(), requires_grad=False)
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)
+    assert torch.equal(sourced(x), LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)(x))
+    assert isinstance(sourced.w_out, torch.nn.Parameter)
+
+
 def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     """The epilogues' vectors are buffers (``.to()`` moves them, and the epilogues follow); a
     pickled or copied block runs; ``refresh`` writes the new weights into the same buffers (a

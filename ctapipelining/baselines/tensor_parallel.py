@@ -156,6 +156,7 @@ class TensorParallelBlocks:
         # per block, per GPU: (gate/up columns, down rows); the block's configurations per chunk's rows
         self.shards = []
         for b in blocks:
+            b._follow_source()  # (laid out again first where its source module changed since)
             cols, rows = 2 * b.intermediate // g, b.intermediate // g
             self.shards.append(
                 [
