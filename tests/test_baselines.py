@@ -79,6 +79,12 @@ def test_microbatch_refuses_bad_arguments():
         MicroBatch(llama_blocks(1), 32, 16, gemm="ours")
     with pytest.raises(ValueError, match="at least one stage"):
         MicroBatch([], 32, 16)
+    with pytest.raises(ValueError, match="M must be an int >= 1, got -1"):
+        MicroBatch(ws, -1, 16)
+    with pytest.raises(ValueError, match="stage 0 must be a 2-D tensor"):
+        MicroBatch([torch.randn(16).half()], 32, 16)
+    with pytest.raises(TypeError, match="stage 1 is torch.float32; stage 0 is torch.float16"):
+        MicroBatch([ws[0], ws[0].float()], 32, 16)
 
 
 @pytest.mark.parametrize("g, chunks", [(1, 1), (2, 1), (2, 3)])
@@ -163,6 +169,14 @@ def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
         TensorParallel(A, B, ["cpu"] * 3, 30)
     with pytest.raises(ValueError, match="chunks"):
         TensorParallel(A, B, ["cpu"] * g, 30, chunks=0)
+    with pytest.raises(ValueError, match="chunks"):
+        TensorParallel(A, B, ["cpu"] * g, 30, chunks=True)
+    with pytest.raises(ValueError, match="devices must be a non-empty list"):
+        TensorParallel(A, B, [], 30)
+    with pytest.raises(ValueError, match="distinct GPUs"):
+        TensorParallel(A, B, ["cuda:0", "cuda:0"], 30)
+    with pytest.raises(TypeError, match="weight 1 is torch.float32"):
+        TensorParallel(A, B.float(), ["cpu"] * g, 30)
 
 
 @pytest.mark.parametrize("gemm", ["cublas", "ours"])
@@ -189,3 +203,7 @@ def test_data_parallel_rows_and_gather(gemm, g, M, shares):
     assert float((y.float() - reference(dp.x, ws)).abs().max()) < 2e-2
     with pytest.raises(ValueError, match="weight 1"):
         DataParallel([ws[0], ws[0]], ["cpu"], M)
+    with pytest.raises(ValueError, match="row_align must be an int >= 1, got 0"):
+        DataParallel(ws, ["cpu"], M, row_align=0)
+    with pytest.raises(ValueError, match="weight 0 must be a 2-D tensor"):
+        DataParallel([torch.randn(32).half()], ["cpu"], M)

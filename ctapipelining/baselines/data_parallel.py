@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_count, check_devices, check_matrices
 from .graphs import try_capture
 from .microbatch import GEMMS
 
@@ -36,11 +37,10 @@ class DataParallel:
             raise ValueError("DataParallel needs weights and devices")
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-        for s in range(1, len(weights)):
-            if weights[s].shape[0] != weights[s - 1].shape[1]:
-                raise ValueError(
-                    f"weight {s} is {tuple(weights[s].shape)}, weight {s - 1} outputs {weights[s - 1].shape[1]}"
-                )
+        check_matrices(weights)
+        check_devices(devices)
+        check_count(M, "M")
+        check_count(row_align, "row_align")
         if gemm == "ours":
             from ..gemm import matmul
 

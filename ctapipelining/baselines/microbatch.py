@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_count, check_matrices
 from .graphs import order_devices, try_capture
 
 GEMMS = ("cublas", "ours")
@@ -36,6 +37,7 @@ class MicroBatch:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         if not stages:
             raise ValueError("micro-batching needs at least one stage")
+        check_count(M, "M")
         if gemm == "ours":
             from ..gemm import matmul
 
@@ -59,6 +61,7 @@ class MicroBatch:
                 for s, st in enumerate(stages)
             ]  # fmt: skip
         else:
+            check_matrices(stages, "stage", chained=False)  # (their columns: checked below, blocks' too)
             specs = [(lambda a, out, r, w=w: mm(a, w, out), w.device, *w.shape, w.dtype) for w in stages]
         for s in range(1, len(specs)):
             if specs[s][2] != specs[s - 1][3]:

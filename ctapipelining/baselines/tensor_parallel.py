@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .checks import check_count, check_devices, check_matrices
 from .graphs import order_devices, try_capture
 
 
@@ -45,10 +46,13 @@ def reduce_parts(parts: list[torch.Tensor], streams: list | None, comm: list | N
 
 class TensorParallel:
     def __init__(self, A: torch.Tensor, B: torch.Tensor, devices: list, M: int, chunks: int = 1, graph: bool = False):
+        check_matrices([A, B])
+        check_devices(devices)
+        check_count(M, "M")
         g = len(devices)
-        if A.shape[1] % g or B.shape[0] != A.shape[1]:
+        if A.shape[1] % g:
             raise ValueError(f"A {tuple(A.shape)} / B {tuple(B.shape)} cannot be split over {g} GPUs")
-        if not isinstance(chunks, int) or not 1 <= chunks <= M:
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= M:
             raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
         cols = A.shape[1] // g
         self.devices = [_device(d) for d in devices]
@@ -140,7 +144,8 @@ class TensorParallelBlocks:
             raise ValueError(f"devices must be at least one, and distinct GPUs, got {devices!r}")
         if len({b.w_out.dtype for b in blocks}) != 1:
             raise ValueError("the blocks must share one dtype")
-        if not isinstance(chunks, int) or not 1 <= chunks <= M:
+        check_count(M, "M")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= M:
             raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
         H, run = blocks[0].hidden, 2 * GATE_RUN.value
         for b in blocks:
