@@ -416,7 +416,8 @@ class FusedMLP(torch.nn.Module):
         (:meth:`_update_epilogues`; None where none does, or a buffer is an inference tensor)."""
         if not self._derives():
             return None
-        ts = [t for t in self._buffers.values() if t is not None]
+        # (a weight reassigned as a parameter too, as _epilogues reads it)
+        ts = [t for t in (*self._buffers.values(), *self._parameters.values()) if t is not None]
         return None if any(t.is_inference() for t in ts) else tuple(t._version for t in ts)
 
     def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
@@ -1003,7 +1004,7 @@ class MLPStack(torch.nn.Module):
     once its first has ended. Other keyword arguments go to the
     :class:`~ctapipelining.pipeline.Pipeline` (``policy``, ``timeout_s``, ``row_buckets``,
     ``loopback``, ``always_pipelined``, ...). The blocks' weights are the pipeline's:
-    :meth:`refresh` (each block's) updates them in place.
+    :meth:`refresh` (each block's built from a module) updates them in place.
     """
 
     block_type: type = FusedMLP  # what the blocks must be

@@ -81,6 +81,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import numbers
 import statistics
 import threading
 import time
@@ -272,8 +273,8 @@ def check_row_buckets(row_buckets) -> None:
 
 
 def _real(v) -> bool:
-    """Whether ``v`` is a real number (an int or float; not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """Whether ``v`` is a real number (Python's or NumPy's; not a bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def plan_rows(M) -> int:
@@ -886,9 +887,9 @@ class Pipeline:
                 "tune_ends and end_candidates need Pipeline(ends='balanced') (it keeps the weight replicas)"
             )
         M = plan_rows(M)
-        factors = tuple(factors) if isinstance(factors, (list, tuple)) else None
+        factors = None if isinstance(factors, (str, numbers.Number)) else tuple(factors)
         if factors is None or not all(_real(f) and 0 <= f < float("inf") for f in factors):
-            raise ValueError("factors must be a list or tuple of finite numbers >= 0 (the rule's prefill times each)")
+            raise ValueError("factors must be a sequence of finite numbers >= 0 (the rule's prefill times each)")
         bm, (R, D) = self.config.block_m, self._rule_ends(M)
         cands = [(0, 0)] + [self._cut_ends(M, int(R * f) // bm * bm, D) for f in factors] + [self._cut_ends(M, R, D)]
         return list(dict.fromkeys(cands))

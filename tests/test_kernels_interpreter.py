@@ -955,6 +955,7 @@ def test_end_candidates_and_what_tune_ends_refuses():
     # the rule's ends (what a candidate must beat) are tried whatever the factors
     assert pipe.end_candidates(1024, factors=(0.5, 2.0)) == [(0, 0), (16, 16), (64, 16), (32, 16)]
     assert pipe.end_candidates(1024, factors=()) == [(0, 0), (32, 16)]
+    assert pipe.end_candidates(1024, factors=np.array([0.5, 2.0])) == [(0, 0), (16, 16), (64, 16), (32, 16)]
     with pytest.raises(RuntimeError, match="needs the stages on GPUs"):
         pipe.tune_ends(256)
     # bad arguments are refused before anything is built or timed

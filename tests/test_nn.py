@@ -796,7 +796,8 @@ def test_a_stack_follows_its_blocks_epilogues_and_its_own_configuration():
 def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassigned_weights():
     """``MLPStack.refresh`` re-reads each block built from a module (a block built from tensors
     has nothing to re-read; a stack of such blocks refuses); a block whose laid-out weight was
-    reassigned as a parameter lays the source out into it."""
+    reassigned as a parameter lays the source out into it, and a GPT block's column sums follow
+    such a weight changed in place."""
     mlp, norm = hf_block()
     sourced = LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
     plain = LlamaMLP(*(torch.randn(*s).half() * 0.1 for s in ((INTER, H), (INTER, H), (H, INTER))),
@@ -809,6 +810,15 @@ def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassig
     assert torch.equal(stack(x), plain(fresh(x)))
     with pytest.raises(RuntimeError, match="every block of this stack was built from tensors"):
         LlamaStack([plain]).refresh()
+    gpt = GPTMLP.from_hf(*gpt_block(), up_config=SMALL, down_config=SMALL)
+    gpt.w_in = torch.nn.Parameter(gpt.w_in.clone(), requires_grad=False)
+    rows = (torch.randn(5, H) + 30).half()  # a mean that dwarfs the spread: stale column sums show
+    gpt(rows)
+    with torch.no_grad():
+        gpt.w_in.mul_(2)  # the column sums follow the reassigned weight
+    got = gpt(rows)
+    gpt._epi = None  # (rebuilt from scratch)
+    assert torch.equal(got, gpt(rows))
     sourced.w_out = torch.nn.Parameter(sourced.w_out.clone(), requires_grad=False)
     with torch.no_grad():
         mlp.up_proj.weight.mul_(2)
