@@ -737,7 +737,7 @@ class DistributedPipeline:
         if out.device != self.device:
             raise ValueError(f"out is on {out.device}; rank {self.rank} runs on {self.device}")
         bound = [t for seg in self.segments for t in seg._bound_tensors]  # the weights, the epilogues' vectors
-        if overlaps(out, *([x] if x is not None else []), *self.weights, *bound):
+        if overlaps(out, *([x] if x is not None else []), *bound):
             raise ValueError(
                 "out shares memory with x, a weight or an epilogue's bias or column sums: the chain would overwrite "
                 "its own operands"

@@ -346,11 +346,11 @@ class FusedMLP(torch.nn.Module):
         a source whose shape, dtype or device changed needs a new block."""
         check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
         check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
-        # where each lives: a buffer, or a parameter it was reassigned as (None: not set yet)
-        slots = {name: next((d for d in (self._buffers, self._parameters) if name in d), None) for name in tensors}
+        # the ones already set: buffers, or parameters they were reassigned as
+        have = {name: d[name] for name in tensors for d in (self._buffers, self._parameters) if name in d}
         for name, t in tensors.items():  # every check before any copy: a refused refresh changes nothing
-            old = None if slots[name] is None else slots[name][name]
-            if slots[name] is not None and (
+            old = have.get(name)
+            if name in have and (
                 (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
                     t.shape, t.dtype, t.device
                 )
@@ -360,8 +360,8 @@ class FusedMLP(torch.nn.Module):
                     "build a new block"
                 )
         for name, t in tensors.items():
-            old = None if slots[name] is None else slots[name][name]
-            if slots[name] is None:
+            old = have.get(name)
+            if name not in have:
                 self.register_buffer(name, t, persistent=False)
             elif old is not None:
                 with torch.inference_mode() if old.is_inference() else torch.no_grad():
@@ -380,17 +380,17 @@ class FusedMLP(torch.nn.Module):
                     f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(value).__name__}"
                 )
             i = int(name == "out_config")
-            default = None if value is not None else self._config_defaults[i]
+            if value is None:  # the default, marked as such (configs_for)
+                value = default = self._config_defaults[i]
+            else:
+                default = None
             self._defaults = tuple(default if j == i else d for j, d in enumerate(self._defaults))
-            value = value if value is not None else default
         elif name == "eps":
             _check_eps(value)
             source = self.__dict__.get("_source")
-            if source is not None and value != self._source_eps(source[1]):
-                raise ValueError(
-                    f"this block follows its source norm's epsilon ({self._source_eps(source[1])!r}): set the norm's "
-                    "instead"
-                )
+            norms = None if source is None else self._source_eps(source[1])
+            if norms is not None and value != norms:
+                raise ValueError(f"this block follows its source norm's epsilon ({norms!r}): set the norm's instead")
         super().__setattr__(name, value)
 
     def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
@@ -1069,8 +1069,7 @@ class MLPStack(torch.nn.Module):
         weights = self._weights()
         key = (*((w.data_ptr(), w.device) for w in weights), *epilogues, self.config)
         if self._built is None or self._built[0] != key:
-            stages = [b.pipeline_stages() for b in self.blocks]  # each block's configurations, epilogues
-            epilogues = [e for _, _, epis in stages for e in epis]
+            stages = [b.pipeline_stages() for b in self.blocks]  # each block's configurations (its epilogues: above)
             configs = self.config or [c for _, cfgs, _ in stages for c in cfgs]
             self._built = (key, Pipeline(weights, config=configs, epilogues=epilogues, **self._pipeline_kw))
         return self._built[1]

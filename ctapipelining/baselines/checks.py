@@ -13,6 +13,12 @@ def check_count(v, name: str, least: int = 1) -> int:
     return v
 
 
+def check_chunks(chunks, M: int) -> None:
+    """``chunks``: an int (not a bool) in ``[1, M]``."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= M:
+        raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
+
+
 def check_matrices(weights, name: str = "weight", chained: bool = True) -> None:
     """Each of ``weights`` a 2-D tensor, all of one dtype (``chained``: each taking the columns
     the one before gives)."""

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .checks import check_count, check_devices, check_matrices
+from .checks import check_chunks, check_count, check_devices, check_matrices
 from .graphs import order_devices, try_capture
 
 
@@ -52,8 +52,7 @@ class TensorParallel:
         g = len(devices)
         if A.shape[1] % g:
             raise ValueError(f"A {tuple(A.shape)} / B {tuple(B.shape)} cannot be split over {g} GPUs")
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= M:
-            raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
+        check_chunks(chunks, M)
         cols = A.shape[1] // g
         self.devices = [_device(d) for d in devices]
         self.on_gpu = self.devices[0].type == "cuda"
@@ -145,8 +144,7 @@ class TensorParallelBlocks:
         if len({b.w_out.dtype for b in blocks}) != 1:
             raise ValueError("the blocks must share one dtype")
         check_count(M, "M")
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= M:
-            raise ValueError(f"chunks must be an int in [1, M={M}], got {chunks!r}")
+        check_chunks(chunks, M)
         H, run = blocks[0].hidden, 2 * GATE_RUN.value
         for b in blocks:
             if b.hidden != H or b.intermediate % (g * run // 2):
