@@ -136,7 +136,7 @@ def test_tensor_parallel_blocks_refuse_what_they_cannot_split():
         TensorParallelBlocks(chain(32, 32), ["cpu"], 16)
     with pytest.raises(ValueError, match="chunks"):
         TensorParallelBlocks(llama_blocks(1), ["cpu"], 16, chunks=0)
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="devices must be a non-empty list"):
         TensorParallelBlocks(llama_blocks(1), [], 16)
     with pytest.raises(ValueError, match="distinct GPUs"):
         TensorParallelBlocks(llama_blocks(1), ["cuda:0", "cuda:0"], 16)
@@ -175,6 +175,11 @@ def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
         TensorParallel(A, B, [], 30)
     with pytest.raises(ValueError, match="distinct GPUs"):
         TensorParallel(A, B, ["cuda:0", "cuda:0"], 30)
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="distinct GPUs"):  # "cuda" is the current GPU (cuda:0 without CUDA)
+        TensorParallel(A, B, ["cuda", torch.device("cuda", current)], 30)
+    with pytest.raises(ValueError, match="distinct GPUs"):
+        DataParallel([A, B], [0, "cuda:0"], 30)
     with pytest.raises(TypeError, match="weight 1 is torch.float32"):
         TensorParallel(A, B.float(), ["cpu"] * g, 30)
 

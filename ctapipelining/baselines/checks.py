@@ -31,11 +31,22 @@ def check_matrices(weights, name: str = "weight", chained: bool = True) -> None:
             raise ValueError(f"{name} {s} is {tuple(w.shape)}, {name} {s - 1} outputs {weights[s - 1].shape[1]}")
 
 
-def check_devices(devices) -> None:
-    """``devices``: a non-empty list, its GPUs distinct."""
+def device(d) -> torch.device:
+    """``d`` (an int, a string or a ``torch.device``) as a device with its index: ``cuda`` names
+    the current GPU (``cuda:0`` where CUDA is absent), as PyTorch resolves it."""
+    d = torch.device(f"cuda:{d}") if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
+def check_devices(devices) -> list[torch.device]:
+    """``devices``: a non-empty list, its GPUs distinct (``cuda`` and ``cuda:0`` are one GPU where
+    it is the current one). Returns them resolved (:func:`device`)."""
     if not isinstance(devices, (list, tuple)) or not devices:
         raise ValueError(f"devices must be a non-empty list, got {devices!r}")
-    cuda = [torch.device(f"cuda:{d}") if isinstance(d, int) else torch.device(d) for d in devices]
-    cuda = [d for d in cuda if d.type == "cuda"]
+    resolved = [device(d) for d in devices]
+    cuda = [d for d in resolved if d.type == "cuda"]
     if len(set(cuda)) != len(cuda):
         raise ValueError(f"devices must be distinct GPUs, got {devices!r}")
+    return resolved

@@ -38,7 +38,7 @@ class DataParallel:
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         check_matrices(weights)
-        check_devices(devices)
+        resolved = check_devices(devices)
         check_count(M, "M")
         check_count(row_align, "row_align")
         if gemm == "ours":
@@ -47,7 +47,7 @@ class DataParallel:
             self._mm = lambda a, b, out: matmul(a, b, out=out)
         else:
             self._mm = lambda a, b, out: torch.matmul(a, b, out=out)
-        self.devices = [torch.device(d) for d in devices]
+        self.devices = resolved
         self.on_gpu = self.devices[0].type == "cuda"
         G, dt = len(self.devices), weights[0].dtype
         blocks = -(-M // row_align)

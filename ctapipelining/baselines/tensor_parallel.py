@@ -25,10 +25,6 @@ from .checks import check_chunks, check_count, check_devices, check_matrices
 from .graphs import order_devices, try_capture
 
 
-def _device(d) -> torch.device:
-    return torch.device(f"cuda:{d}") if isinstance(d, int) else torch.device(d)
-
-
 def reduce_parts(parts: list[torch.Tensor], streams: list | None, comm: list | None) -> None:
     """Sum ``parts`` (one per GPU) into every one: NCCL on the communication streams ``comm``,
     each after its GPU's ``streams`` so far; on the CPU (``streams`` None) a sum in float32."""
@@ -47,14 +43,14 @@ def reduce_parts(parts: list[torch.Tensor], streams: list | None, comm: list | N
 class TensorParallel:
     def __init__(self, A: torch.Tensor, B: torch.Tensor, devices: list, M: int, chunks: int = 1, graph: bool = False):
         check_matrices([A, B])
-        check_devices(devices)
+        resolved = check_devices(devices)
         check_count(M, "M")
         g = len(devices)
         if A.shape[1] % g:
             raise ValueError(f"A {tuple(A.shape)} / B {tuple(B.shape)} cannot be split over {g} GPUs")
         check_chunks(chunks, M)
         cols = A.shape[1] // g
-        self.devices = [_device(d) for d in devices]
+        self.devices = resolved
         self.on_gpu = self.devices[0].type == "cuda"
         self.A = [A[:, i * cols : (i + 1) * cols].contiguous().to(d) for i, d in enumerate(self.devices)]
         self.B = [B[i * cols : (i + 1) * cols].contiguous().to(d) for i, d in enumerate(self.devices)]
@@ -135,12 +131,10 @@ class TensorParallelBlocks:
         from ..kernels.epilogue import GATE_RUN
         from ..nn import LlamaMLP
 
-        g = len(devices)
         if not blocks or not all(isinstance(b, LlamaMLP) for b in blocks):
             raise TypeError("TensorParallelBlocks takes a non-empty list of ctapipelining.nn.LlamaMLP blocks")
-        cuda = [_device(d) for d in devices if _device(d).type == "cuda"]
-        if g < 1 or len(set(cuda)) != len(cuda):
-            raise ValueError(f"devices must be at least one, and distinct GPUs, got {devices!r}")
+        resolved = check_devices(devices)
+        g = len(resolved)
         if len({b.w_out.dtype for b in blocks}) != 1:
             raise ValueError("the blocks must share one dtype")
         check_count(M, "M")
@@ -152,7 +146,7 @@ class TensorParallelBlocks:
                     f"a block of hidden {b.hidden}, intermediate {b.intermediate} cannot be split over {g} GPUs "
                     f"(hidden {H} for all; each GPU's share of the intermediate a multiple of {run // 2})"
                 )
-        self.devices = [_device(d) for d in devices]
+        self.devices = resolved
         self.on_gpu = self.devices[0].type == "cuda"
         self._matmul = matmul
         dtype = blocks[0].w_out.dtype
