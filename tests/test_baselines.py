@@ -179,7 +179,7 @@ def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
     with pytest.raises(ValueError, match="distinct GPUs"):  # "cuda" is the current GPU (cuda:0 without CUDA)
         TensorParallel(A, B, ["cuda", torch.device("cuda", current)], 30)
     with pytest.raises(ValueError, match="distinct GPUs"):
-        DataParallel([A, B], [0, "cuda:0"], 30)
+        TensorParallel(A, B, [0, "cuda:0"], 30)
     with pytest.raises(TypeError, match="weight 1 is torch.float32"):
         TensorParallel(A, B.float(), ["cpu"] * g, 30)
 
@@ -212,3 +212,19 @@ def test_data_parallel_rows_and_gather(gemm, g, M, shares):
         DataParallel(ws, ["cpu"], M, row_align=0)
     with pytest.raises(ValueError, match="weight 0 must be a 2-D tensor"):
         DataParallel([torch.randn(32).half()], ["cpu"], M)
+
+
+def test_devices_resolve_to_indices_and_repeat_only_where_allowed():
+    """``cuda``, an int and ``cuda:i`` name GPUs by index (``cuda`` the current one), so a GPU
+    named two ways is one GPU: refused twice where the GPUs must be distinct (tensor
+    parallelism), kept where a GPU may hold several shares (data parallelism on one GPU)."""
+    from ctapipelining.baselines.checks import check_devices
+
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    same = ["cuda", current, f"cuda:{current}"]
+    assert check_devices(same, distinct=False) == [torch.device("cuda", current)] * 3
+    assert check_devices(["cpu", "cpu"]) == [torch.device("cpu")] * 2
+    with pytest.raises(ValueError, match="distinct GPUs"):
+        check_devices(same)
+    with pytest.raises(ValueError, match="non-empty list"):
+        check_devices("cuda:0", distinct=False)

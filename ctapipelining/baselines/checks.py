@@ -40,13 +40,13 @@ def device(d) -> torch.device:
     return d
 
 
-def check_devices(devices) -> list[torch.device]:
-    """``devices``: a non-empty list, its GPUs distinct (``cuda`` and ``cuda:0`` are one GPU where
-    it is the current one). Returns them resolved (:func:`device`)."""
+def check_devices(devices, distinct: bool = True) -> list[torch.device]:
+    """``devices``: a non-empty list; ``distinct``: its GPUs distinct (``cuda`` and ``cuda:0`` are
+    one GPU where it is the current one). Returns them resolved (:func:`device`)."""
     if not isinstance(devices, (list, tuple)) or not devices:
         raise ValueError(f"devices must be a non-empty list, got {devices!r}")
     resolved = [device(d) for d in devices]
     cuda = [d for d in resolved if d.type == "cuda"]
-    if len(set(cuda)) != len(cuda):
+    if distinct and len(set(cuda)) != len(cuda):
         raise ValueError(f"devices must be distinct GPUs, got {devices!r}")
     return resolved

@@ -22,7 +22,8 @@ class DataParallel:
     """``x @ W_0 @ W_1 ...`` on ``devices`` (torch devices), rows split as evenly as whole
     ``row_align``-row blocks allow; ``gemm``: ``"cublas"`` or ``"ours"``. ``x`` is given on
     the first device (:attr:`x`) and scattered, the result gathered on the last (:attr:`out`),
-    so every method of the bench reads and writes the same places."""
+    so every method of the bench reads and writes the same places. A device may be named more
+    than once (its shares then run one after another there: the method on one GPU, for tests)."""
 
     def __init__(
         self,
@@ -38,7 +39,7 @@ class DataParallel:
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         check_matrices(weights)
-        resolved = check_devices(devices)
+        resolved = check_devices(devices, distinct=False)
         check_count(M, "M")
         check_count(row_align, "row_align")
         if gemm == "ours":
