@@ -45,8 +45,9 @@ same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
 Inputs with few rows (decode) run as they are: the kernels need no minimum. There is nothing to
 pipeline, and the weights' bandwidth bounds the time: a block built without configurations runs
-its down GEMM up to 768 rows, and its first GEMM up to 64, in narrower tiles split along K where
-they are fewer than the SMs (:data:`FEW_ROWS_CONFIGS`).
+its down GEMM up to 768 rows, and its first GEMM up to 64 (a GPT block's up to 128), in narrower
+tiles, split along K where that is measured faster (:data:`FEW_ROWS_CONFIGS`,
+:data:`GPT_FEW_ROWS_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -83,24 +84,37 @@ STACK_CONFIG = dataclasses.replace(PIPELINE_CONFIG, block_n=128, num_stages=4)
 UP_CONFIG = EPILOGUE_CONFIG
 
 
-def _few(block_m: int, block_n: int, block_k: int, num_stages: int) -> GemmConfig:
-    """Tiles for few rows: 4 warps, a split tail, split-K where the tiles are fewer than SMs."""
+def _few(block_m: int, block_n: int, block_k: int, num_stages: int, split: bool = True) -> GemmConfig:
+    """Tiles for few rows: 4 warps; ``split``: a split tail, split-K where the tiles are fewer than SMs."""
     return GemmConfig(
-        block_m, block_n, block_k, group_m=8, num_stages=num_stages, num_warps=4, split_tail=True, split_k=True
+        block_m, block_n, block_k, group_m=8, num_stages=num_stages, num_warps=4, split_tail=split, split_k=split
     )
 
 
 # Decode-sized inputs: a block built without configurations runs a call of ``M`` rows in the tiles of
-# the first row (rows, first GEMM's, second GEMM's) whose rows are at least ``M``: few rows, where the
-# weights' bandwidth bounds the time and 128 x 256 tiles leave most SMs idle (a Llama-8B block's down
-# GEMM: 16 tiles up to 128 rows). Narrower tiles spread the weights over more CTAs, and ``split_k``
-# splits a round of fewer tiles than SMs along K. Measured on an H100, each GEMM alone with its
-# epilogue against cuBLAS, the Llama-8B and -70B blocks at 1, 16, 64, 128, 256, 384, 512 and 768
-# rows: per row, the configuration whose worse ratio of the two is the least
-# (benchmarks/results/2026-12-06-h100-block-decode/, benchmarks/block_tiles.py).
+# the first row (rows, first GEMM's, second GEMM's) of its class's table (FusedMLP.few_rows_configs)
+# whose rows are at least ``M``: few rows, where the weights' bandwidth bounds the time and 128 x 256
+# tiles leave most SMs idle (a Llama-8B block's down GEMM: 16 tiles up to 128 rows). Narrower tiles
+# spread the weights over more CTAs, and ``split_k`` splits a round of fewer tiles than SMs along K.
+# Measured on an H100, each GEMM alone with its epilogue against cuBLAS (benchmarks/block_tiles.py):
+# per row, the configuration whose worse ratio of the two is the least. FEW_ROWS_CONFIGS: the
+# Llama-8B and -70B blocks at 1, 16, 64, 128, 256, 384, 512 and 768 rows
+# (benchmarks/results/2026-12-06-h100-block-decode/).
 FEW_ROWS_CONFIGS = (
     (64, _few(64, 256, 64, 4), _few(64, 64, 128, 6)),
     (128, EPILOGUE_CONFIG, _few(64, 128, 64, 5)),
+    (512, EPILOGUE_CONFIG, _few(64, 256, 64, 4)),
+    (768, EPILOGUE_CONFIG, _few(128, 128, 64, 4)),
+)
+# GPT_FEW_ROWS_CONFIGS: the GPT block (hidden 4096, intermediate 16384) at 1, 16, 64, 96, 128, 256,
+# 512 and 768 rows (benchmarks/results/2026-12-06-h100-gpt-tiles/). Its first GEMM, not gated, has
+# half the Llama-8B block's output columns: 64 tiles of 64 x 256 up to 128 rows, which split along K
+# lose (1.36-1.39x cuBLAS against 1.09-1.12x whole) and 128 x 256 tiles leave idle (1.21x); its
+# down GEMM at 129-256 rows takes 64 x 128 x 128 tiles (1.02x against 1.12x).
+GPT_FEW_ROWS_CONFIGS = (
+    (64, _few(64, 256, 64, 4, split=False), _few(64, 64, 128, 6)),
+    (128, _few(64, 256, 64, 4, split=False), _few(64, 128, 64, 5)),
+    (256, EPILOGUE_CONFIG, _few(64, 128, 128, 4)),
     (512, EPILOGUE_CONFIG, _few(64, 256, 64, 4)),
     (768, EPILOGUE_CONFIG, _few(128, 128, 64, 4)),
 )
@@ -287,6 +301,7 @@ class FusedMLP(torch.nn.Module):
     _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
     _defaults = (None, None)  # the GEMMs left to their default configuration: that default (configs_for)
     _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # each GEMM's configuration where none is given
+    few_rows_configs = FEW_ROWS_CONFIGS  # each GEMM's tiles at few rows, where left to its default (configs_for)
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -302,7 +317,7 @@ class FusedMLP(torch.nn.Module):
                     f"{name} must be a ctapipelining.kernels.gemm.GemmConfig or None, got {type(cfg).__name__}"
                 )
         super().__init__()
-        # a GEMM given no configuration: its default (_config_defaults), and FEW_ROWS_CONFIGS' tiles
+        # a GEMM given no configuration: its default (_config_defaults), and few_rows_configs' tiles
         # at few rows (configs_for) until it is given one (__setattr__ records which)
         self._defaults = (None, None)
         self.in_config, self.out_config = in_config, out_config
@@ -372,7 +387,7 @@ class FusedMLP(torch.nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
-        at every row count, or None for the GEMM's default (with :data:`FEW_ROWS_CONFIGS`' tiles
+        at every row count, or None for the GEMM's default (with :attr:`few_rows_configs`' tiles
         at few rows)."""
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
@@ -396,11 +411,11 @@ class FusedMLP(torch.nn.Module):
     def configs_for(self, M: int) -> tuple[GemmConfig, GemmConfig]:
         """Each GEMM's configuration for a call on ``M`` rows: ``in_config`` and ``out_config``,
         except for a GEMM left to its default (given None, at construction or since): that one
-        takes the tiles of :data:`FEW_ROWS_CONFIGS`' first row of at least ``M`` rows, if any.
+        takes the tiles of :attr:`few_rows_configs`' first row of at least ``M`` rows, if any.
         (To run the default's tiles at every row count, set it: ``block.in_config =
         nn.GATE_UP_CONFIG``.)"""
         configs = [self.in_config, self.out_config]
-        row = next((r for r in FEW_ROWS_CONFIGS if M <= r[0]), None)
+        row = next((r for r in self.few_rows_configs if M <= r[0]), None)
         if row is not None:
             for i, default in enumerate(self._defaults):
                 if default is not None:
@@ -450,7 +465,7 @@ class FusedMLP(torch.nn.Module):
                     f"{name}: weights {tuple(w_in.shape)} {w_in.dtype} on {w_in.device} and {tuple(w_out.shape)} "
                     f"{w_out.dtype} on {w_out.device} do not make a block of hidden size {self.hidden}"
                 )
-            # (FEW_ROWS_CONFIGS' tiles are multiples of 16 wide, as every epilogue can close)
+            # (few_rows_configs' tiles are multiples of 16 wide, as every epilogue can close)
             first.check(w_in.shape[1], w_in.dtype, w_in.device, self.in_config.block_n)
             second.check(w_out.shape[1], w_out.dtype, w_out.device, self.out_config.block_n)
             self._epi = (key, first, second)
@@ -864,6 +879,7 @@ class GPTMLP(FusedMLP):
 
     _norm_kind = "layer"
     _config_defaults = (UP_CONFIG, DOWN_CONFIG)
+    few_rows_configs = GPT_FEW_ROWS_CONFIGS
 
     def __init__(
         self,

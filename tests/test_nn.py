@@ -92,8 +92,11 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     assert given.configs_for(1) == (few[0][1], SMALL) and given.configs_for(300) == (nn.GATE_UP_CONFIG, SMALL)
     given.in_config = SMALL
     assert given.configs_for(1) == (SMALL, SMALL)
-    gpt = GPTMLP.from_hf(*gpt_block())
-    assert gpt.configs_for(16) == (few[0][1], few[0][2]) and gpt.configs_for(4096) == (nn.UP_CONFIG, nn.DOWN_CONFIG)
+    gpt, few_gpt = GPTMLP.from_hf(*gpt_block()), nn.GPT_FEW_ROWS_CONFIGS  # (its own table: a narrower first GEMM)
+    assert all(c.block_n % 16 == 0 for row in few_gpt for c in row[1:])
+    assert gpt.configs_for(16) == (few_gpt[0][1], few_gpt[0][2]) and not few_gpt[0][1].split_k
+    assert gpt.configs_for(100) == (few_gpt[1][1], few_gpt[1][2]) and gpt.configs_for(200)[1] == few_gpt[2][2]
+    assert gpt.configs_for(4096) == (nn.UP_CONFIG, nn.DOWN_CONFIG)
     launched = []
     for name in ("matmul", "launch_checked"):
         real = getattr(nn, name)
@@ -107,6 +110,14 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     ref = reference(mlp, norm, x)
     with torch.no_grad():
         theirs = x + mlp(norm(x))
+    assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+    # a GPT block at few rows launches its own table's tiles (its first GEMM whole, not split along K)
+    g_mlp, g_norm = gpt_block()
+    ours = gpt(x)
+    assert launched[3:] == [few_gpt[0][1], few_gpt[0][2]]
+    with torch.no_grad():
+        theirs = x + g_mlp(g_norm(x))
+    ref = gpt_reference(g_mlp, g_norm, x)
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
 
 
@@ -1295,7 +1306,7 @@ def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refus
     gpt = GPTMLP(torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None,
                  up_config=SMALL, down_config=SMALL)  # fmt: skip
     gpt.out_config = None
-    assert gpt.out_config == nn.DOWN_CONFIG and gpt.configs_for(1)[1] == nn.FEW_ROWS_CONFIGS[0][2]
+    assert gpt.out_config == nn.DOWN_CONFIG and gpt.configs_for(1)[1] == nn.GPT_FEW_ROWS_CONFIGS[0][2]
     assert gpt.configs_for(1)[0] == SMALL  # built with it: no few-rows tiles
     with pytest.raises(TypeError, match="in_config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
         block.in_config = "128x256"
