@@ -359,7 +359,8 @@ class DistributedPipeline:
         local_error, weights = None, list(weights) if isinstance(weights, (list, tuple)) else weights
         first_weight = weights[0] if isinstance(weights, list) and weights else None
         try:
-            if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and backend == "nccl":
+            nccl = "nccl" in str(backend)  # ("cpu:gloo,cuda:nccl" too)
+            if isinstance(first_weight, torch.Tensor) and first_weight.is_cuda and nccl:
                 current = torch.cuda.current_device()
                 if current != first_weight.device.index:  # NCCL's collectives (sequential's sends) run there
                     raise RuntimeError(
@@ -492,9 +493,13 @@ class DistributedPipeline:
             raise ValueError("weights must be a non-empty list of this rank's weight matrices")
         for k, w in enumerate(weights):
             check_weight(w, f"rank {self.rank}'s weight {k}")
-        devices = {w.device for w in weights}
+        devices, dtypes = {w.device for w in weights}, {w.dtype for w in weights}
         if len(devices) > 1:
             raise ValueError(f"rank {self.rank}'s weights are on {sorted(map(str, devices))}: a rank runs on one GPU")
+        if len(dtypes) > 1:  # (each loopback segment holds one: no segment would see two)
+            raise TypeError(f"rank {self.rank}'s weights are {sorted(map(str, dtypes))}: the chain runs in one dtype")
+        if not isinstance(loopback, bool):
+            raise ValueError(f"loopback must be True or False, got {loopback!r}")
         if weights[0].is_cuda:
             fabric.symmetric_memory()
         n = len(weights)
@@ -518,8 +523,12 @@ class DistributedPipeline:
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
-        if not is_seconds(timeout_s):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        for name, v in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s),
+                        ("host_timeout_s", host_timeout_s)):  # fmt: skip
+            if not is_seconds(v) and not (v is None and name != "timeout_s"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if start_timeout_s is not None and int(start_timeout_s * 1e9) < 1:  # (0 ns: a gate that looks once)
+            raise ValueError(f"start_timeout_s must be at least a nanosecond, got {start_timeout_s!r}")
         # defaults: a late peer gets 2.5 s (or 2.5 timeouts); the host waits past every bound a
         # call's kernels can reach (two gate waits and a timeout per stage), at least 10 s
         n = len(weights)
@@ -558,17 +567,18 @@ class DistributedPipeline:
 
     def plan(self, M: int) -> DistributedPlan:
         """The plan for calls on ``M`` rows (collective when it is built or another is freed:
-        every rank asks for it at the same call)."""
+        every rank asks for it at the same call; under the pipeline's lock, as a call is)."""
         B = self.rows_for(plan_rows(M))
-        dp = self._plans.get(B)
-        if dp is None:
-            if self._capturing():
-                raise RuntimeError(f"no plan for {M} rows yet: make one call on {M} rows before capturing it")
-            dp = self._build_plan(B)
-            self._plans[B] = dp
-            self._evict(B)
-        self._plans.move_to_end(B)
-        return dp
+        with self._lock:
+            dp = self._plans.get(B)
+            if dp is None:
+                if self._capturing():
+                    raise RuntimeError(f"no plan for {M} rows yet: make one call on {M} rows before capturing it")
+                dp = self._build_plan(B)
+                self._plans[B] = dp
+                self._evict(B)
+            self._plans.move_to_end(B)
+            return dp
 
     def _build_plan(self, B: int) -> DistributedPlan:
         """Collective: the heap (zeroed on every rank before any rank's first call can write into
@@ -726,9 +736,10 @@ class DistributedPipeline:
             return x.shape[0]
         if x is not None:
             raise ValueError(f"rank {self.rank} does not run the first stage: pass rows=M, not x")
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-            raise ValueError(f"rank {self.rank}: rows must be the call's row count (an int >= 1), got {rows!r}")
-        return rows
+        try:
+            return plan_rows(rows)  # (numpy's ints too, as plan takes them)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"rank {self.rank}: rows must be the call's row count (an int >= 1), got {rows!r}") from e
 
     def _check_out(self, out: torch.Tensor, x: torch.Tensor | None, M: int) -> None:
         if not self.is_last:
@@ -756,7 +767,11 @@ class DistributedPipeline:
         :meth:`check_errors` on every rank (``check=True``, the same on every rank: here,
         collectively). A rank that refuses a call with ``check=True`` (its own checks, before
         anything collective) makes that check too, where the other ranks make it, and raises
-        its own error: the check is made, nothing is left for it to call."""
+        its own error: where the call has its plan already, the check is made and nothing is
+        left to call. Where the call needs a new plan, the others are building it (collective):
+        they meet the refusing rank's check there, every rank raises that the ranks are out of
+        step, and every rank calls :meth:`check_errors` once more. :meth:`capture` refuses the
+        same way."""
         with self._lock:
             refused = True  # until this rank's own checks of the call pass
             try:
@@ -833,10 +848,18 @@ class DistributedPipeline:
         warm-up call first, which builds the plan). Returns a :class:`DistributedGraphedCall`."""
         if not self.on_gpu:
             raise RuntimeError("capture needs CUDA devices (CUDA graphs do not exist on the CPU)")
-        if not isinstance(M, int) or isinstance(M, bool) or M < 1:
-            raise ValueError(f"M must be a positive int, got {M!r}")
-        if self._capturing():
-            raise RuntimeError("capture() makes a checked call first: call it outside any CUDA-graph capture")
+        try:
+            M = plan_rows(M)
+            if self._capturing():
+                raise RuntimeError("capture() makes a checked call first: call it outside any CUDA-graph capture")
+        except Exception as e:
+            # the other ranks are making the warm-up's checked call: meet them at its check, as a
+            # call refused with check=True does (every rank then raises this refusal)
+            self._mark_out_of_step(f"rank {self.rank} refused a capture ({type(e).__name__}: {e})")
+            if not self._capturing():
+                with contextlib.suppress(Exception):
+                    self.check_errors()
+            raise
         x = None
         if self.is_first:
             x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)

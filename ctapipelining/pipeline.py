@@ -610,6 +610,14 @@ class Pipeline:
             return f"stage {s} on {self.devices[s]}"
         return f"stage {seg.first_stage + s} on {seg.where + ', ' if seg.where else ''}{self.devices[s]}"
 
+    def _stage_name(self, s: int) -> str:
+        """Stage ``s`` by its number in the chain (and a segment's place), for a message that
+        names its device after it."""
+        seg = self.segment
+        if seg is None:
+            return f"stage {s}"
+        return f"stage {seg.first_stage + s}" + (f" ({seg.where})" if seg.where else "")
+
     def _replica(self, w: torch.Tensor, device: torch.device) -> torch.Tensor:
         copy = untracked(w).to(device, copy=True)
         self._replicas.append([w, copy, w._version])
@@ -1168,7 +1176,8 @@ class Pipeline:
                     with self._own_stream(t):
                         t.zero_()
             if self.on_gpu:  # the zeroing's end, on the streams it ran on (nothing of the caller's)
-                self._wait_for([(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)])
+                self._wait_for([(self._stage_name(s), st.device, st.record_event())
+                                for s, st in enumerate(self.streams)])  # fmt: skip
             for p in plans:
                 p.epoch = 0
                 p.stale = False
@@ -1215,7 +1224,7 @@ class Pipeline:
         if not self.on_gpu:
             return
         events = self._in_flight.events()
-        events += [(f"stage {s}", st.device, st.record_event()) for s, st in enumerate(self.streams)]
+        events += [(self._stage_name(s), st.device, st.record_event()) for s, st in enumerate(self.streams)]
         if callers and self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
             events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
         self._wait_for(events)

@@ -1078,3 +1078,74 @@ def test_one_rank_at_several_heights_and_back_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["world"] == 1 and res["equal"] == [True] * 6 and res["plans"] == [16, 40, 64]
+
+
+def test_a_ranks_own_bad_arguments_are_refused_by_name(world1, monkeypatch):
+    """What a rank checks alone, refused by name before anything is built: weights of two dtypes
+    (in loopback each segment holds one, and none would see both), timeouts that are not
+    numbers of seconds (checked before any default is derived from them), a start timeout under
+    a nanosecond (a gate that looks once), a ``loopback`` that is not a bool."""
+    from ctapipelining import operands
+
+    real = operands.check_tensor  # (bf16 is refused under the interpreter alone: let it through here)
+    monkeypatch.setattr(operands, "check_tensor", lambda t, name: t.dtype == torch.bfloat16 or real(t, name))
+    w0, w1 = _weights([32, 48, 32])
+    with pytest.raises(ValueError, match=r"TypeError: rank 0's weights are \['torch.bfloat16', 'torch.float16'\]"):
+        DistributedPipeline([w0, w1.bfloat16()], config=CFG, loopback=True)
+    ws = [w0, w1]
+    with pytest.raises(ValueError, match="host_timeout_s must be a positive number of seconds, got '10'"):
+        DistributedPipeline(ws, config=CFG, loopback=True, host_timeout_s="10")
+    with pytest.raises(ValueError, match="start_timeout_s must be a positive number of seconds, got '1'"):
+        DistributedPipeline(ws, config=CFG, loopback=True, start_timeout_s="1")
+    with pytest.raises(ValueError, match="start_timeout_s must be at least a nanosecond"):
+        DistributedPipeline(ws, config=CFG, loopback=True, start_timeout_s=1e-12)
+    with pytest.raises(ValueError, match="loopback must be True or False, got 'no'"):
+        DistributedPipeline(ws, config=CFG, loopback="no")
+
+
+def test_plan_waits_for_the_pipelines_lock_and_a_refused_capture_puts_the_rank_out_of_step(world1, monkeypatch):
+    """``plan`` (collective where it builds) holds the lock a call holds, so it cannot meet the
+    other ranks in the middle of another thread's call. A capture this rank refuses on its own
+    (a bad ``M``) marks it out of step and meets the others' warm-up check, as a refused call
+    with ``check=True`` does; ``M`` may be numpy's int, as for ``plan``."""
+    import threading
+
+    import numpy as np
+
+    pipe = DistributedPipeline(_weights([32, 48, 32]), config=CFG, loopback=True, timeout_s=0.1, row_buckets=0)
+    held, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def hold():
+        with pipe._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    threading.Thread(target=lambda: (pipe.plan(40), done.set()), daemon=True).start()
+    built_while_held = done.wait(2)
+    release.set()
+    holder.join()
+    assert not built_while_held, "plan() built a plan while another thread held the pipeline's lock"
+    assert done.wait(30) and pipe.plan(np.int64(40)) is pipe.plan(40)
+    checked = []
+    monkeypatch.setattr(pipe, "on_gpu", True)  # (past the CPU's refusal: the M check comes next)
+    monkeypatch.setattr(pipe, "_capturing", lambda: False)
+    monkeypatch.setattr(pipe, "check_errors", lambda: checked.append(1))
+    with pytest.raises(ValueError, match="M must be at least 1 row"):
+        pipe.capture(0)
+    assert pipe._out_of_step is not None and "refused a capture" in pipe._out_of_step and checked == [1]
+
+
+def test_a_heap_view_refuses_a_negative_offset_or_rank():
+    from ctapipelining.fabric import Heap
+
+    h = Heap(0, 1024, [torch.zeros(1024, dtype=torch.uint8), torch.ones(1024, dtype=torch.uint8)])
+    assert h.view(1, 1016, (1,), torch.int64).item() == 0x0101010101010101
+    with pytest.raises(ValueError, match="does not fit"):
+        h.view(0, -256, (4,), torch.int64)
+    with pytest.raises(ValueError, match="rank -1 has no heap here"):
+        h.view(-1, 0, (4,), torch.int64)
+    with pytest.raises(ValueError, match="rank 2 has no heap here"):
+        h.view(2, 0, (4,), torch.int64)
