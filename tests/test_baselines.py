@@ -212,6 +212,8 @@ def test_data_parallel_rows_and_gather(gemm, g, M, shares):
         DataParallel(ws, ["cpu"], M, row_align=0)
     with pytest.raises(ValueError, match="weight 0 must be a 2-D tensor"):
         DataParallel([torch.randn(32).half()], ["cpu"], M)
+    with pytest.raises(ValueError, match="gemm must be one of"):  # (not cuBLAS timed under another name)
+        DataParallel(ws, ["cpu"], M, gemm="our")
 
 
 def test_devices_resolve_to_indices_and_repeat_only_where_allowed():

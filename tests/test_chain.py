@@ -276,6 +276,12 @@ def test_loopback_chooses_a_kernel_per_stage_or_one_per_device():
         Pipeline(ws[:2], loopback=False, ends="balanced")
     with pytest.raises(ValueError, match="need the stages on two GPUs"):
         Pipeline(ws[:2], config=PARTS, loopback=False, prefill_rows=16)
+    with pytest.raises(ValueError, match="ends='balanced' runs both stages' rows with one configuration"):
+        Pipeline(ws[:2], config=[PARTS, dataclasses.replace(PARTS, block_n=32)], ends="balanced")
+    from ctapipelining.plan import Segment
+
+    with pytest.raises(ValueError, match="a segment of a longer chain has no prefill or drain rows"):
+        Pipeline(ws[:2], ends="balanced", segment=Segment(0, lambda M: (None, None), "rank 0"))
 
 
 SPLIT = dataclasses.replace(PARTS, split_tail=True)
@@ -559,8 +565,21 @@ def test_stages_on_one_device_run_one_after_another_unless_something_asks_for_th
         assert float((want.float() - ref).norm() / ref.norm()) < 2e-3
         out = torch.full((M, 16), float("nan")).half()
         assert pipe(x, out=out) is out and torch.equal(out, want)
-    with pytest.raises(ValueError):
-        pipe(x, out=torch.empty(M, 24).half())
+    from ctapipelining import pipeline as pipeline_module
+
+    launched = []
+    real = pipeline_module.stage_gemm
+    pipeline_module.stage_gemm = lambda *a, **k: launched.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(ValueError, match=r"must be a \[1, 16\]"):
+            pipe(x, out=torch.empty(M, 24).half())
+        w0 = ws[0].clone()
+        for alias in (ws[0].view(-1)[:16].view(1, 16), x):  # a weight's memory, x's own
+            with pytest.raises(ValueError, match="shares memory"):
+                pipe(x, out=alias)
+        assert not launched and torch.equal(ws[0], w0)  # refused before anything ran
+    finally:
+        pipeline_module.stage_gemm = real
     assert not pipe._plans  # nothing pipelined, nothing built
     fixed = [
         dict(always_pipelined=True), dict(config=PARTS), dict(loopback=True), dict(sm_budget=2),

@@ -237,6 +237,8 @@ def test_bucket_rows(per_octave):
         assert B >= M and B % 128 == 0
         assert B <= max(-(-M // 128) * 128, M * (1 + 1 / per_octave) + 128)
     assert deps.bucket_rows(3000, 128, 0) == 3000
+    # up to 8 row-blocks: whole row-blocks, nothing more, at every bucket count
+    assert all(deps.bucket_rows(M, 128, per_octave) == -(-M // 128) * 128 for M in range(1, 1025))
     assert all(deps.bucket_rows(B, 128, per_octave) == B for B in sizes)  # a plan's height is its own bucket
     with pytest.raises(ValueError, match="power of two"):
         deps.bucket_rows(3000, 128, 3)

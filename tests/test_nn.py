@@ -177,11 +177,13 @@ class OnePlus(torch.nn.Module):
 
 def test_a_norm_of_another_form_is_refused_when_building_from_transformers():
     """A norm the fold would get wrong: a Gemma/Qwen3-Next-style RMSNorm (``x_hat * (1 +
-    weight)``), and one whose epsilon is kept under a name the block does not read (1e-2 in
-    ``epsilon``, read as 1e-6): refused, naming what it does not compute."""
+    weight)``), one a tenth as far off (``x_hat * (0.01 + weight)`` with weights near 0.1: about
+    10%, well past the probe's 2% bound) and one whose epsilon is kept under a name the block
+    does not read (1e-2 in ``epsilon``, read as 1e-6): refused, naming what it does not compute."""
     mlp, _ = hf_block()
 
-    for norm in (OnePlus("variance_epsilon", 1e-6, 1.0), OnePlus("epsilon", 1e-2, 0.0)):
+    near_miss = OnePlus("variance_epsilon", 1e-6, 0.01)
+    for norm in (OnePlus("variance_epsilon", 1e-6, 1.0), near_miss, OnePlus("epsilon", 1e-2, 0.0)):
         with pytest.raises(ValueError, match="does not compute x \\* rsqrt"):
             LlamaMLP.from_hf(mlp, norm, gate_up_config=SMALL, down_config=SMALL)
     LlamaMLP.from_hf(mlp, OnePlus("variance_epsilon", 1e-2, 0.0), gate_up_config=SMALL, down_config=SMALL)
@@ -359,7 +361,7 @@ def test_epilogues_on_a_plain_gemm():
     af, wf = a.float(), w.float()
     bias = torch.randn(N).half()
     y = matmul(a, w, config=SMALL, epilogue=Epilogue(gelu, bias=bias))
-    assert rel(y, torch.nn.functional.gelu(af @ wf + bias.float(), approximate="tanh")) < 2e-3
+    assert rel(y, torch.nn.functional.gelu(af @ wf + bias.float(), approximate="tanh")) < 5e-4  # (fp16: ~2e-4)
     g = (1 + 0.1 * torch.randn(K)).half()
     y = matmul(a, fold_rms_weight(g, w), config=SMALL, epilogue=Epilogue(rms_eps=1e-6))
     ref = (af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()) @ wf
@@ -465,6 +467,14 @@ def test_blocks_and_stacks_the_kernels_cannot_take_are_refused_when_built():
         LlamaStack([llama(), llama().to(torch.bfloat16)])
     with pytest.raises(ValueError, match="block 1 is hidden=56 torch.float16; block 0 is hidden=48"):
         LlamaStack([llama(), llama(hidden=56)])
+    with pytest.raises(TypeError, match="w_up must be a torch.Tensor, got list"):
+        LlamaMLP(torch.zeros(INTER, H).half(), [0.0] * H, torch.zeros(H, INTER).half(), g)
+    with pytest.raises(ValueError, match="the block's weights must share one dtype and one device"):
+        LlamaMLP(torch.zeros(INTER, H).half(), torch.zeros(INTER, H).float(), torch.zeros(H, INTER).half(), g)
+    with pytest.raises(RuntimeError, match="this block was built from tensors"):
+        llama().refresh()
+    with pytest.raises(ValueError, match="2 MLPs but 1 norms"):
+        LlamaStack.from_hf([hf_block()[0]] * 2, [hf_block()[1]])
 
 
 def test_weights_put_in_after_construction_are_checked_before_the_next_call(monkeypatch):

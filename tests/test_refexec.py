@@ -252,3 +252,26 @@ def test_counters_off_their_epoch_target_are_caught():
          else setattr(ex.state[0], "tail", ex.state[0].tail + 1))  # fmt: skip
         with pytest.raises(refexec.ProtocolViolation, match="counters|tail"):
             ex._check_counters()
+
+
+def test_a_ring_slot_of_another_lap_is_caught(monkeypatch):
+    """A producer that tags its ring slots one lap ahead: the consumer's wait is met, and the
+    tile it reads back is not one of this epoch's: caught as it reads it."""
+    real = deps.slot_value
+    monkeypatch.setattr(deps, "slot_value", lambda pos, T, tile: real(pos, T, tile) + T)
+    with pytest.raises(refexec.ProtocolViolation, match="not a tile of epoch 1"):
+        refexec.run_chain(two_gemms(), "workqueue", "random", seed=0)
+
+
+def test_an_unwritten_input_read_shows_as_nan_and_a_wrong_output_as_an_error(monkeypatch):
+    """With the per-tile read check off, a wait that is met too early reads the NaN-poisoned
+    input, which the run's output check finds; an output off the float64 reference is refused."""
+    with monkeypatch.context() as m:
+        m.setattr(deps, "wait_target", lambda dep, t, e: (int(dep.counter_of_tile[t]), 0))
+        m.setattr(refexec.Executor, "_check_written", lambda *a: None)
+        with pytest.raises(refexec.ProtocolViolation, match="NaN in the output"):
+            refexec.run_chain(two_gemms(), "static", "consumers_first", seed=0)
+    real = Chain.reference
+    monkeypatch.setattr(Chain, "reference", lambda self, x, w: real(self, x, w) * (1 + 1e-3))
+    with pytest.raises(refexec.ProtocolViolation, match="output differs from the float64 reference"):
+        refexec.run_chain(two_gemms(), "static", "random", seed=0)

@@ -163,6 +163,7 @@ def test_planner_ranks_layouts_and_knows_when_not_to_pipeline():
     assert {lay.method for lay in big} >= {"single", "microbatch", "cta", "tp", "cta+tp"}
     assert "sequential" not in {lay.method for lay in big}
     assert any("tile 128x128" in lay.detail for lay in big)  # tile shape is part of the choice
+    assert any("policy workqueue" in lay.detail for lay in big)  # and the policy
     assert all(lay.stages * lay.tp <= 4 for lay in big)
     refusal = "plan needs M >= 1, at least one layer \\(two dims\\) and at least one GPU"
     for M, dims, gpus in [(0, [8, 8], 1), (8, [8, 8], 0), (8, [8], 1)]:
@@ -494,6 +495,8 @@ def test_placed_model_is_the_one_stage_per_gpu_model_and_the_chain_kernel_model(
     assert sim.simulate_placed(M, dims, [0, 0, 0], CAL) == sim.simulate_chain_kernel(M, dims, CAL)
     with pytest.raises(ValueError, match="contiguous"):
         sim.simulate_placed(M, dims, [0, 1, 0], CAL)
+    with pytest.raises(ValueError, match="3 stages but 2 devices"):
+        sim.simulate_placed(M, dims, [0, 1], CAL)
 
 
 def test_placed_model_waits_for_the_gpu_before():
