@@ -852,6 +852,9 @@ class DistributedPipeline:
             M = plan_rows(M)
             if self._capturing():
                 raise RuntimeError("capture() makes a checked call first: call it outside any CUDA-graph capture")
+            x = None  # (the warm-up's input: an allocation that fails is refused as the rest is)
+            if self.is_first:
+                x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)
         except Exception as e:
             # the other ranks are making the warm-up's checked call: meet them at its check, as a
             # call refused with check=True does (every rank then raises this refusal)
@@ -860,9 +863,6 @@ class DistributedPipeline:
                 with contextlib.suppress(Exception):
                     self.check_errors()
             raise
-        x = None
-        if self.is_first:
-            x = torch.randn(M, self.in_features, device=self.device).to(self.weights[0].dtype)
         with self._lock:
             out = self(x, rows=None if self.is_first else M, out=out, check=True)
             dp = self.plan(M)

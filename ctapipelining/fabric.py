@@ -189,7 +189,7 @@ class Heap:
             numel *= d
         if not 0 <= rank < len(self.peers):
             raise ValueError(f"rank {rank} has no heap here (ranks 0-{len(self.peers) - 1})")
-        if offset < 0 or offset % size or numel < 0 or offset + numel * size > self.nbytes:
+        if offset < 0 or offset % size or any(d < 0 for d in shape) or offset + numel * size > self.nbytes:
             raise ValueError(f"a {dtype} view of {shape} at byte {offset} does not fit a heap of {self.nbytes} bytes")
         return self.peers[rank][offset : offset + numel * size].view(dtype).view(shape)
 

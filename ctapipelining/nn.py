@@ -301,7 +301,8 @@ class FusedMLP(torch.nn.Module):
     _norm_unchecked = False  # a source norm on the meta device, probed at refresh (a block pickled before this field)
     _defaults = (None, None)  # the GEMMs left to their default configuration: that default (configs_for)
     _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # each GEMM's configuration where none is given
-    few_rows_configs = FEW_ROWS_CONFIGS  # each GEMM's tiles at few rows, where left to its default (configs_for)
+    # each GEMM's tiles at few rows, where left to its default (configs_for): the class's measured table
+    few_rows_configs = FEW_ROWS_CONFIGS
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -388,7 +389,12 @@ class FusedMLP(torch.nn.Module):
     def __setattr__(self, name: str, value) -> None:
         """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
         at every row count, or None for the GEMM's default (with :attr:`few_rows_configs`' tiles
-        at few rows)."""
+        at few rows). :attr:`few_rows_configs` is the class's measured table, not set per block
+        (a block's calls bind their tiles once: give a GEMM a configuration instead)."""
+        if name == "few_rows_configs":
+            raise AttributeError(
+                "few_rows_configs is the block class's measured table: set in_config or out_config to run other tiles"
+            )
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
                 raise TypeError(

@@ -1316,7 +1316,10 @@ def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refus
     gpt = GPTMLP(torch.randn(INTER, H).half(), None, torch.randn(H, INTER).half(), None, torch.ones(H).half(), None,
                  up_config=SMALL, down_config=SMALL)  # fmt: skip
     gpt.out_config = None
-    assert gpt.out_config == nn.DOWN_CONFIG and gpt.configs_for(1)[1] == nn.GPT_FEW_ROWS_CONFIGS[0][2]
+    assert gpt.out_config == nn.DOWN_CONFIG and gpt.configs_for(200)[1] == nn.GPT_FEW_ROWS_CONFIGS[2][2]
+    assert nn.GPT_FEW_ROWS_CONFIGS[2][2] != nn.FEW_ROWS_CONFIGS[2][2]  # (the tables differ there)
+    with pytest.raises(AttributeError, match="the block class's measured table"):
+        gpt.few_rows_configs = nn.FEW_ROWS_CONFIGS
     assert gpt.configs_for(1)[0] == SMALL  # built with it: no few-rows tiles
     with pytest.raises(TypeError, match="in_config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
         block.in_config = "128x256"

@@ -23,7 +23,8 @@ class DataParallel:
     ``row_align``-row blocks allow; ``gemm``: ``"cublas"`` or ``"ours"``. ``x`` is given on
     the first device (:attr:`x`) and scattered, the result gathered on the last (:attr:`out`),
     so every method of the bench reads and writes the same places. A device may be named more
-    than once (its shares then run one after another there: the method on one GPU, for tests)."""
+    than once (the method on one GPU, for tests): each share runs on a stream of its own there,
+    as on a GPU of its own."""
 
     def __init__(
         self,
