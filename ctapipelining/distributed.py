@@ -72,7 +72,16 @@ from .inflight import InFlight
 from .kernels.gemm import PIPELINE_CONFIG, GemmConfig
 from .kernels.handshake import finish, gate
 from .operands import check_out, check_weight, overlaps
-from .pipeline import CALLERS_STREAM, MAX_PLANS, ROW_BUCKETS, Pipeline, check_row_buckets, is_seconds, plan_rows
+from .pipeline import (
+    CALLERS_STREAM,
+    MAX_PLANS,
+    ROW_BUCKETS,
+    Pipeline,
+    check_row_buckets,
+    check_seconds,
+    is_seconds,
+    plan_rows,
+)
 from .plan import Link, Plan, Segment, SignalLists
 from .plan import link_dependency as _link_dependency
 
@@ -523,12 +532,9 @@ class DistributedPipeline:
         self.row_buckets = row_buckets
         if sm_budget is not None and (not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1):
             raise ValueError(f"sm_budget must be None or an int >= 1, got {sm_budget!r}")
-        for name, v in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s),
-                        ("host_timeout_s", host_timeout_s)):  # fmt: skip
-            if not is_seconds(v) and not (v is None and name != "timeout_s"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        if start_timeout_s is not None and int(start_timeout_s * 1e9) < 1:  # (0 ns: a gate that looks once)
-            raise ValueError(f"start_timeout_s must be at least a nanosecond, got {start_timeout_s!r}")
+        check_seconds(timeout_s, "timeout_s")
+        check_seconds(start_timeout_s, "start_timeout_s", optional=True)
+        check_seconds(host_timeout_s, "host_timeout_s", optional=True)
         # defaults: a late peer gets 2.5 s (or 2.5 timeouts); the host waits past every bound a
         # call's kernels can reach (two gate waits and a timeout per stage), at least 10 s
         n = len(weights)

@@ -115,8 +115,7 @@ GPT_FEW_ROWS_CONFIGS = (
     (64, _few(64, 256, 64, 4, split=False), _few(64, 64, 128, 6)),
     (128, _few(64, 256, 64, 4, split=False), _few(64, 128, 64, 5)),
     (256, EPILOGUE_CONFIG, _few(64, 128, 128, 4)),
-    (512, EPILOGUE_CONFIG, _few(64, 256, 64, 4)),
-    (768, EPILOGUE_CONFIG, _few(128, 128, 64, 4)),
+    *FEW_ROWS_CONFIGS[2:],  # 257-768 rows: the Llama table's
 )
 
 

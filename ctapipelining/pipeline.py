@@ -264,6 +264,17 @@ def is_seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e6
 
 
+def check_seconds(v, name: str, optional: bool = False) -> None:
+    """Refuse, by name, a timeout that is not a positive number of seconds (:func:`is_seconds`)
+    of at least a nanosecond (0 ns: a wait that looks once); None passes where ``optional``."""
+    if v is None and optional:
+        return
+    if not is_seconds(v):
+        raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+    if int(v * 1e9) < 1:
+        raise ValueError(f"{name} must be at least a nanosecond, got {v!r}")
+
+
 def check_row_buckets(row_buckets) -> None:
     """Refuse, by name, a ``row_buckets`` that is not 0 or a power of two."""
     if not isinstance(row_buckets, int) or isinstance(row_buckets, bool) or row_buckets < 0 or (
@@ -434,12 +445,9 @@ class Pipeline:
         # chosen per plan height (plan_configs), where nothing else fixes the tiles
         self._per_height = config is None and not (has_ends or any(epilogues) or segment)
         self.epilogues = epilogues
-        for name, v in (("timeout_s", timeout_s), ("host_timeout_s", host_timeout_s)):
-            if not is_seconds(v) and not (v is None and name == "host_timeout_s"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        check_seconds(timeout_s, "timeout_s")
+        check_seconds(host_timeout_s, "host_timeout_s", optional=True)
         self.timeout_ns = int(timeout_s * 1e9)
-        if self.timeout_ns < 1:  # (0 ns: a wait that looks once)
-            raise ValueError(f"timeout_s must be at least a nanosecond, got {timeout_s!r}")
         self.host_timeout_s = max(10.0, 10 * timeout_s) if host_timeout_s is None else float(host_timeout_s)
         if self.host_timeout_s <= timeout_s:  # else a wait that ends in time would read as a hang
             raise ValueError(f"host_timeout_s={host_timeout_s} must exceed timeout_s={timeout_s}")

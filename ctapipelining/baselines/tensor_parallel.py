@@ -45,7 +45,7 @@ class TensorParallel:
         check_matrices([A, B])
         resolved = check_devices(devices)
         check_count(M, "M")
-        g = len(devices)
+        g = len(resolved)
         if A.shape[1] % g:
             raise ValueError(f"A {tuple(A.shape)} / B {tuple(B.shape)} cannot be split over {g} GPUs")
         check_chunks(chunks, M)
