@@ -613,14 +613,11 @@ class Pipeline:
 
     def where(self, s: int) -> str:
         """Stage ``s`` as errors name it: its number in the chain and where it runs."""
-        seg = self.segment
-        if seg is None:
-            return f"stage {s} on {self.devices[s]}"
-        return f"stage {seg.first_stage + s} on {seg.where + ', ' if seg.where else ''}{self.devices[s]}"
+        return f"{self._stage_name(s)} on {self.devices[s]}"
 
     def _stage_name(self, s: int) -> str:
         """Stage ``s`` by its number in the chain (and a segment's place), for a message that
-        names its device after it."""
+        names its device after it (:meth:`where`)."""
         seg = self.segment
         if seg is None:
             return f"stage {s}"

@@ -122,7 +122,7 @@ def test_a_segment_whose_producer_never_starts_times_out_in_its_gate_then_recove
     pipe(x)
     dp = pipe.plan(40)
     pipe._run(dp, x, torch.empty(40, 32).half(), 40, only=[1])  # the second segment alone
-    with pytest.raises(PipelineTimeout, match=r"stage 1 on rank 0, cpu: the previous segment had started 1 calls"):
+    with pytest.raises(PipelineTimeout, match=r"stage 1 \(rank 0\) on cpu: the previous segment had started 1 calls"):
         pipe.check_errors()
     assert [int(c) for c in dp.calls] == [0, 0] and int(dp.heap.local.abs().sum()) == 0
     y = pipe(x)
@@ -142,8 +142,8 @@ def test_a_producer_whose_consumer_never_finished_the_call_before_reports_it_the
     for _ in range(2):
         pipe._run(dp, x, torch.empty(40, 32).half(), 40, only=[0])
     with pytest.raises(
-        PipelineTimeout, match=r"stage 0 on rank 0, cpu: the next segment had finished 0 calls on this plan, this call "
-        r"needs 1 .*every call since the last check is suspect",
+        PipelineTimeout, match=r"stage 0 \(rank 0\) on cpu: the next segment had finished 0 calls on this plan, "
+        r"this call needs 1 .*every call since the last check is suspect",
     ):  # fmt: skip
         pipe.check_errors()
     assert torch.equal(pipe(x), pipe.sequential(x))
@@ -200,7 +200,7 @@ def test_a_reset_that_fails_keeps_the_rank_out_of_step_until_one_works(world1, m
     with pytest.raises(RuntimeError, match="a reset failed .*the zeroing failed.*check_errors"):
         pipe(x)
     monkeypatch.undo()
-    with pytest.raises(PipelineTimeout, match="stage 1 on rank 0.*a reset failed"):
+    with pytest.raises(PipelineTimeout, match=r"stage 1 \(rank 0\) on cpu.*a reset failed"):
         pipe.check_errors()
     assert torch.equal(pipe(x), pipe.sequential(x))
     pipe.check_errors()
@@ -255,7 +255,7 @@ def test_a_freed_plans_errors_are_not_lost(world1):
     pipe._run(pipe.plan(40), x, torch.empty(40, 32).half(), 40, only=[1])  # times out
     pipe(x[:17])  # frees the 40-row plan
     assert list(pipe._plans) == [17]
-    with pytest.raises(PipelineTimeout, match="plan of 40 rows.*stage 1 on rank 0"):
+    with pytest.raises(PipelineTimeout, match=r"plan of 40 rows.*stage 1 \(rank 0\)"):
         pipe.check_errors()
     pipe.check_errors()
 
@@ -379,7 +379,7 @@ def test_two_ranks_in_two_processes(tmp_path):
     assert r0[0] == r0[1] == r1[0] == r1[2] == "clean"
     for lines in (r0[2:], r1[4:]):
         timeout, after, refusal, after_refusal, rows, met, check_met, after_met, settings = lines
-        assert timeout.startswith("timeout") and "stage 2 on rank 1, cpu: the previous segment had started" in timeout
+        assert timeout.startswith("timeout") and "stage 2 (rank 1) on cpu: the previous segment had started" in timeout
         assert after == "after timeout True" and after_refusal == "after refusal True"
         assert "rank 1 refused or failed a call (ValueError: out must be" in refusal
         assert "the previous segment's call had 40 rows, this one 41" in rows
