@@ -196,6 +196,19 @@ def _direct(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not (x.requires_grad and torch.is_grad_enabled()) and not _tracing()
 
 
+def _member(module: torch.nn.Module, name: str):
+    """``module.name`` for a registered parameter, buffer or submodule, found where
+    ``nn.Module.__getattr__`` finds it but without its fallback (a failed attribute lookup, then
+    the Python method: about ten times the host time). Anything else, by ``getattr``. A block
+    built from modules reads them so at every call (:meth:`FusedMLP._source_moved`)."""
+    d = module.__dict__
+    for kind in ("_parameters", "_buffers", "_modules"):
+        got = d[kind].get(name)
+        if got is not None:
+            return got
+    return getattr(module, name)
+
+
 def _tracing() -> bool:
     """Whether something records or transforms the calls now (:func:`_direct`)."""
     return (
@@ -861,7 +874,10 @@ class LlamaMLP(FusedMLP):
 
     def _source_weights(self):
         mlp, norm = self._source
-        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight
+        return (
+            *(_member(_member(mlp, name), "weight") for name in ("gate_proj", "up_proj", "down_proj")),
+            _member(norm, "weight"),
+        )
 
     @property
     def gate_up(self) -> torch.Tensor:
@@ -954,11 +970,11 @@ class GPTMLP(FusedMLP):
         """The block's weights from the modules (``raw``: each layer's weight as the layer keeps it)."""
 
         def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in]
-            w = layer.weight.t() if type(layer).__name__ == "Conv1D" and not raw else layer.weight
-            return w, layer.bias
+            w = _member(layer, "weight")
+            return (w.t() if type(layer).__name__ == "Conv1D" and not raw else w), _member(layer, "bias")
 
-        (w_1, b_1), (w_2, b_2) = linear(mlp.c_fc), linear(mlp.c_proj)
-        return w_1, b_1, w_2, b_2, norm.weight, norm.bias
+        (w_1, b_1), (w_2, b_2) = linear(_member(mlp, "c_fc")), linear(_member(mlp, "c_proj"))
+        return w_1, b_1, w_2, b_2, _member(norm, "weight"), _member(norm, "bias")
 
     def _source_weights(self):
         return self._hf_weights(*self._source)

@@ -1324,3 +1324,27 @@ def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refus
     with pytest.raises(TypeError, match="in_config must be a ctapipelining.kernels.gemm.GemmConfig or None, got str"):
         block.in_config = "128x256"
     assert block.in_config == nn.GATE_UP_CONFIG
+
+
+def test_member_finds_what_getattr_finds_and_a_replaced_layer_is_followed():
+    """``nn._member`` (a block's per-call read of its source modules) gives what attribute access
+    gives: a parameter, a buffer, a submodule, a bias registered as None, a plain attribute and a
+    parametrized weight (a property, recomputed); and a GPT block follows its source's layer
+    replaced by another (the module read again at each call, not kept)."""
+    lin = torch.nn.Linear(4, 3, bias=False)
+    lin.register_buffer("scale", torch.ones(3))
+    lin.sub = torch.nn.Linear(3, 2)
+    lin.note = "plain"
+    for name in ("weight", "scale", "sub", "bias", "note"):
+        assert nn._member(lin, name) is getattr(lin, name)
+    torch.nn.utils.parametrize.register_parametrization(lin.sub, "weight", torch.nn.Identity())
+    assert torch.equal(nn._member(lin.sub, "weight"), lin.sub.weight)
+    with pytest.raises(AttributeError):
+        nn._member(lin, "missing")
+    mlp, norm = gpt_block()
+    block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
+    x = torch.randn(5, H).half()
+    block(x)
+    other, _ = gpt_block(seed=1)
+    mlp.c_proj = other.c_proj
+    assert rel(block(x), gpt_reference(mlp, norm, x)) < 2e-3
