@@ -107,15 +107,18 @@ FEW_ROWS_CONFIGS = (
     (768, EPILOGUE_CONFIG, _few(128, 128, 64, 4)),
 )
 # GPT_FEW_ROWS_CONFIGS: the GPT block (hidden 4096, intermediate 16384) at 1, 16, 64, 96, 128, 256,
-# 512 and 768 rows (benchmarks/results/2026-12-06-h100-gpt-tiles/). Its first GEMM, not gated, has
-# half the Llama-8B block's output columns: 64 tiles of 64 x 256 up to 128 rows, which split along K
-# lose (1.36-1.39x cuBLAS against 1.09-1.12x whole) and 128 x 256 tiles leave idle (1.21x); its
-# down GEMM at 129-256 rows takes 64 x 128 x 128 tiles (1.02x against 1.12x).
+# 384, 512 and 768 rows (benchmarks/results/2026-12-06-h100-gpt-tiles/, its 384-rows/). Its first
+# GEMM, not gated, has half the Llama-8B block's output columns: 64 tiles of 64 x 256 up to 128 rows,
+# which split along K lose (1.36-1.39x cuBLAS against 1.09-1.12x whole) and 128 x 256 tiles leave
+# idle (1.21x); at 257-384 rows 64 x 256 tiles make 2.4-2.9 rounds of half tiles where 128 x 256
+# ones make 1.45 whole rounds (1.28x cuBLAS against 1.40x at 384 rows). Its down GEMM at 129-256
+# rows takes 64 x 128 x 128 tiles (1.02x against 1.12x).
 GPT_FEW_ROWS_CONFIGS = (
     (64, _few(64, 256, 64, 4, split=False), _few(64, 64, 128, 6)),
     (128, _few(64, 256, 64, 4, split=False), _few(64, 128, 64, 5)),
     (256, EPILOGUE_CONFIG, _few(64, 128, 128, 4)),
-    *FEW_ROWS_CONFIGS[2:],  # 257-768 rows: the Llama table's
+    (384, _few(64, 256, 64, 4, split=False), FEW_ROWS_CONFIGS[2][2]),
+    *FEW_ROWS_CONFIGS[2:],  # 385-768 rows: the Llama table's
 )
 
 
@@ -194,19 +197,6 @@ def _direct(x: torch.Tensor) -> bool:
     would hold only the torch ops around them), a fake tensor needs its fake implementation,
     and a gradient its refusal."""
     return type(x) is torch.Tensor and not (x.requires_grad and torch.is_grad_enabled()) and not _tracing()
-
-
-def _member(module: torch.nn.Module, name: str):
-    """``module.name`` for a registered parameter, buffer or submodule, found where
-    ``nn.Module.__getattr__`` finds it but without its fallback (a failed attribute lookup, then
-    the Python method: about ten times the host time). Anything else, by ``getattr``. A block
-    built from modules reads them so at every call (:meth:`FusedMLP._source_moved`)."""
-    d = module.__dict__
-    for kind in ("_parameters", "_buffers", "_modules"):
-        got = d[kind].get(name)
-        if got is not None:
-            return got
-    return getattr(module, name)
 
 
 def _tracing() -> bool:
@@ -874,10 +864,7 @@ class LlamaMLP(FusedMLP):
 
     def _source_weights(self):
         mlp, norm = self._source
-        return (
-            *(_member(_member(mlp, name), "weight") for name in ("gate_proj", "up_proj", "down_proj")),
-            _member(norm, "weight"),
-        )
+        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight
 
     @property
     def gate_up(self) -> torch.Tensor:
@@ -970,11 +957,11 @@ class GPTMLP(FusedMLP):
         """The block's weights from the modules (``raw``: each layer's weight as the layer keeps it)."""
 
         def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in]
-            w = _member(layer, "weight")
-            return (w.t() if type(layer).__name__ == "Conv1D" and not raw else w), _member(layer, "bias")
+            w = layer.weight.t() if type(layer).__name__ == "Conv1D" and not raw else layer.weight
+            return w, layer.bias
 
-        (w_1, b_1), (w_2, b_2) = linear(_member(mlp, "c_fc")), linear(_member(mlp, "c_proj"))
-        return w_1, b_1, w_2, b_2, _member(norm, "weight"), _member(norm, "bias")
+        (w_1, b_1), (w_2, b_2) = linear(mlp.c_fc), linear(mlp.c_proj)
+        return w_1, b_1, w_2, b_2, norm.weight, norm.bias
 
     def _source_weights(self):
         return self._hf_weights(*self._source)

@@ -96,6 +96,9 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     assert all(c.block_n % 16 == 0 for row in few_gpt for c in row[1:])
     assert gpt.configs_for(16) == (few_gpt[0][1], few_gpt[0][2]) and not few_gpt[0][1].split_k
     assert gpt.configs_for(100) == (few_gpt[1][1], few_gpt[1][2]) and gpt.configs_for(200)[1] == few_gpt[2][2]
+    # 257-384 rows: 64-row tiles for the first GEMM too (whole), past them the Llama table's 128-row ones
+    assert gpt.configs_for(300) == (few_gpt[3][1], few[2][2]) and few_gpt[3][1].block_m == 64
+    assert not few_gpt[3][1].split_k and gpt.configs_for(385)[0].block_m == 128
     assert gpt.configs_for(4096) == (nn.UP_CONFIG, nn.DOWN_CONFIG)
     launched = []
     for name in ("matmul", "launch_checked"):
@@ -1326,21 +1329,9 @@ def test_a_configuration_set_to_none_is_the_default_again_and_a_bad_one_is_refus
     assert block.in_config == nn.GATE_UP_CONFIG
 
 
-def test_member_finds_what_getattr_finds_and_a_replaced_layer_is_followed():
-    """``nn._member`` (a block's per-call read of its source modules) gives what attribute access
-    gives: a parameter, a buffer, a submodule, a bias registered as None, a plain attribute and a
-    parametrized weight (a property, recomputed); and a GPT block follows its source's layer
-    replaced by another (the module read again at each call, not kept)."""
-    lin = torch.nn.Linear(4, 3, bias=False)
-    lin.register_buffer("scale", torch.ones(3))
-    lin.sub = torch.nn.Linear(3, 2)
-    lin.note = "plain"
-    for name in ("weight", "scale", "sub", "bias", "note"):
-        assert nn._member(lin, name) is getattr(lin, name)
-    torch.nn.utils.parametrize.register_parametrization(lin.sub, "weight", torch.nn.Identity())
-    assert torch.equal(nn._member(lin.sub, "weight"), lin.sub.weight)
-    with pytest.raises(AttributeError):
-        nn._member(lin, "missing")
+def test_a_gpt_block_follows_its_source_layer_replaced_by_another():
+    """A block built from modules reads them again at each call (it keeps no layer of theirs):
+    a GPT block whose source's down layer is replaced by another computes with the new one."""
     mlp, norm = gpt_block()
     block = GPTMLP.from_hf(mlp, norm, up_config=SMALL, down_config=SMALL)
     x = torch.randn(5, H).half()
