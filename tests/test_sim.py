@@ -198,6 +198,20 @@ def test_tp_all_reduces_the_blocks_output_in_a_ring_over_all_its_gpus(g):
     assert sim.simulate_tp(M, K, 2 * K, 1, CAL)["comm_ns"] == 0.0
 
 
+def test_tp_compute_is_two_eager_shard_gemms_scaled_by_the_fitted_factor():
+    """TP's compute: its two shard GEMMs (``[M, K] @ [K, N/g]``, ``[M, N/g] @ [N/g, K]``) in the
+    cuBLAS model, eagerly, times ``tp_factor`` (the measured ratio of TP's half-width GEMMs to the
+    model); a calibration with twice the factor predicts twice the compute and the same
+    all-reduce."""
+    M, K, N, g = 2048, 8192, 16384, 2
+    want = CAL.tp_factor * (CAL.cublas_ns(M, K, N // g, True) + CAL.cublas_ns(M, N // g, K, True))
+    one = sim.simulate_tp(M, K, N, g, CAL)
+    assert one["compute_ns"] == pytest.approx(want, rel=1e-12) and CAL.tp_factor != 1.0
+    two = sim.simulate_tp(M, K, N, g, replace(CAL, tp_factor=2 * CAL.tp_factor))
+    assert two["compute_ns"] == pytest.approx(2 * one["compute_ns"], rel=1e-12)
+    assert two["comm_ns"] == one["comm_ns"] and one["total_ns"] == one["compute_ns"] + one["comm_ns"]
+
+
 def test_hybrid_shards_compute_their_share_of_the_width():
     """Figure 7's ``cta+tp``: at TP 2 each of a stage's GPUs computes half the first GEMM's
     columns (and half the second's K), so the pipelined compute takes about half as long."""
