@@ -629,7 +629,7 @@ def _a_rank_hung(rank, store, result):
         pipe = DistributedPipeline([ws[rank]], config=CFG, timeout_s=0.1, row_buckets=0)
         pipe.plan(16)
         if rank == 1:  # its GPU did not finish at an earlier wait (as a PipelineHung leaves it)
-            pipe.segments[0]._broken = "stage 0 on cpu did not finish within host_timeout_s"
+            pipe.segments[0]._broken = "stage 1 (rank 1) on cpu did not finish within host_timeout_s=1 s"
         lines = []
         for step in ("check", "call"):
             try:

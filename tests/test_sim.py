@@ -203,7 +203,7 @@ def test_tp_compute_is_two_eager_shard_gemms_scaled_by_the_fitted_factor():
     cuBLAS model, eagerly, times ``tp_factor`` (the measured ratio of TP's half-width GEMMs to the
     model); a calibration with twice the factor predicts twice the compute and the same
     all-reduce."""
-    M, K, N, g = 2048, 8192, 16384, 2
+    M, K, N, g = 2048, 8192, 28672, 2  # (N / g != K: a model that did not shard would differ)
     want = CAL.tp_factor * (CAL.cublas_ns(M, K, N // g, True) + CAL.cublas_ns(M, N // g, K, True))
     one = sim.simulate_tp(M, K, N, g, CAL)
     assert one["compute_ns"] == pytest.approx(want, rel=1e-12) and CAL.tp_factor != 1.0
