@@ -107,16 +107,19 @@ FEW_ROWS_CONFIGS = (
     (768, EPILOGUE_CONFIG, _few(128, 128, 64, 4)),
 )
 # GPT_FEW_ROWS_CONFIGS: the GPT block (hidden 4096, intermediate 16384) at 1, 16, 64, 96, 128, 256,
-# 384, 512 and 768 rows (benchmarks/results/2026-12-06-h100-gpt-tiles/, its 384-rows/). Its first
-# GEMM, not gated, has half the Llama-8B block's output columns: 64 tiles of 64 x 256 up to 128 rows,
-# which split along K lose (1.36-1.39x cuBLAS against 1.09-1.12x whole) and 128 x 256 tiles leave
-# idle (1.21x); at 257-384 rows 64 x 256 tiles make 2.4-2.9 rounds of half tiles where 128 x 256
-# ones make 1.45 whole rounds (1.28x cuBLAS against 1.40x at 384 rows). Its down GEMM at 129-256
-# rows takes 64 x 128 x 128 tiles (1.02x against 1.12x).
+# 384, 512 and 768 rows on an H100 (benchmarks/results/2026-12-06-h100-gpt-tiles/, its 384-rows/)
+# and at 320 rows on an H200 (benchmarks/results/2026-12-06-h200-gpt-320-rows/). Its first GEMM, not
+# gated, has half the Llama-8B block's output columns: 64 tiles of 64 x 256 up to 128 rows, which
+# split along K lose (1.36-1.39x cuBLAS against 1.09-1.12x whole) and 128 x 256 tiles leave idle
+# (1.21x); at 321-384 rows 64 x 256 tiles make 2.9 rounds of half tiles where 128 x 256 ones make 1.45
+# whole rounds (1.28x cuBLAS against 1.40x at 384 rows). Its down GEMM at 129-320 rows takes
+# 64 x 128 x 128 tiles (1.02x against 1.12x at 256 rows), and at 257-320 rows its first GEMM too
+# (1.39x cuBLAS against 1.44x at 320 rows).
 GPT_FEW_ROWS_CONFIGS = (
     (64, _few(64, 256, 64, 4, split=False), _few(64, 64, 128, 6)),
     (128, _few(64, 256, 64, 4, split=False), _few(64, 128, 64, 5)),
     (256, EPILOGUE_CONFIG, _few(64, 128, 128, 4)),
+    (320, _few(64, 128, 128, 4), _few(64, 128, 128, 4)),
     (384, _few(64, 256, 64, 4, split=False), FEW_ROWS_CONFIGS[2][2]),
     *FEW_ROWS_CONFIGS[2:],  # 385-768 rows: the Llama table's
 )

@@ -114,7 +114,7 @@ def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
             conv.bias.normal_(0, 0.1)
     mlp, norm = mlp.bfloat16(), norm.bfloat16()
     block = GPTMLP.from_hf(mlp, norm)
-    for M in (1, 100, 200, 300, 777, 4096):  # (GPT_FEW_ROWS_CONFIGS' own rows, and past the table)
+    for M in (1, 100, 200, 300, 350, 777, 4096):  # (GPT_FEW_ROWS_CONFIGS' own rows, and past the table)
         x = (torch.randn(M, H, device="cuda") + offset).bfloat16()
         with torch.no_grad():
             xf = x.float()

@@ -96,9 +96,12 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     assert all(c.block_n % 16 == 0 for row in few_gpt for c in row[1:])
     assert gpt.configs_for(16) == (few_gpt[0][1], few_gpt[0][2]) and not few_gpt[0][1].split_k
     assert gpt.configs_for(100) == (few_gpt[1][1], few_gpt[1][2]) and gpt.configs_for(200)[1] == few_gpt[2][2]
-    # 257-384 rows: the first GEMM in 64 x 256 whole tiles again, past them the Llama table's 128-row ones
-    assert few_gpt[3][0] == 384 and few_gpt[3][1] == few_gpt[1][1] and not few_gpt[3][1].split_k
-    assert gpt.configs_for(257) == gpt.configs_for(384) == (few_gpt[3][1], few[2][2])
+    # 257-320 rows: both GEMMs in the 64 x 128 x 128 tiles of its down GEMM at 129-256
+    assert few_gpt[3][0] == 320 and few_gpt[3][1] == few_gpt[3][2] == few_gpt[2][2]
+    assert gpt.configs_for(257) == gpt.configs_for(320) == (few_gpt[2][2], few_gpt[2][2])
+    # 321-384 rows: the first GEMM in 64 x 256 whole tiles again, past them the Llama table's 128-row ones
+    assert few_gpt[4][0] == 384 and few_gpt[4][1] == few_gpt[1][1] and not few_gpt[4][1].split_k
+    assert gpt.configs_for(321) == gpt.configs_for(384) == (few_gpt[4][1], few[2][2])
     assert gpt.configs_for(385) == gpt.configs_for(512) == (nn.UP_CONFIG, few[2][2])
     assert gpt.configs_for(4096) == (nn.UP_CONFIG, nn.DOWN_CONFIG)
     launched = []
