@@ -126,6 +126,16 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
         theirs = x + g_mlp(g_norm(x))
     ref = gpt_reference(g_mlp, g_norm, x)
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
+    # and at 257-320 and 321-384 rows (split tiles, then whole 64 x 256 ones), as accurate
+    for M, row in ((300, few_gpt[3]), (350, few_gpt[4])):
+        del launched[:]
+        xm = torch.randn(M, H).half() * 3
+        ours = gpt(xm)
+        assert launched == [row[1], row[2]]
+        with torch.no_grad():
+            theirs = xm + g_mlp(g_norm(xm))
+        ref = gpt_reference(g_mlp, g_norm, xm)
+        assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (M, rel(ours, ref), rel(theirs, ref))
 
 
 def test_a_gated_block_whose_last_output_tile_is_ragged():
