@@ -5,6 +5,7 @@ stage, the heap in shared memory)."""
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -76,9 +77,27 @@ def world1(tmp_path):
 
 
 def _results():
-    """A dict the ranks of ``mp.spawn`` fill, held by a manager process spawned afresh (not a
+    """A dict the ranks of :func:`_spawn` fill, held by a manager process spawned afresh (not a
     fork of this process, which pytest-xdist runs threads in)."""
     return mp.get_context("spawn").Manager().dict()
+
+
+def _spawn(worker, args, nprocs=2):
+    """``worker(rank, *args)`` in ``nprocs`` spawned processes (``mp.spawn``, joined): a rank's
+    exception fails the test; a rank that returns leaves at once (:func:`_rank`)."""
+    mp.spawn(_rank, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _rank(rank, worker, *args):
+    """Run ``worker`` as rank ``rank``, then exit without the interpreter's finalization. A gloo
+    worker thread that releases a finished collective's tensors after finalization has begun
+    takes the GIL and aborts the process ("terminate called without an active exception",
+    pytorch/pytorch#190489), failing a test whose ranks all returned; the rank's results are in
+    the manager's dict by then."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _weights(dims, seed=0):
@@ -373,7 +392,7 @@ def test_two_ranks_in_two_processes(tmp_path):
     differ between ranks are each reported on both ranks, after which calls are right; settings
     that differ are refused on both ranks."""
     result = _results()
-    mp.spawn(_scenarios, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    _spawn(_scenarios, (str(tmp_path / "store"), result))
     r0, r1 = result[0], result[1]
     assert r1[1] == "static equal True True" and r1[3] == "workqueue equal True True"
     assert r0[0] == r0[1] == r1[0] == r1[2] == "clean"
@@ -471,7 +490,7 @@ def test_ranks_free_the_same_plans_when_their_orders_of_use_differ(tmp_path):
     plan: both raise (out of step, and its own error), a check by hand on each reports the
     refusal and resets, and the next call is right."""
     result = _results()
-    mp.spawn(_eviction, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    _spawn(_eviction, (str(tmp_path / "store"), result))
     (kept0, _, refusal0, _, unbuilt0, checked0, _), (kept1, right, refusal1, right_after, unbuilt1, checked1, last) = (
         result[0],
         result[1],
@@ -585,7 +604,7 @@ def test_a_rank_building_a_pipeline_while_another_meets_in_one_finds_out(tmp_pat
     raises that the others are not building, the others that the ranks are out of step; the
     failed build takes no number, so the next pipeline built is numbered alike on both."""
     result = _results()
-    mp.spawn(_building_while_another_meets, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    _spawn(_building_while_another_meets, (str(tmp_path / "store"), result))
     (met0, _, second0), (met1, checked1, second1) = result[0], result[1]
     assert met0.startswith("the ranks are out of step: rank 1 is not building a DistributedPipeline"), met0
     assert met1.startswith("the ranks are out of step (rank 0: another collective, rank 1: build a plan)"), met1
@@ -600,7 +619,7 @@ def test_ranks_that_call_different_pipelines_of_one_group_find_out(tmp_path):
     wiring one's memory to the other's; checked on every rank, both reset, and then each
     pipeline computes its own weights' chain."""
     result = _results()
-    mp.spawn(_two_pipelines, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    _spawn(_two_pipelines, (str(tmp_path / "store"), result))
     for rank in (0, 1):
         crossed, checks, right, serials = result[rank]
         assert crossed.startswith(
@@ -652,7 +671,7 @@ def test_a_rank_whose_gpu_hung_makes_every_rank_raise_and_refuse(tmp_path):
     calls (the chain cannot run without it). Before that, a construction one rank refuses with
     an error of any type is refused on both ranks, naming the rank and the error."""
     result = _results()
-    mp.spawn(_a_rank_hung, args=(str(tmp_path / "store"), result), nprocs=2, join=True)
+    _spawn(_a_rank_hung, (str(tmp_path / "store"), result))
     for rank in (0, 1):
         refused, check, call = result[rank]
         assert refused == "rank 1: RuntimeError: this config cannot be read", (rank, refused)
@@ -683,7 +702,7 @@ def _three_ranks(rank, store, result):
 def test_three_ranks_on_a_bucketed_height(tmp_path):
     """The middle rank runs the call on the call's rows, not its plan's height."""
     result = _results()
-    mp.spawn(_three_ranks, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    _spawn(_three_ranks, (str(tmp_path / "store"), result), nprocs=3)
     assert dict(result) == {0: True, 1: True, 2: True}
 
 
@@ -740,7 +759,7 @@ def test_host_groups_are_named_alike_on_every_rank_and_gather_in_group_order(tmp
     two of them makes) meets on every rank; objects of different sizes come back in the group's
     rank order, which for a group made with ``sort_ranks=False`` is not the global one."""
     result = _results()
-    mp.spawn(_host_groups, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    _spawn(_host_groups, (str(tmp_path / "store"), result), nprocs=3)
     for rank in range(3):
         seen, order = result[rank]
         assert seen == [0, 1, 2] and [g for g, _ in order] == [0, 1, 2], (rank, result[rank])
@@ -753,7 +772,7 @@ def test_a_rank_outside_an_earlier_pipeline_meets_its_peers_in_the_next(tmp_path
     group is still named alike on all three (``hostgroup``), so they meet and compute the chain
     rather than wait for each other until ``meet_timeout_s``."""
     result = _results()
-    mp.spawn(_pair_then_three, args=(str(tmp_path / "store"), result), nprocs=3, join=True)
+    _spawn(_pair_then_three, (str(tmp_path / "store"), result), nprocs=3)
     assert dict(result) == {0: True, 1: True, 2: True}
 
 
@@ -1052,7 +1071,7 @@ def test_a_block_per_rank_in_two_processes(tmp_path, kind):
     buffer NaN-poisoned first, both policies bitwise the stages one after another (the sums sent
     along) and the one-process stack."""
     result = _results()
-    mp.spawn(_block_per_rank, args=(str(tmp_path / "store"), result, kind), nprocs=2, join=True)
+    _spawn(_block_per_rank, (str(tmp_path / "store"), result, kind))
     lines = result[1]
     if kind == "llama":
         assert result[0][0] == lines[0] == "refused", (result[0][0], lines[0])
