@@ -45,9 +45,9 @@ same kernels on the CPU (slowly; fp16 there, since the interpreter computes bf16
 Inference only: ``forward`` is not differentiable (no gradient reaches ``x`` or the weights).
 Inputs with few rows (decode) run as they are: the kernels need no minimum. There is nothing to
 pipeline, and the weights' bandwidth bounds the time: a block built without configurations runs
-its down GEMM up to 768 rows, and its first GEMM up to 64 (a GPT block's up to 128 and at 257-384), in narrower
-tiles, split along K where that is measured faster (:data:`FEW_ROWS_CONFIGS`,
-:data:`GPT_FEW_ROWS_CONFIGS`).
+its down GEMM up to 768 rows, and its first GEMM up to 64 (a GPT block's up to 128 and at
+257-384), in narrower tiles, split along K where that is measured faster
+(:data:`FEW_ROWS_CONFIGS`, :data:`GPT_FEW_ROWS_CONFIGS`).
 """
 
 from __future__ import annotations

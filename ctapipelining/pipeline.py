@@ -1181,8 +1181,7 @@ class Pipeline:
                     with self._own_stream(t):
                         t.zero_()
             if self.on_gpu:  # the zeroing's end, on the streams it ran on (nothing of the caller's)
-                self._wait_for([(self._stage_name(s), st.device, st.record_event())
-                                for s, st in enumerate(self.streams)])  # fmt: skip
+                self._wait_for(self._stage_ends())
             for p in plans:
                 p.epoch = 0
                 p.stale = False
@@ -1229,10 +1228,15 @@ class Pipeline:
         if not self.on_gpu:
             return
         events = self._in_flight.events()
-        events += [(self._stage_name(s), st.device, st.record_event()) for s, st in enumerate(self.streams)]
+        events += self._stage_ends()
         if callers and self._in_callers_graphs:  # their replays: on the caller's streams, with no end of their own
             events += [(CALLERS_STREAM, d, torch.cuda.current_stream(d).record_event()) for d in self.distinct_devices]
         self._wait_for(events)
+
+    def _stage_ends(self) -> list:
+        """``(who, device, event)`` for :meth:`_wait_for`: an event recorded now on each stage's
+        stream, named by its stage."""
+        return [(self._stage_name(s), st.device, st.record_event()) for s, st in enumerate(self.streams)]
 
     def _wait_for(self, events: list) -> None:
         """Poll ``(who, device, event)`` in order until each event's ``query()`` is true, each at
