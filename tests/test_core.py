@@ -5,6 +5,7 @@ errors are asynchronous but never lost, calls from several threads are serialise
 
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -261,6 +262,27 @@ def test_host_waits_are_bounded_and_a_hung_pipeline_refuses_calls():
         pipe._wait_for([("stage 1", "cuda:1", _NeverDone())])
     with pytest.raises(PipelineHung, match="unusable"):
         pipe(torch.randn(8, 16).half())
+
+
+class _StageStream:
+    """A stage's stream whose recorded events are done or never done."""
+
+    def __init__(self, device, done):
+        self.device, self.done = device, done
+
+    def record_event(self):
+        return types.SimpleNamespace(query=lambda: self.done)
+
+
+def test_a_host_wait_names_the_stage_whose_stream_holds_it_up():
+    """Past the calls in flight, a host wait (a reset's, a call's) waits for every stage's
+    stream: the first whose work does not finish is named, and the pipeline refuses calls."""
+    pipe = Pipeline(chain(16, 16, 16, 16), config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
+    pipe.on_gpu = True  # (its streams' events: the host side only)
+    pipe.streams = [_StageStream(d, done) for d, done in zip(pipe.devices, (True, False, True))]
+    with pytest.raises(PipelineHung, match="stage 1 on cpu did not finish within host_timeout_s=0.05 s"):
+        pipe.reset()
+    assert "stage 1 on cpu" in pipe._broken
 
 
 class _FakeEvent:

@@ -93,11 +93,11 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
 @pytest.mark.parametrize("H,inter", [(4096, 16384)])
 @pytest.mark.parametrize("offset", [0.0, 30.0])
 def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
-    """A GPT-style block (LayerNorm folded, biases, GELU-tanh) at M = 1, 100, 200, 777, 4096: against
-    float32 it errs at most 2x as much as ``transformers``' GPT2MLP + LayerNorm in bf16, and so
-    does its first GEMM alone against theirs (norm, ``c_fc``, GELU), also on rows whose mean is
-    30x their spread; a compiled model traces through it (the custom operator) and equals the
-    eager block."""
+    """A GPT-style block (LayerNorm folded, biases, GELU-tanh) at M = 1, 100, 200, 300, 350, 777,
+    4096: against float32 it errs at most 2x as much as ``transformers``' GPT2MLP + LayerNorm in
+    bf16, and so does its first GEMM alone against theirs (norm, ``c_fc``, GELU), also on rows
+    whose mean is 30x their spread; a compiled model traces through it (the custom operator) and
+    equals the eager block."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 

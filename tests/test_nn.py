@@ -95,7 +95,9 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
     gpt, few_gpt = GPTMLP.from_hf(*gpt_block()), nn.GPT_FEW_ROWS_CONFIGS  # (its own table: a narrower first GEMM)
     assert all(c.block_n % 16 == 0 for row in few_gpt for c in row[1:])
     assert gpt.configs_for(16) == (few_gpt[0][1], few_gpt[0][2]) and not few_gpt[0][1].split_k
-    assert gpt.configs_for(100) == (few_gpt[1][1], few_gpt[1][2]) and gpt.configs_for(200)[1] == few_gpt[2][2]
+    assert [row[0] for row in few_gpt[:5]] == [64, 128, 256, 320, 384]  # each row's last height
+    assert gpt.configs_for(65) == gpt.configs_for(128) == (few_gpt[1][1], few_gpt[1][2])
+    assert gpt.configs_for(129) == gpt.configs_for(256) == (nn.EPILOGUE_CONFIG, few_gpt[2][2])
     # 257-320 rows: both GEMMs in the 64 x 128 x 128 tiles of its down GEMM at 129-256
     assert few_gpt[3][0] == 320 and few_gpt[3][1] == few_gpt[3][2] == few_gpt[2][2]
     assert gpt.configs_for(257) == gpt.configs_for(320) == (few_gpt[2][2], few_gpt[2][2])
@@ -119,7 +121,7 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
         theirs = x + mlp(norm(x))
     assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (rel(ours, ref), rel(theirs, ref))
     # a GPT block at few rows launches its own table's tiles (its first GEMM whole, not split along
-    # K), and at 257-320 and 321-384 rows (split tiles, then whole 64 x 256 ones), as accurate
+    # K), and at 257-320 and 321-384 rows (64 x 128 x 128 tiles, then whole 64 x 256 ones), as accurate
     g_mlp, g_norm = gpt_block()
     for xm, row in ((x, few_gpt[0]), (torch.randn(300, H).half() * 3, few_gpt[3]),
                     (torch.randn(350, H).half() * 3, few_gpt[4])):  # fmt: skip
