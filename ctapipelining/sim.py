@@ -646,9 +646,12 @@ def _chain_kernel(
     producers = [np.split(np.repeat(np.arange(d.producer.num_tiles), np.diff(d.signal_ptr))[np.argsort(
         d.signal_counters, kind="stable")], np.cumsum(np.bincount(d.signal_counters, minlength=d.num_counters))[:-1])
         for d in links]  # fmt: skip
-    signal = [np.full(g.num_tiles, np.nan) for g in grids]  # when each tile was signalled
-    owner = [np.zeros(g.num_tiles, dtype=int) for g in grids]
-    cta_free = np.full(P, float(start_ns))
+    # (the loop below reads a few entries at a time: Python lists, not arrays)
+    producers = [[p.tolist() for p in ps] for ps in producers]
+    counter_of = [d.counter_of_tile.tolist() for d in links]
+    signal = [[math.nan] * g.num_tiles for g in grids]  # when each tile was signalled
+    owner = [[0] * g.num_tiles for g in grids]
+    cta_free = [float(start_ns)] * P
     pending: dict[int, tuple[int, int]] = {}
     heap = [(float(start_ns), c) for c in range(P)]  # CTAs free at the same time claim in CTA order
     signals_out = S - 1 if outbound else S - 2  # the deepest stage whose tiles are signalled
@@ -660,10 +663,14 @@ def _chain_kernel(
         if s == 0:
             ready = inbound[0]
             return float(ready[tile] if ready.ndim == 1 else ready[tile, q])
-        ps = producers[s - 1][int(links[s - 1].counter_of_tile[tile]) + q]
-        sig = signal[s - 1][ps]
-        sig = np.where(np.isnan(sig), cta_free[owner[s - 1][ps]], sig)
-        return float(sig.max()) + cal.t2_ns
+        sig, own, latest = signal[s - 1], owner[s - 1], -math.inf
+        for p in producers[s - 1][counter_of[s - 1][tile] + q]:
+            t = sig[p]
+            if t != t:  # NaN: not signalled yet
+                t = cta_free[own[p]]
+            if t > latest:
+                latest = t
+        return latest + cal.t2_ns
 
     def part_starts(s):
         """Where in stage ``s``'s K loop each part of its input is first read (fractions)."""
@@ -721,8 +728,8 @@ def _chain_kernel(
     for c, (ps, pt) in pending.items():  # a CTA signals the tile it holds as it ends
         signal[ps][pt] = cta_free[c]
     end_all = max((done + split.splits * cal.chain_tail_slice_ns for done in tail_done.values()), default=0.0)
-    end = max(float(cta_free.max()), end_all) + cal.chain_fixed_ns + cal.launch_ns
-    return end, (signal[-1] if outbound else None)
+    end = max(max(cta_free), end_all) + cal.chain_fixed_ns + cal.launch_ns
+    return end, (np.array(signal[-1]) if outbound else None)
 
 
 def _work_k(dims: list[int], gated: list[bool] | None) -> list[int]:
