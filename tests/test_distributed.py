@@ -76,16 +76,27 @@ def world1(tmp_path):
     gc.collect()  # what still holds the group (a refused pipeline in a traceback) goes before a later test forks
 
 
+def _ranks():
+    """The context the ranks and their manager start in: forks of a server process that imported
+    torch and the package once (a rank starts in a tenth of a second, not the seconds of an
+    import), not of this process, which pytest-xdist runs threads in. (The server finds modules
+    on ``PYTHONPATH``, not on this process's ``sys.path``: the ranks import this module
+    themselves.)"""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "pytest", "ctapipelining.distributed", "ctapipelining.nn"])
+    return ctx
+
+
 def _results():
-    """A dict the ranks of :func:`_spawn` fill, held by a manager process spawned afresh (not a
-    fork of this process, which pytest-xdist runs threads in)."""
-    return mp.get_context("spawn").Manager().dict()
+    """A dict the ranks of :func:`_spawn` fill, held by a manager process."""
+    return _ranks().Manager().dict()
 
 
 def _spawn(worker, args, nprocs=2):
-    """``worker(rank, *args)`` in ``nprocs`` spawned processes (``mp.spawn``, joined): a rank's
-    exception fails the test; a rank that returns leaves at once (:func:`_rank`)."""
-    mp.spawn(_rank, args=(worker, *args), nprocs=nprocs, join=True)
+    """``worker(rank, *args)`` in ``nprocs`` processes (joined): a rank's exception fails the
+    test; a rank that returns leaves at once (:func:`_rank`)."""
+    _ranks()
+    mp.start_processes(_rank, args=(worker, *args), nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _rank(rank, worker, *args):
