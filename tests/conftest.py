@@ -59,3 +59,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         elif "interpreter" in item.keywords and not INTERPRET:
             item.add_marker(pytest.mark.skip(reason="runs only under TRITON_INTERPRET=1 (the GPU tests cover the GPU)"))
+
+
+def _faster_interpreter() -> None:
+    """Triton's interpreter looks up the language modules' builtins (``inspect.getmembers``)
+    again at every device function call, a quarter of a kernel test's time; the builtins do not
+    change, so their names are listed once here and each call patches the same ones as before
+    (those not patched already)."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_builtin
+    pkgs = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    names = {id(p): [n for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)] for p in pkgs}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            return original(pkg, builder, scope)
+        for name in names[id(pkg)]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if INTERPRET:
+    _faster_interpreter()
