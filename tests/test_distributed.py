@@ -105,6 +105,8 @@ def _rank(rank, worker, *args):
     takes the GIL and aborts the process ("terminate called without an active exception",
     pytorch/pytorch#190489), failing a test whose ranks all returned; the rank's results are in
     the manager's dict by then."""
+    import conftest  # noqa: F401  (as in the test process: the interpreter's faster device function calls)
+
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
