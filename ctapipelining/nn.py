@@ -298,7 +298,7 @@ class _LastCall(NamedTuple):
 class FusedMLP(torch.nn.Module):
     """What the blocks share: the weights ``w_in`` ``[H, N_in]`` and ``w_out`` ``[I, H]`` as
     laid out for the kernels and the epilogues' vectors (buffers: ``.to()`` moves them), the
-    configurations, the operator key. Subclasses lay the weights out (:meth:`_lay_out`) and
+    configurations, the operator key. Subclasses lay the weights out (:meth:`_laid_out`) and
     say what each GEMM's epilogue does (:meth:`_make_epilogues`)."""
 
     hidden: int
@@ -367,19 +367,7 @@ class FusedMLP(torch.nn.Module):
         a source whose shape, dtype or device changed needs a new block."""
         check_tensor(tensors["w_in"], f"{type(self).__name__}: first weight")
         check_tensor(tensors["w_out"], f"{type(self).__name__}: second weight")
-        # the ones already set: buffers, or parameters they were reassigned as
-        have = {name: d[name] for name in tensors for d in (self._buffers, self._parameters) if name in d}
-        for name, t in tensors.items():  # every check before any copy: a refused refresh changes nothing
-            old = have.get(name)
-            if name in have and (
-                (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
-                    t.shape, t.dtype, t.device
-                )
-            ):  # fmt: skip
-                raise ValueError(
-                    f"{type(self).__name__}.refresh: the source's {name} changed shape, dtype or device; "
-                    "build a new block"
-                )
+        have = self._check_weights(tensors)  # every check before any copy: a refused refresh changes nothing
         for name, t in tensors.items():
             old = have.get(name)
             if name not in have:
@@ -390,6 +378,25 @@ class FusedMLP(torch.nn.Module):
         if self._epi is not None:  # in place too: a captured graph holds these epilogues
             self._update_epilogues(*self._epi[1:])
             self._derived = self._buffer_versions()
+
+    def _check_weights(self, tensors: dict, device: torch.device | None = None) -> dict:
+        """Refuse laid-out ``tensors`` that cannot be copied into the ones already set (a
+        source whose shape, dtype or device changed), each on ``device`` if given (laid out on
+        the meta device: :meth:`_checked_source`). Returns those already set: buffers, or
+        parameters they were reassigned as."""
+        have = {name: d[name] for name in tensors for d in (self._buffers, self._parameters) if name in d}
+        for name, t in tensors.items():
+            old = have.get(name)
+            if name in have and (
+                (old is None) != (t is None) or old is not None and (old.shape, old.dtype, old.device) != (
+                    t.shape, t.dtype, device or t.device
+                )
+            ):  # fmt: skip
+                raise ValueError(
+                    f"{type(self).__name__}.refresh: the source's {name} changed shape, dtype or device; "
+                    "build a new block"
+                )
+        return have
 
     def __setattr__(self, name: str, value) -> None:
         """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
@@ -673,17 +680,34 @@ class FusedMLP(torch.nn.Module):
         """Lay the weights out again from the module this block was built from, and read its norm's
         epsilon again (a call does both by itself after an in-place change PyTorch counts or a new
         epsilon; this is for a change it does not see, such as through ``w.data``). In place, so a
-        CUDA graph that captured the block runs the new weights."""
+        CUDA graph that captured the block runs the new weights. Refused, it changes nothing."""
+        self._renew(*self._checked_source())
+
+    def _checked_source(self) -> tuple[float, bool]:
+        """Every check :meth:`refresh` makes, before it changes anything: the source norm's
+        epsilon and form, and the weights it lays out, laid out on the meta device (shapes and
+        dtypes) from sources on the block's device. Returns the epsilon and whether the norm
+        still waits for its probe (:meth:`_renew` takes them)."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
         norm = self._source[1]
         eps, unchecked, w = self._source_eps(norm), self._norm_unchecked, getattr(norm, "weight", None)
         _check_eps(eps, "the source norm's epsilon")
         # probed (unchecked: built on the meta device, probed once real) unless its weight changed
-        # shape, which _lay_out refuses by name
+        # shape, which the layout's check below refuses by name
         if (unchecked or eps != self.eps) and not (isinstance(w, torch.Tensor) and w.shape != (self.hidden,)):
             unchecked = not _check_norm(norm, self._norm_kind, eps)
-        self._lay_out(*self._source_weights())  # (refused: nothing changed)
+        sources = [t for t in self._source_weights() if t is not None]
+        devices = {t.device for t in sources}
+        if len(devices) != 1:
+            raise ValueError(f"{type(self).__name__}.refresh: the source's weights lie on {len(devices)} devices")
+        meta = [None if t is None else t.detach().to("meta") for t in self._source_weights()]
+        self._check_weights(self._laid_out(*meta), devices.pop())
+        return eps, unchecked
+
+    def _renew(self, eps: float, unchecked: bool) -> None:
+        """:meth:`refresh` after :meth:`_checked_source`: the weights laid out again in place."""
+        self._set_weights(**self._laid_out(*self._source_weights()))
         self.eps, self._norm_unchecked = eps, unchecked
         self._source_versions = self._versions()
 
@@ -825,14 +849,15 @@ class LlamaMLP(FusedMLP):
         if inter % 8 or H % 8 or not inter:
             raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
         self.hidden, self.intermediate, self.eps = H, inter, eps
-        self._lay_out(w_gate, w_up, w_down, norm_weight)
+        self._set_weights(**self._laid_out(w_gate, w_up, w_down, norm_weight))
 
-    def _lay_out(self, w_gate, w_up, w_down, norm_weight) -> None:
+    @staticmethod
+    def _laid_out(w_gate, w_up, w_down, norm_weight) -> dict:
         """``[H, 2I]`` gate/up (norm folded, columns in runs of gate and up) and ``[I, H]`` down."""
         with torch.no_grad():
             gate_up = interleave(fold_rms_weight(norm_weight, w_gate.t()), fold_rms_weight(norm_weight, w_up.t()))
             down = w_down.t().clone(memory_format=torch.contiguous_format)  # never a view of the source
-        self._set_weights(w_in=gate_up, w_out=down)
+        return {"w_in": gate_up, "w_out": down}
 
     def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
         return Epilogue(silu, gated=True, rms_eps=self.eps), Epilogue(residual=True)
@@ -914,15 +939,16 @@ class GPTMLP(FusedMLP):
         if inter % 8 or H % 8 or not inter:
             raise ValueError(f"hidden ({H}) and intermediate ({inter}) sizes must be multiples of 8 (TMA rows)")
         self.hidden, self.intermediate, self.eps = H, inter, eps
-        self._lay_out(w_1, b_1, w_2, b_2, norm_weight, norm_bias)
+        self._set_weights(**self._laid_out(w_1, b_1, w_2, b_2, norm_weight, norm_bias))
 
-    def _lay_out(self, w_1, b_1, w_2, b_2, norm_weight, norm_bias) -> None:
-        """``[H, I]`` first weight (norm folded) with its column sums and bias, ``[I, H]`` second."""
+    @staticmethod
+    def _laid_out(w_1, b_1, w_2, b_2, norm_weight, norm_bias) -> dict:
+        """``[H, I]`` first weight (norm folded) and bias, ``[I, H]`` second weight and bias."""
         with torch.no_grad():
             w_in, _, b_in = fold_layer_norm(norm_weight, norm_bias, w_1.t(), b_1)
             w_out = w_2.t().clone(memory_format=torch.contiguous_format)  # never a view of the source
             b_out = None if b_2 is None else b_2.detach().clone().contiguous()
-        self._set_weights(w_in=w_in, w_out=w_out, b_in=b_in, b_out=b_out)
+        return {"w_in": w_in, "w_out": w_out, "b_in": b_in, "b_out": b_out}
 
     def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
         # the column sums of the weight as it is now (fp32, whatever the block's dtype: the
@@ -1149,15 +1175,15 @@ class MLPStack(torch.nn.Module):
         return self._pipeline().sequential(rows).reshape(x.shape)
 
     def refresh(self) -> None:
-        """:meth:`FusedMLP.refresh` of every block built from a module, in order (in place: the
-        pipeline reads the new weights; a block built from tensors has nothing to re-read). A
-        block that refuses (its source changed shape) stops it there, the blocks before it
-        refreshed, each consistent."""
+        """:meth:`FusedMLP.refresh` of every block built from a module (in place: the pipeline
+        reads the new weights; a block built from tensors has nothing to re-read), every block's
+        checks first: a block that refuses (its source changed shape) leaves every block as it
+        was."""
         sourced = [b for b in self.blocks if b._source is not None]
         if not sourced:
             raise RuntimeError("every block of this stack was built from tensors: build a new one instead")
-        for b in sourced:
-            b.refresh()
+        for b, checked in [(b, b._checked_source()) for b in sourced]:
+            b._renew(*checked)
 
     @classmethod
     def from_hf(cls, mlps: list, norms: list, config: GemmConfig | None = None, **pipeline_kw) -> MLPStack:

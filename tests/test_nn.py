@@ -845,6 +845,22 @@ def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassig
     assert torch.equal(stack(x), plain(fresh(x)))
     with pytest.raises(RuntimeError, match="every block of this stack was built from tensors"):
         LlamaStack([plain]).refresh()
+    # every block's checks before any block changes: block 1's source of another shape (or on
+    # two devices) refuses the stack's refresh, and block 0, whose source changed too, keeps its layout
+    mlp1, norm1 = hf_block()
+    stack = LlamaStack([sourced, LlamaMLP.from_hf(mlp1, norm1, gate_up_config=SMALL, down_config=SMALL)])
+    laid_out = [b.w_in.clone() for b in stack.blocks]
+    mlp.gate_proj.weight.data.mul_(2)
+    mlp1.up_proj.weight = torch.nn.Parameter(mlp1.up_proj.weight[:-8].clone())
+    with pytest.raises(ValueError, match="does not match|must be \\[K, I\\] of one shape"):
+        stack.refresh()
+    mlp1.up_proj.weight = torch.nn.Parameter(torch.empty(INTER, H, dtype=torch.half, device="meta"))
+    with pytest.raises(ValueError, match="the source's weights lie on 2 devices"):
+        stack.refresh()
+    assert all(torch.equal(b.w_in, w) for b, w in zip(stack.blocks, laid_out))
+    mlp1.up_proj.weight = torch.nn.Parameter(mlp1.gate_proj.weight.clone())
+    stack.refresh()
+    assert not torch.equal(stack.blocks[0].w_in, laid_out[0]) and not torch.equal(stack.blocks[1].w_in, laid_out[1])
     gpt = GPTMLP.from_hf(*gpt_block(), up_config=SMALL, down_config=SMALL)
     gpt.w_in = torch.nn.Parameter(gpt.w_in.clone(), requires_grad=False)
     rows = (torch.randn(5, H) + 30).half()  # a mean that dwarfs the spread: stale column sums show
