@@ -690,9 +690,12 @@ class FusedMLP(torch.nn.Module):
         still waits for its probe (:meth:`_renew` takes them)."""
         if self._source is None:
             raise RuntimeError("this block was built from tensors: build a new one instead")
-        norm = self._source[1]
+        mlp, norm = self._source
+        self._check_module(mlp)
         eps, unchecked, w = self._source_eps(norm), self._norm_unchecked, getattr(norm, "weight", None)
         _check_eps(eps, "the source norm's epsilon")
+        if not isinstance(w, torch.Tensor):
+            _check_norm(norm, self._norm_kind, eps)  # (refuses it by name)
         # probed (unchecked: built on the meta device, probed once real) unless its weight changed
         # shape, which the layout's check below refuses by name
         if (unchecked or eps != self.eps) and not (isinstance(w, torch.Tensor) and w.shape != (self.hidden,)):
@@ -866,18 +869,23 @@ class LlamaMLP(FusedMLP):
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> LlamaMLP:
         """From a ``transformers`` ``LlamaMLP`` (``gate_proj``, ``up_proj``, ``down_proj``, no bias,
         SiLU) and the ``LlamaRMSNorm`` before it; :meth:`refresh` re-reads them."""
-        act = getattr(mlp, "act_fn", None)
-        if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
-            raise ValueError(f"only a SiLU-gated MLP fuses here, got {type(act).__name__}")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            if getattr(mlp, name).bias is not None:
-                raise ValueError(f"{name} has a bias: a Llama MLP has none")
+        cls._check_module(mlp)
         eps = cls._source_eps(norm)
         checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
         block = cls(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight, eps, **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
+
+    @staticmethod
+    def _check_module(mlp: torch.nn.Module) -> None:
+        """Refuse an MLP module that does not compute what the block does (at build and refresh)."""
+        act = getattr(mlp, "act_fn", None)
+        if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+            raise ValueError(f"only a SiLU-gated MLP fuses here, got {type(act).__name__}")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if getattr(mlp, name).bias is not None:
+                raise ValueError(f"{name} has a bias: a Llama MLP has none")
 
     @staticmethod
     def _source_eps(norm: torch.nn.Module) -> float:
@@ -957,8 +965,9 @@ class GPTMLP(FusedMLP):
         return first, Epilogue(bias=self.b_out, residual=True)
 
     def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
-        """The column sums of the weight laid out again, into the same tensor."""
-        with torch.no_grad():
+        """The column sums of the weight laid out again, into the same tensor (an inference
+        tensor where the epilogues were built in inference mode)."""
+        with torch.inference_mode() if first.col_sum.is_inference() else torch.no_grad():
             first.col_sum.copy_(column_sums(self.w_in))
 
     @classmethod
@@ -966,15 +975,20 @@ class GPTMLP(FusedMLP):
         """From a ``transformers`` ``GPT2MLP`` (``c_fc``, ``c_proj``: ``Conv1D``, whose weights are
         ``[in, out]``; or ``nn.Linear``) with a GELU-tanh activation, and the ``LayerNorm`` before
         it; :meth:`refresh` re-reads them."""
-        act = getattr(mlp, "act", None)
-        if type(act).__name__ not in GELU_TANH:
-            raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
+        cls._check_module(mlp)
         eps = cls._source_eps(norm)
         checked = _check_norm(norm, cls._norm_kind, eps)  # (first: a norm without a weight is refused by name)
         block = cls(*cls._hf_weights(mlp, norm), eps, **configs)
         block._source, block._norm_unchecked = (mlp, norm), not checked
         block._source_versions = block._versions()
         return block
+
+    @staticmethod
+    def _check_module(mlp: torch.nn.Module) -> None:
+        """Refuse an MLP module whose activation is not GELU's tanh form (at build and refresh)."""
+        act = getattr(mlp, "act", None)
+        if type(act).__name__ not in GELU_TANH:
+            raise ValueError(f"only GELU's tanh form (gelu_new) fuses here, got {type(act).__name__}")
 
     @staticmethod
     def _source_eps(norm: torch.nn.Module) -> float:

@@ -670,6 +670,8 @@ def _chain_kernel(
                 t = cta_free[own[p]]
             if t > latest:
                 latest = t
+        if latest == -math.inf:
+            raise AssertionError(f"stage {s}'s tile {tile} has no producers in part {q}")
         return latest + cal.t2_ns
 
     def part_starts(s):

@@ -68,9 +68,12 @@ def _faster_interpreter() -> None:
     (those not patched already)."""
     import inspect
 
+    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
+    if not triton.__version__.startswith("3.6."):  # (Triton 3.6's interpreter: another keeps its own)
+        return
     original = interpreter._patch_builtin
     pkgs = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
     names = {id(p): [n for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)] for p in pkgs}

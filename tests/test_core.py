@@ -275,14 +275,16 @@ class _StageStream:
 
 
 def test_a_host_wait_names_the_stage_whose_stream_holds_it_up():
-    """Past the calls in flight, a host wait (a reset's, a call's) waits for every stage's
-    stream: the first whose work does not finish is named, and the pipeline refuses calls."""
-    pipe = Pipeline(chain(16, 16, 16, 16), config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
-    pipe.on_gpu = True  # (its streams' events: the host side only)
-    pipe.streams = [_StageStream(d, done) for d, done in zip(pipe.devices, (True, False, True))]
-    with pytest.raises(PipelineHung, match="stage 1 on cpu did not finish within host_timeout_s=0.05 s"):
-        pipe.reset()
-    assert "stage 1 on cpu" in pipe._broken
+    """Past the calls in flight, a host wait (a call's, a reset's) waits for every stage's
+    stream in order: the first whose work does not finish is named, with its device, and the
+    pipeline refuses calls."""
+    for wait in (lambda p: p._wait(callers=False), lambda p: p.reset()):
+        pipe = Pipeline(chain(16, 16, 16, 16), config=SMALL, timeout_s=0.01, host_timeout_s=0.05)
+        pipe.on_gpu = True  # (its streams' events: the host side only)
+        pipe.streams = [_StageStream(d, done) for d, done in (("gpu-a", True), ("gpu-b", False), ("gpu-c", False))]
+        with pytest.raises(PipelineHung, match="stage 1 on gpu-b did not finish within host_timeout_s=0.05 s"):
+            wait(pipe)
+        assert "stage 1 on gpu-b" in pipe._broken
 
 
 class _FakeEvent:

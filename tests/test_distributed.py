@@ -94,17 +94,22 @@ def _results():
 
 def _spawn(worker, args, nprocs=2):
     """``worker(rank, *args)`` in ``nprocs`` processes (joined): a rank's exception fails the
-    test; a rank that returns leaves at once (:func:`_rank`)."""
+    test; a rank that returns leaves at once (:func:`_rank`). The ranks take this process's
+    environment as it is now, not the fork server's."""
     _ranks()
-    mp.start_processes(_rank, args=(worker, *args), nprocs=nprocs, join=True, start_method="forkserver")
+    env = dict(os.environ)
+    mp.start_processes(_rank, args=(env, worker, *args), nprocs=nprocs, join=True, start_method="forkserver")
 
 
-def _rank(rank, worker, *args):
-    """Run ``worker`` as rank ``rank``, then exit without the interpreter's finalization. A gloo
+def _rank(rank, env, worker, *args):
+    """Run ``worker`` as rank ``rank`` in the environment ``env`` (the test process's), then
+    exit without the interpreter's finalization. A gloo
     worker thread that releases a finished collective's tensors after finalization has begun
     takes the GIL and aborts the process ("terminate called without an active exception",
     pytorch/pytorch#190489), failing a test whose ranks all returned; the rank's results are in
     the manager's dict by then."""
+    os.environ.clear()
+    os.environ.update(env)
     import conftest  # noqa: F401  (as in the test process: the interpreter's faster device function calls)
 
     worker(rank, *args)

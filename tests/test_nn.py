@@ -857,8 +857,17 @@ def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassig
     mlp1.up_proj.weight = torch.nn.Parameter(torch.empty(INTER, H, dtype=torch.half, device="meta"))
     with pytest.raises(ValueError, match="the source's weights lie on 2 devices"):
         stack.refresh()
-    assert all(torch.equal(b.w_in, w) for b, w in zip(stack.blocks, laid_out))
     mlp1.up_proj.weight = torch.nn.Parameter(mlp1.gate_proj.weight.clone())
+    down = mlp1.down_proj.weight
+    mlp1.down_proj.weight = torch.nn.Parameter(down.float())  # laid out, a w_out of another dtype
+    with pytest.raises(ValueError, match="the source's w_out changed shape, dtype or device"):
+        stack.refresh()
+    mlp1.down_proj.weight = down
+    mlp1.gate_proj.bias = torch.nn.Parameter(torch.zeros(INTER).half())
+    with pytest.raises(ValueError, match="gate_proj has a bias: a Llama MLP has none"):
+        stack.refresh()
+    mlp1.gate_proj.bias = None
+    assert all(torch.equal(b.w_in, w) for b, w in zip(stack.blocks, laid_out))
     stack.refresh()
     assert not torch.equal(stack.blocks[0].w_in, laid_out[0]) and not torch.equal(stack.blocks[1].w_in, laid_out[1])
     gpt = GPTMLP.from_hf(*gpt_block(), up_config=SMALL, down_config=SMALL)
@@ -870,6 +879,14 @@ def test_a_stack_refreshes_the_blocks_built_from_modules_and_a_block_its_reassig
     got = gpt(rows)
     gpt._epi = None  # (rebuilt from scratch)
     assert torch.equal(got, gpt(rows))
+    # epilogues built in inference mode (inference tensors): a refresh outside it writes them too
+    g_mlp, g_norm = gpt_block()
+    gpt = GPTMLP.from_hf(g_mlp, g_norm, up_config=SMALL, down_config=SMALL)
+    with torch.inference_mode():
+        gpt(rows)
+    g_mlp.c_fc.weight.data.mul_(2)
+    gpt.refresh()
+    assert torch.equal(gpt(rows), GPTMLP.from_hf(g_mlp, g_norm, up_config=SMALL, down_config=SMALL)(rows))
     sourced.w_out = torch.nn.Parameter(sourced.w_out.clone(), requires_grad=False)
     with torch.no_grad():
         mlp.up_proj.weight.mul_(2)
