@@ -920,6 +920,12 @@ def test_a_block_moves_copies_pickles_and_refreshes_in_place():
     mlp.c_proj.bias = None  # the second bias gone: b_out would change
     with pytest.raises(ValueError, match="changed shape, dtype or device; build a new block"):
         block.refresh()
+    mlp.c_proj.bias, act = torch.nn.Parameter(torch.zeros(H).half()), mlp.act
+    mlp.act = torch.nn.ReLU()  # an activation the block does not compute: refused as from_hf does
+    with pytest.raises(ValueError, match="only GELU's tanh form"):
+        block.refresh()
+    mlp.act = act
+    block.refresh()
 
 
 def hf_stack(layers=2, dtype=torch.float16):
