@@ -456,6 +456,11 @@ class FusedMLP(torch.nn.Module):
     def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
         """Bring what the epilogues derive from the weights up to date, in place (nothing here)."""
 
+    @staticmethod
+    def _check_module(mlp: torch.nn.Module) -> None:
+        """Refuse a source MLP module that does not compute what the block does, at build and at
+        refresh (nothing here: the subclasses know their modules)."""
+
     def _epilogues(self) -> tuple[Epilogue, Epilogue]:
         """Each GEMM's epilogue, bound to the buffers where they are now (built once per place:
         a launch is compiled and cached per epilogue). Whenever a buffer's signature (address,

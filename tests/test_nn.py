@@ -1233,7 +1233,8 @@ def test_what_a_block_refuses_before_it_writes_anything():
 
 def test_norms_of_torch_nn_fold_or_are_refused_by_name():
     """``torch.nn.RMSNorm`` without an epsilon folds with the one it normalises with (float32's),
-    as the same norm with that epsilon given; a LayerNorm without a weight is refused by name."""
+    as the same norm with that epsilon given; a LayerNorm without a weight is refused by name, and
+    a source norm whose weight is gone by a block's refresh or call (nothing changed)."""
     mlp, _ = hf_block()
     norm = torch.nn.RMSNorm(H).half()  # eps=None
     with torch.no_grad():
@@ -1249,6 +1250,12 @@ def test_norms_of_torch_nn_fold_or_are_refused_by_name():
     gmlp, _ = gpt_block()
     with pytest.raises(ValueError, match="LayerNorm has no weight"):
         GPTMLP.from_hf(gmlp, torch.nn.LayerNorm(H, elementwise_affine=False).half(), up_config=SMALL, down_config=SMALL)
+    laid_out = block.w_in.clone()
+    norm.weight = None
+    for run in (block.refresh, lambda: block(x)):
+        with pytest.raises(ValueError, match="RMSNorm has no weight"):
+            run()
+    assert torch.equal(block.w_in, laid_out)
 
 
 def test_a_stack_takes_no_rows_as_a_block_does():
