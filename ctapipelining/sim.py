@@ -487,7 +487,7 @@ def _link_ready(
     :func:`_gemm_stage` takes them), the producer's tiles signalled at ``sent``: a counter fills
     when the last producer tile that signals it is done, and is seen ``t2_ns`` later; in up to
     ``wait_parts`` parts of the consumer's ``K``."""
-    dep = deps.build_dependency(producer, consumer, "gemm", parts=min(wait_parts, producer.num_n))
+    dep = _gemm_dependency(producer, consumer, min(wait_parts, producer.num_n))
     filled = np.full(dep.num_counters, -np.inf)
     np.maximum.at(filled, dep.signal_counters, np.repeat(sent, np.diff(dep.signal_ptr)))
     ready = cal.t2_ns + filled[dep.counter_of_tile[:, None] + np.arange(dep.parts)]
@@ -589,6 +589,13 @@ def simulate_ours_sequential(M: int, dims: list[int], cal: Calibration, config: 
     return sum(simulate_gemm(M, k, n, cal, split, split_k) for k, n in zip(dims, dims[1:]))
 
 
+@functools.lru_cache(maxsize=256)
+def _gemm_dependency(producer: deps.TileGrid, consumer: deps.TileGrid, parts: int) -> deps.Dependency:
+    """:func:`ctapipelining.deps.build_dependency` of a GEMM link, built once per grids and parts
+    (a sweep models the same links again and again; the models only read it)."""
+    return deps.build_dependency(producer, consumer, "gemm", parts=parts)
+
+
 def simulate_chain_kernel(
     M: int,
     dims: list[int],
@@ -641,7 +648,7 @@ def _chain_kernel(
     checks = [cal.part_check_ns(M, k, n) for k, n in zip(ks, dims[1:])]
     if outbound and remote:
         t_tiles[-1] *= cal.remote_factor
-    links = [deps.build_dependency(grids[s], grids[s + 1], "gemm", parts=min(wait_parts, grids[s].num_n))
+    links = [_gemm_dependency(grids[s], grids[s + 1], min(wait_parts, grids[s].num_n))
              for s in range(S - 1)]  # fmt: skip
     producers = [np.split(np.repeat(np.arange(d.producer.num_tiles), np.diff(d.signal_ptr))[np.argsort(
         d.signal_counters, kind="stable")], np.cumsum(np.bincount(d.signal_counters, minlength=d.num_counters))[:-1])
