@@ -699,17 +699,15 @@ class FusedMLP(torch.nn.Module):
         self._check_module(mlp)
         eps, unchecked, w = self._source_eps(norm), self._norm_unchecked, getattr(norm, "weight", None)
         _check_eps(eps, "the source norm's epsilon")
-        if not isinstance(w, torch.Tensor):
-            _check_norm(norm, self._norm_kind, eps)  # (refuses it by name)
         # probed (unchecked: built on the meta device, probed once real) unless its weight changed
-        # shape, which the layout's check below refuses by name
-        if (unchecked or eps != self.eps) and not (isinstance(w, torch.Tensor) and w.shape != (self.hidden,)):
+        # shape, which the layout's check below refuses by name; a norm without a weight is refused
+        if not isinstance(w, torch.Tensor) or ((unchecked or eps != self.eps) and w.shape == (self.hidden,)):
             unchecked = not _check_norm(norm, self._norm_kind, eps)
-        sources = [t for t in self._source_weights() if t is not None]
-        devices = {t.device for t in sources}
+        weights = self._source_weights()
+        devices = {t.device for t in weights if t is not None}
         if len(devices) != 1:
             raise ValueError(f"{type(self).__name__}.refresh: the source's weights lie on {len(devices)} devices")
-        meta = [None if t is None else t.detach().to("meta") for t in self._source_weights()]
+        meta = [None if t is None else t.detach().to("meta") for t in weights]
         self._check_weights(self._laid_out(*meta), devices.pop())
         return eps, unchecked
 

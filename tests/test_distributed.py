@@ -103,11 +103,10 @@ def _spawn(worker, args, nprocs=2):
 
 def _rank(rank, env, worker, *args):
     """Run ``worker`` as rank ``rank`` in the environment ``env`` (the test process's), then
-    exit without the interpreter's finalization. A gloo
-    worker thread that releases a finished collective's tensors after finalization has begun
-    takes the GIL and aborts the process ("terminate called without an active exception",
-    pytorch/pytorch#190489), failing a test whose ranks all returned; the rank's results are in
-    the manager's dict by then."""
+    exit without the interpreter's finalization. A gloo worker thread that releases a finished
+    collective's tensors after finalization has begun takes the GIL and aborts the process
+    ("terminate called without an active exception", pytorch/pytorch#190489), failing a test
+    whose ranks all returned; the rank's results are in the manager's dict by then."""
     os.environ.clear()
     os.environ.update(env)
     import conftest  # noqa: F401  (as in the test process: the interpreter's faster device function calls)
