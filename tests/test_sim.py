@@ -458,6 +458,20 @@ def test_chain_kernel_model_runs_the_combined_order():
     assert plain > 4 * t and sim.simulate_ours_sequential(640, [8192] * 3, CAL) < plain  # split tails pay
 
 
+def test_chain_kernel_model_refuses_a_part_that_no_producer_signals(monkeypatch):
+    """A link whose counter no producer tile bumps (dependency arrays the library never builds)
+    is refused by name, rather than modelled as visible before the kernel starts."""
+    real = sim._gemm_dependency
+
+    def broken(*args):
+        d = real(*args)  # counter 0's producers moved to counter 1
+        return replace(d, signal_counters=np.where(d.signal_counters == 0, 1, d.signal_counters))
+
+    monkeypatch.setattr(sim, "_gemm_dependency", broken)
+    with pytest.raises(AssertionError, match="stage 1's tile 0 has no producers in part 0"):
+        sim.simulate_chain_kernel(640, [8192] * 3, CAL)
+
+
 def test_split_tail_model():
     """4096 tiles on 132 SMs: 31 rounds and 4 tail tiles in 8 slices (slices of at least 16 of
     the 128 K-steps) of an eighth of a tile each."""
