@@ -68,10 +68,11 @@ def _faster_interpreter() -> None:
 
     * at every device function call it finds the language modules among the function's globals,
       then lists each module's builtins (``inspect.getmembers``) and wraps those not wrapped yet.
-      Here each function's language modules are found once, each module's builtins listed once,
-      and a module whose first builtin is wrapped already is left alone: a module's builtins are
-      wrapped all at once and unwrapped all at once, so in a device function called from a kernel
-      (every one, after the kernel's launch wrapped them) there is nothing left to wrap;
+      Here each function's language modules are found again only when its module gains names,
+      each module's builtins are listed once, and a module whose first builtin is wrapped already
+      is left alone: the interpreter wraps a module's builtins in one pass, so the first wrapped
+      means all are (``reduce`` and ``associative_scan`` apart, which every pass sets again); in a
+      device function called from a kernel, whose launch wrapped them, that is every time;
     * at every operation it builds its table from Triton's dtypes to NumPy's again
       (``_get_np_dtype``); here the table is built once.
     """
@@ -116,10 +117,14 @@ def _faster_interpreter() -> None:
     patch_lang, modules_of = interpreter._patch_lang, {}
 
     def patch_lang_from_cached_globals(fn):
-        if fn not in modules_of:  # the language modules among fn's globals, the only ones patch_lang reads
+        # the language modules among fn's globals, the only ones patch_lang reads, found again when
+        # names are added to them (the interpreter adds its own to a device function's module)
+        size, found = modules_of.get(fn, (None, None))
+        if size != len(fn.__globals__):
             langs = {n: v for n, v in fn.__globals__.items() if inspect.ismodule(v) and v in (tl, tl.core)}
-            modules_of[fn] = SimpleNamespace(__globals__=langs)
-        return patch_lang(modules_of[fn])
+            size, found = len(fn.__globals__), SimpleNamespace(__globals__=langs)
+            modules_of[fn] = size, found
+        return patch_lang(found)
 
     interpreter._patch_builtin = patch_builtin
     interpreter._patch_lang = patch_lang_from_cached_globals
