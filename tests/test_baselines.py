@@ -14,6 +14,20 @@ def chain(*dims):
     return [(torch.randn(k, n) / k**0.5).half() for k, n in zip(dims, dims[1:])]
 
 
+def gemm_calls(monkeypatch) -> list[int]:
+    """The row counts of the calls of our GEMM (``ctapipelining.gemm.matmul``) from now on."""
+    from ctapipelining import gemm
+
+    calls, real = [], gemm.matmul
+
+    def counted(a, *args, **kwargs):
+        calls.append(a.shape[0])
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(gemm, "matmul", counted)
+    return calls
+
+
 def reference(x, ws):
     y = x.float()
     for w in ws:
@@ -23,12 +37,16 @@ def reference(x, ws):
 
 @pytest.mark.parametrize("gemm", ["cublas", "ours"])
 @pytest.mark.parametrize("chunk", [16, 24, 100])
-def test_microbatch_equals_the_chain(gemm, chunk):
+def test_microbatch_equals_the_chain(gemm, chunk, monkeypatch):
+    """Each chunk through each layer, on the GEMM named (ours: one call per chunk and layer)."""
     ws = chain(32, 48, 16)
+    calls = gemm_calls(monkeypatch)
     mb = MicroBatch(ws, 40, chunk, gemm=gemm)
     assert [(r.start, r.stop) for r in mb.rows] == [(i, min(i + chunk, 40)) for i in range(0, 40, chunk)]
     mb.x.copy_(torch.randn(40, 32).half())
+    calls.clear()
     y = mb()
+    assert calls == ([r.stop - r.start for r in mb.rows for _ in ws] if gemm == "ours" else []), calls
     assert y is mb.outs[-1] and y.shape == (40, 16)
     assert float((y.float() - reference(mb.x, ws)).abs().max()) < 2e-2
 
@@ -189,11 +207,12 @@ def test_tensor_parallel_split_and_chunked_all_reduce(g, chunks):
     "g,M,shares",
     [(1, 40, [40]), (2, 40, [16, 24]), (3, 40, [16, 16, 8]), (2, 100, [48, 52]), (4, 20, [0, 16, 0, 4])],
 )
-def test_data_parallel_rows_and_gather(gemm, g, M, shares):
+def test_data_parallel_rows_and_gather(gemm, g, M, shares, monkeypatch):
     """Rows split in whole 16-row blocks as evenly as they allow (the blocks per share differ by
     at most one; the last share takes the rest; a share may be empty), each share through the
-    whole chain, gathered into one output."""
+    whole chain on the GEMM named, gathered into one output."""
     ws = chain(32, 48, 16)
+    calls = gemm_calls(monkeypatch)
     dp = DataParallel(ws, ["cpu"] * g, M, gemm=gemm, row_align=16)
     cuts = [r.start for r in dp.rows] + [dp.rows[-1].stop]
     assert cuts[0] == 0 and cuts[-1] == M and all(c % 16 == 0 for c in cuts[:-1])
@@ -203,7 +222,9 @@ def test_data_parallel_rows_and_gather(gemm, g, M, shares):
     assert max(blocks) - min(blocks) <= 1
     dp.x.copy_(torch.randn(M, 32).half())
     dp.out.fill_(float("nan"))
+    calls.clear()
     y = dp()
+    assert sorted(calls) == (sorted(n for n in got if n for _ in ws) if gemm == "ours" else []), calls
     assert not y.isnan().any()
     assert float((y.float() - reference(dp.x, ws)).abs().max()) < 2e-2
     with pytest.raises(ValueError, match="weight 1"):

@@ -827,9 +827,11 @@ def test_a_neighbours_gpu_is_checked_for_peer_access_and_native_atomics_both_way
     for rank, device in ((0, cuda0), (1, cuda1)):
         assert "cuda:1 cannot make atomic operations on cuda:0's memory" in distributed._peer_error(every, rank, device)
     atomics.clear()
-    access.add((0, 1))
-    assert "cannot access each other's memory" in distributed._peer_error(every, 0, cuda0)
-    access.clear()
+    for one_way in ((0, 1), (1, 0)):  # either way, from either rank
+        access.add(one_way)
+        for rank, device in ((0, cuda0), (1, cuda1)):
+            assert "cannot access each other's memory" in distributed._peer_error(every, rank, device), one_way
+        access.clear()
     assert "same GPU (gpu-a)" in distributed._peer_error([{"uuid": "gpu-a"}] * 2, 1, cuda0)
 
 

@@ -1323,6 +1323,8 @@ def test_a_blocks_epsilon_set_or_changed_in_its_source_takes_effect_at_the_next_
     assert block.eps == 0.5 and torch.equal(block(x), changed)
     norm.weight = torch.nn.Parameter(weight)
     setattr(norm, attr, 0.0)
+    with torch.no_grad():  # with a weight changed too, which a refused refresh does not lay out
+        next(mlp.parameters()).mul_(2)
     with pytest.raises(ValueError, match="the source norm's epsilon must be a float > 0, got 0.0"):
         followed.refresh()
     assert followed.eps == 1e-5 and all(torch.equal(followed._buffers[k], v) for k, v in laid_out.items())
