@@ -70,7 +70,8 @@ class StreamGraph:
     (``launch`` gets that stream's raw ``CUstream`` handle) and uploaded on ``stream`` (raw handle:
     where it is to run); :meth:`replay` launches it on any stream of that device. Raises
     :class:`CaptureError` where the capture fails (the stream is then out of capture) and
-    raises it too where ``launch`` raises (chained to what it raised), after ending the capture."""
+    raises it too where ``launch`` raises an ``Exception`` (chained to it), after ending the
+    capture; anything else (``KeyboardInterrupt``) is raised as it is, after ending it too."""
 
     def __init__(self, launch: Callable[[int], object], stream: int):
         lib, index = _driver(), torch.cuda.current_device()
@@ -83,13 +84,14 @@ class StreamGraph:
                 _check(lib.cuStreamCreate(ctypes.byref(created), _NON_BLOCKING), "cuStreamCreate")
                 _STREAMS[index] = created.value
             capturing = _STREAMS[index]
-            _check(lib.cuStreamBeginCapture_v2(capturing, _THREAD_LOCAL), "cuStreamBeginCapture")
-            try:
+            try:  # (the capture begins inside: an interrupt as it returns still ends it)
+                _check(lib.cuStreamBeginCapture_v2(capturing, _THREAD_LOCAL), "cuStreamBeginCapture")
                 launch(capturing)
-            except BaseException as e:  # the stream leaves capture whatever happened in it
+            except BaseException as e:  # the stream leaves capture whatever happened in it (ending a
+                # capture that never began only returns an error)
                 if not lib.cuStreamEndCapture(capturing, ctypes.byref(graph)) and graph.value:
                     lib.cuGraphDestroy(graph)
-                if isinstance(e, Exception):
+                if isinstance(e, Exception) and not isinstance(e, CaptureError):
                     raise CaptureError(f"a launch failed in capture: {type(e).__name__}: {e}") from e
                 raise
             ended = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
