@@ -65,9 +65,6 @@ for step in $STEPS; do
   echo "== $step ($(date -u +%T))"
   case $step in
     env) { date -u; echo "commit ${1:-unknown}"; echo "steps $STEPS"
-        # the package's files as they ran, whatever the machine's git says: compare with
-        # `find ctapipelining -type f \( -name '*.py' -o -name '*.json' \) | sort | xargs sha256sum | sha256sum` here
-        echo "package $(find ctapipelining -type f \( -name '*.py' -o -name '*.json' \) | sort | xargs sha256sum | sha256sum | cut -c1-16)"
         nvidia-smi --query-gpu=index,name,clocks.max.sm,clocks.sm,power.limit,temperature.gpu --format=csv
         nvidia-smi topo -m
         python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'gpus', torch.cuda.device_count())"
