@@ -28,7 +28,8 @@
 #          the default one-GPU pipeline (bound eager calls) in two mixes of operands -> soak.log, soak.json
 #   sancross (2 GPUs) compute-sanitizer memcheck, racecheck, synccheck on sanitize_chain.py cross -> sanitize-cross-*.log
 #   mlp    (1 GPU) benchmarks/mlp_block.py: the fused MLP blocks against torch.compile and cuBLAS, MLP_REPS
-#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs), MLP_BLOCKS (default llama; llama,gpt; decode; few),
+#          (default 20), MLP_MODE (default max-autotune-no-cudagraphs; none: no compiled line), MLP_BLOCKS (default llama;
+#          llama,gpt; decode; few; rows: the three blocks at 1-1024 rows, with the unfused line),
 #          MLP_ONLY (shapes whose key contains it)                              -> mlp_block.log, mlp_block.json
 #   tiles  (1 GPU) benchmarks/block_tiles.py: a block's two GEMMs at few rows under candidate tiles against
 #          cuBLAS (nn.FEW_ROWS_CONFIGS), TILES_ROWS and TILES_BLOCKS (default the script's; gpt: the GPT

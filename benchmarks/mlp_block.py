@@ -8,14 +8,20 @@ BLOCKS (default ``llama``; ``llama,gpt`` for both): Llama-70B (hidden 8192, inte
 (4096, 16384) at M = 4096; ``decode``: the two Llama blocks and the GPT block at decode-sized
 inputs (M = 1, 16 and 64), where the weights' bandwidth bounds the time (the lines' medians also
 give the weights' bytes per second, ``weights_tbps``); ``few``: the same three blocks at M = 128,
-256, 384, 512 and 768 (the rows of :data:`ctapipelining.nn.FEW_ROWS_CONFIGS` past 64). ONLY:
-the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``) contains it. bf16. Lines,
+256, 384, 512 and 768 (the rows of :data:`ctapipelining.nn.FEW_ROWS_CONFIGS` past 64); ``rows``:
+the three blocks at every M of :data:`ROWS` (what the classes' ``unfused_rows`` are chosen on).
+ONLY: the shapes whose key (as printed, e.g. ``H8192_I28672_M4096``) contains it. bf16. Lines,
 graph-replayed, timed by the bench's harness (shuffled turns, paired):
 
 * ``ours``: :class:`ctapipelining.nn.LlamaMLP` (two GEMMs, norm, SiLU gate and residual fused),
-  or :class:`ctapipelining.nn.GPTMLP` (LayerNorm, biases, GELU and residual fused);
+  or :class:`ctapipelining.nn.GPTMLP` (LayerNorm, biases, GELU and residual fused), as built
+  without configurations (at the row counts of its class's ``unfused_rows``, unfused);
+* ``unfused``: the block's ``unfused`` (its norm, cuBLAS's GEMMs, its activation, bias and
+  residual as passes of their own);
+* ``fused``: where ``ours`` runs unfused, the fused block in the tiles it has there;
 * ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
-  (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode);
+  (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode;
+  ``none``: no such line);
 * ``cublas_gemms``: the block's two GEMMs alone in cuBLAS (``x @ [gate|up]``, then the real
   intermediate ``@ down``), nothing else.
 
@@ -23,6 +29,7 @@ Also ``ours_eager``: the block called eagerly, paired with its replay. Prints an
 OUT_DIR/mlp_block.json: medians and, per shape, ratios with 95% CIs.
 """
 
+import functools
 import json
 import statistics
 import sys
@@ -40,6 +47,7 @@ BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
 ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 LLAMA = ((4096, 14336), (8192, 28672))  # Llama-8B, Llama-70B
 FEW = (128, 256, 384, 512, 768)
+ROWS = (1, 16, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024)
 SHAPES = {  # (kind, hidden, intermediate, M)
     "llama": [
         ("llama", H, inter, M)
@@ -49,6 +57,7 @@ SHAPES = {  # (kind, hidden, intermediate, M)
     "decode": [("llama", H, inter, M) for H, inter in LLAMA for M in (1, 16, 64)]
     + [("gpt", 4096, 16384, M) for M in (1, 16, 64)],
     "few": [("llama", H, inter, M) for H, inter in LLAMA for M in FEW] + [("gpt", 4096, 16384, M) for M in FEW],
+    "rows": [("llama", H, inter, M) for H, inter in LLAMA for M in ROWS] + [("gpt", 4096, 16384, M) for M in ROWS],
 }
 
 
@@ -71,8 +80,10 @@ def main():
     (OUT / "mlp_block.json").write_text(json.dumps(report, indent=1))
 
 
-def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
-    """Every line on one block shape and input height; medians and paired ratios."""
+@functools.cache
+def modules(kind: str, H: int, inter: int):
+    """``transformers``' block of one shape (random weights, seeded), our block built from it,
+    and the plain ``[H, N]`` weights of its two GEMMs for cuBLAS; built once per shape."""
     import transformers
 
     torch.manual_seed(0)
@@ -94,15 +105,14 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
         w_in, w_out = mlp.c_fc.weight.contiguous(), mlp.c_proj.weight.contiguous()  # Conv1D: [in, out]
     for p in list(mlp.parameters()) + list(norm.parameters()):
         p.requires_grad_(False)
+    return mlp, norm, block, w_in, w_out
+
+
+def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
+    """Every line on one block shape and input height; medians and paired ratios."""
+    mlp, norm, block, w_in, w_out = modules(kind, H, inter)
+    torch.manual_seed(M)
     x = torch.randn(M, H, device="cuda").bfloat16()
-
-    def hf(x):
-        return x + mlp(norm(x))
-
-    compiled = torch.compile(hf, mode=None if MODE == "default" else MODE)
-    with torch.no_grad():
-        compiled(x)
-        compiled(x)
     h_real = block.first_gemm(x)
     gu_out = torch.empty(M, w_in.shape[1], device="cuda", dtype=torch.bfloat16)
     y = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
@@ -110,19 +120,30 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
         methods = [
             Method("ours", capture(lambda: block(x), [0]).replay),
             Method("ours_eager", lambda: block(x)),
-            Method("compiled", capture(lambda: compiled(x), [0]).replay),
+            Method("unfused", capture(lambda: block.unfused(x), [0]).replay),
             Method(
                 "cublas_gemms",
                 capture(lambda: (torch.mm(x, w_in, out=gu_out), torch.mm(h_real, w_out, out=y)), [0]).replay,
             ),
         ]
+        if block.runs_unfused(M):  # the fused block in the tiles it has at M
+            fused = type(block).from_hf(mlp, norm)
+            fused.in_config, fused.out_config = block.configs_for(M)
+            methods.append(Method("fused", capture(lambda: fused(x), [0]).replay))
+        if MODE != "none":
+            compiled = torch.compile(lambda x: x + mlp(norm(x)), mode=None if MODE == "default" else MODE)
+            compiled(x)
+            compiled(x)
+            methods.append(Method("compiled", capture(lambda: compiled(x), [0]).replay))
         times = time_interleaved(methods, [0], REPS, 3)
     row = {"median_ms": {k: statistics.median(v) for k, v in times.items()}}
     weight_bytes = (w_in.numel() + w_out.numel()) * w_in.element_size()
     row["weights_tbps"] = {k: round(weight_bytes / (ms * 1e-3) / 1e12, 3) for k, ms in row["median_ms"].items()}
     for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
-                     ("compiled", "cublas_gemms")):  # fmt: skip
-        row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
+                     ("compiled", "cublas_gemms"), ("unfused", "cublas_gemms"), ("unfused", "ours"),
+                     ("fused", "cublas_gemms"), ("unfused", "fused")):  # fmt: skip
+        if num in times and den in times:
+            row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
 
 

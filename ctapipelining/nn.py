@@ -63,7 +63,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cugraph import CaptureError, StreamGraph
-from .epilogue import Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
+from .epilogue import GATE_RUN, Epilogue, column_sums, fold_layer_norm, fold_rms_weight, gelu, interleave, silu
 from .gemm import MAX_CALLS, GemmLaunch, launch_checked, matmul
 from .kernels.gemm import EPILOGUE_CONFIG, PIPELINE_CONFIG, RESIDUAL_CONFIG, GemmConfig, fits_loaded_residual
 from .launcher import bound_stream
@@ -308,6 +308,9 @@ class FusedMLP(torch.nn.Module):
     _config_defaults = (GATE_UP_CONFIG, DOWN_CONFIG)  # each GEMM's configuration where none is given
     # each GEMM's tiles at few rows, where left to its default (configs_for): the class's measured table
     few_rows_configs = FEW_ROWS_CONFIGS
+    # the row counts (inclusive ranges) at which a block with both GEMMs left to their defaults runs
+    # unfused (:meth:`unfused`): the class's measured table
+    unfused_rows: tuple[tuple[int, int], ...] = ()
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -403,9 +406,9 @@ class FusedMLP(torch.nn.Module):
         at every row count, or None for the GEMM's default (with :attr:`few_rows_configs`' tiles
         at few rows). :attr:`few_rows_configs` is the class's measured table, not set per block
         (a block's calls bind their tiles once: give a GEMM a configuration instead)."""
-        if name == "few_rows_configs":
+        if name in ("few_rows_configs", "unfused_rows"):
             raise AttributeError(
-                "few_rows_configs is the block class's measured table: set in_config or out_config to run other tiles"
+                f"{name} is the block class's measured table: set in_config or out_config to run other tiles"
             )
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
@@ -439,6 +442,38 @@ class FusedMLP(torch.nn.Module):
                 if default is not None:
                     configs[i] = row[1 + i]
         return configs[0], configs[1]
+
+    def runs_unfused(self, M: int) -> bool:
+        """Whether a call on ``M`` rows runs :meth:`unfused`: at the row counts of the class's
+        :attr:`unfused_rows`, where both GEMMs are left to their defaults."""
+        return None not in self._defaults and any(lo <= M <= hi for lo, hi in self.unfused_rows)
+
+    def unfused(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on ``x`` ``[..., H]`` in PyTorch's own operations: the norm, cuBLAS's GEMMs
+        on the laid-out weights, the activation, bias and residual as passes of their own. It
+        rounds where the unfused module does (the normalised rows, the first GEMM's output), so
+        it equals the fused block within a rounding, not bitwise. ``forward`` runs it at the
+        row counts of :attr:`unfused_rows`, where cuBLAS's GEMMs are faster by more than the
+        passes cost."""
+        _check_input(x, self.hidden)
+        if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
+            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
+        self._follow_source()
+        self._epilogues()  # the weights' checks
+        return self._unfused(x.reshape(-1, self.hidden)).reshape(x.shape)
+
+    def _unfused(self, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`unfused` on checked ``rows`` ``[M, H]``: the first GEMM with its norm and
+        activation (:meth:`_unfused_first`), then the second with the residual (cuBLAS adds it
+        as the GEMM's ``C``) and the bias."""
+        y = torch.addmm(rows, self._unfused_first(rows), self.w_out)
+        bias = getattr(self, "b_out", None)
+        return y if bias is None else y.add_(bias)
+
+    def _unfused_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """The intermediate ``h`` of checked ``rows``, unfused (the subclasses know their norm and
+        activation)."""
+        raise NotImplementedError
 
     def _derives(self) -> bool:
         """Whether an epilogue derives something from the laid-out weights (:meth:`_update_epilogues`)."""
@@ -601,6 +636,8 @@ class FusedMLP(torch.nn.Module):
         first, second = self._epilogues()
         own = out is None and h is None and w_in is self.w_in and w_out is self.w_out
         fits = fits or (rows.shape[1:] == (self.hidden,) and (rows.dtype, rows.device) == (w_in.dtype, w_in.device))
+        if own and fits and self.runs_unfused(rows.shape[0]):
+            return self._unfused(rows)
         if own and fits and rows.shape[0] and tma_ready(rows):
             # the common call: rows TMA-ready and of the block's width, dtype and device, the
             # weights and epilogues checked (``_epilogues``), the intermediate and output new (so
@@ -868,6 +905,13 @@ class LlamaMLP(FusedMLP):
     def _make_epilogues(self) -> tuple[Epilogue, Epilogue]:
         return Epilogue(silu, gated=True, rms_eps=self.eps), Epilogue(residual=True)
 
+    def _unfused_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows normalised (the norm's weight is folded into ``w_in``), the gate/up GEMM, the
+        gated SiLU on its runs of gate and up columns (:func:`~ctapipelining.epilogue.interleave`)."""
+        normed = torch.nn.functional.rms_norm(rows, (self.hidden,), eps=self.eps)
+        runs = (normed @ self.w_in).view(rows.shape[0], -1, 2, GATE_RUN.value)
+        return (torch.nn.functional.silu(runs[:, :, 0]) * runs[:, :, 1]).view(rows.shape[0], self.intermediate)
+
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, norm: torch.nn.Module, **configs) -> LlamaMLP:
         """From a ``transformers`` ``LlamaMLP`` (``gate_proj``, ``up_proj``, ``down_proj``, no bias,
@@ -966,6 +1010,12 @@ class GPTMLP(FusedMLP):
         # LayerNorm's subtraction needs them exact): computed where the weight is
         first = Epilogue(gelu, layer_norm_eps=self.eps, col_sum=column_sums(self.w_in), bias=self.b_in)
         return first, Epilogue(bias=self.b_out, residual=True)
+
+    def _unfused_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows normalised (the norm's weight and bias are folded into ``w_in`` and ``b_in``),
+        the first GEMM with its bias, GELU's tanh form."""
+        normed = torch.nn.functional.layer_norm(rows, (self.hidden,), eps=self.eps)
+        return torch.nn.functional.gelu(torch.addmm(self.b_in, normed, self.w_in), approximate="tanh")
 
     def _update_epilogues(self, first: Epilogue, second: Epilogue) -> None:
         """The column sums of the weight laid out again, into the same tensor (an inference

@@ -51,11 +51,13 @@ def small_block(kind: str, H: int = 1024, inter: int = 2048):
     return block
 
 
-@pytest.mark.parametrize("H,inter", [(4096, 14336), (8192, 28672)])
-def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
+@pytest.mark.parametrize("H,inter,unfused", [(4096, 14336, False), (8192, 28672, False), (4096, 14336, True)])
+def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter, unfused, monkeypatch):
     """At Llama-8B and -70B sizes, M = 1, 777, 4096: against float32, the fused block's error is
     at most 2x that of ``transformers``' LlamaMLP + LlamaRMSNorm in bf16; graph replay equal
-    to the eager call bitwise."""
+    to the eager call bitwise. ``unfused``: the block unfused up to 1000 rows (``unfused_rows``)."""
+    if unfused:
+        monkeypatch.setattr(LlamaMLP, "unfused_rows", ((1, 1000),))
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP as HFMLP
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -77,7 +79,7 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
             ref = xf + (torch.nn.functional.silu(g) * u) @ mlp.down_proj.weight.float().t()
             theirs = x + mlp(norm(x))
         ours = block(x)
-        assert not ours.isnan().any()
+        assert not ours.isnan().any() and block.runs_unfused(M) == (unfused and M <= 1000)
         assert rel(ours, ref) <= 2 * rel(theirs, ref), (M, rel(ours, ref), rel(theirs, ref))
         assert torch.equal(block(x), ours)  # launched raw now: the same
     # the 4096-row launch's norm pass: compiled at its first call, a RawLaunch for the later ones
@@ -91,17 +93,20 @@ def test_llama_block_is_as_accurate_as_transformers_in_bf16(H, inter):
 
 
 @pytest.mark.parametrize("H,inter", [(4096, 16384)])
-@pytest.mark.parametrize("offset", [0.0, 30.0])
-def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset):
+@pytest.mark.parametrize("offset,unfused", [(0.0, False), (30.0, False), (0.0, True), (30.0, True)])
+def test_gpt_block_is_as_accurate_as_transformers_in_bf16(H, inter, offset, unfused, monkeypatch):
     """A GPT-style block (LayerNorm folded, biases, GELU-tanh) at M = 1, 100, 200, 300, 350, 777,
     4096: against float32 it errs at most 2x as much as ``transformers``' GPT2MLP + LayerNorm in
     bf16, and so does its first GEMM alone against theirs (norm, ``c_fc``, GELU), also on rows
     whose mean is 30x their spread; a compiled model traces through it (the custom operator) and
-    equals the eager block."""
+    equals the eager block. ``unfused``: the block unfused up to 1000 rows (``unfused_rows``)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
     from ctapipelining.nn import GPTMLP
+
+    if unfused:
+        monkeypatch.setattr(GPTMLP, "unfused_rows", ((1, 1000),))
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=H, n_head=32, activation_function="gelu_new", layer_norm_epsilon=1e-5)

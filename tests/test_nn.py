@@ -135,6 +135,68 @@ def test_a_block_without_configurations_takes_narrow_tiles_at_few_rows(monkeypat
         assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (M, rel(ours, ref), rel(theirs, ref))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_a_block_runs_unfused_at_its_tables_rows_and_only_there(kind, monkeypatch):
+    """At the row counts of its class's ``unfused_rows`` (here 2-40), a block whose GEMMs are
+    left to their defaults runs ``unfused``: no kernel of ours launched, eagerly, through the
+    custom operator, and as a stack's block alike, as accurate as ``transformers``' block (GPT:
+    also on rows whose mean is 30x their spread), within a rounding of the fused block. Outside
+    them, or with a GEMM given a configuration, it runs fused. ``unfused`` checks its input."""
+    cls, make, ref_of = (LlamaMLP, hf_block, reference) if kind == "llama" else (GPTMLP, gpt_block, gpt_reference)
+    monkeypatch.setattr(cls, "unfused_rows", ((2, 40),))
+    mlp, norm = make()
+    block = cls.from_hf(mlp, norm)
+    launched = []
+    for name in ("matmul", "launch_checked"):
+        real = getattr(nn, name)
+        monkeypatch.setattr(nn, name, lambda *a, real=real, name=name, **k: launched.append(name) or real(*a, **k))
+    for offset in (0.0, 30.0) if kind == "gpt" else (0.0,):
+        x = (torch.randn(5, H) * 3 + offset).half()
+        ours = block(x)
+        assert launched == [] and block.runs_unfused(5)
+        assert torch.equal(ours, block.unfused(x))
+        assert torch.equal(ours, torch.ops.ctapipelining.mlp_block(x, block.w_in, block.w_out, block._key))
+        assert torch.equal(block(x.view(1, 5, H)), ours.view(1, 5, H))
+        ref = ref_of(mlp, norm, x)
+        with torch.no_grad():
+            theirs = x + mlp(norm(x))
+        assert rel(ours, ref) <= 2 * max(rel(theirs, ref), 1e-4), (offset, rel(ours, ref), rel(theirs, ref))
+        fused = cls.from_hf(mlp, norm, **{k: SMALL for k in block_configs(kind)})
+        assert not fused.runs_unfused(5) and rel(fused(x), ours) < 3e-3
+        assert len(launched) == 2  # (the fused block's two GEMMs)
+        del launched[:]
+    for M in (1, 41):  # outside the table's rows
+        block(torch.randn(M, H).half())
+        assert len(launched) == 2 and not block.runs_unfused(M)
+        del launched[:]
+    stack = (LlamaStack if kind == "llama" else GPTStack)([block, cls.from_hf(*make(1))], loopback=False)
+    assert stack.blocks_apart()  # (on the CPU a pipeline is a loopback unless told otherwise)
+    assert torch.equal(stack(x), stack.blocks[1].unfused(block.unfused(x))) and launched == []
+    assert torch.equal(stack.sequential(x), stack(x))
+    block.out_config = SMALL  # a GEMM given a configuration: fused at every row count
+    block(x)
+    assert not block.runs_unfused(5) and len(launched) == 2
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 48\]"):
+        block.unfused(torch.zeros(5, H + 1).half())
+    with pytest.raises(ValueError, match="the block is torch.float16"):
+        block.unfused(torch.zeros(5, H))
+    with pytest.raises(AttributeError, match="measured table"):
+        block.unfused_rows = ((1, 2),)
+
+
+def block_configs(kind: str) -> tuple[str, str]:
+    """A block class's configuration keywords."""
+    return ("gate_up_config", "down_config") if kind == "llama" else ("up_config", "down_config")
+
+
+def test_the_unfused_tables_are_ordered_ranges_of_rows():
+    """Each class's ``unfused_rows``: ranges ``lo <= hi`` of positive row counts, in order, apart."""
+    for cls in (LlamaMLP, GPTMLP):
+        ranges = cls.unfused_rows
+        assert all(0 < lo <= hi for lo, hi in ranges), ranges
+        assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), ranges
+
+
 def test_a_gated_block_whose_last_output_tile_is_ragged():
     """An intermediate size whose gate/up GEMM (80 columns: tiles of 32, 32 and 16) ends in a
     partial tile, as real models' do (DeepSeek-V2-Lite's 10944 on 256-wide tiles): as accurate
