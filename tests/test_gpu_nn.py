@@ -8,6 +8,16 @@ from ctapipelining.nn import LlamaMLP
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def fused_blocks(monkeypatch):
+    """Every block here runs its fused kernels at every row count (no ``unfused_rows``), unless
+    a test sets the rows it runs unfused."""
+    from ctapipelining.nn import GPTMLP
+
+    for cls in (LlamaMLP, GPTMLP):
+        monkeypatch.setattr(cls, "unfused_rows", ())
+
+
 def rel(a, b):
     a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm())
