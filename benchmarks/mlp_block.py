@@ -47,7 +47,7 @@ BLOCKS = (sys.argv[4] if len(sys.argv) > 4 else "llama").split(",")
 ONLY = sys.argv[5] if len(sys.argv) > 5 else ""
 LLAMA = ((4096, 14336), (8192, 28672))  # Llama-8B, Llama-70B
 FEW = (128, 256, 384, 512, 768)
-ROWS = (1, 16, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024)
+ROWS = (1, 16, 64, 128, 192, 256, 264, 288, 320, 384, 448, 512, 520, 576, 640, 704, 768, 1024)
 SHAPES = {  # (kind, hidden, intermediate, M)
     "llama": [
         ("llama", H, inter, M)

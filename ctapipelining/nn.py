@@ -47,7 +47,10 @@ Inputs with few rows (decode) run as they are: the kernels need no minimum. Ther
 pipeline, and the weights' bandwidth bounds the time: a block built without configurations runs
 its down GEMM up to 768 rows, and its first GEMM up to 64 (a GPT block's up to 128 and at
 257-384), in narrower tiles, split along K where that is measured faster
-(:data:`FEW_ROWS_CONFIGS`, :data:`GPT_FEW_ROWS_CONFIGS`).
+(:data:`FEW_ROWS_CONFIGS`, :data:`GPT_FEW_ROWS_CONFIGS`). At the row counts where cuBLAS's
+GEMMs beat every tile of ours by more than the elementwise passes cost (:data:`LLAMA_UNFUSED_ROWS`,
+:data:`GPT_UNFUSED_ROWS`), such a block runs :meth:`~FusedMLP.unfused` instead: its norm, cuBLAS's
+GEMMs, its activation, bias and residual as PyTorch's own operations.
 """
 
 from __future__ import annotations
@@ -125,6 +128,18 @@ GPT_FEW_ROWS_CONFIGS = (
 )
 
 
+# The row counts at which a block built without configurations runs unfused (FusedMLP.unfused_rows):
+# where cuBLAS's GEMMs plus the elementwise passes beat the fused block in its few-rows tiles, measured
+# on an H100 at 1-1024 rows, the blocks' tiles for 257-320 rows making whole waves of five 64-row
+# blocks (128-row ones for a GPT block's first GEMM at 513-768) where cuBLAS's fit the rows
+# (benchmarks/mlp_block.py, MLP_BLOCKS=rows; benchmarks/results/2026-12-07-h100-unfused-rows/). The
+# Llama-70B block unfused took 0.926x its fused time at 320 rows and the Llama-8B block 0.986x (1.05-1.72x
+# at the other rows measured); the GPT block 0.853x at 320 rows, 0.902x at 640 and 0.989x at 768
+# (1.01-1.22x at the others).
+LLAMA_UNFUSED_ROWS = ((257, 320),)
+GPT_UNFUSED_ROWS = ((257, 320), (513, 768))
+
+
 _BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks
 _IN_OPERATOR = contextvars.ContextVar("in_operator", default=False)  # an operator's body: no writes to inputs
 
@@ -160,8 +175,9 @@ def _missing(what: str, key: str) -> RuntimeError:
 
 @torch.library.custom_op("ctapipelining::mlp_block", mutates_args=())
 def mlp_block(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, block: str) -> torch.Tensor:
-    """The fused block ``block`` (a :class:`FusedMLP`'s key; ``w_in`` and ``w_out`` are its
-    laid-out weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``."""
+    """The block ``block`` (a :class:`FusedMLP`'s key; ``w_in`` and ``w_out`` are its
+    laid-out weights, passed so that a compiler sees them as inputs) on ``x`` ``[M, H]``, as
+    its ``forward`` runs it."""
     mlp = _BLOCKS.get(block)
     if mlp is None:
         raise _missing("fused MLP block", block)
@@ -310,7 +326,7 @@ class FusedMLP(torch.nn.Module):
     few_rows_configs = FEW_ROWS_CONFIGS
     # the row counts (inclusive ranges) at which a block with both GEMMs left to their defaults runs
     # unfused (:meth:`unfused`): the class's measured table
-    unfused_rows: tuple[tuple[int, int], ...] = ()
+    unfused_rows: tuple[tuple[int, int], ...] = LLAMA_UNFUSED_ROWS
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -444,31 +460,34 @@ class FusedMLP(torch.nn.Module):
         return configs[0], configs[1]
 
     def runs_unfused(self, M: int) -> bool:
-        """Whether a call on ``M`` rows runs :meth:`unfused`: at the row counts of the class's
-        :attr:`unfused_rows`, where both GEMMs are left to their defaults."""
+        """Whether ``forward`` runs :meth:`unfused` on ``M`` rows: at the row counts of the
+        class's :attr:`unfused_rows`, where both GEMMs are left to their defaults. (:meth:`run`,
+        and a stack that pipelines its blocks, run the fused kernels at every row count.)"""
         return None not in self._defaults and any(lo <= M <= hi for lo, hi in self.unfused_rows)
 
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         """The block on ``x`` ``[..., H]`` in PyTorch's own operations: the norm, cuBLAS's GEMMs
-        on the laid-out weights, the activation, bias and residual as passes of their own. It
-        rounds where the unfused module does (the normalised rows, the first GEMM's output), so
-        it equals the fused block within a rounding, not bitwise. ``forward`` runs it at the
-        row counts of :attr:`unfused_rows`, where cuBLAS's GEMMs are faster by more than the
-        passes cost."""
+        on the laid-out weights, the activation, the bias and the residual as passes of their
+        own (inference only: no gradient). It rounds where the unfused module does (the
+        normalised rows, each GEMM's output with its bias, the sum with the residual; a Llama
+        block's residual is cuBLAS's ``C``, one rounding fewer), so it equals the fused block
+        within a rounding, not bitwise. ``forward`` runs it where :meth:`runs_unfused` says: at
+        those rows cuBLAS's GEMMs are faster than ours by more than the passes cost."""
         _check_input(x, self.hidden)
         if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
         self._follow_source()
         self._epilogues()  # the weights' checks
-        return self._unfused(x.reshape(-1, self.hidden)).reshape(x.shape)
+        with torch.no_grad():
+            return self._unfused(x.reshape(-1, self.hidden)).reshape(x.shape)
 
     def _unfused(self, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`unfused` on checked ``rows`` ``[M, H]``: the first GEMM with its norm and
-        activation (:meth:`_unfused_first`), then the second with the residual (cuBLAS adds it
-        as the GEMM's ``C``) and the bias."""
-        y = torch.addmm(rows, self._unfused_first(rows), self.w_out)
-        bias = getattr(self, "b_out", None)
-        return y if bias is None else y.add_(bias)
+        activation (:meth:`_unfused_first`), then the second with its bias and the residual."""
+        h, bias = self._unfused_first(rows), getattr(self, "b_out", None)
+        if bias is None:
+            return torch.addmm(rows, h, self.w_out)  # (the residual as cuBLAS's C)
+        return torch.addmm(bias, h, self.w_out).add_(rows)
 
     def _unfused_first(self, rows: torch.Tensor) -> torch.Tensor:
         """The intermediate ``h`` of checked ``rows``, unfused (the subclasses know their norm and
@@ -626,7 +645,9 @@ class FusedMLP(torch.nn.Module):
         entry: tuple | None = None,
     ) -> torch.Tensor:
         """The two fused GEMMs on ``rows`` ``[M, H]`` (the operator's body), into ``out`` (default
-        a new tensor), the intermediate into ``h`` (default a new tensor). The first GEMM's norm
+        a new tensor), the intermediate into ``h`` (default a new tensor); or, for a call on the
+        block's own weights into tensors of its own, :meth:`unfused` where
+        :meth:`runs_unfused` says. The first GEMM's norm
         pass, which reads the rows anyway, also copies them into the output, and the second adds
         its tiles onto them there: the residual is read once. ``fits``: the caller checked that
         the rows are of the block's width, dtype and device (:meth:`forward` does). ``entry``:
@@ -909,7 +930,7 @@ class LlamaMLP(FusedMLP):
         """The rows normalised (the norm's weight is folded into ``w_in``), the gate/up GEMM, the
         gated SiLU on its runs of gate and up columns (:func:`~ctapipelining.epilogue.interleave`)."""
         normed = torch.nn.functional.rms_norm(rows, (self.hidden,), eps=self.eps)
-        runs = (normed @ self.w_in).view(rows.shape[0], -1, 2, GATE_RUN.value)
+        runs = (normed @ self.w_in).view(rows.shape[0], self.intermediate // GATE_RUN.value, 2, GATE_RUN.value)
         return (torch.nn.functional.silu(runs[:, :, 0]) * runs[:, :, 1]).view(rows.shape[0], self.intermediate)
 
     @classmethod
@@ -971,6 +992,7 @@ class GPTMLP(FusedMLP):
     _norm_kind = "layer"
     _config_defaults = (UP_CONFIG, DOWN_CONFIG)
     few_rows_configs = GPT_FEW_ROWS_CONFIGS
+    unfused_rows = GPT_UNFUSED_ROWS
 
     def __init__(
         self,

@@ -17,6 +17,14 @@ from ctapipelining.pipeline import Pipeline
 from ctapipelining.plan import Segment
 
 pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def fused_blocks(monkeypatch):
+    """Every block here runs its fused kernels at every row count (no ``unfused_rows``), unless
+    a test sets the rows it runs unfused."""
+    for cls in (LlamaMLP, GPTMLP):
+        monkeypatch.setattr(cls, "unfused_rows", ())
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
 H, INTER = 48, 80  # the gate/up GEMM is 160 wide: 5 tiles of 32
 
@@ -167,14 +175,25 @@ def test_a_block_runs_unfused_at_its_tables_rows_and_only_there(kind, monkeypatc
     del launched[:]
     block(torch.randn(41, H).half())  # past the table's rows
     assert len(launched) == 2 and not block.runs_unfused(41) and not block.runs_unfused(1)
+    assert block.runs_unfused(2) and block.runs_unfused(40)  # (its ends included)
     del launched[:]
+    assert block.unfused(torch.zeros(0, H).half()).shape == (0, H)
+    with torch.no_grad():  # a source changed in place: followed (laid out again) first
+        mlp.c_fc.weight.mul_(-1) if kind == "gpt" else mlp.up_proj.weight.mul_(-1)
+    want = cls.from_hf(mlp, norm).unfused(x)
+    assert torch.equal(block.unfused(x), want) and torch.equal(block(x), want) and launched == []
     stack = (LlamaStack if kind == "llama" else GPTStack)([block, cls.from_hf(*make(1))], loopback=False)
     assert stack.blocks_apart()  # (on the CPU a pipeline is a loopback unless told otherwise)
     assert torch.equal(stack(x), stack.blocks[1].unfused(block.unfused(x))) and launched == []
     assert torch.equal(stack.sequential(x), stack(x))
-    block.out_config = SMALL  # a GEMM given a configuration: fused at every row count
-    block(x)
-    assert not block.runs_unfused(5) and len(launched) == 2
+    for name in ("in_config", "out_config"):  # a GEMM given a configuration: fused at every row count
+        setattr(block, name, SMALL)
+        assert not block.runs_unfused(5)
+        block(x)
+        assert len(launched) == 2
+        del launched[:]
+        setattr(block, name, None)
+    assert block.runs_unfused(5)
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., 48\]"):
         block.unfused(torch.zeros(5, H + 1).half())
     with pytest.raises(ValueError, match="the block is torch.float16"):
@@ -190,8 +209,7 @@ def block_configs(kind: str) -> tuple[str, str]:
 
 def test_the_unfused_tables_are_ordered_ranges_of_rows():
     """Each class's ``unfused_rows``: ranges ``lo <= hi`` of positive row counts, in order, apart."""
-    for cls in (LlamaMLP, GPTMLP):
-        ranges = cls.unfused_rows
+    for ranges in (nn.LLAMA_UNFUSED_ROWS, nn.GPT_UNFUSED_ROWS):
         assert all(0 < lo <= hi for lo, hi in ranges), ranges
         assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
