@@ -129,13 +129,12 @@ GPT_FEW_ROWS_CONFIGS = (
 
 
 # The row counts at which a block built without configurations runs unfused (FusedMLP.unfused_rows):
-# where cuBLAS's GEMMs plus the elementwise passes beat the fused block in its few-rows tiles, measured
-# on an H100 at 1-1024 rows, the blocks' tiles for 257-320 rows making whole waves of five 64-row
-# blocks (128-row ones for a GPT block's first GEMM at 513-768) where cuBLAS's fit the rows
-# (benchmarks/mlp_block.py, MLP_BLOCKS=rows; benchmarks/results/2026-12-07-h100-unfused-rows/). The
-# Llama-70B block unfused took 0.926x its fused time at 320 rows and the Llama-8B block 0.986x (1.05-1.72x
-# at the other rows measured); the GPT block 0.853x at 320 rows, 0.902x at 640 and 0.989x at 768
-# (1.01-1.22x at the others).
+# where cuBLAS's GEMMs and the elementwise passes together beat the fused block in its few-rows tiles.
+# Measured on an H100 at 13 row counts from 1 to 1024 (benchmarks/mlp_block.py, MLP_BLOCKS=rows;
+# benchmarks/results/2026-12-07-h100-unfused-rows/), unfused over fused: the Llama-70B block 0.926x at
+# 320 rows, the Llama-8B block 0.986x; the GPT block 0.853x at 320 rows, 0.902x at 640, 0.989x at 768;
+# 0.993-1.828x at the other rows. Each range spans the row counts at which the fused block's tiles
+# make as many row blocks as at the rows measured in it (257-320; 513-640 and 641-768).
 LLAMA_UNFUSED_ROWS = ((257, 320),)
 GPT_UNFUSED_ROWS = ((257, 320), (513, 768))
 
