@@ -48,7 +48,7 @@ pipeline, and the weights' bandwidth bounds the time: a block built without conf
 its down GEMM up to 768 rows, and its first GEMM up to 64 (a GPT block's up to 128 and at
 257-384), in narrower tiles, split along K where that is measured faster
 (:data:`FEW_ROWS_CONFIGS`, :data:`GPT_FEW_ROWS_CONFIGS`). At the row counts where cuBLAS's
-GEMMs beat every tile of ours by more than the elementwise passes cost (:data:`LLAMA_UNFUSED_ROWS`,
+GEMMs and the elementwise passes measured faster than the fused kernels (:data:`LLAMA_UNFUSED_ROWS`,
 :data:`GPT_UNFUSED_ROWS`), such a block runs :meth:`~FusedMLP.unfused` instead: its norm, cuBLAS's
 GEMMs, its activation, bias and residual as PyTorch's own operations.
 """
@@ -227,6 +227,20 @@ def _tracing() -> bool:
     )
 
 
+def _checked_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """``ranges`` as a tuple of ``(lo, hi)`` row counts, ``0 < lo <= hi``, in order and apart;
+    anything else refused by name."""
+    try:
+        out = tuple((lo, hi) for lo, hi in ranges)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not all(
+        type(lo) is int and type(hi) is int and 0 < lo <= hi for lo, hi in out
+    ) or any(a[1] >= b[0] for a, b in zip(out, out[1:])):  # fmt: skip
+        raise ValueError(f"unfused_rows must be (lo, hi) row counts, 0 < lo <= hi, in order and apart; got {ranges!r}")
+    return out
+
+
 def _check_eps(eps, name: str = "eps") -> None:
     if not (isinstance(eps, float) and eps > 0):
         raise ValueError(f"{name} must be a float > 0, got {eps!r}")
@@ -324,8 +338,8 @@ class FusedMLP(torch.nn.Module):
     # each GEMM's tiles at few rows, where left to its default (configs_for): the class's measured table
     few_rows_configs = FEW_ROWS_CONFIGS
     # the row counts (inclusive ranges) at which a block with both GEMMs left to their defaults runs
-    # unfused (:meth:`unfused`): the class's measured table
-    unfused_rows: tuple[tuple[int, int], ...] = LLAMA_UNFUSED_ROWS
+    # unfused (:meth:`unfused`): the class's measured table (a block may set its own, __setattr__)
+    unfused_rows: tuple[tuple[int, int], ...] = ()
     w_in: torch.Tensor
     w_out: torch.Tensor
 
@@ -420,11 +434,18 @@ class FusedMLP(torch.nn.Module):
         """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
         at every row count, or None for the GEMM's default (with :attr:`few_rows_configs`' tiles
         at few rows). :attr:`few_rows_configs` is the class's measured table, not set per block
-        (a block's calls bind their tiles once: give a GEMM a configuration instead)."""
-        if name in ("few_rows_configs", "unfused_rows"):
+        (a block's calls bind their tiles once: give a GEMM a configuration instead).
+        :attr:`unfused_rows` may be set per block (``()``: the fused kernels at every row count);
+        the calls it bound go."""
+        if name == "few_rows_configs":
             raise AttributeError(
-                f"{name} is the block class's measured table: set in_config or out_config to run other tiles"
+                "few_rows_configs is the block class's measured table: set in_config or out_config to run other tiles"
             )
+        if name == "unfused_rows":  # this block's own ranges (``()``: fused at every row count)
+            value = _checked_ranges(value)
+            if value and type(self)._unfused_first is FusedMLP._unfused_first:
+                raise ValueError(f"{type(self).__name__} has no unfused form (_unfused_first)")
+            self._bound, self._last = {}, None  # (calls bound where a call may now run the other way)
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
                 raise TypeError(
@@ -467,11 +488,14 @@ class FusedMLP(torch.nn.Module):
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         """The block on ``x`` ``[..., H]`` in PyTorch's own operations: the norm, cuBLAS's GEMMs
         on the laid-out weights, the activation, the bias and the residual as passes of their
-        own (inference only: no gradient). It rounds where the unfused module does (the
-        normalised rows, each GEMM's output with its bias, the sum with the residual; a Llama
-        block's residual is cuBLAS's ``C``, one rounding fewer), so it equals the fused block
-        within a rounding, not bitwise. ``forward`` runs it where :meth:`runs_unfused` says: at
-        those rows cuBLAS's GEMMs are faster than ours by more than the passes cost."""
+        own (inference only: no gradient). It rounds the normalised rows and the first GEMM's
+        output with its bias, as the unfused module does, then the second GEMM's output with the
+        residual (cuBLAS's ``C``), and then, for a GPT block, its sum with the bias (the module
+        rounds the GEMM's output with the bias first: tested within the same bound against
+        ``transformers``' block). So it equals the fused block within a rounding, not bitwise.
+        ``forward`` runs it where :meth:`runs_unfused` says: at those rows cuBLAS's GEMMs and
+        the passes measured faster than the fused kernels. A subclass that runs it defines
+        :meth:`_unfused_first` and its own :attr:`unfused_rows`."""
         _check_input(x, self.hidden)
         if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
             raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
@@ -482,16 +506,16 @@ class FusedMLP(torch.nn.Module):
 
     def _unfused(self, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`unfused` on checked ``rows`` ``[M, H]``: the first GEMM with its norm and
-        activation (:meth:`_unfused_first`), then the second with its bias and the residual."""
-        h, bias = self._unfused_first(rows), getattr(self, "b_out", None)
-        if bias is None:
-            return torch.addmm(rows, h, self.w_out)  # (the residual as cuBLAS's C)
-        return torch.addmm(bias, h, self.w_out).add_(rows)
+        activation (:meth:`_unfused_first`), then the second with the residual as cuBLAS's
+        ``C``, then its bias."""
+        y = torch.addmm(rows, self._unfused_first(rows), self.w_out)
+        bias = getattr(self, "b_out", None)
+        return y if bias is None else y.add_(bias)
 
     def _unfused_first(self, rows: torch.Tensor) -> torch.Tensor:
         """The intermediate ``h`` of checked ``rows``, unfused (the subclasses know their norm and
         activation)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no unfused form (_unfused_first)")
 
     def _derives(self) -> bool:
         """Whether an epilogue derives something from the laid-out weights (:meth:`_update_epilogues`)."""
@@ -893,6 +917,7 @@ class LlamaMLP(FusedMLP):
     ``forward(x)`` takes ``[..., H]`` and returns the block's output of that shape."""
 
     _norm_kind = "rms"  # what its source norm must compute (_check_norm)
+    unfused_rows = LLAMA_UNFUSED_ROWS
 
     def __init__(
         self,

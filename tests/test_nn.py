@@ -198,8 +198,30 @@ def test_a_block_runs_unfused_at_its_tables_rows_and_only_there(kind, monkeypatc
         block.unfused(torch.zeros(5, H + 1).half())
     with pytest.raises(ValueError, match="the block is torch.float16"):
         block.unfused(torch.zeros(5, H))
-    with pytest.raises(AttributeError, match="measured table"):
+    block.unfused_rows = ()  # this block's own ranges: none, fused at every row count
+    assert not block.runs_unfused(5) and cls.unfused_rows == ((2, 40),)
+    block(x)
+    assert len(launched) == 2
+    for bad in (((40, 2),), ((0, 3),), ((1, 5), (5, 9)), ((1.0, 5),), (1, 5), "x"):
+        with pytest.raises(ValueError, match="unfused_rows must be"):
+            block.unfused_rows = bad
+    block.unfused_rows = [(3, 9)]
+    assert block.unfused_rows == ((3, 9),) and block.runs_unfused(5)
+
+
+def test_a_block_class_without_an_unfused_form_runs_fused_and_refuses_unfused_rows():
+    """A ``FusedMLP`` subclass that defines no unfused form has no unfused rows, and refuses them."""
+
+    class Plain(LlamaMLP):
+        _unfused_first = nn.FusedMLP._unfused_first
+        unfused_rows = nn.FusedMLP.unfused_rows
+
+    block = Plain.from_hf(*hf_block())
+    assert not block.runs_unfused(300) and nn.FusedMLP.unfused_rows == ()
+    with pytest.raises(ValueError, match="has no unfused form"):
         block.unfused_rows = ((1, 2),)
+    with pytest.raises(NotImplementedError, match="has no unfused form"):
+        block.unfused(torch.zeros(2, H).half())
 
 
 def block_configs(kind: str) -> tuple[str, str]:
@@ -210,6 +232,7 @@ def block_configs(kind: str) -> tuple[str, str]:
 def test_the_unfused_tables_are_ordered_ranges_of_rows():
     """Each class's ``unfused_rows``: ranges ``lo <= hi`` of positive row counts, in order, apart."""
     for ranges in (nn.LLAMA_UNFUSED_ROWS, nn.GPT_UNFUSED_ROWS):
+        assert nn._checked_ranges(ranges) == ranges
         assert all(0 < lo <= hi for lo, hi in ranges), ranges
         assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
