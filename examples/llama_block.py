@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     block = LlamaMLP.from_hf(mlp, norm, **tiles)
     x = torch.randn(M, H, device=device).to(dtype)
     print(f"Llama MLP block, hidden {H}, intermediate {inter}, {M} rows, {dtype} on {device}")
+    kind = "unfused" if block.runs_unfused(M) else "fused"  # (at the rows of LlamaMLP.unfused_rows: unfused)
 
     with torch.no_grad():
         ref = float32_block(mlp, norm, x)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = block(x)
         ok = not ours.isnan().any() and rel_err(ours, ref) <= 2 * max(rel_err(theirs, ref), 1e-4)
         print(
-            f"  error against float32: fused {rel_err(ours, ref):.2e}, transformers' block "
+            f"  error against float32: {kind} {rel_err(ours, ref):.2e}, transformers' block "
             f"{rel_err(theirs, ref):.2e} ({'within' if ok else 'NOT within'} 2x)"
         )
 
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             methods.append(Method("eager", lambda: block(x)))
             ms = {k: statistics.median(v) for k, v in time_interleaved(methods, [0], args.reps, 3).items()}
             print(
-                f"  graph-replayed: fused {ms['fused']:.3f} ms, transformers' block {ms['transformers']:.3f} ms "
-                f"({ms['fused'] / ms['transformers']:.3f}x); the fused block called eagerly {ms['eager']:.3f} ms"
+                f"  graph-replayed: {kind} {ms['fused']:.3f} ms, transformers' block {ms['transformers']:.3f} ms "
+                f"({ms['fused'] / ms['transformers']:.3f}x); the {kind} block called eagerly {ms['eager']:.3f} ms"
             )
     return 0 if ok else 1
 
