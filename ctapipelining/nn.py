@@ -246,13 +246,16 @@ def _check_eps(eps, name: str = "eps") -> None:
         raise ValueError(f"{name} must be a float > 0, got {eps!r}")
 
 
-def _check_input(x, hidden: int) -> None:
+def _check_input(x, hidden: int, weight: torch.Tensor, what: str = "the block") -> None:
     """Refuse, by name, an ``x`` a block or stack of width ``hidden`` cannot take: not a dense
-    tensor (a nested one has no shape to read), or not ``[..., hidden]``."""
+    tensor (a nested one has no shape to read), not ``[..., hidden]``, or not of ``weight``'s
+    dtype and device (``what``'s)."""
     if isinstance(x, torch.Tensor):
         check_dense(x, "x")
     if not isinstance(x, torch.Tensor) or x.shape[-1:] != (hidden,):
         raise ValueError(f"x must be [..., {hidden}], got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"x is {x.dtype} on {x.device}; {what} is {weight.dtype} on {weight.device}")
 
 
 def _room_for(bound: dict, key, limit: int = MAX_CALLS) -> dict:
@@ -496,9 +499,7 @@ class FusedMLP(torch.nn.Module):
         ``forward`` runs it where :meth:`runs_unfused` says: at those rows cuBLAS's GEMMs and
         the passes measured faster than the fused kernels. A subclass that runs it defines
         :meth:`_unfused_first` and its own :attr:`unfused_rows`."""
-        _check_input(x, self.hidden)
-        if x.dtype != self.w_out.dtype or x.device != self.w_out.device:
-            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {self.w_out.dtype} on {self.w_out.device}")
+        _check_input(x, self.hidden, self.w_out)
         self._follow_source()
         self._epilogues()  # the weights' checks
         with torch.no_grad():
@@ -589,10 +590,8 @@ class FusedMLP(torch.nn.Module):
             y = self._replay(x)
             if y is not None:
                 return y
-        _check_input(x, self.hidden)
         w_in, w_out = self.w_in, self.w_out  # (read once: the weights checked are the ones run)
-        if x.dtype != w_out.dtype or x.device != w_out.device:
-            raise ValueError(f"x is {x.dtype} on {x.device}; the block is {w_out.dtype} on {w_out.device}")
+        _check_input(x, self.hidden, w_out)
         flat = x.dim() == 2 and x.stride() == (self.hidden, 1)  # already the rows the kernels take
         rows = x if flat else x.reshape(-1, self.hidden).contiguous()
         if direct:  # (a contiguous x's rows are a view of its bytes: a later call on them is x's)
@@ -1271,12 +1270,7 @@ class MLPStack(torch.nn.Module):
 
     def _check_x(self, x) -> None:
         """Refuse, by name, an ``x`` that is not ``[..., H]`` of the first block's dtype and device."""
-        _check_input(x, self.hidden)
-        first = self.blocks[0].w_out
-        if x.dtype != first.dtype or x.device != first.device:
-            raise ValueError(
-                f"x is {x.dtype} on {x.device}; the stack's first block is {first.dtype} on {first.device}"
-            )
+        _check_input(x, self.hidden, self.blocks[0].w_out, "the stack's first block")
 
     def sequential(self, x: torch.Tensor) -> torch.Tensor:
         """The same GEMMs one after another, no pipelining: what ``forward`` equals bitwise (the
