@@ -32,6 +32,16 @@ def pytest_configure(config):
         config.option.loadgroup = True
 
 
+@pytest.fixture
+def fused_blocks(monkeypatch):
+    """Every MLP block runs its fused kernels at every row count (no ``unfused_rows``), unless a
+    test sets the rows it runs unfused (the block tests' files use it for all their tests)."""
+    from ctapipelining.nn import GPTMLP, LlamaMLP
+
+    for cls in (LlamaMLP, GPTMLP):
+        monkeypatch.setattr(cls, "unfused_rows", ())
+
+
 @pytest.fixture(scope="session")
 def sm90():
     """``sm90_report.py``'s JSON: the kernels compiled for sm_90 on the CPU, in one process

@@ -5,17 +5,7 @@ import torch
 
 from ctapipelining.nn import LlamaMLP
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def fused_blocks(monkeypatch):
-    """Every block here runs its fused kernels at every row count (no ``unfused_rows``), unless
-    a test sets the rows it runs unfused."""
-    from ctapipelining.nn import GPTMLP
-
-    for cls in (LlamaMLP, GPTMLP):
-        monkeypatch.setattr(cls, "unfused_rows", ())
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fused_blocks")]
 
 
 def rel(a, b):

@@ -16,15 +16,7 @@ from ctapipelining.nn import GPTMLP, GPTStack, LlamaMLP, LlamaStack, MLPStack
 from ctapipelining.pipeline import Pipeline
 from ctapipelining.plan import Segment
 
-pytestmark = pytest.mark.interpreter
-
-
-@pytest.fixture(autouse=True)
-def fused_blocks(monkeypatch):
-    """Every block here runs its fused kernels at every row count (no ``unfused_rows``), unless
-    a test sets the rows it runs unfused."""
-    for cls in (LlamaMLP, GPTMLP):
-        monkeypatch.setattr(cls, "unfused_rows", ())
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("fused_blocks")]
 SMALL = GemmConfig(16, 32, 16, group_m=2, num_stages=2, num_warps=4)
 H, INTER = 48, 80  # the gate/up GEMM is 160 wide: 5 tiles of 32
 
