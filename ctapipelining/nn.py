@@ -371,6 +371,7 @@ class FusedMLP(torch.nn.Module):
         # (None: seen once, not bound yet)
         self._bound: dict[tuple, _BoundCall | None] = {}
         self._last: _LastCall | None = None  # the one forward tries first (_replay)
+        self._bound_under = self._tables()  # the tables the calls bound were chosen under (_bound_calls)
         self._register()
 
     def _register(self) -> None:
@@ -392,6 +393,7 @@ class FusedMLP(torch.nn.Module):
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) runs its own weights
         super().__setstate__(state)
         self._bound, self._last = {}, None  # (a state may lack them: a block pickled without bound calls)
+        self._bound_under = self._tables()
         if self._source is not None:  # its own copy of the source, whose versions start anew
             self._source_versions = self._versions()
         self._register()
@@ -437,9 +439,9 @@ class FusedMLP(torch.nn.Module):
         """``in_config`` and ``out_config`` are set as at construction: a :class:`GemmConfig`, run
         at every row count, or None for the GEMM's default (with :attr:`few_rows_configs`' tiles
         at few rows). :attr:`few_rows_configs` is the class's measured table, not set per block
-        (a block's calls bind their tiles once: give a GEMM a configuration instead).
-        :attr:`unfused_rows` may be set per block (``()``: the fused kernels at every row count);
-        the calls it bound go."""
+        (give a GEMM a configuration instead). :attr:`unfused_rows` may be set per block (``()``:
+        the fused kernels at every row count). The calls a block bound go when any of these is
+        set, or a class's table is replaced (:meth:`_epilogues`, :meth:`_bound_calls`)."""
         if name == "few_rows_configs":
             raise AttributeError(
                 "few_rows_configs is the block class's measured table: set in_config or out_config to run other tiles"
@@ -448,7 +450,6 @@ class FusedMLP(torch.nn.Module):
             value = _checked_ranges(value)
             if value and type(self)._unfused_first is FusedMLP._unfused_first:
                 raise ValueError(f"{type(self).__name__} has no unfused form (_unfused_first)")
-            self._bound, self._last = {}, None  # (calls bound where a call may now run the other way)
         if name in ("in_config", "out_config"):
             if not (value is None or isinstance(value, GemmConfig)):
                 raise TypeError(
@@ -487,6 +488,21 @@ class FusedMLP(torch.nn.Module):
         class's :attr:`unfused_rows`, where both GEMMs are left to their defaults. (:meth:`run`,
         and a stack that pipelines its blocks, run the fused kernels at every row count.)"""
         return None not in self._defaults and any(lo <= M <= hi for lo, hi in self.unfused_rows)
+
+    def _tables(self) -> tuple:
+        """The tables that choose a call's tiles and path besides its configurations (which the
+        epilogues' key follows, :meth:`_epilogues`): :attr:`few_rows_configs` and
+        :attr:`unfused_rows`, the block's own or its class's, which a caller may replace."""
+        return self.few_rows_configs, self.unfused_rows
+
+    def _bound_calls(self) -> dict:
+        """The bound calls, dropped first (with the last call) if a table that chose them was
+        set or replaced since (:meth:`_tables`, compared by identity): a call runs in the tiles
+        and on the path the tables choose now."""
+        under = self._bound_under
+        if under[0] is not self.few_rows_configs or under[1] is not self.unfused_rows:
+            self._bound, self._last, self._bound_under = {}, None, self._tables()
+        return self._bound
 
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         """The block on ``x`` ``[..., H]`` in PyTorch's own operations: the norm, cuBLAS's GEMMs
@@ -615,6 +631,7 @@ class FusedMLP(torch.nn.Module):
         caching allocator (the block a tensor of h's size would get), given back once the call
         is queued, as h's tensor would be (stream-ordered: only work queued after the call
         reuses it)."""
+        self._bound_calls()  # (drops a last call bound under other tiles or ranges)
         last = self._last
         if last is None or not is_dense(x) or signature(x) != last.entry:
             return None  # (a tensor that is not dense has no signature: forward refuses it by name)
@@ -692,7 +709,7 @@ class FusedMLP(torch.nn.Module):
             bind = stream is not None
             if bind:  # the launches of an earlier call on these rows whose h and y landed where these did
                 key = (signature(rows), stream, h.data_ptr(), y.data_ptr())
-                got = self._bound.get(key)
+                got = self._bound_calls().get(key)
                 # (the epilogues' identity: a call that began before another thread replaced a
                 # weight may have bound launches of the old ones after the rebuild)
                 if got is not None and got.first.epilogue is first and got.second.epilogue is second:

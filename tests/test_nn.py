@@ -201,6 +201,26 @@ def test_a_block_runs_unfused_at_its_tables_rows_and_only_there(kind, monkeypatc
     assert block.unfused_rows == ((3, 9),) and block.runs_unfused(5)
 
 
+def test_the_calls_a_block_bound_go_when_a_table_that_chose_them_is_replaced(monkeypatch):
+    """A block's bound calls (and its last call, which ``forward`` replays before any check)
+    were chosen under its tables: replacing the class's ``unfused_rows`` or ``few_rows_configs``
+    (or setting the block's own ranges) drops them at the next lookup, so the call runs where
+    the tables now say. Left alone, they stay."""
+    block = LlamaMLP.from_hf(*hf_block())
+
+    def bound_then(change):
+        block._bound, block._last = {"a call": None}, "bound"  # (as a GPU call leaves them)
+        change()
+        return block._bound_calls(), block._last
+
+    assert bound_then(lambda: None) == ({"a call": None}, "bound")
+    assert bound_then(lambda: monkeypatch.setattr(LlamaMLP, "unfused_rows", ((2, 40),))) == ({}, None)
+    assert bound_then(lambda: None) == ({"a call": None}, "bound")
+    assert bound_then(lambda: monkeypatch.setattr(LlamaMLP, "few_rows_configs", nn.GPT_FEW_ROWS_CONFIGS)) == ({}, None)
+    assert bound_then(lambda: setattr(block, "unfused_rows", ((3, 9),))) == ({}, None)
+    assert bound_then(lambda: monkeypatch.setattr(LlamaMLP, "unfused_rows", ())) == ({"a call": None}, "bound")
+
+
 def test_a_block_class_without_an_unfused_form_runs_fused_and_refuses_unfused_rows():
     """A ``FusedMLP`` subclass that defines no unfused form has no unfused rows, and refuses them."""
 
