@@ -258,6 +258,28 @@ def _check_input(x, hidden: int, weight: torch.Tensor, what: str = "the block") 
         raise ValueError(f"x is {x.dtype} on {x.device}; {what} is {weight.dtype} on {weight.device}")
 
 
+_PLAIN_LOOKUP: dict[tuple[type, str], bool] = {}  # (class, name): whether _attr may read the module's dicts
+
+
+def _attr(module: torch.nn.Module, name: str):
+    """``getattr(module, name)``, read straight from the module's parameters, buffers or
+    submodules where ``torch.nn.Module.__getattr__`` would find it there (its class neither
+    overrides that nor has such an attribute, and the instance's ``__dict__`` lacks it): a block
+    built from modules reads their weights at every call, and ``__getattr__`` costs about a
+    microsecond a name."""
+    cls = type(module)
+    plain = _PLAIN_LOOKUP.get((cls, name))
+    if plain is None:
+        plain = _PLAIN_LOOKUP[cls, name] = cls.__getattr__ is torch.nn.Module.__getattr__ and not hasattr(cls, name)
+    if plain and name not in module.__dict__:
+        d = module.__dict__
+        for store in ("_parameters", "_buffers", "_modules"):
+            held = d.get(store)
+            if held is not None and name in held:
+                return held[name]
+    return getattr(module, name)
+
+
 def _room_for(bound: dict, key, limit: int = MAX_CALLS) -> dict:
     """``bound`` (a block's calls by key: a :class:`_BoundCall`, or None for a call seen once),
     or a copy of it without one entry where it holds ``limit`` entries and not ``key``: the
@@ -1007,8 +1029,13 @@ class LlamaMLP(FusedMLP):
         return float(eps)
 
     def _source_weights(self):
-        mlp, norm = self._source
-        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, norm.weight
+        mlp, norm = self._source  # (_attr: read at every call)
+        return (
+            _attr(_attr(mlp, "gate_proj"), "weight"),
+            _attr(_attr(mlp, "up_proj"), "weight"),
+            _attr(_attr(mlp, "down_proj"), "weight"),
+            _attr(norm, "weight"),
+        )
 
     @property
     def gate_up(self) -> torch.Tensor:
@@ -1114,12 +1141,12 @@ class GPTMLP(FusedMLP):
     def _hf_weights(mlp, norm, raw: bool = False):
         """The block's weights from the modules (``raw``: each layer's weight as the layer keeps it)."""
 
-        def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in]
-            w = layer.weight.t() if type(layer).__name__ == "Conv1D" and not raw else layer.weight
-            return w, layer.bias
+        def linear(layer):  # Conv1D keeps [in, out]; nn.Linear [out, in] (_attr: read at every call)
+            w = _attr(layer, "weight")
+            return w.t() if type(layer).__name__ == "Conv1D" and not raw else w, _attr(layer, "bias")
 
-        (w_1, b_1), (w_2, b_2) = linear(mlp.c_fc), linear(mlp.c_proj)
-        return w_1, b_1, w_2, b_2, norm.weight, norm.bias
+        (w_1, b_1), (w_2, b_2) = linear(_attr(mlp, "c_fc")), linear(_attr(mlp, "c_proj"))
+        return w_1, b_1, w_2, b_2, _attr(norm, "weight"), _attr(norm, "bias")
 
     def _source_weights(self):
         return self._hf_weights(*self._source)

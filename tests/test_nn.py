@@ -1512,3 +1512,43 @@ def test_a_gpt_block_follows_its_source_layer_replaced_by_another():
     other, _ = gpt_block(seed=1)
     mlp.c_proj = other.c_proj
     assert rel(block(x), gpt_reference(mlp, norm, x)) < 2e-3
+
+
+def test_a_source_modules_attributes_read_fast_are_the_ones_getattr_finds():
+    """``nn._attr`` reads a module's parameter, buffer or submodule from its dicts only where
+    ``getattr`` would find it there: a parametrized weight (a property), a weight kept in the
+    instance's ``__dict__``, a class that forwards ``__getattr__`` (as adapter wrappers do), a
+    replaced submodule and a parameter set to None all read as ``getattr`` reads them."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    class Forwarding(torch.nn.Module):  # its own weight, but its __getattr__ gives its inner layer's
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self._parameters["weight"] = torch.nn.Parameter(torch.zeros(2, 3))
+
+        def __getattr__(self, name):
+            return self.inner.weight if name == "weight" else super().__getattr__(name)
+
+    plain, linear = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    parametrize.register_parametrization(linear, "weight", Double())
+    kept = torch.nn.Linear(3, 2)
+    del kept.weight
+    kept.weight = torch.ones(2, 3)  # a plain tensor: in the instance's __dict__
+    holder = torch.nn.Module()
+    holder.layer = plain
+    wrapped = Forwarding(torch.nn.Linear(3, 2))
+    for module, name in (plain, "weight"), (plain, "bias"), (kept, "weight"), (holder, "layer"), (wrapped, "weight"):
+        assert nn._attr(module, name) is getattr(module, name), (module, name)
+    assert nn._attr(wrapped, "weight") is wrapped.inner.weight
+    assert torch.equal(nn._attr(linear, "weight"), 2 * linear.parametrizations.weight.original)
+    holder.layer = torch.nn.Linear(3, 2)  # replaced: the new one
+    assert nn._attr(holder, "layer") is holder.layer
+    plain.bias = None
+    assert nn._attr(plain, "bias") is None
+    with pytest.raises(AttributeError):
+        nn._attr(plain, "missing")
