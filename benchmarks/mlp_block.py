@@ -18,7 +18,9 @@ graph-replayed, timed by the bench's harness (shuffled turns, paired):
   without configurations (at the row counts of its class's ``unfused_rows``, unfused);
 * ``unfused``: the block's ``unfused`` (its norm, cuBLAS's GEMMs, its activation, bias and
   residual as passes of their own);
-* ``fused``: where ``ours`` runs unfused, the fused block in the tiles it has there;
+* ``fused``: where ``ours`` runs unfused, the fused block in the tiles it has there (also
+  ``fused_eager``, called eagerly, and ``ours_eager4`` / ``fused_eager4``: four eager calls in a
+  row, each on the last one's output, as a model's layers make them, from a synchronised GPU);
 * ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
   (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode;
   ``none``: no such line);
@@ -126,10 +128,16 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
                 capture(lambda: (torch.mm(x, w_in, out=gu_out), torch.mm(h_real, w_out, out=y)), [0]).replay,
             ),
         ]
-        if block.runs_unfused(M):  # the fused block in the tiles it has at M
+        if block.runs_unfused(M):  # the fused block in the tiles it has at M, replayed and eager
             fused = type(block).from_hf(mlp, norm)
             fused.in_config, fused.out_config = block.configs_for(M)
-            methods.append(Method("fused", capture(lambda: fused(x), [0]).replay))
+            methods += [
+                Method("fused", capture(lambda: fused(x), [0]).replay),
+                Method("fused_eager", lambda: fused(x)),
+                # four calls in a row, each on the last one's output, as a model's layers call them
+                Method("ours_eager4", lambda: block(block(block(block(x))))),
+                Method("fused_eager4", lambda: fused(fused(fused(fused(x))))),
+            ]
         if MODE != "none":
             compiled = torch.compile(lambda x: x + mlp(norm(x)), mode=None if MODE == "default" else MODE)
             compiled(x)
@@ -141,7 +149,8 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
     row["weights_tbps"] = {k: round(weight_bytes / (ms * 1e-3) / 1e12, 3) for k, ms in row["median_ms"].items()}
     for num, den in (("ours", "compiled"), ("ours", "cublas_gemms"), ("ours_eager", "ours"),
                      ("compiled", "cublas_gemms"), ("unfused", "cublas_gemms"), ("unfused", "ours"),
-                     ("fused", "cublas_gemms"), ("unfused", "fused")):  # fmt: skip
+                     ("fused", "cublas_gemms"), ("unfused", "fused"), ("ours_eager", "fused_eager"),
+                     ("ours_eager4", "fused_eager4")):  # fmt: skip
         if num in times and den in times:
             row[f"{num}/{den}"] = ci([p / q for p, q in zip(times[num], times[den])])
     return row
