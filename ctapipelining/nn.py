@@ -129,14 +129,17 @@ GPT_FEW_ROWS_CONFIGS = (
 
 
 # The row counts at which a block built without configurations runs unfused (FusedMLP.unfused_rows):
-# where cuBLAS's GEMMs and the elementwise passes together beat the fused block in its few-rows tiles.
-# Measured on an H100 at 13 row counts from 1 to 1024 (benchmarks/mlp_block.py, MLP_BLOCKS=rows;
-# benchmarks/results/2026-12-07-h100-unfused-rows/), unfused over fused: the Llama-70B block 0.926x at
-# 320 rows, the Llama-8B block 0.986x; the GPT block 0.853x at 320 rows, 0.902x at 640, 0.989x at 768;
-# 0.993-1.828x at the other rows. Each range spans the row counts at which the fused block's tiles
-# make as many row blocks as at the rows measured in it (257-320; 513-640 and 641-768).
+# where cuBLAS's GEMMs and the elementwise passes together beat the fused block in its few-rows tiles,
+# graph-replayed, on an H100 and on an H200 (benchmarks/mlp_block.py, MLP_BLOCKS=rows; the folders
+# benchmarks/results/2026-12-07-h100-unfused-rows/ and 2026-12-07-h200-unfused-eager-b56c075/).
+# Unfused over fused at 264-320 rows: the Llama blocks 0.78-0.98x (H100) and 0.81-0.95x (H200), but
+# 1.08x for the Llama-8B block at 288 rows on the H100; the GPT block 0.56-0.84x and 0.62-0.87x; at
+# 520-640 rows the GPT block 0.70-0.90x and 0.75-0.91x. At 704 and 768 rows the GPT block gained on
+# the H100 (0.92x, 0.98x) and not on the H200 (0.99x, 1.03x): left fused. At every other row count
+# measured unfused was slower. Each range spans the row counts at which the fused block's tiles make
+# as many row blocks as at the rows measured in it.
 LLAMA_UNFUSED_ROWS = ((257, 320),)
-GPT_UNFUSED_ROWS = ((257, 320), (513, 768))
+GPT_UNFUSED_ROWS = ((257, 320), (513, 640))
 
 
 _BLOCKS: weakref.WeakValueDictionary[str, FusedMLP] = weakref.WeakValueDictionary()  # the operator's blocks
