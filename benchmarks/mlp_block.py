@@ -19,8 +19,9 @@ graph-replayed, timed by the bench's harness (shuffled turns, paired):
 * ``unfused``: the block's ``unfused`` (its norm, cuBLAS's GEMMs, its activation, bias and
   residual as passes of their own);
 * ``fused``: where ``ours`` runs unfused, the fused block in the tiles it has there (also
-  ``fused_eager``, called eagerly, and ``ours_eager4`` / ``fused_eager4``: four eager calls in a
-  row, each on the last one's output, as a model's layers make them, from a synchronised GPU);
+  ``fused_eager``, called eagerly, and ``ours_eager4`` / ``fused_eager4``: four such blocks
+  called eagerly in a row, each on the last one's output, as a model's layers are, from a
+  synchronised GPU);
 * ``compiled``: ``torch.compile`` of ``x + mlp(norm(x))`` with ``transformers``' modules
   (COMPILE_MODE, default ``max-autotune-no-cudagraphs``; ``default``: torch's default mode;
   ``none``: no such line);
@@ -129,14 +130,17 @@ def one_shape(H: int, inter: int, M: int, kind: str = "llama") -> dict:
             ),
         ]
         if block.runs_unfused(M):  # the fused block in the tiles it has at M, replayed and eager
-            fused = type(block).from_hf(mlp, norm)
-            fused.in_config, fused.out_config = block.configs_for(M)
+            ours4 = [type(block).from_hf(mlp, norm) for _ in range(4)]  # four layers (each replays its own last call)
+            fused4 = [type(block).from_hf(mlp, norm) for _ in range(4)]
+            for b in fused4:
+                b.in_config, b.out_config = block.configs_for(M)
+            fused = fused4[0]
             methods += [
                 Method("fused", capture(lambda: fused(x), [0]).replay),
                 Method("fused_eager", lambda: fused(x)),
-                # four calls in a row, each on the last one's output, as a model's layers call them
-                Method("ours_eager4", lambda: block(block(block(block(x))))),
-                Method("fused_eager4", lambda: fused(fused(fused(fused(x))))),
+                # four blocks called in a row, each on the last one's output, as a model's layers call them
+                Method("ours_eager4", lambda: ours4[3](ours4[2](ours4[1](ours4[0](x))))),
+                Method("fused_eager4", lambda: fused4[3](fused4[2](fused4[1](fused4[0](x))))),
             ]
         if MODE != "none":
             compiled = torch.compile(lambda x: x + mlp(norm(x)), mode=None if MODE == "default" else MODE)

@@ -219,6 +219,10 @@ def test_the_calls_a_block_bound_go_when_a_table_that_chose_them_is_replaced(mon
     assert bound_then(lambda: monkeypatch.setattr(LlamaMLP, "few_rows_configs", nn.GPT_FEW_ROWS_CONFIGS)) == ({}, None)
     assert bound_then(lambda: setattr(block, "unfused_rows", ((3, 9),))) == ({}, None)
     assert bound_then(lambda: monkeypatch.setattr(LlamaMLP, "unfused_rows", ())) == ({"a call": None}, "bound")
+    x = torch.randn(5, H).half()
+    block._last = "bound"  # forward's replay looks first: a last call chosen under the old table is not run
+    monkeypatch.setattr(LlamaMLP, "few_rows_configs", nn.FEW_ROWS_CONFIGS)
+    assert block._replay(x) is None and block._last is None
 
 
 def test_a_block_class_without_an_unfused_form_runs_fused_and_refuses_unfused_rows():
@@ -1516,9 +1520,11 @@ def test_a_gpt_block_follows_its_source_layer_replaced_by_another():
 
 def test_a_source_modules_attributes_read_fast_are_the_ones_getattr_finds():
     """``nn._attr`` reads a module's parameter, buffer or submodule from its dicts only where
-    ``getattr`` would find it there: a parametrized weight (a property), a weight kept in the
-    instance's ``__dict__``, a class that forwards ``__getattr__`` (as adapter wrappers do), a
-    replaced submodule and a parameter set to None all read as ``getattr`` reads them."""
+    ``getattr`` would find it there: a class-level property or an instance attribute over a
+    registered parameter, a class with its own ``__getattribute__``, a parametrized weight, a
+    weight kept in the instance's ``__dict__``, a class whose ``__getattr__`` gives another
+    layer's (as adapter wrappers do), a replaced submodule and a parameter set to None all read
+    as ``getattr`` reads them."""
     from torch.nn.utils import parametrize
 
     class Double(torch.nn.Module):
@@ -1534,6 +1540,23 @@ def test_a_source_modules_attributes_read_fast_are_the_ones_getattr_finds():
         def __getattr__(self, name):
             return self.inner.weight if name == "weight" else super().__getattr__(name)
 
+    class Property(torch.nn.Module):  # a class-level weight over a registered parameter
+        @property
+        def weight(self):
+            return self._parameters["weight"] * 3
+
+    class Looked(torch.nn.Module):  # its own attribute lookup
+        def __getattribute__(self, name):
+            return torch.zeros(1) if name == "weight" else super().__getattribute__(name)
+
+    shadowed, looked = Property(), Looked()
+    for module in shadowed, looked:
+        module._parameters["weight"] = torch.nn.Parameter(torch.ones(2, 3))
+    inst = torch.nn.Linear(3, 2)
+    object.__setattr__(inst, "weight", torch.zeros(2, 3))  # in __dict__, the parameter still registered
+    for module in shadowed, inst, looked:
+        assert nn._attr(module, "weight") is not module._parameters["weight"]
+        assert torch.equal(nn._attr(module, "weight"), module.weight)
     plain, linear = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     parametrize.register_parametrization(linear, "weight", Double())
     kept = torch.nn.Linear(3, 2)
