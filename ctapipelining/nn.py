@@ -130,17 +130,18 @@ GPT_FEW_ROWS_CONFIGS = (
 
 # The row counts at which a block built without configurations runs unfused (FusedMLP.unfused_rows):
 # where cuBLAS's GEMMs and the elementwise passes together beat the fused block in its few-rows tiles,
-# graph-replayed, on an H100 and on an H200 alike (benchmarks/mlp_block.py, MLP_BLOCKS=rows; the folders
-# benchmarks/results/2026-12-07-h100-unfused-rows/, 2026-12-07-h100-verify-ebf3856/rows/ and
-# 2026-12-07-h200-unfused-eager-b56c075/). Unfused over fused at 264-320 rows: the Llama blocks
-# 0.78-0.98x (H100) and 0.81-0.95x (H200), but the Llama-8B block 1.08x at 288 rows on the H100; the
-# GPT block 0.56-0.84x and 0.62-0.87x; at 520-640 rows the GPT block 0.70-0.90x and 0.75-0.91x. Not
-# taken: the GPT block's 704 and 768 rows (0.92x and 0.98x on the H100, 0.99x and 1.03x on the H200);
-# the Llama blocks' 520 rows (0.78-0.95x on both) and the Llama-70B block's 576 (0.91x, 0.98x), since
-# the Llama-8B block lost at 576 and 640 rows, where its fused tiles are the same; and the row counts
-# where one card gained and the other did not (1, 16 and 192 rows on the H200, whose few-rows tiles were
-# chosen on the H100; the Llama-70B block at 1 row on the H100). Each range spans the row counts at
-# which the fused block's tiles make as many row blocks as at the rows measured in it.
+# graph-replayed, on an H100 and on an H200 alike (benchmarks/mlp_block.py, MLP_BLOCKS=rows; in
+# benchmarks/results/: 2026-12-07-h100-unfused-rows/, 2026-12-07-h100-verify-ebf3856/rows/,
+# 2026-12-07-h100-unfused-eager-e9cc858/, 2026-12-07-h200-unfused-eager-b56c075/). Unfused over fused
+# at 264-320 rows: the Llama blocks 0.78-0.98x (H100) and 0.81-0.95x (H200), but the Llama-8B block
+# 1.08-1.10x at 288 rows on the H100s; the GPT block 0.56-0.84x and 0.62-0.87x; at 520-640 rows the
+# GPT block 0.69-0.90x and 0.75-0.91x. Not taken: the GPT block's 704 and 768 rows (0.92x and 0.98x
+# on the H100, 0.99x and 1.03x on the H200); the Llama blocks' 520 rows (0.78-0.95x on both) and the
+# Llama-70B block's 576 (0.91x, 0.98x), since the Llama-8B block lost at 576 and 640 rows, where its
+# fused tiles are the same; and the row counts where one card gained and the other did not (1, 16 and
+# 192 rows on the H200, whose few-rows tiles were chosen on the H100; the Llama-70B block at 1 row on
+# the H100). Each range spans the row counts at which the fused block's tiles make as many row blocks
+# as at the rows measured in it. (An eager call adds the unfused form's launches: docs/results.md.)
 LLAMA_UNFUSED_ROWS = ((257, 320),)
 GPT_UNFUSED_ROWS = ((257, 320), (513, 640))
 
